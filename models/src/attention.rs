@@ -1,0 +1,272 @@
+//! Attention and the transformer blocks of the UNet (diffusers' `attention_processor.Attention`,
+//! `BasicTransformerBlock`, `Transformer2DModel`), plus the multi-head helper the text encoders
+//! share.
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::Tensor;
+
+use crate::error::Result;
+use crate::nn::{Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
+use crate::weights::VarBuilder;
+
+/// Multi-head scaled dot-product attention over `[batch, seq, heads * head_dim]` inputs.
+///
+/// Heads are split, attended with Burn's fused `attention` op (one op in the backend, so the
+/// PJRT lowering and CPU kernels can fuse it), and merged back.
+pub fn multi_head_attention<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    heads: usize,
+    causal: bool,
+) -> Tensor<B, 3> {
+    let [b, s_q, inner] = q.dims();
+    let s_kv = k.dims()[1];
+    let head_dim = inner / heads;
+    let split = |t: Tensor<B, 3>, s: usize| t.reshape([b, s, heads, head_dim]).swap_dims(1, 2);
+    let out = attention(
+        split(q, s_q),
+        split(k, s_kv),
+        split(v, s_kv),
+        None,
+        None,
+        AttentionModuleOptions {
+            scale: Some(1.0 / (head_dim as f64).sqrt()),
+            softcap: None,
+            is_causal: causal,
+        },
+    );
+    out.swap_dims(1, 2).reshape([b, s_q, inner])
+}
+
+/// diffusers' `Attention`: `to_q`, `to_k`, `to_v`, `to_out.0`, with an optional `group_norm` and
+/// residual connection (the VAE's spatial self-attention).
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    pub to_q: Linear<B>,
+    pub to_k: Linear<B>,
+    pub to_v: Linear<B>,
+    pub to_out: Linear<B>,
+    pub group_norm: Option<GroupNorm<B>>,
+    pub heads: usize,
+}
+
+/// How an [`Attention`] layer is shaped.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionSpec {
+    pub query_dim: usize,
+    /// Width of the context for keys and values (`cross_attention_dim`), or `query_dim`.
+    pub context_dim: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Bias on q/k/v (`attention_bias`); the output projection always has one.
+    pub qkv_bias: bool,
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn load(vb: &VarBuilder<B>, spec: AttentionSpec) -> Result<Self> {
+        let inner = spec.heads * spec.head_dim;
+        // Checkpoints converted from the original VAE use `query/key/value/proj_attn`.
+        let legacy = !vb.contains("to_q.weight") && vb.contains("query.weight");
+        let (q, k, v, out) = if legacy {
+            ("query", "key", "value", vb.pp("proj_attn"))
+        } else {
+            ("to_q", "to_k", "to_v", vb.pp("to_out").pp(0))
+        };
+        Ok(Self {
+            to_q: Linear::load(&vb.pp(q), spec.query_dim, inner, spec.qkv_bias)?,
+            to_k: Linear::load(&vb.pp(k), spec.context_dim, inner, spec.qkv_bias)?,
+            to_v: Linear::load(&vb.pp(v), spec.context_dim, inner, spec.qkv_bias)?,
+            to_out: Linear::load(&out, inner, spec.query_dim, true)?,
+            group_norm: None,
+            heads: spec.heads,
+        })
+    }
+
+    /// Attention over a sequence `[batch, seq, dim]`; `context` is the cross-attention input.
+    pub fn forward(&self, x: Tensor<B, 3>, context: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
+        let context = context.unwrap_or_else(|| x.clone());
+        let q = self.to_q.forward(x);
+        let k = self.to_k.forward(context.clone());
+        let v = self.to_v.forward(context);
+        self.to_out
+            .forward(multi_head_attention(q, k, v, self.heads, false))
+    }
+
+    /// Spatial self-attention over `[batch, channels, h, w]` with group norm and residual, as the
+    /// VAE's mid block uses it.
+    pub fn forward_spatial(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, c, h, w] = x.dims();
+        let residual = x.clone();
+        let normed = match &self.group_norm {
+            Some(norm) => norm.forward(x),
+            None => x,
+        };
+        let seq = normed.reshape([b, c, h * w]).swap_dims(1, 2);
+        let out = self.forward(seq, None);
+        out.swap_dims(1, 2).reshape([b, c, h, w]) + residual
+    }
+}
+
+/// diffusers' `FeedForward` with the GEGLU activation (`ff.net.0.proj`, `ff.net.2`).
+#[derive(Module, Debug)]
+pub struct FeedForward<B: Backend> {
+    pub proj_in: Linear<B>,
+    pub proj_out: Linear<B>,
+}
+
+impl<B: Backend> FeedForward<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize, mult: usize) -> Result<Self> {
+        let inner = dim * mult;
+        Ok(Self {
+            proj_in: Linear::load(&vb.pp("net.0.proj"), dim, inner * 2, true)?,
+            proj_out: Linear::load(&vb.pp("net.2"), inner, dim, true)?,
+        })
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let projected = self.proj_in.forward(x);
+        let inner = projected.dims()[2] / 2;
+        let hidden = projected.clone().narrow(2, 0, inner);
+        let gate = projected.narrow(2, inner, inner);
+        self.proj_out
+            .forward(hidden * burn::tensor::activation::gelu(gate))
+    }
+}
+
+/// diffusers' `BasicTransformerBlock`: self-attention, cross-attention, feed-forward, each after
+/// a layer norm and with a residual.
+#[derive(Module, Debug)]
+pub struct BasicTransformerBlock<B: Backend> {
+    pub norm1: LayerNorm<B>,
+    pub attn1: Attention<B>,
+    pub norm2: LayerNorm<B>,
+    pub attn2: Attention<B>,
+    pub norm3: LayerNorm<B>,
+    pub ff: FeedForward<B>,
+    pub only_cross_attention: bool,
+}
+
+impl<B: Backend> BasicTransformerBlock<B> {
+    pub fn load(
+        vb: &VarBuilder<B>,
+        dim: usize,
+        heads: usize,
+        head_dim: usize,
+        context_dim: usize,
+        only_cross_attention: bool,
+    ) -> Result<Self> {
+        let spec = |context_dim| AttentionSpec {
+            query_dim: dim,
+            context_dim,
+            heads,
+            head_dim,
+            qkv_bias: false,
+        };
+        let attn1_context = if only_cross_attention {
+            context_dim
+        } else {
+            dim
+        };
+        Ok(Self {
+            norm1: LayerNorm::load(&vb.pp("norm1"), dim, 1e-5)?,
+            attn1: Attention::load(&vb.pp("attn1"), spec(attn1_context))?,
+            norm2: LayerNorm::load(&vb.pp("norm2"), dim, 1e-5)?,
+            attn2: Attention::load(&vb.pp("attn2"), spec(context_dim))?,
+            norm3: LayerNorm::load(&vb.pp("norm3"), dim, 1e-5)?,
+            ff: FeedForward::load(&vb.pp("ff"), dim, 4)?,
+            only_cross_attention,
+        })
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>, context: Tensor<B, 3>) -> Tensor<B, 3> {
+        let self_context = self.only_cross_attention.then(|| context.clone());
+        let x = self.attn1.forward(self.norm1.forward(x.clone()), self_context) + x;
+        let x = self.attn2.forward(self.norm2.forward(x.clone()), Some(context)) + x;
+        self.ff.forward(self.norm3.forward(x.clone())) + x
+    }
+}
+
+/// The projection in and out of a [`Transformer2DModel`]: a 1x1 convolution, or a linear layer
+/// when the config says `use_linear_projection` (SD 2.x).
+#[derive(Module, Debug)]
+pub enum Projection<B: Backend> {
+    Conv(Conv2d<B>),
+    Linear(Linear<B>),
+}
+
+/// diffusers' `Transformer2DModel` for continuous (latent image) inputs.
+#[derive(Module, Debug)]
+pub struct Transformer2DModel<B: Backend> {
+    pub norm: GroupNorm<B>,
+    pub proj_in: Projection<B>,
+    pub transformer_blocks: Vec<BasicTransformerBlock<B>>,
+    pub proj_out: Projection<B>,
+}
+
+/// Shape of a [`Transformer2DModel`].
+#[derive(Debug, Clone, Copy)]
+pub struct Transformer2DSpec {
+    pub channels: usize,
+    pub heads: usize,
+    pub context_dim: usize,
+    pub layers: usize,
+    pub norm_num_groups: usize,
+    pub use_linear_projection: bool,
+    pub only_cross_attention: bool,
+}
+
+impl<B: Backend> Transformer2DModel<B> {
+    pub fn load(vb: &VarBuilder<B>, spec: Transformer2DSpec) -> Result<Self> {
+        let c = spec.channels;
+        let head_dim = c / spec.heads.max(1);
+        let projection = |name: &str| -> Result<Projection<B>> {
+            Ok(if spec.use_linear_projection {
+                Projection::Linear(Linear::load(&vb.pp(name), c, c, true)?)
+            } else {
+                Projection::Conv(Conv2d::load(&vb.pp(name), ConvSpec::same(c, c, 1))?)
+            })
+        };
+        let transformer_blocks = (0..spec.layers)
+            .map(|i| {
+                BasicTransformerBlock::load(
+                    &vb.pp("transformer_blocks").pp(i),
+                    c,
+                    spec.heads,
+                    head_dim,
+                    spec.context_dim,
+                    spec.only_cross_attention,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            norm: GroupNorm::load(&vb.pp("norm"), spec.norm_num_groups, c, 1e-6)?,
+            proj_in: projection("proj_in")?,
+            transformer_blocks,
+            proj_out: projection("proj_out")?,
+        })
+    }
+
+    pub fn forward(&self, x: Tensor<B, 4>, context: Tensor<B, 3>) -> Tensor<B, 4> {
+        let [b, c, h, w] = x.dims();
+        let residual = x.clone();
+        let x = self.norm.forward(x);
+        let to_seq = |t: Tensor<B, 4>| t.reshape([b, c, h * w]).swap_dims(1, 2);
+        let mut seq = match &self.proj_in {
+            Projection::Conv(conv) => to_seq(conv.forward(x)),
+            Projection::Linear(lin) => lin.forward(to_seq(x)),
+        };
+        for block in &self.transformer_blocks {
+            seq = block.forward(seq, context.clone());
+        }
+        let from_seq = |t: Tensor<B, 3>| t.swap_dims(1, 2).reshape([b, c, h, w]);
+        let out = match &self.proj_out {
+            Projection::Conv(conv) => conv.forward(from_seq(seq)),
+            Projection::Linear(lin) => from_seq(lin.forward(seq)),
+        };
+        out + residual
+    }
+}

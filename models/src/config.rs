@@ -1,0 +1,52 @@
+//! Reading a component's `config.json` with errors that name the file and the field.
+
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+
+use crate::error::{ModelError, Result};
+
+/// Reads and parses a JSON config; a wrong type or missing field names its path in the JSON.
+pub fn load_json<T: DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_json(&text, path)
+}
+
+/// Parses JSON text; `path` is only used in messages.
+pub fn parse_json<T: DeserializeOwned>(text: &str, path: &Path) -> Result<T> {
+    let de = &mut serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| ModelError::Config {
+        path: path.to_path_buf(),
+        reason: format!("field `{}`: {}", e.path(), e.inner()),
+    })
+}
+
+/// A config value that is written either once for all blocks or once per block
+/// (`attention_head_dim: 8` or `[5, 10, 20, 20]`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum PerBlock<T> {
+    One(T),
+    Each(Vec<T>),
+}
+
+impl<T: Clone> PerBlock<T> {
+    /// One value for each of `n` blocks; a list of the wrong length is an error.
+    pub fn expand(&self, n: usize, field: &str, path: &Path) -> Result<Vec<T>> {
+        match self {
+            Self::One(v) => Ok(vec![v.clone(); n]),
+            Self::Each(list) if list.len() == n => Ok(list.clone()),
+            Self::Each(list) => Err(ModelError::Config {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "field `{field}` has {} entries but there are {n} blocks",
+                    list.len()
+                ),
+            }),
+        }
+    }
+}

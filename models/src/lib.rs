@@ -1,0 +1,27 @@
+//! oxidiff's models: the networks of diffusion pipelines, written once and generic over a Burn
+//! [`Backend`](burn::tensor::backend::Backend), so the same code runs on the CPU backend and on
+//! PJRT devices.
+//!
+//! Where this sits: pipelines call these models; the models call only Burn's tensor API. Each
+//! model is built straight from a diffusers checkpoint folder: field names follow the checkpoint
+//! keys (`down_blocks.0.resnets.0.conv1`), so a file reads beside diffusers' Python class of the
+//! same name.
+
+pub mod attention;
+pub mod autoencoder_kl;
+pub mod clip;
+pub mod config;
+pub mod embeddings;
+pub mod error;
+pub mod nn;
+pub mod resnet;
+pub mod tokenizer;
+pub mod unet_2d_condition;
+pub mod weights;
+
+pub use autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig, LatentDist};
+pub use clip::{ClipTextConfig, ClipTextModel, ClipTextOutput};
+pub use error::{ModelError, Result};
+pub use tokenizer::{ClipTokenizer, Encoded};
+pub use unet_2d_condition::{UNet2DConditionConfig, UNet2DConditionModel};
+pub use weights::{VarBuilder, Weights};

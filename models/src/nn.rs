@@ -1,0 +1,218 @@
+//! The handful of layers every model here is made of, loaded from PyTorch-layout weights.
+//!
+//! Written once and shared by the UNet, VAE and text encoders. Each layer's weights are named as
+//! in PyTorch (`weight`, `bias`), so a layer is loaded from `vb.pp("conv1")` with no remapping.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation;
+use burn::tensor::backend::Backend;
+use burn::tensor::module::{conv2d, embedding, linear};
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{Int, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::weights::VarBuilder;
+
+/// `torch.nn.Linear`; the weight is kept as `[in, out]`.
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> Linear<B> {
+    pub fn load(vb: &VarBuilder<B>, d_in: usize, d_out: usize, bias: bool) -> Result<Self> {
+        let weight = Param::from_tensor(vb.get_linear_weight("weight", d_in, d_out)?);
+        let bias = if bias {
+            Some(Param::from_tensor(vb.get("bias", [d_out])?))
+        } else {
+            None
+        };
+        Ok(Self { weight, bias })
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+}
+
+/// `torch.nn.Conv2d` with square kernel, symmetric padding and optional groups.
+#[derive(Module, Debug)]
+pub struct Conv2d<B: Backend> {
+    pub weight: Param<Tensor<B, 4>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    pub stride: usize,
+    pub padding: usize,
+    pub groups: usize,
+}
+
+/// Shape of a convolution: channels, kernel, stride and padding.
+#[derive(Debug, Clone, Copy)]
+pub struct ConvSpec {
+    pub c_in: usize,
+    pub c_out: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub padding: usize,
+}
+
+impl ConvSpec {
+    /// A `k x k` convolution with stride 1 and "same" padding.
+    pub fn same(c_in: usize, c_out: usize, kernel: usize) -> Self {
+        Self {
+            c_in,
+            c_out,
+            kernel,
+            stride: 1,
+            padding: kernel / 2,
+        }
+    }
+}
+
+impl<B: Backend> Conv2d<B> {
+    pub fn load(vb: &VarBuilder<B>, spec: ConvSpec) -> Result<Self> {
+        let k = spec.kernel;
+        let weight = Param::from_tensor(vb.get("weight", [spec.c_out, spec.c_in, k, k])?);
+        let bias = Some(Param::from_tensor(vb.get("bias", [spec.c_out])?));
+        Ok(Self {
+            weight,
+            bias,
+            stride: spec.stride,
+            padding: spec.padding,
+            groups: 1,
+        })
+    }
+
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        conv2d(
+            x,
+            self.weight.val(),
+            self.bias.as_ref().map(|b| b.val()),
+            ConvOptions::new(
+                [self.stride, self.stride],
+                [self.padding, self.padding],
+                [1, 1],
+                self.groups,
+            ),
+        )
+    }
+}
+
+/// `torch.nn.GroupNorm` over `[N, C, ...]` (statistics in the input dtype, as PyTorch on CPU).
+#[derive(Module, Debug)]
+pub struct GroupNorm<B: Backend> {
+    pub weight: Param<Tensor<B, 1>>,
+    pub bias: Param<Tensor<B, 1>>,
+    pub num_groups: usize,
+    pub eps: f64,
+}
+
+impl<B: Backend> GroupNorm<B> {
+    pub fn load(vb: &VarBuilder<B>, num_groups: usize, channels: usize, eps: f64) -> Result<Self> {
+        if num_groups == 0 || channels % num_groups != 0 {
+            return Err(ModelError::Input(format!(
+                "group norm `{}`: {channels} channels are not divisible into {num_groups} groups",
+                vb.key("weight")
+            )));
+        }
+        Ok(Self {
+            weight: Param::from_tensor(vb.get("weight", [channels])?),
+            bias: Param::from_tensor(vb.get("bias", [channels])?),
+            num_groups,
+            eps,
+        })
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dims = x.dims();
+        let (n, c) = (dims[0], dims[1]);
+        let grouped: Tensor<B, 3> = x.reshape([n as i64, self.num_groups as i64, -1]);
+        let (var, mean) = grouped.clone().var_mean_bias(2);
+        let normed = grouped
+            .sub(mean)
+            .div(var.add_scalar(self.eps).sqrt())
+            .reshape(dims);
+        let mut affine_shape = [1usize; D];
+        affine_shape[1] = c;
+        normed * self.weight.val().reshape(affine_shape) + self.bias.val().reshape(affine_shape)
+    }
+}
+
+/// `torch.nn.LayerNorm` over the last dimension.
+#[derive(Module, Debug)]
+pub struct LayerNorm<B: Backend> {
+    pub weight: Param<Tensor<B, 1>>,
+    pub bias: Param<Tensor<B, 1>>,
+    pub eps: f64,
+}
+
+impl<B: Backend> LayerNorm<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: Param::from_tensor(vb.get("weight", [dim])?),
+            bias: Param::from_tensor(vb.get("bias", [dim])?),
+            eps,
+        })
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let (var, mean) = x.clone().var_mean_bias(D - 1);
+        let normed = x.sub(mean).div(var.add_scalar(self.eps).sqrt());
+        normed * self.weight.val().unsqueeze() + self.bias.val().unsqueeze()
+    }
+}
+
+/// `torch.nn.Embedding`.
+#[derive(Module, Debug)]
+pub struct Embedding<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Embedding<B> {
+    pub fn load(vb: &VarBuilder<B>, count: usize, dim: usize) -> Result<Self> {
+        Ok(Self {
+            weight: Param::from_tensor(vb.get("weight", [count, dim])?),
+        })
+    }
+
+    pub fn forward(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        embedding(self.weight.val(), ids)
+    }
+}
+
+/// The activation functions the configs name (`act_fn`, `hidden_act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// Exact (erf) GELU.
+    Gelu,
+    /// tanh-approximated GELU (`gelu_pytorch_tanh`, `gelu_new`).
+    GeluTanh,
+    /// `x * sigmoid(1.702 x)`, OpenAI CLIP's activation.
+    QuickGelu,
+    Relu,
+}
+
+impl Activation {
+    /// Parses a diffusers/transformers activation name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "silu" | "swish" => Self::Silu,
+            "gelu" => Self::Gelu,
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" | "gelu-approximate" => Self::GeluTanh,
+            "quick_gelu" => Self::QuickGelu,
+            "relu" => Self::Relu,
+            _ => return None,
+        })
+    }
+
+    pub fn forward<B: Backend, const D: usize>(self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match self {
+            Self::Silu => activation::silu(x),
+            Self::Gelu => activation::gelu(x),
+            Self::GeluTanh => activation::gelu_approximate(x),
+            Self::QuickGelu => x.clone() * activation::sigmoid(x.mul_scalar(1.702)),
+            Self::Relu => activation::relu(x),
+        }
+    }
+}

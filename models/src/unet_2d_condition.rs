@@ -1,0 +1,506 @@
+//! `UNet2DConditionModel`: the denoiser of Stable Diffusion 1.x and 2.x.
+//!
+//! Read beside diffusers' `unet_2d_condition.py` and `unet_2d_blocks.py`: the fields are named as
+//! the checkpoint keys (`down_blocks.0.resnets.0.conv1`), and one block type covers both the
+//! cross-attention and the plain variant (the plain one has no `attentions`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use serde::Deserialize;
+
+use crate::attention::{Transformer2DModel, Transformer2DSpec};
+use crate::config::{load_json, PerBlock};
+use crate::embeddings::{TimestepEmbedding, Timesteps};
+use crate::error::{ModelError, Result};
+use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
+use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
+use crate::weights::{VarBuilder, Weights};
+
+/// `unet/config.json`, with diffusers' defaults.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct UNet2DConditionConfig {
+    pub sample_size: Option<PerBlock<usize>>,
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub center_input_sample: bool,
+    pub flip_sin_to_cos: bool,
+    pub freq_shift: f64,
+    pub down_block_types: Vec<String>,
+    pub mid_block_type: Option<String>,
+    pub up_block_types: Vec<String>,
+    pub only_cross_attention: PerBlock<bool>,
+    pub block_out_channels: Vec<usize>,
+    pub layers_per_block: PerBlock<usize>,
+    pub downsample_padding: usize,
+    pub mid_block_scale_factor: f64,
+    pub act_fn: String,
+    pub norm_num_groups: usize,
+    pub norm_eps: f64,
+    pub cross_attention_dim: PerBlock<usize>,
+    pub transformer_layers_per_block: PerBlock<usize>,
+    pub attention_head_dim: PerBlock<usize>,
+    pub num_attention_heads: Option<PerBlock<usize>>,
+    pub dual_cross_attention: bool,
+    pub use_linear_projection: bool,
+    /// Only changes numerics in half precision (attention scores in f32); oxidiff computes
+    /// attention scores in the activation dtype, which is f32 on the CPU.
+    pub upcast_attention: bool,
+    pub class_embed_type: Option<String>,
+    pub addition_embed_type: Option<String>,
+    pub encoder_hid_dim_type: Option<String>,
+    pub time_cond_proj_dim: Option<usize>,
+    pub resnet_time_scale_shift: String,
+    pub time_embedding_type: String,
+    pub conv_in_kernel: usize,
+    pub conv_out_kernel: usize,
+}
+
+impl Default for UNet2DConditionConfig {
+    fn default() -> Self {
+        Self {
+            sample_size: None,
+            in_channels: 4,
+            out_channels: 4,
+            center_input_sample: false,
+            flip_sin_to_cos: true,
+            freq_shift: 0.0,
+            down_block_types: vec![
+                "CrossAttnDownBlock2D".into(),
+                "CrossAttnDownBlock2D".into(),
+                "CrossAttnDownBlock2D".into(),
+                "DownBlock2D".into(),
+            ],
+            mid_block_type: Some("UNetMidBlock2DCrossAttn".into()),
+            up_block_types: vec![
+                "UpBlock2D".into(),
+                "CrossAttnUpBlock2D".into(),
+                "CrossAttnUpBlock2D".into(),
+                "CrossAttnUpBlock2D".into(),
+            ],
+            only_cross_attention: PerBlock::One(false),
+            block_out_channels: vec![320, 640, 1280, 1280],
+            layers_per_block: PerBlock::One(2),
+            downsample_padding: 1,
+            mid_block_scale_factor: 1.0,
+            act_fn: "silu".into(),
+            norm_num_groups: 32,
+            norm_eps: 1e-5,
+            cross_attention_dim: PerBlock::One(1280),
+            transformer_layers_per_block: PerBlock::One(1),
+            attention_head_dim: PerBlock::One(8),
+            num_attention_heads: None,
+            dual_cross_attention: false,
+            use_linear_projection: false,
+            upcast_attention: false,
+            class_embed_type: None,
+            addition_embed_type: None,
+            encoder_hid_dim_type: None,
+            time_cond_proj_dim: None,
+            resnet_time_scale_shift: "default".into(),
+            time_embedding_type: "positional".into(),
+            conv_in_kernel: 3,
+            conv_out_kernel: 3,
+        }
+    }
+}
+
+impl UNet2DConditionConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let config: Self = load_json(path)?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Rejects configurations this model does not implement, naming the field.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let unsupported = |reason: String| {
+            Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                reason,
+            })
+        };
+        let n = self.block_out_channels.len();
+        if n == 0 || self.down_block_types.len() != n || self.up_block_types.len() != n {
+            return Err(ModelError::Config {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "`down_block_types` ({}), `up_block_types` ({}) and `block_out_channels` ({}) \
+                     must have the same, non-zero length",
+                    self.down_block_types.len(),
+                    self.up_block_types.len(),
+                    n
+                ),
+            });
+        }
+        for name in &self.down_block_types {
+            if !matches!(name.as_str(), "CrossAttnDownBlock2D" | "DownBlock2D") {
+                return unsupported(format!("down block type `{name}`"));
+            }
+        }
+        for name in &self.up_block_types {
+            if !matches!(name.as_str(), "CrossAttnUpBlock2D" | "UpBlock2D") {
+                return unsupported(format!("up block type `{name}`"));
+            }
+        }
+        if let Some(mid) = &self.mid_block_type {
+            if !matches!(mid.as_str(), "UNetMidBlock2DCrossAttn" | "UNetMidBlock2D") {
+                return unsupported(format!("mid block type `{mid}`"));
+            }
+        }
+        let optional = [
+            ("class_embed_type", &self.class_embed_type),
+            ("addition_embed_type", &self.addition_embed_type),
+            ("encoder_hid_dim_type", &self.encoder_hid_dim_type),
+        ];
+        for (field, value) in optional {
+            if let Some(v) = value {
+                return unsupported(format!("`{field}: {v}` (SD 1.x/2.x UNets have none)"));
+            }
+        }
+        if self.time_cond_proj_dim.is_some() {
+            return unsupported("`time_cond_proj_dim` (guidance-distilled UNets)".into());
+        }
+        if self.dual_cross_attention {
+            return unsupported("`dual_cross_attention`".into());
+        }
+        if self.resnet_time_scale_shift != "default" {
+            return unsupported(format!(
+                "`resnet_time_scale_shift: {}`",
+                self.resnet_time_scale_shift
+            ));
+        }
+        if self.time_embedding_type != "positional" {
+            return unsupported(format!(
+                "`time_embedding_type: {}`",
+                self.time_embedding_type
+            ));
+        }
+        if self.mid_block_scale_factor != 1.0 {
+            return unsupported("`mid_block_scale_factor` other than 1".into());
+        }
+        if self.conv_in_kernel % 2 == 0 || self.conv_out_kernel % 2 == 0 {
+            return unsupported("even `conv_in_kernel`/`conv_out_kernel`".into());
+        }
+        if Activation::from_name(&self.act_fn).is_none() {
+            return unsupported(format!("`act_fn: {}`", self.act_fn));
+        }
+        Ok(())
+    }
+
+    /// Attention heads per block. diffusers' configs call this `attention_head_dim` for
+    /// historical reasons: it is the number of heads unless `num_attention_heads` is given.
+    pub fn heads(&self, path: &Path) -> Result<Vec<usize>> {
+        let n = self.block_out_channels.len();
+        match &self.num_attention_heads {
+            Some(h) => h.expand(n, "num_attention_heads", path),
+            None => self.attention_head_dim.expand(n, "attention_head_dim", path),
+        }
+    }
+}
+
+/// A down block: `resnets`, then (for `CrossAttnDownBlock2D`) `attentions`, and `downsamplers`.
+#[derive(Module, Debug)]
+pub struct DownBlock<B: Backend> {
+    pub resnets: Vec<ResnetBlock2D<B>>,
+    pub attentions: Vec<Transformer2DModel<B>>,
+    pub downsamplers: Vec<Downsample2D<B>>,
+}
+
+/// An up block: `resnets` fed with skip connections, optional `attentions`, and `upsamplers`.
+#[derive(Module, Debug)]
+pub struct UpBlock<B: Backend> {
+    pub resnets: Vec<ResnetBlock2D<B>>,
+    pub attentions: Vec<Transformer2DModel<B>>,
+    pub upsamplers: Vec<Upsample2D<B>>,
+}
+
+/// The middle block: resnet, (attention, resnet)+.
+#[derive(Module, Debug)]
+pub struct MidBlock<B: Backend> {
+    pub resnets: Vec<ResnetBlock2D<B>>,
+    pub attentions: Vec<Transformer2DModel<B>>,
+}
+
+impl<B: Backend> MidBlock<B> {
+    fn forward(&self, x: Tensor<B, 4>, temb: &Tensor<B, 2>, ctx: &Tensor<B, 3>) -> Tensor<B, 4> {
+        let mut resnets = self.resnets.iter();
+        let mut x = match resnets.next() {
+            Some(first) => first.forward(x, Some(temb)),
+            None => x,
+        };
+        for (i, resnet) in resnets.enumerate() {
+            if let Some(attn) = self.attentions.get(i) {
+                x = attn.forward(x, ctx.clone());
+            }
+            x = resnet.forward(x, Some(temb));
+        }
+        x
+    }
+}
+
+/// The conditional UNet of Stable Diffusion.
+#[derive(Module, Debug)]
+pub struct UNet2DConditionModel<B: Backend> {
+    pub time_proj: Timesteps<B>,
+    pub time_embedding: TimestepEmbedding<B>,
+    pub conv_in: Conv2d<B>,
+    pub down_blocks: Vec<DownBlock<B>>,
+    pub mid_block: Option<MidBlock<B>>,
+    pub up_blocks: Vec<UpBlock<B>>,
+    pub conv_norm_out: GroupNorm<B>,
+    pub conv_out: Conv2d<B>,
+    #[module(skip)]
+    pub act: Activation,
+    pub center_input_sample: bool,
+}
+
+impl<B: Backend> UNet2DConditionModel<B> {
+    /// Loads `unet/config.json` and the weights of the `unet` folder.
+    pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
+        let config = UNet2DConditionConfig::from_file(&dir.join("config.json"))?;
+        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
+        Self::load(&config, &dir.join("config.json"), VarBuilder::new(Arc::new(weights), device))
+    }
+
+    /// Builds the model from a parsed config; `config_path` is used in messages.
+    pub fn load(cfg: &UNet2DConditionConfig, config_path: &Path, vb: VarBuilder<B>) -> Result<Self> {
+        cfg.validate(config_path)?;
+        let n = cfg.block_out_channels.len();
+        let channels = &cfg.block_out_channels;
+        let heads = cfg.heads(config_path)?;
+        let layers = cfg
+            .layers_per_block
+            .expand(n, "layers_per_block", config_path)?;
+        let context_dims = cfg
+            .cross_attention_dim
+            .expand(n, "cross_attention_dim", config_path)?;
+        let t_layers =
+            cfg.transformer_layers_per_block
+                .expand(n, "transformer_layers_per_block", config_path)?;
+        let only_cross = cfg
+            .only_cross_attention
+            .expand(n, "only_cross_attention", config_path)?;
+        let act = Activation::from_name(&cfg.act_fn).unwrap_or(Activation::Silu);
+        let temb_dim = channels[0] * 4;
+        let groups = cfg.norm_num_groups;
+        let resnet = |c_in, c_out| ResnetSpec {
+            c_in,
+            c_out,
+            temb_channels: Some(temb_dim),
+            groups,
+            eps: cfg.norm_eps,
+            act,
+        };
+        let transformer = |c, i: usize| Transformer2DSpec {
+            channels: c,
+            heads: heads[i],
+            context_dim: context_dims[i],
+            layers: t_layers[i],
+            norm_num_groups: groups,
+            use_linear_projection: cfg.use_linear_projection,
+            only_cross_attention: only_cross[i],
+        };
+
+        let device = vb.device().clone();
+        let time_proj = Timesteps::new(channels[0], cfg.flip_sin_to_cos, cfg.freq_shift, &device);
+        let time_embedding =
+            TimestepEmbedding::load(&vb.pp("time_embedding"), channels[0], temb_dim, act)?;
+        let conv_in = Conv2d::load(
+            &vb.pp("conv_in"),
+            ConvSpec::same(cfg.in_channels, channels[0], cfg.conv_in_kernel),
+        )?;
+
+        let mut down_blocks = Vec::with_capacity(n);
+        let mut c_out = channels[0];
+        for (i, kind) in cfg.down_block_types.iter().enumerate() {
+            let vb_block = vb.pp("down_blocks").pp(i);
+            let c_in = c_out;
+            c_out = channels[i];
+            let cross = kind == "CrossAttnDownBlock2D";
+            let mut resnets = Vec::new();
+            let mut attentions = Vec::new();
+            for j in 0..layers[i] {
+                let rin = if j == 0 { c_in } else { c_out };
+                resnets.push(ResnetBlock2D::load(
+                    &vb_block.pp("resnets").pp(j),
+                    resnet(rin, c_out),
+                )?);
+                if cross {
+                    attentions.push(Transformer2DModel::load(
+                        &vb_block.pp("attentions").pp(j),
+                        transformer(c_out, i),
+                    )?);
+                }
+            }
+            let downsamplers = if i + 1 < n {
+                vec![Downsample2D::load(
+                    &vb_block.pp("downsamplers").pp(0),
+                    c_out,
+                    cfg.downsample_padding,
+                )?]
+            } else {
+                Vec::new()
+            };
+            down_blocks.push(DownBlock {
+                resnets,
+                attentions,
+                downsamplers,
+            });
+        }
+
+        let c_mid = channels[n - 1];
+        let mid_block = match cfg.mid_block_type.as_deref() {
+            None => None,
+            Some(kind) => {
+                let vb_mid = vb.pp("mid_block");
+                let cross = kind == "UNetMidBlock2DCrossAttn";
+                let mut resnets = vec![ResnetBlock2D::load(
+                    &vb_mid.pp("resnets").pp(0),
+                    resnet(c_mid, c_mid),
+                )?];
+                let mut attentions = Vec::new();
+                if cross {
+                    attentions.push(Transformer2DModel::load(
+                        &vb_mid.pp("attentions").pp(0),
+                        transformer(c_mid, n - 1),
+                    )?);
+                }
+                resnets.push(ResnetBlock2D::load(
+                    &vb_mid.pp("resnets").pp(1),
+                    resnet(c_mid, c_mid),
+                )?);
+                Some(MidBlock {
+                    resnets,
+                    attentions,
+                })
+            }
+        };
+
+        let mut up_blocks = Vec::with_capacity(n);
+        let reversed: Vec<usize> = channels.iter().rev().copied().collect();
+        let mut c_out = reversed[0];
+        for (i, kind) in cfg.up_block_types.iter().enumerate() {
+            let rev = n - 1 - i;
+            let vb_block = vb.pp("up_blocks").pp(i);
+            let c_prev = c_out;
+            c_out = reversed[i];
+            let c_in = reversed[(i + 1).min(n - 1)];
+            let cross = kind == "CrossAttnUpBlock2D";
+            let mut resnets = Vec::new();
+            let mut attentions = Vec::new();
+            let num = layers[rev] + 1;
+            for j in 0..num {
+                let skip = if j == num - 1 { c_in } else { c_out };
+                let rin = if j == 0 { c_prev } else { c_out };
+                resnets.push(ResnetBlock2D::load(
+                    &vb_block.pp("resnets").pp(j),
+                    resnet(rin + skip, c_out),
+                )?);
+                if cross {
+                    attentions.push(Transformer2DModel::load(
+                        &vb_block.pp("attentions").pp(j),
+                        transformer(c_out, rev),
+                    )?);
+                }
+            }
+            let upsamplers = if i + 1 < n {
+                vec![Upsample2D::load(&vb_block.pp("upsamplers").pp(0), c_out)?]
+            } else {
+                Vec::new()
+            };
+            up_blocks.push(UpBlock {
+                resnets,
+                attentions,
+                upsamplers,
+            });
+        }
+
+        Ok(Self {
+            time_proj,
+            time_embedding,
+            conv_in,
+            down_blocks,
+            mid_block,
+            up_blocks,
+            conv_norm_out: GroupNorm::load(
+                &vb.pp("conv_norm_out"),
+                groups,
+                channels[0],
+                cfg.norm_eps,
+            )?,
+            conv_out: Conv2d::load(
+                &vb.pp("conv_out"),
+                ConvSpec::same(channels[0], cfg.out_channels, cfg.conv_out_kernel),
+            )?,
+            act,
+            center_input_sample: cfg.center_input_sample,
+        })
+    }
+
+    /// Predicts noise (or v, or the sample) for latents `[batch, c, h, w]` at `timestep`
+    /// (`[batch]` or `[1]`), conditioned on `encoder_hidden_states` `[batch, seq, dim]`.
+    pub fn forward(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+    ) -> Tensor<B, 4> {
+        let batch = sample.dims()[0];
+        let timestep = if timestep.dims()[0] == batch {
+            timestep
+        } else {
+            timestep.repeat_dim(0, batch)
+        };
+        let temb = self.time_embedding.forward(self.time_proj.forward(timestep));
+        let ctx = encoder_hidden_states;
+
+        let sample = if self.center_input_sample {
+            sample.mul_scalar(2.0).sub_scalar(1.0)
+        } else {
+            sample
+        };
+        let mut x = self.conv_in.forward(sample);
+        let mut skips = vec![x.clone()];
+        for block in &self.down_blocks {
+            for (j, resnet) in block.resnets.iter().enumerate() {
+                x = resnet.forward(x, Some(&temb));
+                if let Some(attn) = block.attentions.get(j) {
+                    x = attn.forward(x, ctx.clone());
+                }
+                skips.push(x.clone());
+            }
+            for down in &block.downsamplers {
+                x = down.forward(x);
+                skips.push(x.clone());
+            }
+        }
+        if let Some(mid) = &self.mid_block {
+            x = mid.forward(x, &temb, &ctx);
+        }
+        for block in &self.up_blocks {
+            for (j, resnet) in block.resnets.iter().enumerate() {
+                // `skips` holds exactly one entry per up-block resnet, by construction.
+                let skip = skips.pop().unwrap_or_else(|| x.clone());
+                x = resnet.forward(Tensor::cat(vec![x, skip], 1), Some(&temb));
+                if let Some(attn) = block.attentions.get(j) {
+                    x = attn.forward(x, ctx.clone());
+                }
+            }
+            for up in &block.upsamplers {
+                // Upsample to the next skip's size, so odd latent sizes still line up.
+                let size = skips.last().map(|s| {
+                    let d = s.dims();
+                    [d[2], d[3]]
+                });
+                x = up.forward(x, size);
+            }
+        }
+        let x = self.act.forward(self.conv_norm_out.forward(x));
+        self.conv_out.forward(x)
+    }
+}

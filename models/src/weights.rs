@@ -1,0 +1,384 @@
+//! Checkpoint weights: memory-mapped safetensors files and a key-path builder.
+//!
+//! A [`Weights`] holds every tensor of one component folder (a single file, a `.fp16` variant,
+//! or shards listed in `*.safetensors.index.json`). A [`VarBuilder`] walks key paths the way the
+//! checkpoint names them (`down_blocks.0.resnets.0.conv1.weight`), so each layer is built straight
+//! from its weights, with the expected shape checked and the dtype converted on the way.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, TensorInfo};
+use safetensors::SafeTensors;
+
+use crate::error::{ModelError, Result};
+
+/// One memory-mapped safetensors file with its parsed and validated header.
+struct WeightFile {
+    path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+}
+
+/// Where one tensor lives.
+struct Entry {
+    file: usize,
+    info: TensorInfo,
+}
+
+/// All tensors of a component, from one or more safetensors files.
+pub struct Weights {
+    files: Vec<WeightFile>,
+    entries: HashMap<String, Entry>,
+    used: Mutex<BTreeSet<String>>,
+}
+
+impl std::fmt::Debug for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Weights")
+            .field("files", &self.file_list())
+            .field("tensors", &self.entries.len())
+            .finish()
+    }
+}
+
+impl Weights {
+    /// Opens the weights of a component folder the way diffusers resolves them: with a
+    /// `variant` (for example `fp16`) `{base}.{variant}.safetensors` is preferred, then
+    /// `{base}.safetensors`, then the sharded `{base}.safetensors.index.json` (or its variant).
+    /// `bases` are tried in order (`diffusion_pytorch_model`, `model`).
+    pub fn from_component_dir(dir: &Path, bases: &[&str], variant: Option<&str>) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(ModelError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "component folder not found: is this a diffusers-format model folder?",
+                ),
+            });
+        }
+        let mut tried = Vec::new();
+        for base in bases {
+            let mut candidates = Vec::new();
+            if let Some(v) = variant {
+                candidates.push(format!("{base}.{v}.safetensors"));
+                candidates.push(format!("{base}.safetensors.index.{v}.json"));
+                candidates.push(format!("{base}.{v}.safetensors.index.json"));
+            }
+            candidates.push(format!("{base}.safetensors"));
+            candidates.push(format!("{base}.safetensors.index.json"));
+            for name in candidates {
+                let path = dir.join(&name);
+                if path.is_file() {
+                    if name.ends_with(".json") {
+                        return Self::from_index(&path);
+                    }
+                    return Self::from_files(&[path]);
+                }
+                tried.push(name);
+            }
+        }
+        for pickled in ["bin", "ckpt", "pt", "pth"] {
+            for base in bases {
+                let path = dir.join(format!("{base}.{pickled}"));
+                if path.is_file() {
+                    return Err(ModelError::NoWeights {
+                        dir: dir.to_path_buf(),
+                        expected: format!(
+                            "safetensors weights; found only the pickle file {}, which oxidiff \
+                             refuses to load because unpickling can execute code. Convert it to \
+                             safetensors (for example with diffusers: load the pipeline, then \
+                             `save_pretrained(dir, safe_serialization=True)`)",
+                            path.display()
+                        ),
+                    });
+                }
+            }
+        }
+        Err(ModelError::NoWeights {
+            dir: dir.to_path_buf(),
+            expected: format!("one of {}", tried.join(", ")),
+        })
+    }
+
+    /// Opens a sharded checkpoint from its `*.safetensors.index.json`.
+    pub fn from_index(index: &Path) -> Result<Self> {
+        #[derive(serde::Deserialize)]
+        struct Index {
+            weight_map: BTreeMap<String, String>,
+        }
+        let text = std::fs::read_to_string(index).map_err(|source| ModelError::Io {
+            path: index.to_path_buf(),
+            source,
+        })?;
+        let parsed: Index = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+            path: index.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let dir = index.parent().unwrap_or(Path::new("."));
+        let mut shards: Vec<PathBuf> = Vec::new();
+        for shard in parsed.weight_map.values() {
+            let rel = Path::new(shard);
+            // A shard name from a stranger's index must stay inside the model folder.
+            if rel.is_absolute()
+                || rel
+                    .components()
+                    .any(|c| !matches!(c, std::path::Component::Normal(_)))
+            {
+                return Err(ModelError::Config {
+                    path: index.to_path_buf(),
+                    reason: format!("shard path `{shard}` leaves the model folder"),
+                });
+            }
+            let path = dir.join(rel);
+            if !shards.contains(&path) {
+                shards.push(path);
+            }
+        }
+        let weights = Self::from_files(&shards)?;
+        for key in parsed.weight_map.keys() {
+            if !weights.entries.contains_key(key) {
+                return Err(ModelError::MissingKey {
+                    key: key.clone(),
+                    files: weights.file_list(),
+                });
+            }
+        }
+        Ok(weights)
+    }
+
+    /// Opens and validates the given safetensors files (headers, offsets and lengths).
+    pub fn from_files(paths: &[PathBuf]) -> Result<Self> {
+        let mut files = Vec::with_capacity(paths.len());
+        let mut entries = HashMap::new();
+        for path in paths {
+            let file = File::open(path).map_err(|source| ModelError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            // SAFETY: the map is read-only; the file may change under us only if another process
+            // rewrites it while we run, which is the same contract every mmap-based loader
+            // (safetensors, candle, PyTorch) has. All offsets are validated below before use.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let (header_len, metadata) =
+                SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?;
+            let index = files.len();
+            for (name, info) in metadata.tensors() {
+                if entries.contains_key(&name) {
+                    return Err(ModelError::Safetensors {
+                        path: path.clone(),
+                        reason: format!("tensor `{name}` appears in more than one file"),
+                    });
+                }
+                entries.insert(
+                    name,
+                    Entry {
+                        file: index,
+                        info: info.clone(),
+                    },
+                );
+            }
+            files.push(WeightFile {
+                path: path.clone(),
+                mmap,
+                data_start: 8 + header_len,
+            });
+        }
+        Ok(Self {
+            files,
+            entries,
+            used: Mutex::new(BTreeSet::new()),
+        })
+    }
+
+    /// The files these weights come from, for messages.
+    pub fn file_list(&self) -> String {
+        self.files
+            .iter()
+            .map(|f| f.path.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Whether a tensor of this name exists.
+    pub fn contains(&self, key: &str) -> bool {
+        self.entries.contains_key(key)
+    }
+
+    /// All tensor names.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// Shape of a tensor, if present.
+    pub fn shape(&self, key: &str) -> Option<&[usize]> {
+        self.entries.get(key).map(|e| e.info.shape.as_slice())
+    }
+
+    /// Tensors present in the files that no layer asked for, sorted.
+    pub fn unused_keys(&self) -> Vec<String> {
+        let used = match self.used.lock() {
+            Ok(u) => u.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        let mut unused: Vec<String> = self
+            .entries
+            .keys()
+            .filter(|k| !used.contains(*k))
+            .cloned()
+            .collect();
+        unused.sort();
+        unused
+    }
+
+    /// Reads a tensor as f32 values with its shape, converting F16/BF16/F64.
+    pub fn read_f32(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let entry = self.entries.get(key).ok_or_else(|| ModelError::MissingKey {
+            key: key.to_string(),
+            files: self.file_list(),
+        })?;
+        let file = &self.files[entry.file];
+        let (start, end) = entry.info.data_offsets;
+        // read_metadata validated that offsets lie inside the file.
+        let bytes = &file.mmap[file.data_start + start..file.data_start + end];
+        let values = match entry.info.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F64 => bytes
+                .chunks_exact(8)
+                .map(|b| {
+                    f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
+                })
+                .collect(),
+            other => {
+                return Err(ModelError::UnsupportedDtype {
+                    key: key.to_string(),
+                    path: file.path.clone(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        if let Ok(mut used) = self.used.lock() {
+            used.insert(key.to_string());
+        }
+        Ok((values, entry.info.shape.clone()))
+    }
+
+    fn path_of(&self, key: &str) -> PathBuf {
+        self.entries
+            .get(key)
+            .map(|e| self.files[e.file].path.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Builds layers from weights by key path, on one device.
+#[derive(Clone)]
+pub struct VarBuilder<B: Backend> {
+    weights: Arc<Weights>,
+    prefix: String,
+    device: B::Device,
+}
+
+impl<B: Backend> VarBuilder<B> {
+    pub fn new(weights: Arc<Weights>, device: &B::Device) -> Self {
+        Self {
+            weights,
+            prefix: String::new(),
+            device: device.clone(),
+        }
+    }
+
+    /// A builder one level down: `vb.pp("down_blocks").pp(0)`.
+    pub fn pp(&self, name: impl std::fmt::Display) -> Self {
+        let prefix = if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        };
+        Self {
+            weights: self.weights.clone(),
+            prefix,
+            device: self.device.clone(),
+        }
+    }
+
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+
+    pub fn weights(&self) -> &Arc<Weights> {
+        &self.weights
+    }
+
+    /// Full key of `name` under this builder's prefix.
+    pub fn key(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{}", self.prefix, name)
+        }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.weights.contains(&self.key(name))
+    }
+
+    /// Reads `name` as host f32 values, checking the shape.
+    pub fn get_host(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let key = self.key(name);
+        let (values, found) = self.weights.read_f32(&key)?;
+        if found != shape {
+            return Err(ModelError::ShapeMismatch {
+                path: self.weights.path_of(&key),
+                key,
+                expected: shape.to_vec(),
+                found,
+            });
+        }
+        Ok(values)
+    }
+
+    /// Loads `name` as an f32 tensor of the expected shape.
+    pub fn get<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
+        let values = self.get_host(name, &shape)?;
+        Ok(Tensor::from_data(TensorData::new(values, shape), &self.device))
+    }
+
+    /// Loads a PyTorch `[out, in]` linear weight and transposes it on the host to Burn's
+    /// `[in, out]` layout, so the forward pass is a plain matmul.
+    pub fn get_linear_weight(&self, name: &str, d_in: usize, d_out: usize) -> Result<Tensor<B, 2>> {
+        let values = self.get_host(name, &[d_out, d_in])?;
+        let mut transposed = vec![0f32; values.len()];
+        for o in 0..d_out {
+            for i in 0..d_in {
+                transposed[i * d_out + o] = values[o * d_in + i];
+            }
+        }
+        Ok(Tensor::from_data(
+            TensorData::new(transposed, [d_in, d_out]),
+            &self.device,
+        ))
+    }
+}

@@ -1,0 +1,94 @@
+//! Shared helpers of the parity tests: the fixtures made by `tools/golden/make_tiny_sd.py`.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use oxidiff::models::Weights;
+
+pub type B = oxidiff::Cpu;
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// A tiny pipeline folder (`tiny-sd1`, `tiny-sd2`).
+pub fn model_dir(name: &str) -> PathBuf {
+    fixtures().join(name)
+}
+
+/// The golden tensors and settings diffusers produced for a tiny pipeline.
+pub struct Golden {
+    pub name: String,
+    pub tensors: Weights,
+    pub json: serde_json::Value,
+}
+
+impl Golden {
+    pub fn load(name: &str) -> Self {
+        let dir = fixtures().join("golden");
+        let tensors = Weights::from_files(&[dir.join(format!("{name}.safetensors"))])
+            .expect("golden tensors load");
+        let text = std::fs::read_to_string(dir.join(format!("{name}.json"))).expect("golden json");
+        Self {
+            name: name.to_string(),
+            tensors,
+            json: serde_json::from_str(&text).expect("golden json parses"),
+        }
+    }
+
+    pub fn host(&self, key: &str) -> (Vec<f32>, Vec<usize>) {
+        self.tensors
+            .read_f32(key)
+            .unwrap_or_else(|e| panic!("golden key {key}: {e}"))
+    }
+
+    /// An int64 `[rows, len]` golden tensor of token ids.
+    pub fn token_rows(&self, key: &str) -> Vec<Vec<u32>> {
+        let path = fixtures().join("golden").join(format!("{}.safetensors", self.name));
+        let bytes = std::fs::read(path).expect("golden file");
+        let st = safetensors::SafeTensors::deserialize(&bytes).expect("golden parses");
+        let view = st.tensor(key).expect("golden key");
+        let len = view.shape()[1];
+        let ids: Vec<u32> = view
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as u32)
+            .collect();
+        ids.chunks(len).map(<[u32]>::to_vec).collect()
+    }
+
+    pub fn tensor<const D: usize>(&self, key: &str) -> Tensor<B, D> {
+        let (values, shape) = self.host(key);
+        let shape: [usize; D] = shape.try_into().expect("golden rank");
+        Tensor::from_data(burn::tensor::TensorData::new(values, shape), &Default::default())
+    }
+}
+
+/// Largest absolute difference divided by the largest absolute reference value.
+pub fn relative_error(actual: &[f32], expected: &[f32]) -> f32 {
+    assert_eq!(actual.len(), expected.len(), "element counts differ");
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+    let diff = actual
+        .iter()
+        .zip(expected)
+        .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
+    diff / scale
+}
+
+pub fn to_vec<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .expect("f32 data")
+}
+
+/// Asserts `actual` matches the golden `key` within `tol` relative error (see [`relative_error`]).
+pub fn assert_close<const D: usize>(golden: &Golden, key: &str, actual: Tensor<B, D>, tol: f32) {
+    let (expected, shape) = golden.host(key);
+    assert_eq!(actual.dims().to_vec(), shape, "{key}: shape");
+    let err = relative_error(&to_vec(actual), &expected);
+    assert!(err <= tol, "{key}: relative error {err:e} exceeds {tol:e}");
+    eprintln!("{key}: relative error {err:e}");
+}

@@ -1,0 +1,124 @@
+//! Each model against diffusers on the tiny SD 1.x and 2.x pipelines.
+//!
+//! Tolerance 1e-4 relative (to the tensor's largest magnitude): f32 on both sides, but PyTorch and
+//! burn-flex sum in different orders; 1 vs 2 torch threads already differ by about 1e-5.
+
+mod common;
+
+use burn::tensor::{Tensor, TensorData};
+use common::{assert_close, model_dir, Golden, B};
+use oxidiff::models::{AutoencoderKL, ClipTextModel, ClipTokenizer, UNet2DConditionModel};
+
+const TOL: f32 = 1e-4;
+
+fn tokenizer_matches(name: &str) {
+    let golden = Golden::load(name);
+    let tokenizer = ClipTokenizer::from_dir(&model_dir(name).join("tokenizer")).unwrap();
+    let cases = golden.json["tokenizer"].as_array().unwrap();
+    assert!(cases.len() >= 8);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let expected: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let encoded = tokenizer.encode(text).unwrap();
+        assert_eq!(encoded.ids, expected, "token ids of {text:?}");
+    }
+}
+
+#[test]
+fn clip_tokenizer_ids_match_transformers_sd1() {
+    tokenizer_matches("tiny-sd1");
+}
+
+#[test]
+fn clip_tokenizer_ids_match_transformers_sd2_with_bang_padding() {
+    tokenizer_matches("tiny-sd2");
+}
+
+#[test]
+fn long_prompt_is_truncated_and_flagged() {
+    let tokenizer = ClipTokenizer::from_dir(&model_dir("tiny-sd1").join("tokenizer")).unwrap();
+    let long = "a red apple on a table ".repeat(30);
+    let encoded = tokenizer.encode(&long).unwrap();
+    assert!(encoded.truncated);
+    assert_eq!(encoded.ids.len(), 77);
+    assert_eq!(encoded.ids[76], tokenizer.eos_id());
+    assert!(!tokenizer.encode("a red apple").unwrap().truncated);
+}
+
+fn clip_matches(name: &str) {
+    let golden = Golden::load(name);
+    let device = Default::default();
+    let model = ClipTextModel::<B>::from_dir(&model_dir(name).join("text_encoder"), false, None, &device)
+        .unwrap();
+    let rows = golden.token_rows("clip.input_ids");
+    let out = model.forward(&rows, false).unwrap();
+    assert_close(&golden, "clip.last_hidden_state", out.last_hidden_state, TOL);
+    assert_close(&golden, "clip.pooler_output", out.pooler_output, TOL);
+}
+
+#[test]
+fn clip_text_model_matches_diffusers_sd1_sharded() {
+    clip_matches("tiny-sd1");
+}
+
+#[test]
+fn clip_text_model_matches_diffusers_sd2() {
+    clip_matches("tiny-sd2");
+}
+
+fn unet_matches(name: &str, variant: Option<&str>, tol: f32) {
+    let golden = Golden::load(name);
+    let device = Default::default();
+    let unet = UNet2DConditionModel::<B>::from_dir(&model_dir(name).join("unet"), variant, &device)
+        .unwrap();
+    let t = golden.json["unet_timestep"].as_f64().unwrap() as f32;
+    let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t], [1]), &device);
+    let out = unet.forward(
+        golden.tensor("unet.sample"),
+        timestep,
+        golden.tensor("unet.encoder_hidden_states"),
+    );
+    assert_close(&golden, "unet.out", out, tol);
+}
+
+#[test]
+fn unet_matches_diffusers_on_tiny_sd1() {
+    unet_matches("tiny-sd1", None, TOL);
+}
+
+#[test]
+fn unet_matches_diffusers_on_tiny_sd2_linear_projection_per_block_heads() {
+    unet_matches("tiny-sd2", None, TOL);
+}
+
+/// The fp16 variant file holds the same weights rounded to half precision; computing in f32 from
+/// them moves the output by about the f16 rounding of the weights (2^-11 relative), hence 1e-2.
+#[test]
+fn unet_loads_fp16_variant() {
+    unet_matches("tiny-sd2", Some("fp16"), 1e-2);
+}
+
+fn vae_matches(name: &str) {
+    let golden = Golden::load(name);
+    let device = Default::default();
+    let vae = AutoencoderKL::<B>::from_dir(&model_dir(name).join("vae"), None, &device).unwrap();
+    assert_close(&golden, "vae.decode.out", vae.decode(golden.tensor("vae.decode.in")), TOL);
+    let dist = vae.encode(golden.tensor("vae.encode.in"));
+    assert_close(&golden, "vae.encode.mean", dist.mean, TOL);
+    assert_close(&golden, "vae.encode.logvar", dist.logvar, TOL);
+}
+
+#[test]
+fn vae_decode_and_encode_match_diffusers_sd1() {
+    vae_matches("tiny-sd1");
+}
+
+#[test]
+fn vae_decode_and_encode_match_diffusers_sd2() {
+    vae_matches("tiny-sd2");
+}
