@@ -1,0 +1,37 @@
+//! Pipeline errors: each says what was wrong and what to do.
+
+use std::path::PathBuf;
+
+use oxidiff_models::ModelError;
+use oxidiff_schedulers::SchedulerError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerError),
+    #[error("model `{spec}` not found: {hint}")]
+    ModelNotFound { spec: String, hint: String },
+    #[error(
+        "{dir} has no `{component}` folder; a diffusers Stable Diffusion folder has \
+         model_index.json plus text_encoder/, tokenizer/, unet/, vae/ and scheduler/"
+    )]
+    MissingComponent { dir: PathBuf, component: String },
+    #[error("{path}: pipeline class `{class}` is not supported ({supported})")]
+    UnsupportedPipeline {
+        path: PathBuf,
+        class: String,
+        supported: String,
+    },
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = PipelineError> = std::result::Result<T, E>;

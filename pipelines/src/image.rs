@@ -1,0 +1,102 @@
+//! Decoded images: diffusers' image post-processing, and PNG files written atomically.
+
+use std::io::Write;
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::error::{PipelineError, Result};
+
+/// A batch of RGB images as float values in `[0, 1]`, laid out `[n, h, w, 3]` like diffusers'
+/// `output_type="np"`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Images {
+    pub count: usize,
+    pub height: usize,
+    pub width: usize,
+    pub data: Vec<f32>,
+}
+
+/// `(x / 2 + 0.5).clamp(0, 1)` and NCHW to NHWC, as diffusers' `VaeImageProcessor.postprocess`.
+pub fn postprocess<B: Backend>(decoded: Tensor<B, 4>) -> Result<Images> {
+    let [count, channels, height, width] = decoded.dims();
+    if channels != 3 {
+        return Err(PipelineError::InvalidInput(format!(
+            "the VAE produced {channels} channels; images need 3"
+        )));
+    }
+    let nhwc = decoded
+        .div_scalar(2.0)
+        .add_scalar(0.5)
+        .clamp(0.0, 1.0)
+        .permute([0, 2, 3, 1]);
+    let data = nhwc
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| PipelineError::InvalidInput(format!("reading the image back: {e:?}")))?;
+    Ok(Images {
+        count,
+        height,
+        width,
+        data,
+    })
+}
+
+impl Images {
+    /// Image `i` as 8-bit RGB, rounding as diffusers' `numpy_to_pil` (`(x * 255).round()`).
+    pub fn to_rgb8(&self, i: usize) -> Option<image::RgbImage> {
+        if i >= self.count {
+            return None;
+        }
+        let size = self.height * self.width * 3;
+        let bytes: Vec<u8> = self.data[i * size..(i + 1) * size]
+            .iter()
+            .map(|v| (v * 255.0).round().clamp(0.0, 255.0) as u8)
+            .collect();
+        image::RgbImage::from_raw(self.width as u32, self.height as u32, bytes)
+    }
+
+    /// Writes image `i` as PNG; the file appears only once complete (temporary file, then
+    /// rename), so an interrupted run never leaves a broken or half-overwritten image.
+    pub fn save_png(&self, i: usize, path: &Path) -> Result<()> {
+        let rgb = self
+            .to_rgb8(i)
+            .ok_or_else(|| PipelineError::InvalidInput(format!("no image {i}")))?;
+        let mut encoded = Vec::new();
+        rgb.write_to(&mut std::io::Cursor::new(&mut encoded), image::ImageFormat::Png)
+            .map_err(|e| PipelineError::Write {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        write_atomic(path, &encoded)
+    }
+}
+
+/// Writes `bytes` to a temporary file beside `path`, then renames it over `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let err = |source| PipelineError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(err)
+}

@@ -1,0 +1,345 @@
+//! `StableDiffusionPipeline`: text to image with SD 1.x and 2.x, step for step as diffusers'
+//! `pipeline_stable_diffusion.py`.
+//!
+//! Prompt -> CLIP tokenizer -> CLIP text encoder; latents from the generator (or the caller);
+//! the scheduler loop with classifier-free guidance batched in one UNet call; the VAE decode.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use oxidiff_models::config::load_json;
+use oxidiff_models::{
+    AutoencoderKL, ClipTextModel, ClipTokenizer, UNet2DConditionConfig, UNet2DConditionModel,
+};
+use oxidiff_schedulers::{
+    scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, SchedulerKind,
+    TorchCpuGenerator,
+};
+use serde::Deserialize;
+
+use crate::error::{PipelineError, Result};
+use crate::image::{postprocess, Images};
+
+/// The pipeline classes this type loads (`_class_name` in `model_index.json`).
+pub const SUPPORTED_CLASSES: [&str; 1] = ["StableDiffusionPipeline"];
+
+/// How a pipeline is loaded.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Weight file variant, e.g. `fp16` for `diffusion_pytorch_model.fp16.safetensors`.
+    pub variant: Option<String>,
+    /// Replace the checkpoint's scheduler by this algorithm (keeping its betas config).
+    pub scheduler: Option<SchedulerKind>,
+}
+
+/// What the pipeline returns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum OutputType {
+    /// 8-bit RGB images (and the float arrays they come from).
+    #[default]
+    Images,
+    /// Only the final latents; the VAE is not run.
+    Latents,
+}
+
+/// One text-to-image request; `Default` gives diffusers' defaults (50 steps, guidance 7.5).
+#[derive(Debug, Clone)]
+pub struct GenerateRequest<B: Backend> {
+    pub prompts: Vec<String>,
+    /// One negative prompt for all prompts, one per prompt, or none (empty string).
+    pub negative_prompts: Vec<String>,
+    pub num_inference_steps: usize,
+    pub guidance_scale: f64,
+    /// Defaults to the UNet's `sample_size` times the VAE scale factor.
+    pub width: Option<usize>,
+    pub height: Option<usize>,
+    pub num_images_per_prompt: usize,
+    /// Seed of the default generator (PyTorch's CPU generator, so seeds match diffusers').
+    pub seed: u64,
+    /// Initial latents `[batch, 4, h/8, w/8]` instead of drawn ones (scaled by the scheduler's
+    /// `init_noise_sigma`, as diffusers does).
+    pub latents: Option<Tensor<B, 4>>,
+    /// DDIM's eta.
+    pub eta: f64,
+    pub output: OutputType,
+}
+
+impl<B: Backend> Default for GenerateRequest<B> {
+    fn default() -> Self {
+        Self {
+            prompts: Vec::new(),
+            negative_prompts: Vec::new(),
+            num_inference_steps: 50,
+            guidance_scale: 7.5,
+            width: None,
+            height: None,
+            num_images_per_prompt: 1,
+            seed: 0,
+            latents: None,
+            eta: 0.0,
+            output: OutputType::Images,
+        }
+    }
+}
+
+/// What a step callback sees.
+pub struct StepInfo<'a, B: Backend> {
+    pub step: usize,
+    pub num_steps: usize,
+    pub timestep: f64,
+    pub latents: &'a Tensor<B, 4>,
+}
+
+/// The pipeline's result.
+#[derive(Debug, Clone)]
+pub struct PipelineOutput<B: Backend> {
+    /// Final latents (before the VAE scaling is undone).
+    pub latents: Tensor<B, 4>,
+    /// Images, unless only latents were asked for.
+    pub images: Option<Images>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ModelIndex {
+    #[serde(rename = "_class_name")]
+    class_name: String,
+}
+
+/// Stable Diffusion 1.x/2.x text-to-image.
+pub struct StableDiffusionPipeline<B: Backend> {
+    pub tokenizer: ClipTokenizer,
+    pub text_encoder: ClipTextModel<B>,
+    pub unet: UNet2DConditionModel<B>,
+    pub vae: AutoencoderKL<B>,
+    pub scheduler_config: SchedulerConfig,
+    pub scheduler: Box<dyn Scheduler<B>>,
+    pub vae_scale_factor: usize,
+    /// The UNet's native latent size, for the default width and height.
+    pub sample_size: usize,
+    pub device: B::Device,
+    pub source: PathBuf,
+}
+
+impl<B: Backend> StableDiffusionPipeline<B> {
+    /// Loads a diffusers-format folder, or a Hub id from the local cache (downloading it when
+    /// online and not cached).
+    pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;
+        Self::from_dir(&dir, options, device)
+    }
+
+    /// Loads a diffusers-format pipeline folder.
+    pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let index_path = dir.join("model_index.json");
+        if !index_path.is_file() {
+            return Err(PipelineError::ModelNotFound {
+                spec: dir.display().to_string(),
+                hint: "the folder has no model_index.json; point at the root of a diffusers \
+                       pipeline folder"
+                    .into(),
+            });
+        }
+        let index: ModelIndex = load_json(&index_path)?;
+        if !SUPPORTED_CLASSES.contains(&index.class_name.as_str()) {
+            return Err(PipelineError::UnsupportedPipeline {
+                path: index_path,
+                class: index.class_name,
+                supported: SUPPORTED_CLASSES.join(", "),
+            });
+        }
+        let component = |name: &str| -> Result<PathBuf> {
+            let path = dir.join(name);
+            if path.is_dir() {
+                Ok(path)
+            } else {
+                Err(PipelineError::MissingComponent {
+                    dir: dir.to_path_buf(),
+                    component: name.to_string(),
+                })
+            }
+        };
+        let variant = options.variant.as_deref();
+        let tokenizer = ClipTokenizer::from_dir(&component("tokenizer")?)?;
+        let text_encoder = ClipTextModel::from_dir(&component("text_encoder")?, false, variant, device)?;
+        let unet_dir = component("unet")?;
+        let unet_config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
+        let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
+        let vae_dir = component("vae")?;
+        let vae_config = oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
+        let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
+        let scheduler_path = component("scheduler")?.join("scheduler_config.json");
+        let mut scheduler_config = SchedulerConfig::from_file(&scheduler_path)?;
+        if let Some(kind) = options.scheduler {
+            scheduler_config = scheduler_config.switched_to(kind);
+        }
+        let scheduler = scheduler_from_config(&scheduler_config)?;
+        let sample_size = match &unet_config.sample_size {
+            Some(oxidiff_models::config::PerBlock::One(s)) => *s,
+            Some(oxidiff_models::config::PerBlock::Each(v)) => v.first().copied().unwrap_or(64),
+            None => 64,
+        };
+        Ok(Self {
+            tokenizer,
+            text_encoder,
+            unet,
+            vae,
+            scheduler_config,
+            scheduler,
+            vae_scale_factor: vae_config.scale_factor(),
+            sample_size,
+            device: device.clone(),
+            source: dir.to_path_buf(),
+        })
+    }
+
+    /// Swaps the scheduler for another algorithm, keeping the checkpoint's betas config
+    /// (diffusers' `XScheduler.from_config(pipe.scheduler.config)`).
+    pub fn set_scheduler(&mut self, kind: SchedulerKind) -> Result<()> {
+        let config = self.scheduler_config.switched_to(kind);
+        self.scheduler = scheduler_from_config(&config)?;
+        self.scheduler_config = config;
+        Ok(())
+    }
+
+    /// The default image size: the UNet's `sample_size` times the VAE factor (512 for SD 1.5).
+    pub fn default_size(&self) -> usize {
+        self.sample_size * self.vae_scale_factor
+    }
+
+    /// Encodes prompts to CLIP hidden states `[n * images_per_prompt, 77, dim]`.
+    pub fn encode_prompts(&self, prompts: &[String], images_per_prompt: usize) -> Result<Tensor<B, 3>> {
+        let mut rows = Vec::with_capacity(prompts.len() * images_per_prompt);
+        for prompt in prompts {
+            let encoded = self.tokenizer.encode(prompt)?;
+            if encoded.truncated {
+                let kept = self.tokenizer.decode(&encoded.ids).unwrap_or_default();
+                tracing::warn!(
+                    "the prompt is longer than CLIP's {} tokens and was cut; only this part is used: {kept:?}",
+                    self.tokenizer.max_length()
+                );
+            }
+            for _ in 0..images_per_prompt {
+                rows.push(encoded.ids.clone());
+            }
+        }
+        Ok(self.text_encoder.forward(&rows, false)?.last_hidden_state)
+    }
+
+    fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
+        if req.prompts.is_empty() {
+            return Err(PipelineError::InvalidInput("the prompt list is empty".into()));
+        }
+        let n = req.negative_prompts.len();
+        if n > 1 && n != req.prompts.len() {
+            return Err(PipelineError::InvalidInput(format!(
+                "{n} negative prompts for {} prompts: give one, or one per prompt",
+                req.prompts.len()
+            )));
+        }
+        if req.num_inference_steps == 0 {
+            return Err(PipelineError::InvalidInput("the number of steps must be at least 1".into()));
+        }
+        if req.num_images_per_prompt == 0 {
+            return Err(PipelineError::InvalidInput("images per prompt must be at least 1".into()));
+        }
+        let default = self.default_size();
+        let (w, h) = (req.width.unwrap_or(default), req.height.unwrap_or(default));
+        let f = self.vae_scale_factor;
+        if w == 0 || h == 0 || w % f != 0 || h % f != 0 {
+            return Err(PipelineError::InvalidInput(format!(
+                "width and height must be positive multiples of {f}, got {w}x{h}; try {}x{}",
+                (w.max(f) / f) * f,
+                (h.max(f) / f) * f
+            )));
+        }
+        Ok((w, h))
+    }
+
+    /// Generates with the default generator seeded by `req.seed`.
+    pub fn generate(&mut self, req: &GenerateRequest<B>) -> Result<PipelineOutput<B>> {
+        let mut generator = TorchCpuGenerator::new(req.seed);
+        self.generate_with(req, &mut generator, |_| {})
+    }
+
+    /// Generates with the given noise source (initial latents and scheduler noise are drawn from
+    /// it, in that order) and a callback after every step.
+    pub fn generate_with(
+        &mut self,
+        req: &GenerateRequest<B>,
+        noise: &mut dyn NoiseSource<B>,
+        mut callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        let (width, height) = self.validate(req)?;
+        let batch = req.prompts.len() * req.num_images_per_prompt;
+        let cfg = req.guidance_scale > 1.0;
+
+        let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
+        let context = if cfg {
+            let negatives: Vec<String> = match req.negative_prompts.len() {
+                0 => vec![String::new(); req.prompts.len()],
+                1 => vec![req.negative_prompts[0].clone(); req.prompts.len()],
+                _ => req.negative_prompts.clone(),
+            };
+            let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
+            Tensor::cat(vec![negative_embeds, prompt_embeds], 0)
+        } else {
+            prompt_embeds
+        };
+
+        self.scheduler.set_timesteps(req.num_inference_steps)?;
+        self.scheduler.set_eta(req.eta);
+        let shape = [batch, 4, height / self.vae_scale_factor, width / self.vae_scale_factor];
+        let latents = match &req.latents {
+            Some(l) => {
+                if l.dims() != shape {
+                    return Err(PipelineError::InvalidInput(format!(
+                        "initial latents have shape {:?}, expected {shape:?} for {batch} image(s) \
+                         of {width}x{height}",
+                        l.dims()
+                    )));
+                }
+                l.clone()
+            }
+            None => noise.randn(shape, &self.device)?,
+        };
+        let mut latents = latents.mul_scalar(self.scheduler.init_noise_sigma());
+
+        let timesteps = self.scheduler.timesteps().to_vec();
+        for (step, &t) in timesteps.iter().enumerate() {
+            let model_input = if cfg {
+                Tensor::cat(vec![latents.clone(), latents.clone()], 0)
+            } else {
+                latents.clone()
+            };
+            let model_input = self.scheduler.scale_model_input(model_input, t)?;
+            let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), &self.device);
+            let noise_pred = self.unet.forward(model_input, timestep, context.clone());
+            let noise_pred = if cfg {
+                let uncond = noise_pred.clone().narrow(0, 0, batch);
+                let text = noise_pred.narrow(0, batch, batch);
+                uncond.clone() + (text - uncond).mul_scalar(req.guidance_scale)
+            } else {
+                noise_pred
+            };
+            latents = self.scheduler.step(noise_pred, t, latents, noise)?;
+            callback(StepInfo {
+                step,
+                num_steps: timesteps.len(),
+                timestep: t,
+                latents: &latents,
+            });
+        }
+
+        let images = match req.output {
+            OutputType::Latents => None,
+            OutputType::Images => {
+                let decoded = self
+                    .vae
+                    .decode(latents.clone().div_scalar(self.vae.scaling_factor));
+                Some(postprocess(decoded)?)
+            }
+        };
+        Ok(PipelineOutput { latents, images })
+    }
+}

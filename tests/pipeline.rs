@@ -1,0 +1,124 @@
+//! The whole Stable Diffusion pipeline against diffusers, step by step, for each scheduler.
+//!
+//! diffusers ran with the same initial latents (and, for Euler ancestral, the noise it drew is
+//! replayed). Latents and float images within 1e-4 relative (f32 on both sides; see
+//! tests/models.rs); 8-bit PNG pixels within 2 levels of diffusers' PNG.
+
+mod common;
+
+use std::cell::RefCell;
+
+use common::{assert_close, model_dir, relative_error, to_vec, Golden, B};
+use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
+use oxidiff::schedulers::{NoNoise, NoiseSource, RecordedNoise, SchedulerKind};
+
+const TOL: f32 = 1e-4;
+
+fn run(name: &str, scheduler: &str) {
+    let golden = Golden::load(name);
+    let kind: SchedulerKind = scheduler.parse().unwrap();
+    let options = LoadOptions {
+        scheduler: Some(kind),
+        ..Default::default()
+    };
+    let device = Default::default();
+    let mut pipe =
+        StableDiffusionPipeline::<B>::from_dir(&model_dir(name), &options, &device).unwrap();
+    let settings = &golden.json["pipeline"];
+    let request = GenerateRequest {
+        prompts: vec![settings["prompt"].as_str().unwrap().into()],
+        negative_prompts: vec![settings["negative_prompt"].as_str().unwrap().into()],
+        num_inference_steps: settings["num_inference_steps"].as_u64().unwrap() as usize,
+        guidance_scale: settings["guidance_scale"].as_f64().unwrap(),
+        width: Some(settings["width"].as_u64().unwrap() as usize),
+        height: Some(settings["height"].as_u64().unwrap() as usize),
+        latents: Some(golden.tensor("pipe.latents")),
+        ..Default::default()
+    };
+    let mut noise: Box<dyn NoiseSource<B>> = if scheduler == "euler_ancestral" {
+        let draws = (0..request.num_inference_steps)
+            .map(|i| golden.tensor(&format!("pipe.euler_ancestral.noise{i}")));
+        Box::new(RecordedNoise::new(draws))
+    } else {
+        Box::new(NoNoise)
+    };
+    let steps = RefCell::new(Vec::new());
+    let out = pipe
+        .generate_with(&request, noise.as_mut(), |info| {
+            steps.borrow_mut().push((info.timestep, info.latents.clone()))
+        })
+        .unwrap();
+
+    let expected_timesteps: Vec<f64> = golden.json["timesteps"][scheduler]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let steps = steps.into_inner();
+    let timesteps: Vec<f64> = steps.iter().map(|(t, _)| *t).collect();
+    assert_eq!(timesteps, expected_timesteps, "{name}/{scheduler}: timesteps");
+    for (i, (_, latents)) in steps.into_iter().enumerate() {
+        assert_close(&golden, &format!("pipe.{scheduler}.step{i}"), latents, TOL);
+    }
+
+    let images = out.images.unwrap();
+    let (expected, _) = golden.host(&format!("pipe.{scheduler}.image"));
+    let err = relative_error(&images.data, &expected);
+    assert!(err <= TOL, "{name}/{scheduler}: image relative error {err:e}");
+
+    let png = common::fixtures()
+        .join("golden")
+        .join(format!("{name}-{scheduler}.png"));
+    let reference = image::open(&png).unwrap().to_rgb8();
+    let ours = images.to_rgb8(0).unwrap();
+    let max_diff = ours
+        .as_raw()
+        .iter()
+        .zip(reference.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    assert!(max_diff <= 2, "{name}/{scheduler}: PNG differs by {max_diff} levels");
+    let _ = to_vec(out.latents);
+}
+
+#[test]
+fn sd1_pndm_matches_diffusers() {
+    run("tiny-sd1", "pndm");
+}
+
+#[test]
+fn sd1_ddim_matches_diffusers() {
+    run("tiny-sd1", "ddim");
+}
+
+#[test]
+fn sd1_euler_matches_diffusers() {
+    run("tiny-sd1", "euler");
+}
+
+#[test]
+fn sd1_euler_ancestral_matches_diffusers_with_replayed_noise() {
+    run("tiny-sd1", "euler_ancestral");
+}
+
+#[test]
+fn sd2_v_prediction_pndm_matches_diffusers() {
+    run("tiny-sd2", "pndm");
+}
+
+#[test]
+fn sd2_v_prediction_ddim_matches_diffusers() {
+    run("tiny-sd2", "ddim");
+}
+
+#[test]
+fn sd2_v_prediction_euler_matches_diffusers() {
+    run("tiny-sd2", "euler");
+}
+
+#[test]
+fn sd2_v_prediction_euler_ancestral_matches_diffusers_with_replayed_noise() {
+    run("tiny-sd2", "euler_ancestral");
+}
