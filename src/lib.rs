@@ -12,3 +12,5 @@ pub use oxidiff_schedulers as schedulers;
 /// The default CPU backend: burn-flex, chosen by measurement (a 3x3 convolution ran about 8x
 /// faster than burn-ndarray's on this project's machines).
 pub type Cpu = burn_flex::Flex;
+
+pub mod latents;

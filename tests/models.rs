@@ -53,11 +53,17 @@ fn long_prompt_is_truncated_and_flagged() {
 fn clip_matches(name: &str) {
     let golden = Golden::load(name);
     let device = Default::default();
-    let model = ClipTextModel::<B>::from_dir(&model_dir(name).join("text_encoder"), false, None, &device)
-        .unwrap();
+    let model =
+        ClipTextModel::<B>::from_dir(&model_dir(name).join("text_encoder"), false, None, &device)
+            .unwrap();
     let rows = golden.token_rows("clip.input_ids");
     let out = model.forward(&rows, false).unwrap();
-    assert_close(&golden, "clip.last_hidden_state", out.last_hidden_state, TOL);
+    assert_close(
+        &golden,
+        "clip.last_hidden_state",
+        out.last_hidden_state,
+        TOL,
+    );
     assert_close(&golden, "clip.pooler_output", out.pooler_output, TOL);
 }
 
@@ -107,7 +113,12 @@ fn vae_matches(name: &str) {
     let golden = Golden::load(name);
     let device = Default::default();
     let vae = AutoencoderKL::<B>::from_dir(&model_dir(name).join("vae"), None, &device).unwrap();
-    assert_close(&golden, "vae.decode.out", vae.decode(golden.tensor("vae.decode.in")), TOL);
+    assert_close(
+        &golden,
+        "vae.decode.out",
+        vae.decode(golden.tensor("vae.decode.in")),
+        TOL,
+    );
     let dist = vae.encode(golden.tensor("vae.encode.in"));
     assert_close(&golden, "vae.encode.mean", dist.mean, TOL);
     assert_close(&golden, "vae.encode.logvar", dist.logvar, TOL);

@@ -45,7 +45,9 @@ fn run(name: &str, scheduler: &str) {
     let steps = RefCell::new(Vec::new());
     let out = pipe
         .generate_with(&request, noise.as_mut(), |info| {
-            steps.borrow_mut().push((info.timestep, info.latents.clone()))
+            steps
+                .borrow_mut()
+                .push((info.timestep, info.latents.clone()))
         })
         .unwrap();
 
@@ -57,7 +59,10 @@ fn run(name: &str, scheduler: &str) {
         .collect();
     let steps = steps.into_inner();
     let timesteps: Vec<f64> = steps.iter().map(|(t, _)| *t).collect();
-    assert_eq!(timesteps, expected_timesteps, "{name}/{scheduler}: timesteps");
+    assert_eq!(
+        timesteps, expected_timesteps,
+        "{name}/{scheduler}: timesteps"
+    );
     for (i, (_, latents)) in steps.into_iter().enumerate() {
         assert_close(&golden, &format!("pipe.{scheduler}.step{i}"), latents, TOL);
     }
@@ -65,7 +70,10 @@ fn run(name: &str, scheduler: &str) {
     let images = out.images.unwrap();
     let (expected, _) = golden.host(&format!("pipe.{scheduler}.image"));
     let err = relative_error(&images.data, &expected);
-    assert!(err <= TOL, "{name}/{scheduler}: image relative error {err:e}");
+    assert!(
+        err <= TOL,
+        "{name}/{scheduler}: image relative error {err:e}"
+    );
 
     let png = common::fixtures()
         .join("golden")
@@ -79,7 +87,10 @@ fn run(name: &str, scheduler: &str) {
         .map(|(a, b)| a.abs_diff(*b))
         .max()
         .unwrap();
-    assert!(max_diff <= 2, "{name}/{scheduler}: PNG differs by {max_diff} levels");
+    assert!(
+        max_diff <= 2,
+        "{name}/{scheduler}: PNG differs by {max_diff} levels"
+    );
     let _ = to_vec(out.latents);
 }
 

@@ -184,8 +184,14 @@ impl<B: Backend> BasicTransformerBlock<B> {
 
     pub fn forward(&self, x: Tensor<B, 3>, context: Tensor<B, 3>) -> Tensor<B, 3> {
         let self_context = self.only_cross_attention.then(|| context.clone());
-        let x = self.attn1.forward(self.norm1.forward(x.clone()), self_context) + x;
-        let x = self.attn2.forward(self.norm2.forward(x.clone()), Some(context)) + x;
+        let x = self
+            .attn1
+            .forward(self.norm1.forward(x.clone()), self_context)
+            + x;
+        let x = self
+            .attn2
+            .forward(self.norm2.forward(x.clone()), Some(context))
+            + x;
         self.ff.forward(self.norm3.forward(x.clone())) + x
     }
 }

@@ -86,7 +86,8 @@ impl AutoencoderKLConfig {
         if !known {
             return Err(ModelError::Unsupported {
                 path: path.to_path_buf(),
-                reason: "only DownEncoderBlock2D/UpDecoderBlock2D VAE blocks are implemented".into(),
+                reason: "only DownEncoderBlock2D/UpDecoderBlock2D VAE blocks are implemented"
+                    .into(),
             });
         }
         if Activation::from_name(&self.act_fn).is_none() {
@@ -112,7 +113,13 @@ pub struct VaeMidBlock<B: Backend> {
 }
 
 impl<B: Backend> VaeMidBlock<B> {
-    fn load(vb: &VarBuilder<B>, c: usize, groups: usize, act: Activation, attn: bool) -> Result<Self> {
+    fn load(
+        vb: &VarBuilder<B>,
+        c: usize,
+        groups: usize,
+        act: Activation,
+        attn: bool,
+    ) -> Result<Self> {
         let spec = ResnetSpec {
             c_in: c,
             c_out: c,
@@ -258,10 +265,10 @@ impl<B: Backend> AutoencoderKL<B> {
         let vb_enc = vb.pp("encoder");
         let mut down_blocks = Vec::new();
         let mut c_out = ch[0];
-        for i in 0..n {
+        for (i, &c) in ch.iter().enumerate() {
             let vb_block = vb_enc.pp("down_blocks").pp(i);
             let c_in = c_out;
-            c_out = ch[i];
+            c_out = c;
             let resnets = (0..cfg.layers_per_block)
                 .map(|j| {
                     let rin = if j == 0 { c_in } else { c_out };
@@ -269,7 +276,11 @@ impl<B: Backend> AutoencoderKL<B> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let downsamplers = if i + 1 < n {
-                vec![Downsample2D::load(&vb_block.pp("downsamplers").pp(0), c_out, 0)?]
+                vec![Downsample2D::load(
+                    &vb_block.pp("downsamplers").pp(0),
+                    c_out,
+                    0,
+                )?]
             } else {
                 Vec::new()
             };
@@ -279,7 +290,10 @@ impl<B: Backend> AutoencoderKL<B> {
             });
         }
         let encoder = Encoder {
-            conv_in: Conv2d::load(&vb_enc.pp("conv_in"), ConvSpec::same(cfg.in_channels, ch[0], 3))?,
+            conv_in: Conv2d::load(
+                &vb_enc.pp("conv_in"),
+                ConvSpec::same(cfg.in_channels, ch[0], 3),
+            )?,
             down_blocks,
             mid_block: VaeMidBlock::load(
                 &vb_enc.pp("mid_block"),
@@ -328,17 +342,26 @@ impl<B: Backend> AutoencoderKL<B> {
             )?,
             up_blocks,
             conv_norm_out: GroupNorm::load(&vb_dec.pp("conv_norm_out"), groups, ch[0], 1e-6)?,
-            conv_out: Conv2d::load(&vb_dec.pp("conv_out"), ConvSpec::same(ch[0], cfg.out_channels, 3))?,
+            conv_out: Conv2d::load(
+                &vb_dec.pp("conv_out"),
+                ConvSpec::same(ch[0], cfg.out_channels, 3),
+            )?,
             act,
         };
 
         let quant_conv = if cfg.use_quant_conv {
-            Some(Conv2d::load(&vb.pp("quant_conv"), ConvSpec::same(2 * lat, 2 * lat, 1))?)
+            Some(Conv2d::load(
+                &vb.pp("quant_conv"),
+                ConvSpec::same(2 * lat, 2 * lat, 1),
+            )?)
         } else {
             None
         };
         let post_quant_conv = if cfg.use_post_quant_conv {
-            Some(Conv2d::load(&vb.pp("post_quant_conv"), ConvSpec::same(lat, lat, 1))?)
+            Some(Conv2d::load(
+                &vb.pp("post_quant_conv"),
+                ConvSpec::same(lat, lat, 1),
+            )?)
         } else {
             None
         };
@@ -365,7 +388,9 @@ impl<B: Backend> AutoencoderKL<B> {
             }
         }
         x = enc.mid_block.forward(x);
-        x = enc.conv_out.forward(enc.act.forward(enc.conv_norm_out.forward(x)));
+        x = enc
+            .conv_out
+            .forward(enc.act.forward(enc.conv_norm_out.forward(x)));
         if let Some(conv) = &self.quant_conv {
             x = conv.forward(x);
         }
@@ -393,6 +418,7 @@ impl<B: Backend> AutoencoderKL<B> {
                 x = up.forward(x, None);
             }
         }
-        dec.conv_out.forward(dec.act.forward(dec.conv_norm_out.forward(x)))
+        dec.conv_out
+            .forward(dec.act.forward(dec.conv_norm_out.forward(x)))
     }
 }

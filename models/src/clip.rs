@@ -73,8 +73,7 @@ impl ClipTextConfig {
                 reason: format!("`hidden_act: {}`", config.hidden_act),
             });
         }
-        if config.num_attention_heads == 0 || config.hidden_size % config.num_attention_heads != 0
-        {
+        if config.num_attention_heads == 0 || !config.hidden_size.is_multiple_of(config.num_attention_heads) {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
                 reason: "`hidden_size` must be a multiple of `num_attention_heads`".into(),
@@ -172,7 +171,11 @@ impl<B: Backend> ClipTextModel<B> {
         let path = dir.join("config.json");
         let config = ClipTextConfig::from_file(&path)?;
         let weights = Weights::from_component_dir(dir, &["model"], variant)?;
-        Self::load(&config, with_projection, VarBuilder::new(Arc::new(weights), device))
+        Self::load(
+            &config,
+            with_projection,
+            VarBuilder::new(Arc::new(weights), device),
+        )
     }
 
     pub fn load(cfg: &ClipTextConfig, with_projection: bool, vb: VarBuilder<B>) -> Result<Self> {
@@ -205,11 +208,7 @@ impl<B: Backend> ClipTextModel<B> {
                 d,
             )?,
             layers,
-            final_layer_norm: LayerNorm::load(
-                &text.pp("final_layer_norm"),
-                d,
-                cfg.layer_norm_eps,
-            )?,
+            final_layer_norm: LayerNorm::load(&text.pp("final_layer_norm"), d, cfg.layer_norm_eps)?,
             text_projection,
             eos_token_id: cfg.eos_token_id,
             max_positions: cfg.max_position_embeddings,
@@ -237,8 +236,7 @@ impl<B: Backend> ClipTextModel<B> {
         let flat: Vec<i64> = input_ids.iter().flatten().map(|&t| t as i64).collect();
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [batch, seq]), &device);
         let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device).unsqueeze::<2>();
-        let mut x =
-            self.token_embedding.forward(ids) + self.position_embedding.forward(positions);
+        let mut x = self.token_embedding.forward(ids) + self.position_embedding.forward(positions);
         let mut hidden_states = Vec::new();
         for layer in &self.layers {
             x = layer.forward(x);

@@ -67,6 +67,7 @@ impl<B: Backend> TimestepEmbedding<B> {
     }
 
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.linear_2.forward(self.act.forward(self.linear_1.forward(x)))
+        self.linear_2
+            .forward(self.act.forward(self.linear_1.forward(x)))
     }
 }

@@ -109,7 +109,7 @@ pub struct GroupNorm<B: Backend> {
 
 impl<B: Backend> GroupNorm<B> {
     pub fn load(vb: &VarBuilder<B>, num_groups: usize, channels: usize, eps: f64) -> Result<Self> {
-        if num_groups == 0 || channels % num_groups != 0 {
+        if num_groups == 0 || !channels.is_multiple_of(num_groups) {
             return Err(ModelError::Input(format!(
                 "group norm `{}`: {channels} channels are not divisible into {num_groups} groups",
                 vb.key("weight")

@@ -61,7 +61,9 @@ impl<B: Backend> ResnetBlock2D<B> {
     }
 
     pub fn forward(&self, x: Tensor<B, 4>, temb: Option<&Tensor<B, 2>>) -> Tensor<B, 4> {
-        let h = self.conv1.forward(self.act.forward(self.norm1.forward(x.clone())));
+        let h = self
+            .conv1
+            .forward(self.act.forward(self.norm1.forward(x.clone())));
         let h = match (&self.time_emb_proj, temb) {
             (Some(proj), Some(temb)) => {
                 let t = proj.forward(self.act.forward(temb.clone()));

@@ -116,7 +116,7 @@ impl ClipTokenizer {
         };
         let max_length = match config.model_max_length {
             // transformers writes a huge sentinel when no limit is set; CLIP's is 77.
-            Some(n) if n >= 1.0 && n <= 4096.0 => n as usize,
+            Some(n) if (1.0..=4096.0).contains(&n) => n as usize,
             _ => 77,
         };
         Ok(Self {
@@ -137,8 +137,11 @@ impl ClipTokenizer {
         let mut tokenizer = Tokenizer::new(bpe);
         tokenizer.with_normalizer(Some(NormalizerSequence::new(vec![
             NFC.into(),
-            Replace::new(tokenizers::normalizers::replace::ReplacePattern::Regex(r"\s+".into()), " ")?
-                .into(),
+            Replace::new(
+                tokenizers::normalizers::replace::ReplacePattern::Regex(r"\s+".into()),
+                " ",
+            )?
+            .into(),
             Lowercase.into(),
         ])));
         tokenizer.with_pre_tokenizer(Some(PreTokenizerSequence::new(vec![

@@ -183,7 +183,7 @@ impl UNet2DConditionConfig {
         if self.mid_block_scale_factor != 1.0 {
             return unsupported("`mid_block_scale_factor` other than 1".into());
         }
-        if self.conv_in_kernel % 2 == 0 || self.conv_out_kernel % 2 == 0 {
+        if self.conv_in_kernel.is_multiple_of(2) || self.conv_out_kernel.is_multiple_of(2) {
             return unsupported("even `conv_in_kernel`/`conv_out_kernel`".into());
         }
         if Activation::from_name(&self.act_fn).is_none() {
@@ -198,7 +198,9 @@ impl UNet2DConditionConfig {
         let n = self.block_out_channels.len();
         match &self.num_attention_heads {
             Some(h) => h.expand(n, "num_attention_heads", path),
-            None => self.attention_head_dim.expand(n, "attention_head_dim", path),
+            None => self
+                .attention_head_dim
+                .expand(n, "attention_head_dim", path),
         }
     }
 }
@@ -264,11 +266,19 @@ impl<B: Backend> UNet2DConditionModel<B> {
     pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
         let config = UNet2DConditionConfig::from_file(&dir.join("config.json"))?;
         let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(&config, &dir.join("config.json"), VarBuilder::new(Arc::new(weights), device))
+        Self::load(
+            &config,
+            &dir.join("config.json"),
+            VarBuilder::new(Arc::new(weights), device),
+        )
     }
 
     /// Builds the model from a parsed config; `config_path` is used in messages.
-    pub fn load(cfg: &UNet2DConditionConfig, config_path: &Path, vb: VarBuilder<B>) -> Result<Self> {
+    pub fn load(
+        cfg: &UNet2DConditionConfig,
+        config_path: &Path,
+        vb: VarBuilder<B>,
+    ) -> Result<Self> {
         cfg.validate(config_path)?;
         let n = cfg.block_out_channels.len();
         let channels = &cfg.block_out_channels;
@@ -279,9 +289,11 @@ impl<B: Backend> UNet2DConditionModel<B> {
         let context_dims = cfg
             .cross_attention_dim
             .expand(n, "cross_attention_dim", config_path)?;
-        let t_layers =
-            cfg.transformer_layers_per_block
-                .expand(n, "transformer_layers_per_block", config_path)?;
+        let t_layers = cfg.transformer_layers_per_block.expand(
+            n,
+            "transformer_layers_per_block",
+            config_path,
+        )?;
         let only_cross = cfg
             .only_cross_attention
             .expand(n, "only_cross_attention", config_path)?;
@@ -456,7 +468,9 @@ impl<B: Backend> UNet2DConditionModel<B> {
         } else {
             timestep.repeat_dim(0, batch)
         };
-        let temb = self.time_embedding.forward(self.time_proj.forward(timestep));
+        let temb = self
+            .time_embedding
+            .forward(self.time_proj.forward(timestep));
         let ctx = encoder_hidden_states;
 
         let sample = if self.center_input_sample {

@@ -244,10 +244,13 @@ impl Weights {
 
     /// Reads a tensor as f32 values with its shape, converting F16/BF16/F64.
     pub fn read_f32(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>)> {
-        let entry = self.entries.get(key).ok_or_else(|| ModelError::MissingKey {
-            key: key.to_string(),
-            files: self.file_list(),
-        })?;
+        let entry = self
+            .entries
+            .get(key)
+            .ok_or_else(|| ModelError::MissingKey {
+                key: key.to_string(),
+                files: self.file_list(),
+            })?;
         let file = &self.files[entry.file];
         let (start, end) = entry.info.data_offsets;
         // read_metadata validated that offsets lie inside the file.
@@ -363,7 +366,10 @@ impl<B: Backend> VarBuilder<B> {
     /// Loads `name` as an f32 tensor of the expected shape.
     pub fn get<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
         let values = self.get_host(name, &shape)?;
-        Ok(Tensor::from_data(TensorData::new(values, shape), &self.device))
+        Ok(Tensor::from_data(
+            TensorData::new(values, shape),
+            &self.device,
+        ))
     }
 
     /// Loads a PyTorch `[out, in]` linear weight and transposes it on the host to Burn's

@@ -46,7 +46,9 @@ impl Golden {
 
     /// An int64 `[rows, len]` golden tensor of token ids.
     pub fn token_rows(&self, key: &str) -> Vec<Vec<u32>> {
-        let path = fixtures().join("golden").join(format!("{}.safetensors", self.name));
+        let path = fixtures()
+            .join("golden")
+            .join(format!("{}.safetensors", self.name));
         let bytes = std::fs::read(path).expect("golden file");
         let st = safetensors::SafeTensors::deserialize(&bytes).expect("golden parses");
         let view = st.tensor(key).expect("golden key");
@@ -62,7 +64,10 @@ impl Golden {
     pub fn tensor<const D: usize>(&self, key: &str) -> Tensor<B, D> {
         let (values, shape) = self.host(key);
         let shape: [usize; D] = shape.try_into().expect("golden rank");
-        Tensor::from_data(burn::tensor::TensorData::new(values, shape), &Default::default())
+        Tensor::from_data(
+            burn::tensor::TensorData::new(values, shape),
+            &Default::default(),
+        )
     }
 }
 

@@ -1,0 +1,231 @@
+//! `scheduler_config.json`: diffusers' scheduler settings, with diffusers' defaults.
+//!
+//! One struct serves every scheduler class, as diffusers' `from_config` lets one config
+//! build any compatible class. Fields whose default differs between classes are `Option`s;
+//! each scheduler resolves them with its own class's default.
+
+use std::path::Path;
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::error::{Result, SchedulerError};
+use crate::SchedulerKind;
+
+/// How betas are spread over the training timesteps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum BetaSchedule {
+    /// `linspace(beta_start, beta_end)`.
+    #[default]
+    Linear,
+    /// `linspace(sqrt(beta_start), sqrt(beta_end))^2` (Stable Diffusion).
+    ScaledLinear,
+    /// The cosine schedule of improved DDPM, capped at 0.999.
+    #[serde(rename = "squaredcos_cap_v2")]
+    SquaredcosCapV2,
+}
+
+/// What the denoiser predicts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PredictionType {
+    /// The added noise.
+    #[default]
+    Epsilon,
+    /// The velocity `sqrt(alpha) * noise - sqrt(1 - alpha) * x0` (SD 2.x 768).
+    VPrediction,
+    /// The clean sample itself (diffusers also spells it `original_sample`).
+    #[serde(alias = "original_sample")]
+    Sample,
+}
+
+/// How inference timesteps are picked from the training timesteps
+/// (table 2 of "Common Diffusion Noise Schedules and Sample Steps are Flawed").
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TimestepSpacing {
+    Linspace,
+    Leading,
+    Trailing,
+}
+
+/// How Euler interpolates sigmas between training timesteps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum InterpolationType {
+    #[default]
+    Linear,
+    LogLinear,
+}
+
+/// Whether Euler hands the UNet discrete timesteps or `0.25 * ln(sigma)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TimestepType {
+    #[default]
+    Discrete,
+    Continuous,
+}
+
+/// The sigma Euler ends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum FinalSigmasType {
+    #[default]
+    Zero,
+    SigmaMin,
+}
+
+/// The contents of diffusers' `scheduler_config.json`. Unknown fields are ignored.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SchedulerConfig {
+    /// The diffusers class, e.g. `PNDMScheduler`.
+    #[serde(rename = "_class_name")]
+    pub class_name: Option<String>,
+    pub num_train_timesteps: usize,
+    pub beta_start: f64,
+    pub beta_end: f64,
+    pub beta_schedule: BetaSchedule,
+    /// Betas given explicitly; they replace `beta_start`/`beta_end`/`beta_schedule`.
+    pub trained_betas: Option<Vec<f64>>,
+    pub prediction_type: PredictionType,
+    /// Default: `leading` for PNDM and DDIM, `linspace` for the Euler schedulers.
+    pub timestep_spacing: Option<TimestepSpacing>,
+    pub steps_offset: usize,
+    /// PNDM and DDIM: the "previous" alpha of the last step is 1 (else `alphas_cumprod[0]`).
+    /// Default: false for PNDM, true for DDIM.
+    pub set_alpha_to_one: Option<bool>,
+    /// PNDM: skip the Runge-Kutta warm-up (plain PLMS). Default false.
+    pub skip_prk_steps: Option<bool>,
+    /// DDIM: clip the predicted clean sample to `±clip_sample_range`. Default true.
+    pub clip_sample: Option<bool>,
+    pub clip_sample_range: f64,
+    /// DDIM: dynamic thresholding of the predicted clean sample (Imagen).
+    #[serde(deserialize_with = "null_as_default")]
+    pub thresholding: bool,
+    pub dynamic_thresholding_ratio: f64,
+    pub sample_max_value: f64,
+    /// Rescale betas to zero terminal SNR (DDIM, Euler, Euler ancestral).
+    #[serde(deserialize_with = "null_as_default")]
+    pub rescale_betas_zero_snr: bool,
+    pub interpolation_type: InterpolationType,
+    #[serde(deserialize_with = "null_as_default")]
+    pub use_karras_sigmas: bool,
+    #[serde(deserialize_with = "null_as_default")]
+    pub use_exponential_sigmas: bool,
+    #[serde(deserialize_with = "null_as_default")]
+    pub use_beta_sigmas: bool,
+    pub sigma_min: Option<f64>,
+    pub sigma_max: Option<f64>,
+    pub timestep_type: TimestepType,
+    pub final_sigmas_type: FinalSigmasType,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            class_name: None,
+            num_train_timesteps: 1000,
+            beta_start: 0.0001,
+            beta_end: 0.02,
+            beta_schedule: BetaSchedule::Linear,
+            trained_betas: None,
+            prediction_type: PredictionType::Epsilon,
+            timestep_spacing: None,
+            steps_offset: 0,
+            set_alpha_to_one: None,
+            skip_prk_steps: None,
+            clip_sample: None,
+            clip_sample_range: 1.0,
+            thresholding: false,
+            dynamic_thresholding_ratio: 0.995,
+            sample_max_value: 1.0,
+            rescale_betas_zero_snr: false,
+            interpolation_type: InterpolationType::Linear,
+            use_karras_sigmas: false,
+            use_exponential_sigmas: false,
+            use_beta_sigmas: false,
+            sigma_min: None,
+            sigma_max: None,
+            timestep_type: TimestepType::Discrete,
+            final_sigmas_type: FinalSigmasType::Zero,
+        }
+    }
+}
+
+/// `null` in the JSON means the default (diffusers writes `"use_karras_sigmas": null`).
+fn null_as_default<'de, D, T>(d: D) -> std::result::Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+impl SchedulerConfig {
+    /// Reads `scheduler_config.json`; errors name the file and the offending field.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| SchedulerError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// Parses a config from JSON text; `origin` (a file name) is quoted in errors.
+    pub fn from_json_str(text: &str, origin: &str) -> Result<Self> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| SchedulerError::Json {
+                origin: origin.to_string(),
+                message: e.to_string(),
+            })?;
+        if !value.is_object() {
+            return Err(SchedulerError::Json {
+                origin: origin.to_string(),
+                message: format!("found {}", json_kind(&value)),
+            });
+        }
+        serde_path_to_error::deserialize(value).map_err(|e| SchedulerError::Field {
+            origin: origin.to_string(),
+            field: e.path().to_string(),
+            message: e.into_inner().to_string(),
+        })
+    }
+
+    /// The scheduler class named by `_class_name`.
+    pub fn kind(&self) -> Result<SchedulerKind> {
+        match &self.class_name {
+            Some(name) => name.parse(),
+            None => Err(SchedulerError::UnknownScheduler {
+                name: "<no _class_name in the config>".into(),
+                known: SchedulerKind::known_names(),
+            }),
+        }
+    }
+
+    /// diffusers' `Target.from_config(source.config)`: the same betas and settings, another class.
+    ///
+    /// Only the fields set in the file carry over; diffusers marks the source class's
+    /// defaults (`_use_default_values`) and drops them, so the target class's defaults apply
+    /// (SD 1.5's PNDM config gives Euler `linspace` spacing, not PNDM's `leading`). That is
+    /// why class-dependent fields are `Option`s here.
+    pub fn switched_to(&self, target: SchedulerKind) -> SchedulerConfig {
+        SchedulerConfig {
+            class_name: Some(target.class_name().to_string()),
+            ..self.clone()
+        }
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}

@@ -1,0 +1,229 @@
+//! `DDIMScheduler`: denoising diffusion implicit models, deterministic at `eta = 0`.
+//!
+//! Each step predicts the clean sample `x0` and the noise, optionally clips or dynamically
+//! thresholds `x0`, and moves to the previous timestep; `eta > 0` adds fresh noise scaled by
+//! `eta` times the DDPM posterior standard deviation.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
+use crate::error::{Result, SchedulerError};
+use crate::noise::NoiseSource;
+use crate::ops::{alpha_add_noise, check_add_noise};
+use crate::schedule::{check_steps, integer_timestep, integer_timesteps, NoiseSchedule};
+use crate::{Scheduler, SchedulerKind};
+
+const CLASS: &str = "DDIMScheduler";
+
+/// diffusers' `DDIMScheduler`; `eta` is the argument diffusers' pipelines pass to `step`.
+pub struct DdimScheduler {
+    schedule: NoiseSchedule,
+    final_alpha_cumprod: f64,
+    num_train_timesteps: usize,
+    prediction_type: PredictionType,
+    timestep_spacing: TimestepSpacing,
+    steps_offset: usize,
+    clip_sample: bool,
+    clip_sample_range: f64,
+    thresholding: bool,
+    dynamic_thresholding_ratio: f64,
+    sample_max_value: f64,
+    eta: f64,
+    num_inference_steps: Option<usize>,
+    timesteps: Vec<f64>,
+}
+
+impl DdimScheduler {
+    pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
+        let schedule = NoiseSchedule::new(cfg, CLASS, cfg.rescale_betas_zero_snr)?;
+        let final_alpha_cumprod = if cfg.set_alpha_to_one.unwrap_or(true) {
+            1.0
+        } else {
+            schedule.alphas_cumprod[0] as f64
+        };
+        if cfg.thresholding && !(0.0..=1.0).contains(&cfg.dynamic_thresholding_ratio) {
+            return Err(SchedulerError::Unsupported {
+                class: CLASS,
+                message: format!(
+                    "dynamic_thresholding_ratio must be in [0, 1], got {}",
+                    cfg.dynamic_thresholding_ratio
+                ),
+            });
+        }
+        Ok(Self {
+            schedule,
+            final_alpha_cumprod,
+            num_train_timesteps: cfg.num_train_timesteps,
+            prediction_type: cfg.prediction_type,
+            timestep_spacing: cfg
+                .timestep_spacing
+                .unwrap_or(SchedulerKind::Ddim.default_timestep_spacing()),
+            steps_offset: cfg.steps_offset,
+            clip_sample: cfg.clip_sample.unwrap_or(true),
+            clip_sample_range: cfg.clip_sample_range,
+            thresholding: cfg.thresholding,
+            dynamic_thresholding_ratio: cfg.dynamic_thresholding_ratio,
+            sample_max_value: cfg.sample_max_value,
+            eta: 0.0,
+            num_inference_steps: None,
+            timesteps: Vec::new(),
+        })
+    }
+
+    /// Sets `eta` (0 by default).
+    pub fn with_eta(mut self, eta: f64) -> Self {
+        self.eta = eta;
+        self
+    }
+
+    /// diffusers' `_threshold_sample`: per batch item, `s` is the `dynamic_thresholding_ratio`
+    /// quantile of `|x|` (torch.quantile's linear interpolation), clamped to
+    /// `[1, sample_max_value]`; `x` is clamped to `[-s, s]` and divided by `s`.
+    fn threshold<B: Backend>(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let [b, c, h, w] = x.dims();
+        let n = c * h * w;
+        let flat = x.reshape([b, n]);
+        let sorted = flat.clone().abs().sort(1);
+        // torch computes the rank in the tensor's dtype (f32) and lerps from the lower value
+        // for weights below one half, from the upper value otherwise.
+        let rank = self.dynamic_thresholding_ratio as f32 * (n - 1) as f32;
+        let lo = rank.floor() as usize;
+        let hi = (rank.ceil() as usize).min(n - 1);
+        let weight = (rank - lo as f32) as f64;
+        let below = sorted.clone().narrow(1, lo, 1);
+        let above = sorted.narrow(1, hi, 1);
+        let s = if weight < 0.5 {
+            below.clone() + (above - below).mul_scalar(weight)
+        } else {
+            above.clone() - (above - below).mul_scalar(1.0 - weight)
+        };
+        let s = s
+            .clamp_min(1.0)
+            .clamp_max(self.sample_max_value)
+            .expand([b, n]);
+        flat.max_pair(s.clone().neg())
+            .min_pair(s.clone())
+            .div(s)
+            .reshape([b, c, h, w])
+    }
+}
+
+impl<B: Backend> Scheduler<B> for DdimScheduler {
+    fn kind(&self) -> SchedulerKind {
+        SchedulerKind::Ddim
+    }
+
+    fn set_timesteps(&mut self, n: usize) -> Result<()> {
+        check_steps(CLASS, n, self.num_train_timesteps)?;
+        let ts = integer_timesteps(
+            self.timestep_spacing,
+            self.num_train_timesteps,
+            n,
+            self.steps_offset,
+        );
+        if let Some(&top) = ts.iter().max() {
+            if top >= self.num_train_timesteps as i64 {
+                return Err(SchedulerError::InvalidSteps {
+                    class: CLASS,
+                    got: n,
+                    reason: format!(
+                        "with steps_offset {} the first timestep {top} is past num_train_timesteps ({})",
+                        self.steps_offset, self.num_train_timesteps
+                    ),
+                });
+            }
+        }
+        self.timesteps = ts.iter().map(|&t| t as f64).collect();
+        self.num_inference_steps = Some(n);
+        Ok(())
+    }
+
+    fn timesteps(&self) -> &[f64] {
+        &self.timesteps
+    }
+
+    fn init_noise_sigma(&self) -> f64 {
+        1.0
+    }
+
+    fn scale_model_input(&self, sample: Tensor<B, 4>, _timestep: f64) -> Result<Tensor<B, 4>> {
+        Ok(sample)
+    }
+
+    fn step(
+        &mut self,
+        model_output: Tensor<B, 4>,
+        timestep: f64,
+        sample: Tensor<B, 4>,
+        noise: &mut dyn NoiseSource<B>,
+    ) -> Result<Tensor<B, 4>> {
+        let n = self
+            .num_inference_steps
+            .ok_or(SchedulerError::NotInitialized {
+                class: CLASS,
+                op: "step",
+            })?;
+        let t = integer_timestep(CLASS, timestep)?;
+        let prev_t = t - (self.num_train_timesteps / n) as i64;
+        let a_t = self.schedule.alpha_at(CLASS, t)?;
+        let a_prev = if prev_t >= 0 {
+            self.schedule.alpha_at(CLASS, prev_t)?
+        } else {
+            self.final_alpha_cumprod
+        };
+        let b_t = 1.0 - a_t;
+        let (sa, sb) = (a_t.sqrt(), b_t.sqrt());
+
+        let (x0, eps) = match self.prediction_type {
+            PredictionType::Epsilon => (
+                sample.clone().mul_scalar(1.0 / sa) - model_output.clone().mul_scalar(sb / sa),
+                model_output.clone(),
+            ),
+            PredictionType::Sample => (
+                model_output.clone(),
+                sample.clone().mul_scalar(1.0 / sb) - model_output.clone().mul_scalar(sa / sb),
+            ),
+            PredictionType::VPrediction => (
+                sample.clone().mul_scalar(sa) - model_output.clone().mul_scalar(sb),
+                model_output.clone().mul_scalar(sa) + sample.clone().mul_scalar(sb),
+            ),
+        };
+        let x0 = if self.thresholding {
+            self.threshold(x0)
+        } else if self.clip_sample {
+            x0.clamp(-self.clip_sample_range, self.clip_sample_range)
+        } else {
+            x0
+        };
+
+        let b_prev = 1.0 - a_prev;
+        let variance = b_prev / b_t * (1.0 - a_t / a_prev);
+        let std_dev = self.eta * variance.sqrt();
+        let dir_coeff = (1.0 - a_prev - std_dev * std_dev).max(0.0).sqrt();
+        let mut prev = x0.mul_scalar(a_prev.sqrt()) + eps.mul_scalar(dir_coeff);
+        if self.eta > 0.0 {
+            let z = noise.randn(model_output.dims(), &model_output.device())?;
+            prev = prev + z.mul_scalar(std_dev);
+        }
+        Ok(prev)
+    }
+
+    fn add_noise(
+        &self,
+        original: Tensor<B, 4>,
+        noise: Tensor<B, 4>,
+        timesteps: &[f64],
+    ) -> Result<Tensor<B, 4>> {
+        check_add_noise(CLASS, &original, &noise, timesteps)?;
+        let alphas = timesteps
+            .iter()
+            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(alpha_add_noise(original, noise, &alphas))
+    }
+
+    fn set_eta(&mut self, eta: f64) {
+        self.eta = eta;
+    }
+}

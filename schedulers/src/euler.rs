@@ -1,0 +1,395 @@
+//! `EulerDiscreteScheduler`: Euler's method on the probability-flow ODE in sigma space
+//! (k-diffusion's `sample_euler`), with optional Karras or exponential sigmas.
+//!
+//! Also home of [`SigmaSteps`], the sigma table and step counter that the Euler ancestral
+//! scheduler shares.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::config::{
+    FinalSigmasType, InterpolationType, PredictionType, SchedulerConfig, TimestepSpacing,
+    TimestepType,
+};
+use crate::error::{Result, SchedulerError};
+use crate::noise::NoiseSource;
+use crate::ops::{check_add_noise, scale_per_item};
+use crate::schedule::{
+    check_steps, float_timesteps, numpy_interp, numpy_linspace, torch_linspace_f32, NoiseSchedule,
+};
+use crate::{Scheduler, SchedulerKind};
+
+const CLASS: &str = "EulerDiscreteScheduler";
+
+/// Timesteps, sigmas and the step position of a sigma-based scheduler (diffusers'
+/// `timesteps`, `sigmas`, `_step_index`, `_begin_index`). Values are f32 like diffusers'
+/// tensors, stored as f64.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SigmaSteps {
+    pub class: &'static str,
+    pub timesteps: Vec<f64>,
+    /// One more than `timesteps`: the last is the sigma the final step lands on.
+    pub sigmas: Vec<f64>,
+    pub init_noise_sigma: f64,
+    pub initialized: bool,
+    pub step_index: Option<usize>,
+    pub begin_index: Option<usize>,
+}
+
+impl SigmaSteps {
+    /// Installs a new schedule; `init_noise_sigma` is `max(sigma)` for linspace and trailing
+    /// spacing and `sqrt(max(sigma)^2 + 1)` for leading, in f32 like diffusers.
+    pub fn set(
+        &mut self,
+        timesteps: Vec<f32>,
+        sigmas: Vec<f32>,
+        spacing: TimestepSpacing,
+        initialized: bool,
+    ) {
+        let max = sigmas.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        self.init_noise_sigma = match spacing {
+            TimestepSpacing::Leading => (max * max + 1.0).sqrt() as f64,
+            _ => max as f64,
+        };
+        self.timesteps = timesteps.into_iter().map(f64::from).collect();
+        self.sigmas = sigmas.into_iter().map(f64::from).collect();
+        self.initialized = initialized;
+        self.step_index = None;
+        self.begin_index = None;
+    }
+
+    /// diffusers' `index_for_timestep`: the first position of `t` in the schedule, or the
+    /// second when it occurs twice (so img2img that starts mid-schedule skips no sigma).
+    fn index_for_timestep(&self, t: f64) -> Result<usize> {
+        let mut hits = self
+            .timesteps
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s == t)
+            .map(|(i, _)| i);
+        let first = hits.next();
+        let second = hits.next();
+        second.or(first).ok_or_else(|| SchedulerError::BadTimestep {
+            class: self.class,
+            timestep: t,
+            reason: "is not in the schedule; pass a value from timesteps()".into(),
+        })
+    }
+
+    /// The step index in force for `t`: the running index, else `begin_index`, else looked up.
+    pub fn index(&self, op: &'static str, t: f64) -> Result<usize> {
+        if !self.initialized {
+            return Err(SchedulerError::NotInitialized {
+                class: self.class,
+                op,
+            });
+        }
+        let i = match (self.step_index, self.begin_index) {
+            (Some(i), _) | (None, Some(i)) => i,
+            (None, None) => self.index_for_timestep(t)?,
+        };
+        if i + 1 >= self.sigmas.len() {
+            return Err(SchedulerError::ScheduleExhausted {
+                class: self.class,
+                steps: self.timesteps.len(),
+            });
+        }
+        Ok(i)
+    }
+
+    /// `sample / sqrt(sigma^2 + 1)`, the denominator in f32 like diffusers.
+    pub fn scale_model_input<B: Backend>(
+        &self,
+        sample: Tensor<B, 4>,
+        t: f64,
+    ) -> Result<Tensor<B, 4>> {
+        let sigma = self.sigmas[self.index("scale_model_input", t)?] as f32;
+        Ok(sample.div_scalar((sigma * sigma + 1.0).sqrt()))
+    }
+
+    /// `original + noise * sigma(t)`, with diffusers' choice of step index.
+    pub fn add_noise<B: Backend>(
+        &self,
+        original: Tensor<B, 4>,
+        noise: Tensor<B, 4>,
+        timesteps: &[f64],
+    ) -> Result<Tensor<B, 4>> {
+        check_add_noise(self.class, &original, &noise, timesteps)?;
+        if !self.initialized {
+            return Err(SchedulerError::NotInitialized {
+                class: self.class,
+                op: "add_noise",
+            });
+        }
+        let sigmas = timesteps
+            .iter()
+            .map(|&t| {
+                let i = match (self.begin_index, self.step_index) {
+                    (None, _) => self.index_for_timestep(t)?,
+                    (Some(_), Some(i)) | (Some(i), None) => i,
+                };
+                Ok(self.sigmas[i.min(self.sigmas.len() - 1)])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(original + scale_per_item(noise, &sigmas))
+    }
+}
+
+/// The linear-combination coefficients of an Euler step `prev = a x + b model_output`, from
+/// `sigma` and `dt = sigma_next - sigma` (k-diffusion's `x + d * dt`, `d = (x - x0) / sigma`).
+pub(crate) fn euler_coefficients(prediction: PredictionType, sigma: f64, dt: f64) -> (f64, f64) {
+    match prediction {
+        // x0 = x - sigma * eps
+        PredictionType::Epsilon => (1.0, dt),
+        // x0 = -sigma / sqrt(sigma^2 + 1) v + x / (sigma^2 + 1)
+        PredictionType::VPrediction => {
+            let s2 = sigma * sigma + 1.0;
+            (1.0 + dt * sigma / s2, dt / s2.sqrt())
+        }
+        // x0 = model_output
+        PredictionType::Sample => (1.0 + dt / sigma, -dt / sigma),
+    }
+}
+
+/// `x * a`, skipping the multiplication when `a` is 1.
+pub(crate) fn scaled<B: Backend>(x: Tensor<B, 4>, a: f64) -> Tensor<B, 4> {
+    if a == 1.0 {
+        x
+    } else {
+        x.mul_scalar(a)
+    }
+}
+
+/// diffusers' `EulerDiscreteScheduler` (with `s_churn = 0`, as its pipelines call it).
+pub struct EulerDiscreteScheduler {
+    schedule: NoiseSchedule,
+    num_train_timesteps: usize,
+    prediction_type: PredictionType,
+    timestep_spacing: TimestepSpacing,
+    steps_offset: usize,
+    interpolation_type: InterpolationType,
+    use_karras_sigmas: bool,
+    use_exponential_sigmas: bool,
+    sigma_min: Option<f64>,
+    sigma_max: Option<f64>,
+    timestep_type: TimestepType,
+    final_sigmas_type: FinalSigmasType,
+    steps: SigmaSteps,
+}
+
+impl EulerDiscreteScheduler {
+    pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
+        if cfg.use_beta_sigmas {
+            return Err(SchedulerError::Unsupported {
+                class: CLASS,
+                message: "use_beta_sigmas is not supported; use use_karras_sigmas or use_exponential_sigmas".into(),
+            });
+        }
+        let special = [
+            cfg.use_karras_sigmas,
+            cfg.use_exponential_sigmas,
+            cfg.use_beta_sigmas,
+        ];
+        if special.iter().filter(|&&b| b).count() > 1 {
+            return Err(SchedulerError::Unsupported {
+                class: CLASS,
+                message: "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set".into(),
+            });
+        }
+        let mut schedule = NoiseSchedule::new(cfg, CLASS, cfg.rescale_betas_zero_snr)?;
+        if cfg.rescale_betas_zero_snr {
+            // diffusers keeps the last sigma finite: alpha_T = 2^-24, so sigma_max = 4096.
+            let last = schedule.alphas_cumprod.len() - 1;
+            schedule.alphas_cumprod[last] = 2f32.powi(-24);
+        }
+        let mut this = Self {
+            schedule,
+            num_train_timesteps: cfg.num_train_timesteps,
+            prediction_type: cfg.prediction_type,
+            timestep_spacing: cfg
+                .timestep_spacing
+                .unwrap_or(SchedulerKind::EulerDiscrete.default_timestep_spacing()),
+            steps_offset: cfg.steps_offset,
+            interpolation_type: cfg.interpolation_type,
+            use_karras_sigmas: cfg.use_karras_sigmas,
+            use_exponential_sigmas: cfg.use_exponential_sigmas,
+            sigma_min: cfg.sigma_min,
+            sigma_max: cfg.sigma_max,
+            timestep_type: cfg.timestep_type,
+            final_sigmas_type: cfg.final_sigmas_type,
+            steps: SigmaSteps {
+                class: CLASS,
+                ..Default::default()
+            },
+        };
+        // Before set_timesteps diffusers holds all training sigmas; only init_noise_sigma
+        // is meaningful then.
+        let mut sigmas = this.schedule.train_sigmas();
+        sigmas.reverse();
+        sigmas.push(0.0);
+        this.steps
+            .set(Vec::new(), sigmas, this.timestep_spacing, false);
+        Ok(this)
+    }
+
+    /// The sigmas the UNet was trained on, ascending in t; `ln` of them in f32 (numpy's `np.log`
+    /// of an f32 array).
+    fn log_train_sigmas(&self) -> Vec<f32> {
+        self.schedule
+            .train_sigmas()
+            .iter()
+            .map(|&s| (s as f64).ln() as f32)
+            .collect()
+    }
+
+    /// Karras et al. (2022) sigmas: `rho = 7` interpolation between sigma_max and sigma_min.
+    fn karras(&self, in_sigmas: &[f64], n: usize) -> Vec<f64> {
+        let sigma_min = self.sigma_min.unwrap_or(in_sigmas[in_sigmas.len() - 1]);
+        let sigma_max = self.sigma_max.unwrap_or(in_sigmas[0]);
+        let rho = 7.0;
+        let min_inv = sigma_min.powf(1.0 / rho);
+        let max_inv = sigma_max.powf(1.0 / rho);
+        numpy_linspace(0.0, 1.0, n)
+            .iter()
+            .map(|r| (max_inv + r * (min_inv - max_inv)).powf(rho))
+            .collect()
+    }
+
+    /// Sigmas evenly spaced in log space between sigma_max and sigma_min.
+    fn exponential(&self, in_sigmas: &[f64], n: usize) -> Vec<f64> {
+        let sigma_min = self.sigma_min.unwrap_or(in_sigmas[in_sigmas.len() - 1]);
+        let sigma_max = self.sigma_max.unwrap_or(in_sigmas[0]);
+        numpy_linspace(sigma_max.ln(), sigma_min.ln(), n)
+            .iter()
+            .map(|l| l.exp())
+            .collect()
+    }
+}
+
+/// diffusers' `_sigma_to_t`: the fractional training timestep whose log-sigma, interpolated
+/// linearly between neighbours, equals `ln(sigma)`.
+fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
+    let log_sigma = sigma.max(1e-10).ln();
+    // argmax of cumsum(log_sigmas <= log_sigma): the first index reaching the full count.
+    let (mut count, mut best, mut low) = (0usize, 0usize, 0usize);
+    for (i, &ls) in log_sigmas.iter().enumerate() {
+        if log_sigma - ls as f64 >= 0.0 {
+            count += 1;
+        }
+        if count > best {
+            best = count;
+            low = i;
+        }
+    }
+    let low = low.min(log_sigmas.len() - 2);
+    let (lo, hi) = (log_sigmas[low], log_sigmas[low + 1]);
+    // numpy: f32 - f64 -> f64, but f32 - f32 stays f32.
+    let w = ((lo as f64 - log_sigma) / (lo - hi) as f64).clamp(0.0, 1.0);
+    (1.0 - w) * low as f64 + w * (low + 1) as f64
+}
+
+impl<B: Backend> Scheduler<B> for EulerDiscreteScheduler {
+    fn kind(&self) -> SchedulerKind {
+        SchedulerKind::EulerDiscrete
+    }
+
+    fn set_timesteps(&mut self, n: usize) -> Result<()> {
+        check_steps(CLASS, n, self.num_train_timesteps)?;
+        let mut timesteps = float_timesteps(
+            self.timestep_spacing,
+            self.num_train_timesteps,
+            n,
+            self.steps_offset,
+        );
+        let train = self.schedule.train_sigmas();
+        let mut sigmas: Vec<f64> = match self.interpolation_type {
+            InterpolationType::Linear => timesteps
+                .iter()
+                .map(|&t| numpy_interp(t as f64, &train))
+                .collect(),
+            // torch.linspace(ln sigma_max, ln sigma_min, n + 1).exp() in f32.
+            InterpolationType::LogLinear => torch_linspace_f32(
+                (train[train.len() - 1] as f64).ln() as f32 as f64,
+                (train[0] as f64).ln() as f32 as f64,
+                n + 1,
+            )
+            .iter()
+            .map(|&l| (l as f64).exp() as f32 as f64)
+            .collect(),
+        };
+        if self.use_karras_sigmas || self.use_exponential_sigmas {
+            sigmas = if self.use_karras_sigmas {
+                self.karras(&sigmas, n)
+            } else {
+                self.exponential(&sigmas, n)
+            };
+            let log_sigmas = self.log_train_sigmas();
+            timesteps = sigmas
+                .iter()
+                .map(|&s| sigma_to_t(s, &log_sigmas) as f32)
+                .collect();
+        }
+        let last = match self.final_sigmas_type {
+            FinalSigmasType::Zero => 0.0,
+            FinalSigmasType::SigmaMin => train[0],
+        };
+        let mut sigmas: Vec<f32> = sigmas.iter().map(|&s| s as f32).collect();
+        sigmas.push(last);
+        if self.timestep_type == TimestepType::Continuous
+            && self.prediction_type == PredictionType::VPrediction
+        {
+            timesteps = sigmas[..sigmas.len() - 1]
+                .iter()
+                .map(|&s| 0.25 * ((s as f64).ln() as f32))
+                .collect();
+        }
+        self.steps
+            .set(timesteps, sigmas, self.timestep_spacing, true);
+        Ok(())
+    }
+
+    fn timesteps(&self) -> &[f64] {
+        &self.steps.timesteps
+    }
+
+    fn init_noise_sigma(&self) -> f64 {
+        self.steps.init_noise_sigma
+    }
+
+    fn scale_model_input(&self, sample: Tensor<B, 4>, timestep: f64) -> Result<Tensor<B, 4>> {
+        self.steps.scale_model_input(sample, timestep)
+    }
+
+    fn step(
+        &mut self,
+        model_output: Tensor<B, 4>,
+        timestep: f64,
+        sample: Tensor<B, 4>,
+        _noise: &mut dyn NoiseSource<B>,
+    ) -> Result<Tensor<B, 4>> {
+        let i = self.steps.index("step", timestep)?;
+        let sigma = self.steps.sigmas[i];
+        // dt = sigmas[i + 1] - sigma is an f32 subtraction in diffusers.
+        let dt = (self.steps.sigmas[i + 1] as f32 - sigma as f32) as f64;
+        let (a, b) = euler_coefficients(self.prediction_type, sigma, dt);
+        self.steps.step_index = Some(i + 1);
+        Ok(scaled(sample, a) + model_output.mul_scalar(b))
+    }
+
+    fn add_noise(
+        &self,
+        original: Tensor<B, 4>,
+        noise: Tensor<B, 4>,
+        timesteps: &[f64],
+    ) -> Result<Tensor<B, 4>> {
+        self.steps.add_noise(original, noise, timesteps)
+    }
+
+    fn sigmas(&self) -> Option<&[f64]> {
+        self.steps.initialized.then_some(&self.steps.sigmas[..])
+    }
+
+    fn set_begin_index(&mut self, begin_index: usize) {
+        self.steps.begin_index = Some(begin_index);
+    }
+}

@@ -1,0 +1,293 @@
+//! Bad input gives errors that say what went wrong, never panics.
+
+use burn::tensor::{Distribution, Tensor};
+use burn_flex::{Flex, FlexDevice};
+use oxidiff_schedulers::{
+    scheduler_from_config, DdimScheduler, NoNoise, RecordedNoise, Scheduler, SchedulerConfig,
+    SchedulerError, SchedulerKind, TimestepSpacing,
+};
+
+type B = Flex;
+
+const SD15: &str = r#"{
+  "_class_name": "PNDMScheduler",
+  "_diffusers_version": "0.6.0",
+  "beta_end": 0.012,
+  "beta_schedule": "scaled_linear",
+  "beta_start": 0.00085,
+  "num_train_timesteps": 1000,
+  "set_alpha_to_one": false,
+  "skip_prk_steps": true,
+  "steps_offset": 1,
+  "trained_betas": null,
+  "clip_sample": false
+}"#;
+
+fn sd15() -> SchedulerConfig {
+    SchedulerConfig::from_json_str(SD15, "sd15.json").unwrap()
+}
+
+fn randn(shape: [usize; 4]) -> Tensor<B, 4> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &FlexDevice)
+}
+
+fn all_schedulers() -> Vec<Box<dyn Scheduler<B>>> {
+    SchedulerKind::ALL
+        .iter()
+        .map(|&k| scheduler_from_config::<B>(&sd15().switched_to(k)).unwrap())
+        .collect()
+}
+
+#[test]
+fn step_before_set_timesteps_is_an_error() {
+    for mut s in all_schedulers() {
+        let x = randn([1, 4, 8, 8]);
+        let err = s.step(x.clone(), 981.0, x, &mut NoNoise).unwrap_err();
+        assert!(
+            matches!(err, SchedulerError::NotInitialized { op: "step", .. }),
+            "{}: {err}",
+            s.kind()
+        );
+        assert!(err.to_string().contains("set_timesteps"), "{err}");
+    }
+}
+
+#[test]
+fn step_counts_outside_the_training_range_are_errors() {
+    for mut s in all_schedulers() {
+        for n in [0, 1001] {
+            let err = s.set_timesteps(n).unwrap_err();
+            assert!(
+                matches!(err, SchedulerError::InvalidSteps { got, .. } if got == n),
+                "{}: {err}",
+                s.kind()
+            );
+        }
+        s.set_timesteps(1000).unwrap_or_else(|e| {
+            // Leading spacing with steps_offset 1 would need timestep 1000.
+            assert!(matches!(e, SchedulerError::InvalidSteps { .. }), "{e}");
+        });
+    }
+}
+
+#[test]
+fn prk_warm_up_needs_four_steps() {
+    let mut cfg = sd15();
+    cfg.skip_prk_steps = Some(false);
+    let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+    let err = s.set_timesteps(3).unwrap_err();
+    assert!(err.to_string().contains("at least 4 steps"), "{err}");
+    s.set_timesteps(4).unwrap();
+    assert_eq!(s.timesteps().len(), 12 + 1);
+}
+
+#[test]
+fn ddim_offset_past_the_last_training_timestep_is_an_error() {
+    let mut s: Box<dyn Scheduler<B>> = Box::new(DdimScheduler::new(&sd15()).unwrap());
+    let err = s.set_timesteps(1000).unwrap_err();
+    assert!(err.to_string().contains("steps_offset 1"), "{err}");
+}
+
+#[test]
+fn wrong_timesteps_are_errors() {
+    for mut s in all_schedulers() {
+        s.set_timesteps(10).unwrap();
+        let x = randn([1, 4, 8, 8]);
+        let bad = if matches!(s.kind(), SchedulerKind::Pndm | SchedulerKind::Ddim) {
+            1.5
+        } else {
+            123.25
+        };
+        let err = s.step(x.clone(), bad, x, &mut NoNoise).unwrap_err();
+        assert!(
+            matches!(err, SchedulerError::BadTimestep { .. }),
+            "{}: {err}",
+            s.kind()
+        );
+    }
+}
+
+#[test]
+fn stepping_past_the_schedule_is_an_error() {
+    for kind in [SchedulerKind::Pndm, SchedulerKind::EulerDiscrete] {
+        let mut s = scheduler_from_config::<B>(&sd15().switched_to(kind)).unwrap();
+        s.set_timesteps(3).unwrap();
+        let mut x = randn([1, 4, 8, 8]);
+        let ts = s.timesteps().to_vec();
+        for &t in &ts {
+            x = s.step(randn([1, 4, 8, 8]), t, x, &mut NoNoise).unwrap();
+        }
+        let err = s
+            .step(randn([1, 4, 8, 8]), ts[ts.len() - 1], x, &mut NoNoise)
+            .unwrap_err();
+        assert!(
+            matches!(err, SchedulerError::ScheduleExhausted { .. }),
+            "{kind}: {err}"
+        );
+    }
+}
+
+#[test]
+fn stochastic_steps_report_a_missing_noise_source() {
+    let mut s =
+        scheduler_from_config::<B>(&sd15().switched_to(SchedulerKind::EulerAncestralDiscrete))
+            .unwrap();
+    s.set_timesteps(5).unwrap();
+    let t = s.timesteps()[0];
+    let x = randn([1, 4, 8, 8]);
+    let err = s.step(x.clone(), t, x.clone(), &mut NoNoise).unwrap_err();
+    assert!(matches!(err, SchedulerError::Noise(_)), "{err}");
+    let mut wrong_shape = RecordedNoise::new([randn([1, 4, 4, 4])]);
+    let err = s.step(x.clone(), t, x, &mut wrong_shape).unwrap_err();
+    assert!(err.to_string().contains("shape"), "{err}");
+}
+
+#[test]
+fn add_noise_checks_shapes() {
+    for mut s in all_schedulers() {
+        s.set_timesteps(10).unwrap();
+        let t = s.timesteps()[0];
+        let err = s
+            .add_noise(randn([2, 4, 8, 8]), randn([2, 4, 8, 8]), &[t, t, t])
+            .unwrap_err();
+        assert!(matches!(err, SchedulerError::Shape { .. }), "{err}");
+        let err = s
+            .add_noise(randn([2, 4, 8, 8]), randn([1, 4, 8, 8]), &[t])
+            .unwrap_err();
+        assert!(matches!(err, SchedulerError::Shape { .. }), "{err}");
+    }
+}
+
+#[test]
+fn config_errors_name_the_file_and_field() {
+    let err =
+        SchedulerConfig::from_json_str(r#"{"beta_start": "tiny"}"#, "unet/sched.json").unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("unet/sched.json") && msg.contains("beta_start"),
+        "{msg}"
+    );
+
+    let err =
+        SchedulerConfig::from_json_str(r#"{"beta_schedule": "sigmoid"}"#, "a.json").unwrap_err();
+    assert!(
+        matches!(&err, SchedulerError::Field { field, .. } if field == "beta_schedule"),
+        "{err}"
+    );
+
+    let err = SchedulerConfig::from_json_str("[1, 2]", "b.json").unwrap_err();
+    assert!(err.to_string().contains("b.json"), "{err}");
+
+    let dir = std::env::temp_dir().join(format!("oxidiff-sched-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("scheduler_config.json");
+    std::fs::write(
+        &path,
+        r#"{"_class_name": "DDIMScheduler", "steps_offset": -1}"#,
+    )
+    .unwrap();
+    let err = SchedulerConfig::from_file(&path).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&path.display().to_string()) && msg.contains("steps_offset"),
+        "{msg}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let err = SchedulerConfig::from_file("/nonexistent/scheduler_config.json").unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("/nonexistent/scheduler_config.json"),
+        "{err}"
+    );
+}
+
+#[test]
+fn config_ignores_unknown_fields_and_accepts_nulls() {
+    let cfg = SchedulerConfig::from_json_str(
+        r#"{"_class_name": "EulerDiscreteScheduler", "use_karras_sigmas": null,
+            "sigma_min": null, "some_future_option": [1, 2, 3], "timestep_spacing": "trailing"}"#,
+        "c.json",
+    )
+    .unwrap();
+    assert!(!cfg.use_karras_sigmas);
+    assert_eq!(cfg.timestep_spacing, Some(TimestepSpacing::Trailing));
+    assert_eq!(cfg.num_train_timesteps, 1000);
+    assert_eq!(cfg.kind().unwrap(), SchedulerKind::EulerDiscrete);
+}
+
+#[test]
+fn unknown_scheduler_names_list_the_known_ones() {
+    let err = "k_lms".parse::<SchedulerKind>().unwrap_err();
+    let msg = err.to_string();
+    for name in ["PNDMScheduler", "ddim", "euler", "euler_a"] {
+        assert!(msg.contains(name), "{msg}");
+    }
+    let mut cfg = sd15();
+    cfg.class_name = Some("LMSDiscreteScheduler".into());
+    assert!(matches!(
+        scheduler_from_config::<B>(&cfg),
+        Err(SchedulerError::UnknownScheduler { .. })
+    ));
+    cfg.class_name = None;
+    assert!(scheduler_from_config::<B>(&cfg).is_err());
+}
+
+#[test]
+fn scheduler_names_parse_from_diffusers_short_and_a1111_names() {
+    let cases = [
+        ("PNDMScheduler", SchedulerKind::Pndm),
+        ("pndm", SchedulerKind::Pndm),
+        ("PLMS", SchedulerKind::Pndm),
+        ("DDIM", SchedulerKind::Ddim),
+        ("DDIMScheduler", SchedulerKind::Ddim),
+        ("Euler", SchedulerKind::EulerDiscrete),
+        ("EulerDiscreteScheduler", SchedulerKind::EulerDiscrete),
+        ("Euler a", SchedulerKind::EulerAncestralDiscrete),
+        ("euler_a", SchedulerKind::EulerAncestralDiscrete),
+        ("euler-ancestral", SchedulerKind::EulerAncestralDiscrete),
+        (
+            "EulerAncestralDiscreteScheduler",
+            SchedulerKind::EulerAncestralDiscrete,
+        ),
+    ];
+    for (name, kind) in cases {
+        assert_eq!(name.parse::<SchedulerKind>().unwrap(), kind, "{name}");
+    }
+}
+
+#[test]
+fn switching_class_keeps_betas_and_takes_the_new_class_defaults() {
+    // diffusers drops the source class's unset defaults: Euler from SD 1.5's PNDM config
+    // spaces timesteps with its own `linspace`, DDIM keeps the file's set_alpha_to_one.
+    let euler = scheduler_from_config::<B>(&sd15().switched_to(SchedulerKind::EulerDiscrete));
+    let mut euler = euler.unwrap();
+    euler.set_timesteps(10).unwrap();
+    assert_eq!(euler.timesteps()[..3], [999.0, 888.0, 777.0]);
+    let mut ddim = scheduler_from_config::<B>(&sd15().switched_to(SchedulerKind::Ddim)).unwrap();
+    ddim.set_timesteps(10).unwrap();
+    assert_eq!(ddim.timesteps()[..3], [901.0, 801.0, 701.0]);
+    assert_eq!(ddim.kind(), SchedulerKind::Ddim);
+}
+
+#[test]
+fn unsupported_options_are_errors() {
+    let mut cfg = sd15().switched_to(SchedulerKind::EulerDiscrete);
+    cfg.use_beta_sigmas = true;
+    assert!(matches!(
+        scheduler_from_config::<B>(&cfg),
+        Err(SchedulerError::Unsupported { .. })
+    ));
+    let mut cfg = sd15();
+    cfg.trained_betas = Some(vec![0.1; 10]);
+    let err = scheduler_from_config::<B>(&cfg).err().unwrap();
+    assert!(err.to_string().contains("trained_betas"), "{err}");
+}
+
+#[test]
+fn schedulers_are_send() {
+    fn send<T: Send>(_: &T) {}
+    for s in all_schedulers() {
+        send(&s);
+    }
+}

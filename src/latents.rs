@@ -1,0 +1,162 @@
+//! Initial latents from a file (`txt2img --latents`): NumPy `.npy` (float32/float16/float64,
+//! C order) or `.safetensors` with a single tensor (or one named `latents`).
+
+use std::path::{Path, PathBuf};
+
+use oxidiff_models::Weights;
+
+/// Why a latents file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum LatentsError {
+    #[error("cannot read latents file {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("latents file {path}: {reason}")]
+    Format { path: PathBuf, reason: String },
+}
+
+/// Host values and shape of the latents in `path`.
+pub fn read_latents(path: &Path) -> Result<(Vec<f32>, Vec<usize>), LatentsError> {
+    let format = |reason: String| LatentsError::Format {
+        path: path.to_path_buf(),
+        reason,
+    };
+    match path.extension().and_then(|e| e.to_str()) {
+        Some("npy") => {
+            let bytes = std::fs::read(path).map_err(|source| LatentsError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            parse_npy(&bytes).map_err(format)
+        }
+        Some("safetensors") => {
+            let weights =
+                Weights::from_files(&[path.to_path_buf()]).map_err(|e| format(e.to_string()))?;
+            let keys: Vec<String> = weights.keys().map(str::to_string).collect();
+            let key = if weights.contains("latents") {
+                "latents".to_string()
+            } else if keys.len() == 1 {
+                keys[0].clone()
+            } else {
+                return Err(format(format!(
+                    "holds {} tensors; name the one to use `latents`",
+                    keys.len()
+                )));
+            };
+            weights.read_f32(&key).map_err(|e| format(e.to_string()))
+        }
+        _ => Err(format(
+            "unknown extension: use a .npy or .safetensors file".into(),
+        )),
+    }
+}
+
+/// Parses a version 1-3 `.npy` file holding little-endian floats in C order.
+pub fn parse_npy(bytes: &[u8]) -> Result<(Vec<f32>, Vec<usize>), String> {
+    if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
+        return Err("not a .npy file (bad magic)".into());
+    }
+    let (header_len, start): (usize, usize) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        2 | 3 if bytes.len() >= 12 => (
+            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
+            12,
+        ),
+        v => return Err(format!("unsupported .npy version {v}")),
+    };
+    let end = start
+        .checked_add(header_len)
+        .filter(|&e| e <= bytes.len())
+        .ok_or("header longer than the file")?;
+    let header = std::str::from_utf8(&bytes[start..end]).map_err(|_| "header is not text")?;
+    let field = |name: &str| -> Option<&str> {
+        let at = header.find(&format!("'{name}'"))?;
+        let rest = &header[at + name.len() + 2..];
+        Some(rest.trim_start().trim_start_matches(':').trim_start())
+    };
+    let descr = field("descr").ok_or("header has no descr")?;
+    let dtype = descr.split('\'').nth(1).ok_or("bad descr")?;
+    if field("fortran_order").is_some_and(|v| v.starts_with("True")) {
+        return Err("Fortran-ordered arrays are not supported; save with C order".into());
+    }
+    let shape_text = field("shape").ok_or("header has no shape")?;
+    let inner = shape_text
+        .strip_prefix('(')
+        .and_then(|s| s.split(')').next())
+        .ok_or("bad shape")?;
+    let shape: Vec<usize> = inner
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<usize>()
+                .map_err(|_| format!("bad shape entry `{s}`"))
+        })
+        .collect::<Result<_, _>>()?;
+    let count = shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or("shape overflows")?;
+    let data = &bytes[end..];
+    let (width, convert): (usize, fn(&[u8]) -> f32) = match dtype {
+        "<f4" => (4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        "<f2" => (2, |b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        "<f8" => (8, |b| {
+            f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
+        }),
+        other => return Err(format!("dtype {other} is not supported; use float32")),
+    };
+    if count.checked_mul(width) != Some(data.len()) {
+        return Err(format!(
+            "shape {shape:?} needs {} bytes of data but the file has {}",
+            count.saturating_mul(width),
+            data.len()
+        ));
+    }
+    Ok((data.chunks_exact(width).map(convert).collect(), shape))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn npy(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
+        let mut header =
+            format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+        while (10 + header.len() + 1) % 64 != 0 {
+            header.push(' ');
+        }
+        header.push('\n');
+        let mut out = b"\x93NUMPY\x01\x00".to_vec();
+        out.extend((header.len() as u16).to_le_bytes());
+        out.extend(header.as_bytes());
+        out.extend(data);
+        out
+    }
+
+    #[test]
+    fn reads_f32_npy() {
+        let data: Vec<u8> = [1.0f32, -2.5, 3.0, 0.5]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let (values, shape) = parse_npy(&npy("<f4", "(1, 2, 2)", &data)).unwrap();
+        assert_eq!(shape, vec![1, 2, 2]);
+        assert_eq!(values, vec![1.0, -2.5, 3.0, 0.5]);
+    }
+
+    #[test]
+    fn rejects_truncated_and_wrong_dtype() {
+        let data = [0u8; 12];
+        assert!(parse_npy(&npy("<f4", "(1, 2, 2)", &data))
+            .unwrap_err()
+            .contains("needs 16 bytes"));
+        assert!(parse_npy(&npy("<i8", "(2,)", &[0u8; 16]))
+            .unwrap_err()
+            .contains("not supported"));
+        assert!(parse_npy(b"hello world").is_err());
+    }
+}

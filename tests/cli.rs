@@ -1,0 +1,343 @@
+//! The `txt2img` binary: parity with diffusers' PNG, seeds, the Hub cache, and clear errors on
+//! bad input with nothing written.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{model_dir, Golden};
+
+fn txt2img(args: &[&str], envs: &[(&str, &Path)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_txt2img"));
+    cmd.args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env_remove("HF_HUB_CACHE");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("txt2img runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Writes golden latents as a float32 `.npy`.
+fn write_npy(path: &Path, values: &[f32], shape: &[usize]) {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let mut header = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}), }}",
+        dims.join(", ")
+    );
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((header.len() as u16).to_le_bytes());
+    bytes.extend(header.as_bytes());
+    for v in values {
+        bytes.extend(v.to_le_bytes());
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+fn sd1_args<'a>(model: &'a str, latents: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "--model",
+        model,
+        "--latents",
+        latents,
+        "--steps",
+        "4",
+        "--guidance",
+        "7.5",
+        "--negative-prompt",
+        "blurry",
+        "--scheduler",
+        "pndm",
+        "--quiet",
+        "-o",
+        out,
+        "a photo of an astronaut riding a horse",
+    ]
+}
+
+#[test]
+fn png_with_latents_matches_diffusers_within_two_levels() {
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = Golden::load("tiny-sd1");
+    let (values, shape) = golden.host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    write_npy(&latents, &values, &shape);
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-sd1");
+    let result = txt2img(
+        &sd1_args(
+            model.to_str().unwrap(),
+            latents.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ),
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    let reference = image::open(common::fixtures().join("golden/tiny-sd1-pndm.png"))
+        .unwrap()
+        .to_rgb8();
+    assert_eq!(ours.dimensions(), reference.dimensions());
+    let max_diff = ours
+        .as_raw()
+        .iter()
+        .zip(reference.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    assert!(max_diff <= 2, "differs by {max_diff} levels");
+}
+
+#[test]
+fn same_seed_same_png_different_seed_different_png() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let run = |seed: &str, name: &str| -> Vec<u8> {
+        let out = tmp.path().join(name);
+        let result = txt2img(
+            &[
+                "--model",
+                model.to_str().unwrap(),
+                "--steps",
+                "2",
+                "--guidance",
+                "7.5",
+                "--seed",
+                seed,
+                "--quiet",
+                "-o",
+                out.to_str().unwrap(),
+                "a red apple",
+            ],
+            &[],
+        );
+        assert!(result.status.success(), "{}", stderr(&result));
+        std::fs::read(out).unwrap()
+    };
+    let a = run("42", "a.png");
+    assert_eq!(a, run("42", "b.png"));
+    assert_ne!(a, run("43", "c.png"));
+}
+
+#[test]
+fn hub_id_resolves_from_a_hand_made_cache_offline() {
+    let cache = tempfile::tempdir().unwrap();
+    let repo = cache.path().join("models--oxidiff--tiny-sd1");
+    let rev = "0123456789abcdef0123456789abcdef01234567";
+    copy_dir(&model_dir("tiny-sd1"), &repo.join("snapshots").join(rev));
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), rev).unwrap();
+    let out = cache.path().join("out.png");
+    let result = txt2img(
+        &[
+            "--model",
+            "oxidiff/tiny-sd1",
+            "--steps",
+            "1",
+            "--seed",
+            "1",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "a red apple",
+        ],
+        &[("HF_HUB_CACHE", cache.path())],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    assert!(out.is_file());
+
+    let missing = txt2img(
+        &[
+            "--model",
+            "oxidiff/not-cached",
+            "-o",
+            out.to_str().unwrap(),
+            "--force",
+            "x",
+        ],
+        &[("HF_HUB_CACHE", cache.path())],
+    );
+    assert_eq!(missing.status.code(), Some(1));
+    let msg = stderr(&missing);
+    assert!(msg.contains(&cache.path().display().to_string()), "{msg}");
+    assert!(msg.contains("HF_HUB_OFFLINE"), "{msg}");
+}
+
+/// Runs txt2img expecting failure (exit 1), a message containing `needle`, and no output file.
+fn fails_with(args: &[&str], needle: &str, out: &Path) {
+    let result = txt2img(args, &[]);
+    let msg = stderr(&result);
+    assert_eq!(result.status.code(), Some(1), "{msg}");
+    assert!(msg.contains(needle), "expected {needle:?} in: {msg}");
+    assert!(!msg.contains("panicked"), "{msg}");
+    assert!(!out.exists(), "nothing must be written on failure");
+}
+
+#[test]
+fn bad_size_unknown_scheduler_and_missing_model_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let o = out.to_str().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    fails_with(
+        &["--model", m, "--width", "60", "--steps", "1", "-o", o, "x"],
+        "multiples of 8",
+        &out,
+    );
+    fails_with(
+        &["--model", m, "--scheduler", "warp-drive", "-o", o, "x"],
+        "euler_a",
+        &out,
+    );
+    fails_with(
+        &["--model", "/no/such/folder", "-o", o, "x"],
+        "not found",
+        &out,
+    );
+    let usage = txt2img(&["--steps"], &[]);
+    assert_eq!(usage.status.code(), Some(2), "usage errors exit 2");
+}
+
+#[test]
+fn existing_output_is_not_overwritten_without_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("keep.png");
+    std::fs::write(&out, b"precious").unwrap();
+    let model = model_dir("tiny-sd1");
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "x",
+        ],
+        &[],
+    );
+    assert_eq!(result.status.code(), Some(1));
+    assert!(stderr(&result).contains("--force"));
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+}
+
+/// A copy of tiny-sd1 that `damage` breaks; returns the stderr of a run on it.
+fn run_on_damaged(damage: impl FnOnce(&Path)) -> (String, PathBuf, tempfile::TempDir) {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    copy_dir(&model_dir("tiny-sd1"), &model);
+    damage(&model);
+    let out = tmp.path().join("out.png");
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "x",
+        ],
+        &[],
+    );
+    assert_eq!(result.status.code(), Some(1), "{}", stderr(&result));
+    assert!(!out.exists());
+    (stderr(&result), model, tmp)
+}
+
+#[test]
+fn missing_component_folder_is_named() {
+    let (msg, _, _tmp) = run_on_damaged(|m| std::fs::remove_dir_all(m.join("vae")).unwrap());
+    assert!(msg.contains("vae"), "{msg}");
+    assert!(!msg.contains("panicked"), "{msg}");
+}
+
+#[test]
+fn truncated_safetensors_names_the_file() {
+    let (msg, _, _tmp) = run_on_damaged(|m| {
+        let f = m.join("unet/diffusion_pytorch_model.safetensors");
+        let bytes = std::fs::read(&f).unwrap();
+        std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    });
+    assert!(
+        msg.contains("unet/diffusion_pytorch_model.safetensors"),
+        "{msg}"
+    );
+    assert!(msg.contains("truncated"), "{msg}");
+}
+
+#[test]
+fn missing_weights_file_is_named() {
+    let (msg, _, _tmp) = run_on_damaged(|m| {
+        std::fs::remove_file(m.join("vae/diffusion_pytorch_model.safetensors")).unwrap()
+    });
+    assert!(msg.contains("diffusion_pytorch_model.safetensors"), "{msg}");
+}
+
+#[test]
+fn wrong_shape_names_key_expected_and_found() {
+    let (msg, _, _tmp) = run_on_damaged(|m| {
+        let f = m.join("unet/config.json");
+        let text = std::fs::read_to_string(&f).unwrap();
+        std::fs::write(
+            &f,
+            text.replace("\"cross_attention_dim\": 32", "\"cross_attention_dim\": 48"),
+        )
+        .unwrap();
+    });
+    assert!(msg.contains("attn2.to_k.weight"), "{msg}");
+    assert!(
+        msg.contains("expects [16, 48]") && msg.contains("shape [16, 32]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn config_field_of_wrong_type_is_named() {
+    let (msg, _, _tmp) = run_on_damaged(|m| {
+        let f = m.join("vae/config.json");
+        let text = std::fs::read_to_string(&f).unwrap();
+        std::fs::write(
+            &f,
+            text.replace("\"layers_per_block\": 1", "\"layers_per_block\": \"one\""),
+        )
+        .unwrap();
+    });
+    assert!(msg.contains("layers_per_block"), "{msg}");
+    assert!(msg.contains("vae/config.json"), "{msg}");
+}
+
+#[test]
+fn unknown_scheduler_class_in_config_is_named() {
+    let (msg, _, _tmp) = run_on_damaged(|m| {
+        let f = m.join("scheduler/scheduler_config.json");
+        let text = std::fs::read_to_string(&f).unwrap();
+        std::fs::write(&f, text.replace("PNDMScheduler", "WarpScheduler")).unwrap();
+    });
+    assert!(msg.contains("WarpScheduler"), "{msg}");
+}
