@@ -59,7 +59,9 @@ pub fn hub_cache_dir() -> PathBuf {
     if let Some(home) = std::env::var_os("HF_HOME") {
         return PathBuf::from(home).join("hub");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     home.join(".cache").join("huggingface").join("hub")
 }
 
@@ -85,7 +87,10 @@ pub fn cached_snapshot(cache: &Path, repo_id: &str, revision: &str) -> Option<Pa
         return None;
     }
     let snapshot = repo_dir.join("snapshots").join(hash);
-    snapshot.join("model_index.json").is_file().then_some(snapshot)
+    snapshot
+        .join("model_index.json")
+        .is_file()
+        .then_some(snapshot)
 }
 
 /// Resolves a model spec to a local folder, downloading from the Hub if needed and allowed.
@@ -196,13 +201,25 @@ mod tests {
         assert!(wanted("tokenizer/merges.txt", None));
         assert!(wanted("unet/diffusion_pytorch_model.safetensors", None));
         assert!(wanted("text_encoder/model.safetensors.index.json", None));
-        assert!(wanted("text_encoder/model-00001-of-00002.safetensors", None));
-        assert!(!wanted("unet/diffusion_pytorch_model.fp16.safetensors", None));
+        assert!(wanted(
+            "text_encoder/model-00001-of-00002.safetensors",
+            None
+        ));
+        assert!(!wanted(
+            "unet/diffusion_pytorch_model.fp16.safetensors",
+            None
+        ));
         assert!(!wanted("unet/diffusion_pytorch_model.bin", None));
         assert!(!wanted("v1-5-pruned.safetensors", None));
         assert!(!wanted("safety_checker/model.safetensors", None));
-        assert!(wanted("unet/diffusion_pytorch_model.fp16.safetensors", Some("fp16")));
-        assert!(!wanted("unet/diffusion_pytorch_model.safetensors", Some("fp16")));
+        assert!(wanted(
+            "unet/diffusion_pytorch_model.fp16.safetensors",
+            Some("fp16")
+        ));
+        assert!(!wanted(
+            "unet/diffusion_pytorch_model.safetensors",
+            Some("fp16")
+        ));
     }
 
     #[test]

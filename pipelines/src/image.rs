@@ -65,11 +65,14 @@ impl Images {
             .to_rgb8(i)
             .ok_or_else(|| PipelineError::InvalidInput(format!("no image {i}")))?;
         let mut encoded = Vec::new();
-        rgb.write_to(&mut std::io::Cursor::new(&mut encoded), image::ImageFormat::Png)
-            .map_err(|e| PipelineError::Write {
-                path: path.to_path_buf(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+        rgb.write_to(
+            &mut std::io::Cursor::new(&mut encoded),
+            image::ImageFormat::Png,
+        )
+        .map_err(|e| PipelineError::Write {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
         write_atomic(path, &encoded)
     }
 }

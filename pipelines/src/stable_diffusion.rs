@@ -161,12 +161,14 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         };
         let variant = options.variant.as_deref();
         let tokenizer = ClipTokenizer::from_dir(&component("tokenizer")?)?;
-        let text_encoder = ClipTextModel::from_dir(&component("text_encoder")?, false, variant, device)?;
+        let text_encoder =
+            ClipTextModel::from_dir(&component("text_encoder")?, false, variant, device)?;
         let unet_dir = component("unet")?;
         let unet_config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
         let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
         let vae_dir = component("vae")?;
-        let vae_config = oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
+        let vae_config =
+            oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
         let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
         let scheduler_path = component("scheduler")?.join("scheduler_config.json");
         let mut scheduler_config = SchedulerConfig::from_file(&scheduler_path)?;
@@ -208,7 +210,11 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     }
 
     /// Encodes prompts to CLIP hidden states `[n * images_per_prompt, 77, dim]`.
-    pub fn encode_prompts(&self, prompts: &[String], images_per_prompt: usize) -> Result<Tensor<B, 3>> {
+    pub fn encode_prompts(
+        &self,
+        prompts: &[String],
+        images_per_prompt: usize,
+    ) -> Result<Tensor<B, 3>> {
         let mut rows = Vec::with_capacity(prompts.len() * images_per_prompt);
         for prompt in prompts {
             let encoded = self.tokenizer.encode(prompt)?;
@@ -228,7 +234,9 @@ impl<B: Backend> StableDiffusionPipeline<B> {
 
     fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
         if req.prompts.is_empty() {
-            return Err(PipelineError::InvalidInput("the prompt list is empty".into()));
+            return Err(PipelineError::InvalidInput(
+                "the prompt list is empty".into(),
+            ));
         }
         let n = req.negative_prompts.len();
         if n > 1 && n != req.prompts.len() {
@@ -238,10 +246,14 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             )));
         }
         if req.num_inference_steps == 0 {
-            return Err(PipelineError::InvalidInput("the number of steps must be at least 1".into()));
+            return Err(PipelineError::InvalidInput(
+                "the number of steps must be at least 1".into(),
+            ));
         }
         if req.num_images_per_prompt == 0 {
-            return Err(PipelineError::InvalidInput("images per prompt must be at least 1".into()));
+            return Err(PipelineError::InvalidInput(
+                "images per prompt must be at least 1".into(),
+            ));
         }
         let default = self.default_size();
         let (w, h) = (req.width.unwrap_or(default), req.height.unwrap_or(default));
@@ -289,7 +301,12 @@ impl<B: Backend> StableDiffusionPipeline<B> {
 
         self.scheduler.set_timesteps(req.num_inference_steps)?;
         self.scheduler.set_eta(req.eta);
-        let shape = [batch, 4, height / self.vae_scale_factor, width / self.vae_scale_factor];
+        let shape = [
+            batch,
+            4,
+            height / self.vae_scale_factor,
+            width / self.vae_scale_factor,
+        ];
         let latents = match &req.latents {
             Some(l) => {
                 if l.dims() != shape {
@@ -313,7 +330,8 @@ impl<B: Backend> StableDiffusionPipeline<B> {
                 latents.clone()
             };
             let model_input = self.scheduler.scale_model_input(model_input, t)?;
-            let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), &self.device);
+            let timestep =
+                Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), &self.device);
             let noise_pred = self.unet.forward(model_input, timestep, context.clone());
             let noise_pred = if cfg {
                 let uncond = noise_pred.clone().narrow(0, 0, batch);
