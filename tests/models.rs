@@ -133,3 +133,40 @@ fn vae_decode_and_encode_match_diffusers_sd1() {
 fn vae_decode_and_encode_match_diffusers_sd2() {
     vae_matches("tiny-sd2");
 }
+
+/// Hub checkpoints (and transformers < 5) store CLIP weights under `text_model.`; transformers 5
+/// drops the prefix. Both layouts must load to the same model.
+#[test]
+fn clip_loads_keys_with_text_model_prefix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = model_dir("tiny-sd1").join("text_encoder");
+    let weights = oxidiff::models::Weights::from_component_dir(&src, &["model"], None).unwrap();
+    let mut tensors = Vec::new();
+    for key in weights.keys().map(str::to_string).collect::<Vec<_>>() {
+        let (values, shape) = weights.read_f32(&key).unwrap();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((format!("text_model.{key}"), shape, bytes));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(k, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .unwrap();
+            (k.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &tmp.path().join("model.safetensors")).unwrap();
+    std::fs::copy(src.join("config.json"), tmp.path().join("config.json")).unwrap();
+
+    let device = Default::default();
+    let golden = Golden::load("tiny-sd1");
+    let rows = golden.token_rows("clip.input_ids");
+    let prefixed = ClipTextModel::<B>::from_dir(tmp.path(), false, None, &device).unwrap();
+    let out = prefixed.forward(&rows, false).unwrap();
+    assert_close(
+        &golden,
+        "clip.last_hidden_state",
+        out.last_hidden_state,
+        TOL,
+    );
+}

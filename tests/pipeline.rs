@@ -133,3 +133,48 @@ fn sd2_v_prediction_euler_matches_diffusers() {
 fn sd2_v_prediction_euler_ancestral_matches_diffusers_with_replayed_noise() {
     run("tiny-sd2", "euler_ancestral");
 }
+
+#[test]
+fn empty_prompts_bad_sizes_and_wrong_latents_are_input_errors() {
+    let device = Default::default();
+    let mut pipe = StableDiffusionPipeline::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let base = GenerateRequest::<B> {
+        prompts: vec!["x".into()],
+        num_inference_steps: 1,
+        ..Default::default()
+    };
+    let mut err = |req: &GenerateRequest<B>| pipe_err(&mut pipe, req);
+    fn pipe_err(pipe: &mut StableDiffusionPipeline<B>, req: &GenerateRequest<B>) -> String {
+        match pipe.generate(req) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+    let empty = GenerateRequest {
+        prompts: vec![],
+        ..base.clone()
+    };
+    assert!(err(&empty).contains("prompt list is empty"));
+    let odd = GenerateRequest {
+        width: Some(70),
+        ..base.clone()
+    };
+    assert!(err(&odd).contains("multiples of 8"));
+    let negatives = GenerateRequest {
+        negative_prompts: vec!["a".into(), "b".into()],
+        ..base.clone()
+    };
+    assert!(err(&negatives).contains("negative prompts"));
+    let latents = GenerateRequest {
+        latents: Some(burn::tensor::Tensor::zeros([1, 4, 4, 4], &device)),
+        ..base.clone()
+    };
+    assert!(err(&latents).contains("expected [1, 4, 8, 8]"));
+    // The default size is the UNet's sample_size times the VAE factor.
+    assert_eq!(pipe.default_size(), 64);
+}
