@@ -73,7 +73,11 @@ impl ClipTextConfig {
                 reason: format!("`hidden_act: {}`", config.hidden_act),
             });
         }
-        if config.num_attention_heads == 0 || !config.hidden_size.is_multiple_of(config.num_attention_heads) {
+        if config.num_attention_heads == 0
+            || !config
+                .hidden_size
+                .is_multiple_of(config.num_attention_heads)
+        {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
                 reason: "`hidden_size` must be a multiple of `num_attention_heads`".into(),

@@ -282,6 +282,19 @@ impl Weights {
                 })
             }
         };
+        // The bytes now live in `values`: let the kernel drop this range of the map from our
+        // resident set (it stays in the page cache), so loading never holds two copies.
+        // SAFETY: the map is a read-only, file-backed shared mapping, so MADV_DONTNEED discards
+        // nothing: a later read of the range faults the pages back in from the file. No
+        // reference into the map outlives this function.
+        #[cfg(unix)]
+        let _ = unsafe {
+            file.mmap.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                file.data_start + start,
+                end - start,
+            )
+        };
         if let Ok(mut used) = self.used.lock() {
             used.insert(key.to_string());
         }
@@ -368,22 +381,6 @@ impl<B: Backend> VarBuilder<B> {
         let values = self.get_host(name, &shape)?;
         Ok(Tensor::from_data(
             TensorData::new(values, shape),
-            &self.device,
-        ))
-    }
-
-    /// Loads a PyTorch `[out, in]` linear weight and transposes it on the host to Burn's
-    /// `[in, out]` layout, so the forward pass is a plain matmul.
-    pub fn get_linear_weight(&self, name: &str, d_in: usize, d_out: usize) -> Result<Tensor<B, 2>> {
-        let values = self.get_host(name, &[d_out, d_in])?;
-        let mut transposed = vec![0f32; values.len()];
-        for o in 0..d_out {
-            for i in 0..d_in {
-                transposed[i * d_out + o] = values[o * d_in + i];
-            }
-        }
-        Ok(Tensor::from_data(
-            TensorData::new(transposed, [d_in, d_out]),
             &self.device,
         ))
     }

@@ -2,7 +2,7 @@
 //! the ratios): the same random-weight SD 1.5-architecture folder, the same timings as
 //! `tools/bench/sd15_diffusers.py`, printed as one JSON line.
 //!
-//! `bench_sd15 DIR [--size 256] [--steps 4] [--repeat 2]`; threads follow `RAYON_NUM_THREADS`.
+//! `bench_sd15 DIR [--size 256] [--steps 4] [--repeat 2] [--load-only]`; threads follow `RAYON_NUM_THREADS`.
 
 use std::time::Instant;
 
@@ -38,17 +38,27 @@ fn timed(repeat: usize, mut f: impl FnMut()) -> f64 {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let dir = args.get(1).context("usage: bench_sd15 DIR [--size N] [--steps N] [--repeat N]")?;
+    let dir = args
+        .get(1)
+        .context("usage: bench_sd15 DIR [--size N] [--steps N] [--repeat N]")?;
     let size = arg(&args, "--size", 256)?;
     let steps = arg(&args, "--steps", 4)?;
     let repeat = arg(&args, "--repeat", 2)?;
     let device = Default::default();
 
     let start = Instant::now();
-    let mut pipe = StableDiffusionPipeline::<Cpu>::from_pretrained(dir, &LoadOptions::default(), &device)?;
+    let mut pipe =
+        StableDiffusionPipeline::<Cpu>::from_pretrained(dir, &LoadOptions::default(), &device)?;
     let load = start.elapsed().as_secs_f64();
+    if args.iter().any(|a| a == "--load-only") {
+        println!("{}", serde_json::json!({"load_s": load, "peak_rss_bytes": peak_rss_bytes()}));
+        return Ok(());
+    }
 
-    let prompts = vec!["a photo of an astronaut riding a horse".to_string(), String::new()];
+    let prompts = vec![
+        "a photo of an astronaut riding a horse".to_string(),
+        String::new(),
+    ];
     let ctx = pipe.encode_prompts(&prompts, 1)?;
     let text = timed(repeat, || {
         let _ = pipe.encode_prompts(&prompts, 1).map(|t| t.into_data());
@@ -65,7 +75,10 @@ fn main() -> Result<()> {
     });
     let latents: Tensor<Cpu, 4> = NoiseSource::<Cpu>::randn(&mut gen, [1, 4, lat, lat], &device)?;
     let vae = timed(repeat, || {
-        let _ = pipe.vae.decode(latents.clone().div_scalar(0.18215)).into_data();
+        let _ = pipe
+            .vae
+            .decode(latents.clone().div_scalar(0.18215))
+            .into_data();
     });
     let request = GenerateRequest {
         prompts: vec![prompts[0].clone()],

@@ -1,0 +1,466 @@
+//! Eager mode on a PJRT device: every op Burn registers is lowered on its own
+//! ([`lowering::lower_op`]), compiled once per module text (which encodes
+//! the op's structure, shapes and dtypes but no scalar), and executed at
+//! once on the device's buffers.
+//!
+//! # Errors
+//! `RunnerClient` methods cannot return errors, so a failing op (not
+//! lowered, failed to compile or run, an input that is missing because an
+//! earlier op failed) is recorded: its outputs stay unbound, later ops that
+//! need them are skipped, and the first recorded error is returned by the
+//! next read of a tensor and by `sync` (Burn's `into_data` then panics with
+//! it, naming the op). Nothing panics inside `register_op`, which also runs
+//! from `Drop`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, Shape, TensorData};
+use burn_ir::{OperationIr, ScalarIr, TensorId, TensorIr, TensorStatus};
+
+use crate::device::{OxiDevice, PjrtPlatform};
+use crate::lowering::{self, element_type, Argument, LoweredFunction};
+use crate::pjrt::{
+    self, Buffer, Client, CompileOptions, Device, ElementType, LoadedExecutable, NamedValue, Plugin,
+};
+
+/// At most this many scalar buffers are kept per device.
+const SCALAR_CACHE_SIZE: usize = 4096;
+
+/// Environment variable: how many devices the XLA CPU plugin shows (default 2).
+pub const XLA_CPU_DEVICES_ENV: &str = "OXIDIFF_XLA_CPU_DEVICES";
+
+/// The process-wide PJRT client of a platform, created on first use.
+pub fn shared_client(platform: &PjrtPlatform) -> pjrt::Result<Client> {
+    type Clients = Mutex<HashMap<PjrtPlatform, Client>>;
+    static CLIENTS: OnceLock<Clients> = OnceLock::new();
+    let mut clients = CLIENTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(client) = clients.get(platform) {
+        return Ok(client.clone());
+    }
+    let plugin = Plugin::discover(&platform.plugin_name())?;
+    let client = if plugin.kind() == Some(pjrt::PluginKind::XlaCpu) {
+        let count = std::env::var(XLA_CPU_DEVICES_ENV)
+            .ok()
+            .and_then(|v| v.parse::<i64>().ok())
+            .unwrap_or(2);
+        plugin.client_with_options(&[("cpu_device_count", NamedValue::Int64(count))])?
+    } else {
+        plugin.client()?
+    };
+    clients.insert(platform.clone(), client.clone());
+    Ok(client)
+}
+
+/// The eager client of one PJRT device. Cheap to clone.
+#[derive(Clone)]
+pub struct PjrtClient {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    platform: PjrtPlatform,
+    index: usize,
+    /// The device, or why there is none.
+    target: std::result::Result<(Client, Device), String>,
+    state: Mutex<State>,
+    next_id: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    buffers: HashMap<TensorId, Buffer>,
+    /// Rank-0 buffers of scalar arguments, by element type and bytes.
+    scalars: HashMap<(ElementType, Vec<u8>), Buffer>,
+    executables: HashMap<String, Arc<LoadedExecutable>>,
+    /// The first error since the last read or sync.
+    error: Option<String>,
+    /// Random state: seed and a counter of random ops.
+    seed: u64,
+    draws: u64,
+    stats: Stats,
+}
+
+/// Counters of what eager mode did, for benchmarks and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Ops executed.
+    pub executed: u64,
+    /// Executables compiled (cache misses).
+    pub compiled: u64,
+    /// Live device buffers.
+    pub buffers: usize,
+}
+
+type OpResult<T> = std::result::Result<T, String>;
+
+impl PjrtClient {
+    /// The client of device `index` of `platform`. A device that does not
+    /// exist gives a client whose every op fails with the reason.
+    pub fn new(platform: PjrtPlatform, index: usize) -> Self {
+        let device = OxiDevice::Pjrt {
+            platform: platform.clone(),
+            index,
+        };
+        let target = shared_client(&platform)
+            .map_err(|e| format!("device {device}: {e}"))
+            .and_then(|client| match client.device(index) {
+                Ok(d) => Ok((client, d)),
+                Err(_) => Err(format!(
+                    "device {device} does not exist: this machine has {} {platform} device(s)",
+                    client.device_count()
+                )),
+            });
+        Self {
+            inner: Arc::new(Inner {
+                platform,
+                index,
+                target,
+                state: Mutex::new(State::default()),
+                next_id: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The device.
+    pub fn device(&self) -> OxiDevice {
+        OxiDevice::Pjrt {
+            platform: self.inner.platform.clone(),
+            index: self.inner.index,
+        }
+    }
+
+    /// What eager mode did so far on this device.
+    pub fn stats(&self) -> Stats {
+        let state = self.state();
+        Stats {
+            buffers: state.buffers.len(),
+            ..state.stats
+        }
+    }
+
+    pub fn create_empty_handle(&self) -> TensorId {
+        TensorId::new(self.inner.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    pub fn seed(&self, seed: u64) {
+        let mut state = self.state();
+        state.seed = seed;
+        state.draws = 0;
+    }
+
+    pub fn dtype_usage(&self, dtype: DType) -> DTypeUsageSet {
+        match element_type(dtype) {
+            Some(ElementType::F64) if self.inner.platform == PjrtPlatform::Tpu => {
+                DTypeUsageSet::empty()
+            }
+            Some(_) => DTypeUsage::Storage | DTypeUsage::Arithmetic,
+            None => DTypeUsageSet::empty(),
+        }
+    }
+
+    /// Executes `op` now, recording any failure (module docs).
+    pub fn register_op(&self, op: OperationIr) {
+        let mut state = self.state();
+        match &op {
+            OperationIr::Init(_) => {}
+            OperationIr::Drop(tensor) => {
+                state.buffers.remove(&tensor.id);
+            }
+            _ => {
+                if let Err(e) = self.execute(&mut state, &op) {
+                    if state.error.is_none() {
+                        state.error = Some(e);
+                    }
+                }
+                // Inputs consumed by the op (no `Drop` will come for them).
+                for input in op.inputs() {
+                    if input.status == TensorStatus::ReadWrite {
+                        state.buffers.remove(&input.id);
+                    }
+                }
+            }
+        }
+    }
+
+    fn target(&self) -> OpResult<&(Client, Device)> {
+        self.inner.target.as_ref().map_err(Clone::clone)
+    }
+
+    fn execute(&self, state: &mut State, op: &OperationIr) -> OpResult<()> {
+        // The op's name only for errors (formatting it costs microseconds).
+        let name = || lowering::op_name(op);
+        let (client, device) = self.target()?;
+        // Skip ops whose inputs are gone because an earlier op failed.
+        for input in op.inputs() {
+            if !state.buffers.contains_key(&input.id) {
+                return Err(state.error.clone().unwrap_or_else(|| {
+                    format!(
+                        "op {} on {}: input tensor {} is not on the device",
+                        name(),
+                        self.device(),
+                        input.id
+                    )
+                }));
+            }
+        }
+        let function = lowering::lower_op(op).map_err(|e| format!("on {}: {e}", self.device()))?;
+        let executable = match state.executables.get(&function.module) {
+            Some(exe) => exe.clone(),
+            None => {
+                let options = CompileOptions::on_device(i64::from(device.id()));
+                let exe = client.compile(&function.module, &options).map_err(|e| {
+                    format!(
+                        "op {} on {}: compiling its StableHLO failed: {e}\n{}",
+                        name(),
+                        self.device(),
+                        function.module
+                    )
+                })?;
+                let exe = Arc::new(exe);
+                state
+                    .executables
+                    .insert(function.module.clone(), exe.clone());
+                state.stats.compiled += 1;
+                exe
+            }
+        };
+        let outputs = self.run(state, &executable, &function, op)?;
+        for ((id, _), buffer) in function.results.iter().zip(outputs) {
+            state.buffers.insert(*id, buffer);
+        }
+        state.stats.executed += 1;
+        Ok(())
+    }
+
+    /// Gathers the arguments (uploading scalars) and executes.
+    fn run(
+        &self,
+        state: &mut State,
+        executable: &LoadedExecutable,
+        function: &LoweredFunction,
+        op: &OperationIr,
+    ) -> OpResult<Vec<Buffer>> {
+        let name = || lowering::op_name(op);
+        let (client, device) = self.target()?;
+        // Scalars are small immutable buffers: keep them by value, so a
+        // model's recurring constants (eps, scales) are uploaded once. The
+        // random state changes every time and is uploaded fresh.
+        let mut rng_states = Vec::new();
+        let mut scalar_keys = Vec::new();
+        for (argument, ty) in &function.arguments {
+            let (bytes, cached) = match argument {
+                Argument::Tensor(_) => continue,
+                Argument::Scalar(scalar) => (scalar_bytes(*scalar, ty.elem), true),
+                Argument::RngState => {
+                    state.draws += 1;
+                    let words = [state.seed, state.draws];
+                    (words.iter().flat_map(|w| w.to_le_bytes()).collect(), false)
+                }
+            };
+            let key = (ty.elem, bytes);
+            if cached && state.scalars.contains_key(&key) {
+                scalar_keys.push(key);
+                continue;
+            }
+            let shape = pjrt::Shape::new(ty.elem, dims_i64(&ty.dims));
+            let buffer = client
+                .buffer_from_host(&key.1, &shape, device)
+                .map_err(|e| format!("op {}: uploading a scalar failed: {e}", name()))?;
+            if cached {
+                if state.scalars.len() >= SCALAR_CACHE_SIZE {
+                    state.scalars.clear();
+                }
+                state.scalars.insert(key.clone(), buffer);
+                scalar_keys.push(key);
+            } else {
+                rng_states.push(buffer);
+            }
+        }
+        let mut scalars = scalar_keys.iter();
+        let mut rng_states = rng_states.iter();
+        let mut args = Vec::with_capacity(function.arguments.len());
+        for (argument, _) in &function.arguments {
+            let buffer = match argument {
+                Argument::Tensor(id) => state.buffers.get(id),
+                Argument::Scalar(_) => scalars.next().and_then(|key| state.scalars.get(key)),
+                Argument::RngState => rng_states.next(),
+            };
+            match buffer {
+                Some(buffer) => args.push(buffer),
+                None => {
+                    return Err(format!(
+                        "op {}: argument {argument:?} is not on the device",
+                        name()
+                    ))
+                }
+            }
+        }
+        let outputs = executable
+            .execute(&args)
+            .map_err(|e| format!("op {} on {}: execution failed: {e}", name(), self.device()))?;
+        if outputs.len() != function.results.len() {
+            return Err(format!(
+                "op {}: the executable returned {} outputs, expected {}",
+                name(),
+                outputs.len(),
+                function.results.len()
+            ));
+        }
+        Ok(outputs)
+    }
+
+    /// Copies host data to the device; returns the new tensor's IR.
+    pub fn register_tensor_data_ir(&self, data: TensorData) -> TensorIr {
+        let id = self.create_empty_handle();
+        let shape = data.shape.clone();
+        let dtype = data.dtype;
+        let result = self.upload(&data);
+        let mut state = self.state();
+        match result {
+            Ok(buffer) => {
+                state.buffers.insert(id, buffer);
+            }
+            Err(e) => {
+                if state.error.is_none() {
+                    state.error = Some(e);
+                }
+            }
+        }
+        TensorIr {
+            id,
+            shape,
+            status: TensorStatus::ReadWrite,
+            dtype,
+        }
+    }
+
+    fn upload(&self, data: &TensorData) -> OpResult<Buffer> {
+        let (client, device) = self.target()?;
+        let (elem, data) = host_layout(data)?;
+        let shape = pjrt::Shape::new(elem, dims_i64(&data.shape));
+        client
+            .buffer_from_host(data.as_bytes(), &shape, device)
+            .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))
+    }
+
+    /// Copies a tensor to the host; frees it when the read consumes it. The
+    /// first recorded error, if any, is returned instead (and cleared).
+    pub fn read_tensor(&self, tensor: TensorIr) -> Result<TensorData, ExecutionError> {
+        let mut state = self.state();
+        if let Some(reason) = state.error.take() {
+            return Err(ExecutionError::WithContext { reason });
+        }
+        let data = match state.buffers.get(&tensor.id) {
+            Some(buffer) => {
+                read_buffer(buffer, tensor.shape.clone(), tensor.dtype).map_err(|e| {
+                    ExecutionError::WithContext {
+                        reason: format!("reading a tensor from {} failed: {e}", self.device()),
+                    }
+                })?
+            }
+            None => {
+                return Err(ExecutionError::WithContext {
+                    reason: format!(
+                        "tensor {} is not on {} (was it produced by an op that failed?)",
+                        tensor.id,
+                        self.device()
+                    ),
+                })
+            }
+        };
+        if tensor.status == TensorStatus::ReadWrite {
+            state.buffers.remove(&tensor.id);
+        }
+        Ok(data)
+    }
+
+    /// Waits for all work; returns (and clears) the first recorded error.
+    pub fn sync(&self) -> Result<(), ExecutionError> {
+        let mut state = self.state();
+        if let Some(reason) = state.error.take() {
+            return Err(ExecutionError::WithContext { reason });
+        }
+        for buffer in state.buffers.values() {
+            buffer.ready().map_err(|e| ExecutionError::WithContext {
+                reason: format!("a computation on {} failed: {e}", self.device()),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn dims_i64(dims: &[usize]) -> Vec<i64> {
+    dims.iter().map(|&d| d as i64).collect()
+}
+
+/// The PJRT element type and the data laid out as PJRT reads it.
+fn host_layout(data: &TensorData) -> OpResult<(ElementType, std::borrow::Cow<'_, TensorData>)> {
+    match data.dtype {
+        DType::Flex32 => Ok((
+            ElementType::F32,
+            std::borrow::Cow::Owned(data.clone().convert_dtype(DType::F32)),
+        )),
+        dtype => match element_type(dtype) {
+            Some(elem) => Ok((elem, std::borrow::Cow::Borrowed(data))),
+            None => Err(format!(
+                "tensors of dtype {dtype:?} cannot live on a PJRT device"
+            )),
+        },
+    }
+}
+
+/// A buffer as Burn data of `dtype`, read into a vector of the element
+/// type (so the data is aligned for Burn without another copy).
+fn read_buffer(buffer: &Buffer, shape: Shape, dtype: DType) -> pjrt::Result<TensorData> {
+    Ok(match dtype {
+        DType::F32 | DType::Flex32 => TensorData::new(buffer.to_vec::<f32>()?, shape),
+        DType::F64 => TensorData::new(buffer.to_vec::<f64>()?, shape),
+        DType::F16 => TensorData::new(buffer.to_vec::<half::f16>()?, shape),
+        DType::BF16 => TensorData::new(buffer.to_vec::<half::bf16>()?, shape),
+        DType::I64 => TensorData::new(buffer.to_vec::<i64>()?, shape),
+        DType::I32 => TensorData::new(buffer.to_vec::<i32>()?, shape),
+        DType::I16 => TensorData::new(buffer.to_vec::<i16>()?, shape),
+        DType::I8 => TensorData::new(buffer.to_vec::<i8>()?, shape),
+        DType::U64 => TensorData::new(buffer.to_vec::<u64>()?, shape),
+        DType::U32 => TensorData::new(buffer.to_vec::<u32>()?, shape),
+        DType::U16 => TensorData::new(buffer.to_vec::<u16>()?, shape),
+        other => TensorData::from_bytes_vec(buffer.to_host()?, shape, other),
+    })
+}
+
+/// A scalar as the bytes of a rank-0 array of `elem`.
+pub(crate) fn scalar_bytes(scalar: ScalarIr, elem: ElementType) -> Vec<u8> {
+    let (f, i, u, b) = match scalar {
+        ScalarIr::Float(v) => (v, v as i64, v as u64, v != 0.0),
+        ScalarIr::Int(v) => (v as f64, v, v as u64, v != 0),
+        ScalarIr::UInt(v) => (v as f64, v as i64, v, v != 0),
+        ScalarIr::Bool(v) => (f64::from(u8::from(v)), i64::from(v), u64::from(v), v),
+    };
+    match elem {
+        ElementType::F32 => (f as f32).to_le_bytes().to_vec(),
+        ElementType::F64 => f.to_le_bytes().to_vec(),
+        ElementType::F16 => half::f16::from_f64(f).to_le_bytes().to_vec(),
+        ElementType::BF16 => half::bf16::from_f64(f).to_le_bytes().to_vec(),
+        ElementType::S8 => (i as i8).to_le_bytes().to_vec(),
+        ElementType::S16 => (i as i16).to_le_bytes().to_vec(),
+        ElementType::S32 => (i as i32).to_le_bytes().to_vec(),
+        ElementType::S64 => i.to_le_bytes().to_vec(),
+        ElementType::U8 => (u as u8).to_le_bytes().to_vec(),
+        ElementType::U16 => (u as u16).to_le_bytes().to_vec(),
+        ElementType::U32 => (u as u32).to_le_bytes().to_vec(),
+        ElementType::U64 => u.to_le_bytes().to_vec(),
+        ElementType::Pred => vec![u8::from(b)],
+    }
+}

@@ -1,0 +1,221 @@
+//! Loading a PJRT plugin: `dlopen`, `GetPjrtApi`, version check,
+//! `PJRT_Plugin_Initialize` and the plugin's attributes.
+//!
+//! A plugin is loaded and initialized once per process: loading the same file
+//! again returns the same [`Plugin`], and a plugin is never unloaded (XLA
+//! plugins start threads and register globals that do not survive `dlclose`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::api::{pjrt_call, read_named_values, Api, NamedValue};
+use super::discovery::{PluginKind, PluginSearch};
+use super::error::{Error, Result};
+use super::ffi::{self, Padded};
+
+/// The oldest PJRT C API minor version oxidiff accepts (major must be 0): the
+/// oldest plugin it is tested against, `xla-cpu-pjrt` 0.0.1.
+pub const MIN_API_MINOR: i32 = 81;
+
+/// A loaded and initialized PJRT plugin. Cheap to clone.
+#[derive(Clone)]
+pub struct Plugin {
+    pub(crate) inner: Arc<PluginInner>,
+}
+
+pub(crate) struct PluginInner {
+    pub(crate) api: Api,
+    pub(crate) kind: Option<PluginKind>,
+    attributes: Vec<(String, NamedValue)>,
+    /// Keeps the library mapped; never dropped (see the module docs).
+    _library: &'static libloading::Library,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("path", self.path())
+            .field("api_version", &self.api_version())
+            .field("kind", &self.inner.kind)
+            .finish()
+    }
+}
+
+fn registry() -> &'static Mutex<HashMap<PathBuf, Plugin>> {
+    static LOADED: OnceLock<Mutex<HashMap<PathBuf, Plugin>>> = OnceLock::new();
+    LOADED.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+impl Plugin {
+    /// Finds and loads the plugin for `name`: `xla:cpu`, `tpu`, `cuda`, or a
+    /// path to a plugin `.so`. See [`PluginSearch`] for where it looks.
+    pub fn discover(name: &str) -> Result<Plugin> {
+        PluginSearch::from_env().load(name)
+    }
+
+    /// Loads the plugin file at `path`, guessing its kind from the file name
+    /// (`libtpu*` is TPU, `*cuda*` CUDA, `*cpu*` XLA CPU).
+    pub fn load(path: impl AsRef<Path>) -> Result<Plugin> {
+        let path = path.as_ref();
+        Self::load_as(path, PluginKind::guess_from_path(path))
+    }
+
+    /// Loads the plugin file at `path` as a plugin of `kind`: clients of it
+    /// must report that kind's platform.
+    pub fn load_as(path: impl AsRef<Path>, kind: Option<PluginKind>) -> Result<Plugin> {
+        let path = path.as_ref();
+        let canonical = path.canonicalize().map_err(|e| Error::Load {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let mut loaded = registry()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(plugin) = loaded.get(&canonical) {
+            return Ok(plugin.clone());
+        }
+        if kind == Some(PluginKind::Tpu) {
+            prepare_libtpu_environment();
+        }
+        let plugin = Self::open(&canonical, kind)?;
+        loaded.insert(canonical, plugin.clone());
+        Ok(plugin)
+    }
+
+    fn open(path: &Path, kind: Option<PluginKind>) -> Result<Plugin> {
+        // SAFETY: loading a shared library runs its initializers. The caller
+        // asked for this file as a PJRT plugin; PJRT plugins are ordinary
+        // shared libraries whose initializers are safe to run once, and the
+        // registry makes sure each file is opened once per process.
+        let library = unsafe { libloading::Library::new(path) }.map_err(|e| Error::Load {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        // SAFETY: `GetPjrtApi` is declared by the PJRT header as
+        // `const PJRT_Api* GetPjrtApi(void)`, which `GetPjrtApiFn` matches.
+        let get_api: ffi::GetPjrtApiFn =
+            match unsafe { library.get::<ffi::GetPjrtApiFn>(b"GetPjrtApi\0") } {
+                Ok(symbol) => *symbol,
+                Err(e) => {
+                    return Err(Error::NotAPlugin {
+                        path: path.to_path_buf(),
+                        reason: format!("it exports no GetPjrtApi symbol ({e})"),
+                    })
+                }
+            };
+        // SAFETY: calling the plugin's entry point, which takes no arguments;
+        // `library` is still loaded.
+        let table = unsafe { get_api() };
+        if table.is_null() {
+            return Err(Error::NotAPlugin {
+                path: path.to_path_buf(),
+                reason: "GetPjrtApi returned null".to_string(),
+            });
+        }
+        // SAFETY: a non-null `GetPjrtApi` result points to the plugin's static
+        // `PJRT_Api`, whose first field is its `struct_size`.
+        let api = unsafe { Api::from_raw(table, path.to_path_buf()) };
+        check_version(&api)?;
+        // From here on the plugin runs: it is never unloaded (module docs), so
+        // leak the handle.
+        let library: &'static libloading::Library = Box::leak(Box::new(library));
+
+        let mut init = Padded::<ffi::PJRT_Plugin_Initialize_Args>::new();
+        // SAFETY: the arguments hold no pointers; initialization runs once per
+        // process because of the registry.
+        unsafe { pjrt_call!(&api, PJRT_Plugin_Initialize, &mut init) }?;
+
+        let mut attrs = Padded::<ffi::PJRT_Plugin_Attributes_Args>::new();
+        // SAFETY: out-parameters only.
+        unsafe { pjrt_call!(&api, PJRT_Plugin_Attributes, &mut attrs) }?;
+        // SAFETY: the plugin returned an array of `num_attributes` values that
+        // live as long as the process.
+        let attributes = unsafe { read_named_values(attrs.attributes, attrs.num_attributes) };
+
+        Ok(Plugin {
+            inner: Arc::new(PluginInner {
+                api,
+                kind,
+                attributes,
+                _library: library,
+            }),
+        })
+    }
+
+    /// The plugin file (canonical path).
+    pub fn path(&self) -> &PathBuf {
+        self.inner.api.path()
+    }
+
+    /// `(major, minor)` of the PJRT C API the plugin implements.
+    pub fn api_version(&self) -> (i32, i32) {
+        self.inner.api.version()
+    }
+
+    /// Size in bytes of the plugin's function table (`PJRT_Api.struct_size`).
+    pub fn api_table_size(&self) -> usize {
+        self.inner.api.table_size()
+    }
+
+    /// What the plugin was loaded as, if known.
+    pub fn kind(&self) -> Option<PluginKind> {
+        self.inner.kind
+    }
+
+    /// The plugin's attributes (`xla_version`, `stablehlo_current_version`, ...).
+    pub fn attributes(&self) -> &[(String, NamedValue)] {
+        &self.inner.attributes
+    }
+
+    /// The attribute called `name`.
+    pub fn attribute(&self, name: &str) -> Option<&NamedValue> {
+        self.inner
+            .attributes
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+    }
+
+    pub(crate) fn api(&self) -> &Api {
+        &self.inner.api
+    }
+}
+
+fn check_version(api: &Api) -> Result<()> {
+    let (major, minor) = api.version();
+    if major != ffi::PJRT_API_MAJOR || minor < MIN_API_MINOR {
+        return Err(Error::UnsupportedApiVersion {
+            path: api.path().clone(),
+            major,
+            minor,
+            min_minor: MIN_API_MINOR,
+        });
+    }
+    Ok(())
+}
+
+/// Whether this machine exposes a TPU to user space (`/dev/accel*` on TPU
+/// VMs up to v4, `/dev/vfio` from v5 on).
+pub fn tpu_device_present() -> bool {
+    let accel = std::fs::read_dir("/dev")
+        .map(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with("accel"))
+        })
+        .unwrap_or(false);
+    accel || Path::new("/dev/vfio").exists()
+}
+
+/// Without a TPU, libtpu asks the cloud metadata server about the machine and
+/// retries for minutes; `TPU_SKIP_MDS_QUERY=1` makes it fail at once. Set it
+/// (unless the user set it either way) before libtpu is loaded.
+///
+/// This changes the process environment; it runs once, under the plugin
+/// registry lock, before libtpu's code is in the process.
+fn prepare_libtpu_environment() {
+    if std::env::var_os("TPU_SKIP_MDS_QUERY").is_none() && !tpu_device_present() {
+        std::env::set_var("TPU_SKIP_MDS_QUERY", "1");
+    }
+}

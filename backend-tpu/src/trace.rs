@@ -1,0 +1,136 @@
+//! Recording ops instead of running them: [`Traced`] is a Burn backend whose
+//! tensors have shapes and dtypes but no values, and whose ops are kept, in
+//! order, per device. Its first use is checking lowerings without a device
+//! (lower each recorded op, compile it ahead of time for a TPU topology); it
+//! is also the front half of compiled mode, which will lower a recorded
+//! sequence into one function with [`Lowerer`](crate::lowering::Lowerer).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, Shape, TensorData};
+use burn_ir::{OperationIr, TensorId, TensorIr};
+use burn_router::{get_client, BackendRouter, RouterTensor, RunnerChannel, RunnerClient};
+
+use crate::channel::HostBridge;
+use crate::device::OxiDevice;
+use crate::lowering::element_type;
+
+/// The channel of [`Traced`].
+#[derive(Clone, Default)]
+pub struct TraceChannel;
+
+/// A Burn backend that records ops (see the module docs).
+pub type Traced = BackendRouter<TraceChannel>;
+
+/// The recorder of one device.
+#[derive(Clone)]
+pub struct TraceClient {
+    device: OxiDevice,
+    ops: Arc<Mutex<Vec<OperationIr>>>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl TraceClient {
+    /// Takes the ops recorded so far (not `Init` or `Drop`).
+    pub fn take_ops(&self) -> Vec<OperationIr> {
+        std::mem::take(&mut *self.ops.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+/// Takes the ops recorded on `device` so far.
+pub fn take_ops(device: &OxiDevice) -> Vec<OperationIr> {
+    get_client::<TraceChannel>(device).take_ops()
+}
+
+impl RunnerClient for TraceClient {
+    type Device = OxiDevice;
+
+    fn register_op(&self, op: OperationIr) {
+        if matches!(op, OperationIr::Init(_) | OperationIr::Drop(_)) {
+            return;
+        }
+        self.ops.lock().unwrap_or_else(|p| p.into_inner()).push(op);
+    }
+
+    fn read_tensor_async(
+        &self,
+        tensor: TensorIr,
+    ) -> Pin<Box<dyn Future<Output = Result<TensorData, ExecutionError>> + Send>> {
+        Box::pin(async move {
+            Err(ExecutionError::WithContext {
+                reason: format!("tensor {} is traced: it has no value", tensor.id),
+            })
+        })
+    }
+
+    fn sync(&self) -> Result<(), ExecutionError> {
+        Ok(())
+    }
+
+    fn create_empty_handle(&self) -> TensorId {
+        TensorId::new(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    fn register_tensor_data(&self, data: TensorData) -> RouterTensor<Self> {
+        RouterTensor::new(
+            self.create_empty_handle(),
+            data.shape,
+            data.dtype,
+            self.clone(),
+        )
+    }
+
+    fn device(&self) -> OxiDevice {
+        self.device.clone()
+    }
+
+    fn seed(&self, _seed: u64) {}
+
+    fn dtype_usage(&self, dtype: DType) -> DTypeUsageSet {
+        match element_type(dtype) {
+            Some(_) => DTypeUsage::Storage | DTypeUsage::Arithmetic,
+            None => DTypeUsageSet::empty(),
+        }
+    }
+}
+
+impl RunnerChannel for TraceChannel {
+    type Device = OxiDevice;
+    type Bridge = HostBridge;
+    type Client = TraceClient;
+    type FloatElem = f32;
+    type IntElem = i32;
+    type BoolElem = bool;
+
+    fn name(device: &OxiDevice) -> String {
+        format!("trace<{device}>")
+    }
+
+    fn init_client(device: &OxiDevice) -> TraceClient {
+        TraceClient {
+            device: device.clone(),
+            ops: Arc::default(),
+            next_id: Arc::default(),
+        }
+    }
+
+    /// Traced tensors have no values to move.
+    fn get_tensor_handle(tensor: &TensorIr, _client: &TraceClient) -> TensorData {
+        panic!(
+            "tensor {} is traced: it has no value to move to another device",
+            tensor.id
+        )
+    }
+
+    fn register_tensor(
+        client: &TraceClient,
+        data: TensorData,
+        _shape: Shape,
+        _dtype: DType,
+    ) -> RouterTensor<TraceClient> {
+        client.register_tensor_data(data)
+    }
+}
