@@ -86,11 +86,12 @@ pub enum DeviceError {
         count: usize,
         platform: String,
     },
-    #[error("device {device}: {source}")]
+    /// The plugin's error is part of the message (not a separate `source`), so that
+    /// `{:#}`-style printing does not repeat it.
+    #[error("device {device}: {cause}")]
     Pjrt {
         device: String,
-        #[source]
-        source: crate::pjrt::Error,
+        cause: crate::pjrt::Error,
     },
 }
 
@@ -122,9 +123,9 @@ impl OxiDevice {
         let Self::Pjrt { platform, index } = self else {
             return Ok(());
         };
-        let client = crate::eager::shared_client(platform).map_err(|source| DeviceError::Pjrt {
+        let client = crate::eager::shared_client(platform).map_err(|cause| DeviceError::Pjrt {
             device: self.to_string(),
-            source,
+            cause,
         })?;
         if *index >= client.device_count() {
             return Err(DeviceError::OutOfRange {

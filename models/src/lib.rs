@@ -11,6 +11,7 @@ pub mod attention;
 pub mod autoencoder_kl;
 pub mod clip;
 pub mod config;
+pub mod device;
 pub mod embeddings;
 pub mod error;
 pub mod nn;
@@ -21,6 +22,7 @@ pub mod weights;
 
 pub use autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig, LatentDist};
 pub use clip::{ClipTextConfig, ClipTextModel, ClipTextOutput};
+pub use device::ToDevice;
 pub use error::{ModelError, Result};
 pub use tokenizer::{ClipTokenizer, Encoded};
 pub use unet_2d_condition::{UNet2DConditionConfig, UNet2DConditionModel};

@@ -10,7 +10,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use oxidiff_models::config::load_json;
 use oxidiff_models::{
-    AutoencoderKL, ClipTextModel, ClipTokenizer, UNet2DConditionConfig, UNet2DConditionModel,
+    AutoencoderKL, ClipTextModel, ClipTokenizer, ToDevice, UNet2DConditionConfig,
+    UNet2DConditionModel,
 };
 use oxidiff_schedulers::{
     scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, SchedulerKind,
@@ -117,6 +118,7 @@ pub struct StableDiffusionPipeline<B: Backend> {
     pub vae_scale_factor: usize,
     /// The UNet's native latent size, for the default width and height.
     pub sample_size: usize,
+    /// Where latents live and the denoising loop runs: the UNet's device.
     pub device: B::Device,
     pub source: PathBuf,
 }
@@ -193,6 +195,37 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
         })
+    }
+
+    /// The device the text encoder runs on.
+    pub fn text_encoder_device(&self) -> B::Device {
+        self.text_encoder.token_embedding.weight.device()
+    }
+
+    /// The device the UNet (and the denoising loop) runs on.
+    pub fn unet_device(&self) -> B::Device {
+        self.unet.conv_in.weight.device()
+    }
+
+    /// The device the VAE runs on.
+    pub fn vae_device(&self) -> B::Device {
+        self.vae.decoder.conv_in.weight.device()
+    }
+
+    /// Places each component on its own device, as TPU users do when a whole pipeline does not
+    /// fit one chip (for example the text encoder on the CPU and the UNet on the TPU).
+    #[must_use]
+    pub fn to_components(
+        mut self,
+        text_encoder: &B::Device,
+        unet: &B::Device,
+        vae: &B::Device,
+    ) -> Self {
+        self.text_encoder = self.text_encoder.to(text_encoder);
+        self.unet = self.unet.to(unet);
+        self.vae = self.vae.to(vae);
+        self.device = unet.clone();
+        self
     }
 
     /// Swaps the scheduler for another algorithm, keeping the checkpoint's betas config
@@ -299,6 +332,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             prompt_embeds
         };
 
+        let context = context.to_device(&self.device);
         self.scheduler.set_timesteps(req.num_inference_steps)?;
         self.scheduler.set_eta(req.eta);
         let shape = [
@@ -316,7 +350,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
                         l.dims()
                     )));
                 }
-                l.clone()
+                l.clone().to_device(&self.device)
             }
             None => noise.randn(shape, &self.device)?,
         };
@@ -352,12 +386,18 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let images = match req.output {
             OutputType::Latents => None,
             OutputType::Images => {
-                let decoded = self
-                    .vae
-                    .decode(latents.clone().div_scalar(self.vae.scaling_factor));
+                let on_vae = latents.clone().to_device(&self.vae_device());
+                let decoded = self.vae.decode(on_vae.div_scalar(self.vae.scaling_factor));
                 Some(postprocess(decoded)?)
             }
         };
         Ok(PipelineOutput { latents, images })
+    }
+}
+
+impl<B: Backend> ToDevice<B> for StableDiffusionPipeline<B> {
+    /// Moves every component to `device`: `pipe.to(&"tpu".parse()?)`.
+    fn to(self, device: &B::Device) -> Self {
+        self.to_components(device, device, device)
     }
 }

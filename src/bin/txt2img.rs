@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
 use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
 use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerator};
-use oxidiff::Cpu;
+use oxidiff::{Oxi, OxiDevice};
 
 /// The model used when none is given: one step, no guidance, 512x512.
 const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
@@ -62,6 +62,10 @@ struct Args {
     /// Overwrite the output file if it exists.
     #[arg(long)]
     force: bool,
+    /// Where to run: cpu, xla:cpu[:N] (XLA's CPU plugin), tpu[:N], cuda[:N], or a PJRT plugin
+    /// path. PJRT devices run in eager mode (each op compiled once, then cached).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
@@ -108,13 +112,16 @@ fn run(args: Args) -> Result<()> {
     let guidance = args.guidance.unwrap_or(if turbo { 0.0 } else { 7.5 });
     let seed = args.seed.unwrap_or_else(random_seed);
 
-    let device = Default::default();
+    let device: OxiDevice = args
+        .device
+        .parse()
+        .with_context(|| format!("--device {}", args.device))?;
     let started = Instant::now();
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler,
     };
-    let mut pipe = StableDiffusionPipeline::<Cpu>::from_pretrained(&args.model, &options, &device)
+    let mut pipe = StableDiffusionPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
         .with_context(|| format!("loading {}", args.model))?;
     let loaded = started.elapsed();
 
@@ -127,7 +134,7 @@ fn run(args: Args) -> Result<()> {
                     path.display()
                 )
             })?;
-            Some(Tensor::<Cpu, 4>::from_data(
+            Some(Tensor::<Oxi, 4>::from_data(
                 TensorData::new(values, shape),
                 &device,
             ))
@@ -170,7 +177,7 @@ fn run(args: Args) -> Result<()> {
     let images = output.images.context("the pipeline returned no images")?;
     images.save_png(0, &args.output)?;
     eprintln!(
-        "wrote {} (seed {seed}, {steps} steps, guidance {guidance}, {}x{}; load {:.2}s, generate {:.2}s)",
+        "wrote {} (seed {seed}, {steps} steps, guidance {guidance}, {}x{}, {device}; load {:.2}s, generate {:.2}s)",
         display(&args.output),
         images.width,
         images.height,

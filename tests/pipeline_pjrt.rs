@@ -1,0 +1,84 @@
+//! The tiny SD pipeline on XLA's CPU plugin (eager PJRT) matches the CPU result, whole or split
+//! across devices.
+//!
+//! Tolerance 1e-4 relative: both sides compute in f32, but XLA fuses and orders reductions
+//! differently from burn-flex (observed about 1e-6).
+
+mod common;
+
+use burn::tensor::Tensor;
+use common::{model_dir, relative_error, to_vec, Golden};
+use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
+use oxidiff::schedulers::{NoNoise, SchedulerKind};
+use oxidiff::{Oxi, OxiDevice, ToDevice};
+
+fn request(golden: &Golden, device: &OxiDevice) -> GenerateRequest<Oxi> {
+    let (values, shape) = golden.host("pipe.latents");
+    let shape: [usize; 4] = shape.try_into().unwrap();
+    GenerateRequest {
+        prompts: vec!["a photo of an astronaut riding a horse".into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 2,
+        guidance_scale: 7.5,
+        latents: Some(Tensor::from_data(
+            burn::tensor::TensorData::new(values, shape),
+            device,
+        )),
+        ..Default::default()
+    }
+}
+
+fn xla(index: usize) -> OxiDevice {
+    format!("xla:cpu:{index}")
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"))
+}
+
+#[test]
+fn tiny_pipeline_on_xla_cpu_matches_cpu() {
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let golden = Golden::load("tiny-sd1");
+    let cpu = OxiDevice::Cpu;
+    let options = LoadOptions {
+        scheduler: Some(SchedulerKind::Ddim),
+        ..Default::default()
+    };
+    let mut pipe =
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &cpu).unwrap();
+    let on_cpu = pipe
+        .generate_with(&request(&golden, &cpu), &mut NoNoise, |_| {})
+        .unwrap();
+    let expected = on_cpu.images.unwrap().data;
+
+    // The whole pipeline on one PJRT device.
+    let device = xla(0);
+    let mut pipe = pipe.to(&device);
+    assert_eq!(pipe.unet_device(), device);
+    let on_xla = pipe
+        .generate_with(&request(&golden, &cpu), &mut NoNoise, |_| {})
+        .unwrap();
+    let err = relative_error(&on_xla.images.unwrap().data, &expected);
+    assert!(err <= 1e-4, "xla:cpu vs cpu image: relative error {err:e}");
+    let latents = to_vec(on_xla.latents.to_device(&cpu));
+    let reference = to_vec(on_cpu.latents);
+    let err = relative_error(&latents, &reference);
+    assert!(
+        err <= 1e-4,
+        "xla:cpu vs cpu latents: relative error {err:e}"
+    );
+
+    // Components on different devices: text encoder on the CPU, UNet and VAE on two devices.
+    let mut pipe = pipe.to_components(&cpu, &device, &xla(1));
+    assert_eq!(pipe.text_encoder_device(), cpu);
+    assert_eq!(pipe.vae_device(), xla(1));
+    let split = pipe
+        .generate_with(&request(&golden, &cpu), &mut NoNoise, |_| {})
+        .unwrap();
+    let err = relative_error(&split.images.unwrap().data, &expected);
+    assert!(
+        err <= 1e-4,
+        "split placement vs cpu: relative error {err:e}"
+    );
+}
