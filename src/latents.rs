@@ -54,6 +54,28 @@ pub fn read_latents(path: &Path) -> Result<(Vec<f32>, Vec<usize>), LatentsError>
     }
 }
 
+/// Encodes float32 values of `shape` as a version 1 `.npy` file (C order).
+pub fn encode_npy(values: &[f32], shape: &[usize]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let trailing = if dims.len() == 1 { "," } else { "" };
+    let mut header = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}{trailing}), }}",
+        dims.join(", ")
+    );
+    // The header (with magic, version and length) is padded to a multiple of 64 bytes.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((header.len() as u16).to_le_bytes());
+    bytes.extend(header.as_bytes());
+    for v in values {
+        bytes.extend(v.to_le_bytes());
+    }
+    bytes
+}
+
 /// Parses a version 1-3 `.npy` file holding little-endian floats in C order.
 pub fn parse_npy(bytes: &[u8]) -> Result<(Vec<f32>, Vec<usize>), String> {
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
@@ -123,38 +145,32 @@ pub fn parse_npy(bytes: &[u8]) -> Result<(Vec<f32>, Vec<usize>), String> {
 mod tests {
     use super::*;
 
-    fn npy(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
-        let mut header =
-            format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
-        while (10 + header.len() + 1) % 64 != 0 {
-            header.push(' ');
-        }
-        header.push('\n');
-        let mut out = b"\x93NUMPY\x01\x00".to_vec();
-        out.extend((header.len() as u16).to_le_bytes());
-        out.extend(header.as_bytes());
+    /// An `.npy` of `n` elements whose dtype string is `descr`, with raw `data`.
+    fn npy(descr: &str, data: &[u8], n: usize) -> Vec<u8> {
+        let mut out = encode_npy(&vec![0.0; n], &[n]);
+        out.truncate(out.len() - 4 * n);
+        let at = out.windows(3).position(|w| w == b"<f4").expect("descr");
+        out[at..at + 3].copy_from_slice(descr.as_bytes());
         out.extend(data);
         out
     }
 
     #[test]
-    fn reads_f32_npy() {
-        let data: Vec<u8> = [1.0f32, -2.5, 3.0, 0.5]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        let (values, shape) = parse_npy(&npy("<f4", "(1, 2, 2)", &data)).unwrap();
+    fn round_trips_f32_npy() {
+        let values = [1.0f32, -2.5, 3.0, 0.5];
+        let (read, shape) = parse_npy(&encode_npy(&values, &[1, 2, 2])).unwrap();
         assert_eq!(shape, vec![1, 2, 2]);
-        assert_eq!(values, vec![1.0, -2.5, 3.0, 0.5]);
+        assert_eq!(read, values);
+        let (read, shape) = parse_npy(&encode_npy(&values, &[4])).unwrap();
+        assert_eq!((read.len(), shape), (4, vec![4]));
     }
 
     #[test]
     fn rejects_truncated_and_wrong_dtype() {
-        let data = [0u8; 12];
-        assert!(parse_npy(&npy("<f4", "(1, 2, 2)", &data))
-            .unwrap_err()
-            .contains("needs 16 bytes"));
-        assert!(parse_npy(&npy("<i8", "(2,)", &[0u8; 16]))
+        let mut short = encode_npy(&[0.0; 4], &[1, 2, 2]);
+        short.truncate(short.len() - 4);
+        assert!(parse_npy(&short).unwrap_err().contains("needs 16 bytes"));
+        assert!(parse_npy(&npy("<i8", &[0u8; 16], 2))
             .unwrap_err()
             .contains("not supported"));
         assert!(parse_npy(b"hello world").is_err());

@@ -25,22 +25,7 @@ fn stderr(out: &Output) -> String {
 
 /// Writes golden latents as a float32 `.npy`.
 fn write_npy(path: &Path, values: &[f32], shape: &[usize]) {
-    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let mut header = format!(
-        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}), }}",
-        dims.join(", ")
-    );
-    while (10 + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
-    header.push('\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((header.len() as u16).to_le_bytes());
-    bytes.extend(header.as_bytes());
-    for v in values {
-        bytes.extend(v.to_le_bytes());
-    }
-    std::fs::write(path, bytes).unwrap();
+    std::fs::write(path, oxidiff::latents::encode_npy(values, shape)).unwrap();
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -96,18 +81,7 @@ fn png_with_latents_matches_diffusers_within_two_levels() {
     );
     assert!(result.status.success(), "{}", stderr(&result));
     let ours = image::open(&out).unwrap().to_rgb8();
-    let reference = image::open(common::fixtures().join("golden/tiny-sd1-pndm.png"))
-        .unwrap()
-        .to_rgb8();
-    assert_eq!(ours.dimensions(), reference.dimensions());
-    let max_diff = ours
-        .as_raw()
-        .iter()
-        .zip(reference.as_raw())
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .unwrap();
-    assert!(max_diff <= 2, "differs by {max_diff} levels");
+    common::assert_png_close(&ours, "tiny-sd1-pndm.png", 2);
 }
 
 #[test]
@@ -185,6 +159,30 @@ fn hub_id_resolves_from_a_hand_made_cache_offline() {
     assert!(msg.contains("HF_HUB_OFFLINE"), "{msg}");
 }
 
+/// One quick step of the tiny model (or `model`) into `out`.
+fn one_step(model: &Path, out: &Path) -> Output {
+    txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "x",
+        ],
+        &[],
+    )
+}
+
+/// Replaces `from` by `to` in a text file of a damaged model copy.
+fn edit(file: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(file).unwrap();
+    assert!(text.contains(from), "{} has no {from:?}", file.display());
+    std::fs::write(file, text.replace(from, to)).unwrap();
+}
+
 /// Runs txt2img expecting failure (exit 1), a message containing `needle`, and no output file.
 fn fails_with(args: &[&str], needle: &str, out: &Path) {
     let result = txt2img(args, &[]);
@@ -226,20 +224,7 @@ fn existing_output_is_not_overwritten_without_force() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("keep.png");
     std::fs::write(&out, b"precious").unwrap();
-    let model = model_dir("tiny-sd1");
-    let result = txt2img(
-        &[
-            "--model",
-            model.to_str().unwrap(),
-            "--steps",
-            "1",
-            "--quiet",
-            "-o",
-            out.to_str().unwrap(),
-            "x",
-        ],
-        &[],
-    );
+    let result = one_step(&model_dir("tiny-sd1"), &out);
     assert_eq!(result.status.code(), Some(1));
     assert!(stderr(&result).contains("--force"));
     assert_eq!(std::fs::read(&out).unwrap(), b"precious");
@@ -252,19 +237,7 @@ fn run_on_damaged(damage: impl FnOnce(&Path)) -> (String, PathBuf, tempfile::Tem
     copy_dir(&model_dir("tiny-sd1"), &model);
     damage(&model);
     let out = tmp.path().join("out.png");
-    let result = txt2img(
-        &[
-            "--model",
-            model.to_str().unwrap(),
-            "--steps",
-            "1",
-            "--quiet",
-            "-o",
-            out.to_str().unwrap(),
-            "x",
-        ],
-        &[],
-    );
+    let result = one_step(&model, &out);
     assert_eq!(result.status.code(), Some(1), "{}", stderr(&result));
     assert!(!out.exists());
     (stderr(&result), model, tmp)
@@ -302,13 +275,11 @@ fn missing_weights_file_is_named() {
 #[test]
 fn wrong_shape_names_key_expected_and_found() {
     let (msg, _, _tmp) = run_on_damaged(|m| {
-        let f = m.join("unet/config.json");
-        let text = std::fs::read_to_string(&f).unwrap();
-        std::fs::write(
-            &f,
-            text.replace("\"cross_attention_dim\": 32", "\"cross_attention_dim\": 48"),
+        edit(
+            &m.join("unet/config.json"),
+            "\"cross_attention_dim\": 32",
+            "\"cross_attention_dim\": 48",
         )
-        .unwrap();
     });
     assert!(msg.contains("attn2.to_k.weight"), "{msg}");
     assert!(
@@ -320,13 +291,11 @@ fn wrong_shape_names_key_expected_and_found() {
 #[test]
 fn config_field_of_wrong_type_is_named() {
     let (msg, _, _tmp) = run_on_damaged(|m| {
-        let f = m.join("vae/config.json");
-        let text = std::fs::read_to_string(&f).unwrap();
-        std::fs::write(
-            &f,
-            text.replace("\"layers_per_block\": 1", "\"layers_per_block\": \"one\""),
+        edit(
+            &m.join("vae/config.json"),
+            "\"layers_per_block\": 1",
+            "\"layers_per_block\": \"one\"",
         )
-        .unwrap();
     });
     assert!(msg.contains("layers_per_block"), "{msg}");
     assert!(msg.contains("vae/config.json"), "{msg}");
@@ -335,9 +304,11 @@ fn config_field_of_wrong_type_is_named() {
 #[test]
 fn unknown_scheduler_class_in_config_is_named() {
     let (msg, _, _tmp) = run_on_damaged(|m| {
-        let f = m.join("scheduler/scheduler_config.json");
-        let text = std::fs::read_to_string(&f).unwrap();
-        std::fs::write(&f, text.replace("PNDMScheduler", "WarpScheduler")).unwrap();
+        edit(
+            &m.join("scheduler/scheduler_config.json"),
+            "PNDMScheduler",
+            "WarpScheduler",
+        )
     });
     assert!(msg.contains("WarpScheduler"), "{msg}");
 }

@@ -8,7 +8,7 @@ mod common;
 
 use std::cell::RefCell;
 
-use common::{assert_close, model_dir, relative_error, to_vec, Golden, B};
+use common::{assert_close, model_dir, relative_error, Golden, B};
 use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
 use oxidiff::schedulers::{NoNoise, NoiseSource, RecordedNoise, SchedulerKind};
 
@@ -75,23 +75,11 @@ fn run(name: &str, scheduler: &str) {
         "{name}/{scheduler}: image relative error {err:e}"
     );
 
-    let png = common::fixtures()
-        .join("golden")
-        .join(format!("{name}-{scheduler}.png"));
-    let reference = image::open(&png).unwrap().to_rgb8();
-    let ours = images.to_rgb8(0).unwrap();
-    let max_diff = ours
-        .as_raw()
-        .iter()
-        .zip(reference.as_raw())
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .unwrap();
-    assert!(
-        max_diff <= 2,
-        "{name}/{scheduler}: PNG differs by {max_diff} levels"
+    common::assert_png_close(
+        &images.to_rgb8(0).unwrap(),
+        &format!("{name}-{scheduler}.png"),
+        2,
     );
-    let _ = to_vec(out.latents);
 }
 
 #[test]

@@ -97,3 +97,19 @@ pub fn assert_close<const D: usize>(golden: &Golden, key: &str, actual: Tensor<B
     assert!(err <= tol, "{key}: relative error {err:e} exceeds {tol:e}");
     eprintln!("{key}: relative error {err:e}");
 }
+
+/// Asserts an 8-bit RGB image is within `levels` per channel of the golden PNG `name`.
+pub fn assert_png_close(ours: &image::RgbImage, name: &str, levels: u8) {
+    let reference = image::open(fixtures().join("golden").join(name))
+        .expect("golden PNG")
+        .to_rgb8();
+    assert_eq!(ours.dimensions(), reference.dimensions(), "{name}: size");
+    let max_diff = ours
+        .as_raw()
+        .iter()
+        .zip(reference.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap_or(0);
+    assert!(max_diff <= levels, "{name}: differs by {max_diff} levels");
+}
