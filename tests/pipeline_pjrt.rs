@@ -9,7 +9,7 @@ mod common;
 use burn::tensor::Tensor;
 use common::{model_dir, relative_error, to_vec, Golden};
 use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
-use oxidiff::schedulers::{NoNoise, SchedulerKind};
+use oxidiff::schedulers::NoNoise;
 use oxidiff::{Oxi, OxiDevice, ToDevice};
 
 fn request(golden: &Golden, device: &OxiDevice) -> GenerateRequest<Oxi> {
@@ -42,7 +42,7 @@ fn tiny_pipeline_on_xla_cpu_matches_cpu() {
     let golden = Golden::load("tiny-sd1");
     let cpu = OxiDevice::Cpu;
     let options = LoadOptions {
-        scheduler: Some(SchedulerKind::Ddim),
+        scheduler: Some("ddim".into()),
         ..Default::default()
     };
     let mut pipe =

@@ -172,6 +172,11 @@ impl PjrtClient {
 
     /// Executes `op` now, recording any failure (module docs).
     pub fn register_op(&self, op: OperationIr) {
+        // While this thread traces a compiled function for this device, the
+        // op is recorded instead (see `compiled`).
+        let Some(op) = crate::compiled::intercept(op, || self.device()) else {
+            return;
+        };
         let mut state = self.state();
         match &op {
             OperationIr::Init(_) => {}
@@ -194,7 +199,7 @@ impl PjrtClient {
         }
     }
 
-    fn target(&self) -> OpResult<&(Client, Device)> {
+    pub(crate) fn target(&self) -> OpResult<&(Client, Device)> {
         self.inner.target.as_ref().map_err(Clone::clone)
     }
 
@@ -321,6 +326,19 @@ impl PjrtClient {
         Ok(outputs)
     }
 
+    /// Runs `f` on the device buffers by tensor id (compiled mode binds its
+    /// inputs, captured weights and outputs through this).
+    pub(crate) fn with_buffers<R>(&self, f: impl FnOnce(&mut HashMap<TensorId, Buffer>) -> R) -> R {
+        f(&mut self.state().buffers)
+    }
+
+    /// The next random state (`[seed, draw]`), as eager random ops draw it.
+    pub(crate) fn next_rng_state(&self) -> [u64; 2] {
+        let mut state = self.state();
+        state.draws += 1;
+        [state.seed, state.draws]
+    }
+
     /// Copies host data to the device; returns the new tensor's IR.
     pub fn register_tensor_data_ir(&self, data: TensorData) -> TensorIr {
         let id = self.create_empty_handle();
@@ -358,6 +376,15 @@ impl PjrtClient {
     /// Copies a tensor to the host; frees it when the read consumes it. The
     /// first recorded error, if any, is returned instead (and cleared).
     pub fn read_tensor(&self, tensor: TensorIr) -> Result<TensorData, ExecutionError> {
+        if crate::compiled::is_tracing(&self.device()) {
+            return Err(ExecutionError::WithContext {
+                reason: format!(
+                    "tensor {} on {} was read while tracing a compiled function: a compiled function cannot depend on tensor values on the host; compute it on the device or pass it as an input",
+                    tensor.id,
+                    self.device()
+                ),
+            });
+        }
         let mut state = self.state();
         if let Some(reason) = state.error.take() {
             return Err(ExecutionError::WithContext { reason });

@@ -16,13 +16,16 @@
 //! - [`pjrt`]: oxidiff's own thin runtime over the PJRT C API (plugins,
 //!   clients, buffers, executables).
 //! - [`lowering`]: Burn's `OperationIr` to StableHLO text, one op or a
-//!   sequence of ops per function; eager and (later) compiled mode share it.
+//!   sequence of ops per function; eager and compiled mode share it.
 //! - [`eager`]: the PJRT client of one device in eager mode: lower, compile
 //!   once per module text, execute, keep buffers by tensor id.
 //! - [`channel`] and [`device`]: the burn-router plumbing that makes them one
 //!   Burn backend.
+//! - [`compiled`]: compiled mode: a closure over [`Oxi`] tensors traced
+//!   once per input signature into one StableHLO program, compiled once and
+//!   cached (weights and scalars are runtime arguments).
 //! - [`trace`]: a backend that records ops instead of running them (checking
-//!   lowerings without a device; the front half of compiled mode).
+//!   lowerings without a device).
 //!
 //! # Design
 //! burn-router's `BackendRouter<C: RunnerChannel>` implements all of Burn's
@@ -97,6 +100,7 @@
 //! see [`pjrt::discovery`] for every place searched.
 
 pub mod channel;
+pub mod compiled;
 pub mod device;
 pub mod eager;
 pub mod lowering;
@@ -104,6 +108,7 @@ pub mod pjrt;
 pub mod trace;
 
 pub use channel::{OxiChannel, OxiClient};
+pub use compiled::{CompileError, CompiledFn};
 pub use device::{DeviceError, OxiDevice, PjrtPlatform};
 
 /// The Burn backend of oxidiff: CPU and PJRT devices, picked per tensor by

@@ -216,6 +216,17 @@ impl Lowerer {
         }
     }
 
+    /// Makes `tensor` the next function argument unless it already has a
+    /// value (compiled mode declares its inputs first, in order).
+    pub fn declare_input(&mut self, tensor: &TensorIr) -> Result<()> {
+        self.input(tensor).map(|_| ())
+    }
+
+    /// Whether `id` has a value in the function so far.
+    pub fn has_value(&self, id: TensorId) -> bool {
+        self.values.contains_key(&id)
+    }
+
     /// The module text for a function returning `outputs`.
     pub fn finish(self, outputs: &[TensorId]) -> Result<LoweredFunction> {
         let mut results = Vec::with_capacity(outputs.len());

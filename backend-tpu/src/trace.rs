@@ -2,8 +2,9 @@
 //! tensors have shapes and dtypes but no values, and whose ops are kept, in
 //! order, per device. Its first use is checking lowerings without a device
 //! (lower each recorded op, compile it ahead of time for a TPU topology); it
-//! is also the front half of compiled mode, which will lower a recorded
-//! sequence into one function with [`Lowerer`](crate::lowering::Lowerer).
+//! can feed a recorded sequence to [`Lowerer`](crate::lowering::Lowerer)
+//! as one function. Compiled mode ([`compiled`](crate::compiled)) records
+//! through the eager client instead, so captured weights keep their buffers.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -14,8 +14,7 @@ use oxidiff_models::{
     UNet2DConditionModel,
 };
 use oxidiff_schedulers::{
-    scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, SchedulerKind,
-    TorchCpuGenerator,
+    scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator,
 };
 use serde::Deserialize;
 
@@ -30,8 +29,9 @@ pub const SUPPORTED_CLASSES: [&str; 1] = ["StableDiffusionPipeline"];
 pub struct LoadOptions {
     /// Weight file variant, e.g. `fp16` for `diffusion_pytorch_model.fp16.safetensors`.
     pub variant: Option<String>,
-    /// Replace the checkpoint's scheduler by this algorithm (keeping its betas config).
-    pub scheduler: Option<SchedulerKind>,
+    /// Replace the checkpoint's scheduler (keeping its betas config): a diffusers class name or
+    /// a short/A1111 name, with A1111's option words (`ddim`, `euler_a`, `DPM++ 2M Karras`).
+    pub scheduler: Option<String>,
 }
 
 /// What the pipeline returns.
@@ -174,8 +174,8 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
         let scheduler_path = component("scheduler")?.join("scheduler_config.json");
         let mut scheduler_config = SchedulerConfig::from_file(&scheduler_path)?;
-        if let Some(kind) = options.scheduler {
-            scheduler_config = scheduler_config.switched_to(kind);
+        if let Some(name) = &options.scheduler {
+            scheduler_config = scheduler_config.switched_to_named(name)?;
         }
         let scheduler = scheduler_from_config(&scheduler_config)?;
         let sample_size = match &unet_config.sample_size {
@@ -229,9 +229,10 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     }
 
     /// Swaps the scheduler for another algorithm, keeping the checkpoint's betas config
-    /// (diffusers' `XScheduler.from_config(pipe.scheduler.config)`).
-    pub fn set_scheduler(&mut self, kind: SchedulerKind) -> Result<()> {
-        let config = self.scheduler_config.switched_to(kind);
+    /// (diffusers' `XScheduler.from_config(pipe.scheduler.config)`); `name` as in
+    /// [`LoadOptions::scheduler`].
+    pub fn set_scheduler(&mut self, name: &str) -> Result<()> {
+        let config = self.scheduler_config.switched_to_named(name)?;
         self.scheduler = scheduler_from_config(&config)?;
         self.scheduler_config = config;
         Ok(())

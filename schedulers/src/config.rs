@@ -76,6 +76,46 @@ pub enum FinalSigmasType {
     SigmaMin,
 }
 
+/// The multistep solvers' algorithm: DPM-Solver in data (`++`) or noise prediction, ODE or SDE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AlgorithmType {
+    #[serde(rename = "dpmsolver")]
+    DpmSolver,
+    #[serde(rename = "dpmsolver++")]
+    DpmSolverPlusPlus,
+    #[serde(rename = "sde-dpmsolver")]
+    SdeDpmSolver,
+    #[serde(rename = "sde-dpmsolver++")]
+    SdeDpmSolverPlusPlus,
+    /// DEIS; diffusers' DPM-Solver treats it as `dpmsolver++`.
+    #[serde(rename = "deis")]
+    Deis,
+}
+
+/// The second-order update of the multistep solvers: DPM-Solver's `midpoint`/`heun`, UniPC's
+/// `bh1`/`bh2` (DEIS' `logrho`). DPM-Solver reads the UniPC and DEIS values as `midpoint`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SolverType {
+    Midpoint,
+    Heun,
+    Logrho,
+    Bh1,
+    Bh2,
+}
+
+/// DDPM's posterior variance (and whether the model predicts it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VarianceType {
+    FixedSmall,
+    FixedSmallLog,
+    FixedLarge,
+    FixedLargeLog,
+    Learned,
+    LearnedRange,
+}
+
 /// The contents of diffusers' `scheduler_config.json`. Unknown fields are ignored.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -84,8 +124,10 @@ pub struct SchedulerConfig {
     #[serde(rename = "_class_name")]
     pub class_name: Option<String>,
     pub num_train_timesteps: usize,
-    pub beta_start: f64,
-    pub beta_end: f64,
+    /// Default 0.0001 (0.00085 for Heun, whose defaults are Stable Diffusion's).
+    pub beta_start: Option<f64>,
+    /// Default 0.02 (0.012 for Heun).
+    pub beta_end: Option<f64>,
     pub beta_schedule: BetaSchedule,
     /// Betas given explicitly; they replace `beta_start`/`beta_end`/`beta_schedule`.
     pub trained_betas: Option<Vec<f64>>,
@@ -120,6 +162,34 @@ pub struct SchedulerConfig {
     pub sigma_max: Option<f64>,
     pub timestep_type: TimestepType,
     pub final_sigmas_type: FinalSigmasType,
+    /// Multistep solvers (DPM-Solver, UniPC): the highest order used. Default 2.
+    pub solver_order: usize,
+    /// DPM-Solver's algorithm. Default `dpmsolver++`.
+    pub algorithm_type: Option<AlgorithmType>,
+    /// Default: `midpoint` for DPM-Solver, `bh2` for UniPC.
+    pub solver_type: Option<SolverType>,
+    /// Multistep solvers: lower the order over the last steps of short (< 15) schedules.
+    /// Default true.
+    pub lower_order_final: Option<bool>,
+    /// DPM-Solver: a first-order last step whatever the schedule length.
+    #[serde(deserialize_with = "null_as_default")]
+    pub euler_at_final: bool,
+    /// DPM-Solver: lambda (log-SNR) steps of Lu et al. (not supported here).
+    #[serde(deserialize_with = "null_as_default")]
+    pub use_lu_lambdas: bool,
+    /// Flow-matching sigmas (not supported here).
+    #[serde(deserialize_with = "null_as_default")]
+    pub use_flow_sigmas: bool,
+    /// DPM-Solver: timesteps whose log-SNR is below this are cut off. `None` (and `null`, and
+    /// `-Infinity`) means no clipping.
+    pub lambda_min_clipped: Option<f64>,
+    /// DDPM's variance (default `fixed_small`); DPM-Solver only accepts it unset.
+    pub variance_type: Option<VarianceType>,
+    /// UniPC: model outputs converted to the clean sample (else to the noise). Default true.
+    pub predict_x0: Option<bool>,
+    /// UniPC: the steps whose corrector is skipped.
+    #[serde(deserialize_with = "null_as_default")]
+    pub disable_corrector: Vec<usize>,
 }
 
 impl Default for SchedulerConfig {
@@ -127,8 +197,8 @@ impl Default for SchedulerConfig {
         Self {
             class_name: None,
             num_train_timesteps: 1000,
-            beta_start: 0.0001,
-            beta_end: 0.02,
+            beta_start: None,
+            beta_end: None,
             beta_schedule: BetaSchedule::Linear,
             trained_betas: None,
             prediction_type: PredictionType::Epsilon,
@@ -150,6 +220,17 @@ impl Default for SchedulerConfig {
             sigma_max: None,
             timestep_type: TimestepType::Discrete,
             final_sigmas_type: FinalSigmasType::Zero,
+            solver_order: 2,
+            algorithm_type: None,
+            solver_type: None,
+            lower_order_final: None,
+            euler_at_final: false,
+            use_lu_lambdas: false,
+            use_flow_sigmas: false,
+            lambda_min_clipped: None,
+            variance_type: None,
+            predict_x0: None,
+            disable_corrector: Vec::new(),
         }
     }
 }
@@ -176,8 +257,11 @@ impl SchedulerConfig {
 
     /// Parses a config from JSON text; `origin` (a file name) is quoted in errors.
     pub fn from_json_str(text: &str, origin: &str) -> Result<Self> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| SchedulerError::Json {
+        // Python's json writes `-Infinity` (DPM-Solver's `lambda_min_clipped`), which is not
+        // JSON; such values are read as `null`, i.e. the default.
+        let value: serde_json::Value = serde_json::from_str(text)
+            .or_else(|e| serde_json::from_str(&non_finite_as_null(text)).map_err(|_| e))
+            .map_err(|e| SchedulerError::Json {
                 origin: origin.to_string(),
                 message: e.to_string(),
             })?;
@@ -217,6 +301,93 @@ impl SchedulerConfig {
             ..self.clone()
         }
     }
+
+    /// [`switched_to`](Self::switched_to) by name (`--scheduler`): a class or alias that
+    /// `SchedulerKind` parses, optionally followed by A1111's option words: " Karras" sets
+    /// `use_karras_sigmas` ("DPM++ 2M Karras"), " SDE" picks `sde-dpmsolver++`
+    /// ("DPM++ 2M SDE Karras").
+    pub fn switched_to_named(&self, name: &str) -> Result<SchedulerConfig> {
+        let mut base = name.trim().to_string();
+        let mut karras = false;
+        let mut sde = false;
+        loop {
+            let lower = base.to_ascii_lowercase();
+            if let Some(rest) = ["_karras", " karras", "-karras"]
+                .iter()
+                .find_map(|s| lower.strip_suffix(s))
+            {
+                karras = true;
+                base.truncate(rest.len());
+            } else if let Some(rest) = ["_sde", " sde", "-sde"]
+                .iter()
+                .find_map(|s| lower.strip_suffix(s))
+            {
+                sde = true;
+                base.truncate(rest.len());
+            } else {
+                break;
+            }
+        }
+        let kind: SchedulerKind = base.parse().map_err(|_| SchedulerError::UnknownScheduler {
+            name: name.to_string(),
+            known: format!(
+                "{} (optionally followed by \"Karras\" or \"SDE\")",
+                SchedulerKind::known_names()
+            ),
+        })?;
+        let mut cfg = self.switched_to(kind);
+        if karras && !kind.has_karras_sigmas() {
+            return Err(SchedulerError::Unsupported {
+                class: kind.class_name(),
+                message: format!("`{name}`: this scheduler has no Karras sigmas"),
+            });
+        }
+        if karras {
+            cfg.use_karras_sigmas = true;
+            cfg.use_exponential_sigmas = false;
+            cfg.use_beta_sigmas = false;
+        }
+        if sde {
+            if kind != SchedulerKind::DpmSolverMultistep {
+                return Err(SchedulerError::Unsupported {
+                    class: kind.class_name(),
+                    message: format!("`{name}`: only DPM++ has an SDE variant"),
+                });
+            }
+            cfg.algorithm_type = Some(AlgorithmType::SdeDpmSolverPlusPlus);
+        }
+        Ok(cfg)
+    }
+}
+
+/// `text` with Python's bare `NaN`, `Infinity` and `-Infinity` (outside strings) made `null`.
+fn non_finite_as_null(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    let mut in_string = false;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            if c == '\\' {
+                let escaped: String = rest.chars().take(2).collect();
+                out.push_str(&escaped);
+                rest = &rest[escaped.len()..];
+                continue;
+            }
+            in_string = c != '"';
+        } else if c == '"' {
+            in_string = true;
+        } else if let Some(word) = ["-Infinity", "Infinity", "NaN"]
+            .into_iter()
+            .find(|w| rest.starts_with(w))
+        {
+            out.push_str("null");
+            rest = &rest[word.len()..];
+            continue;
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    out
 }
 
 fn json_kind(v: &serde_json::Value) -> &'static str {

@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
-use crate::ops::{alpha_add_noise, check_add_noise};
+use crate::ops::{alpha_add_noise, check_add_noise, dynamic_threshold};
 use crate::schedule::{check_steps, integer_timestep, integer_timesteps, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
@@ -75,37 +75,6 @@ impl DdimScheduler {
     pub fn with_eta(mut self, eta: f64) -> Self {
         self.eta = eta;
         self
-    }
-
-    /// diffusers' `_threshold_sample`: per batch item, `s` is the `dynamic_thresholding_ratio`
-    /// quantile of `|x|` (torch.quantile's linear interpolation), clamped to
-    /// `[1, sample_max_value]`; `x` is clamped to `[-s, s]` and divided by `s`.
-    fn threshold<B: Backend>(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [b, c, h, w] = x.dims();
-        let n = c * h * w;
-        let flat = x.reshape([b, n]);
-        let sorted = flat.clone().abs().sort(1);
-        // torch computes the rank in the tensor's dtype (f32) and lerps from the lower value
-        // for weights below one half, from the upper value otherwise.
-        let rank = self.dynamic_thresholding_ratio as f32 * (n - 1) as f32;
-        let lo = rank.floor() as usize;
-        let hi = (rank.ceil() as usize).min(n - 1);
-        let weight = (rank - lo as f32) as f64;
-        let below = sorted.clone().narrow(1, lo, 1);
-        let above = sorted.narrow(1, hi, 1);
-        let s = if weight < 0.5 {
-            below.clone() + (above - below).mul_scalar(weight)
-        } else {
-            above.clone() - (above - below).mul_scalar(1.0 - weight)
-        };
-        let s = s
-            .clamp_min(1.0)
-            .clamp_max(self.sample_max_value)
-            .expand([b, n]);
-        flat.max_pair(s.clone().neg())
-            .min_pair(s.clone())
-            .div(s)
-            .reshape([b, c, h, w])
     }
 }
 
@@ -190,7 +159,7 @@ impl<B: Backend> Scheduler<B> for DdimScheduler {
             ),
         };
         let x0 = if self.thresholding {
-            self.threshold(x0)
+            dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         } else if self.clip_sample {
             x0.clamp(-self.clip_sample_range, self.clip_sample_range)
         } else {

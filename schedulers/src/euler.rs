@@ -13,9 +13,10 @@ use crate::config::{
 };
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
-use crate::ops::{check_add_noise, scale_per_item};
+use crate::ops::{check_add_noise, scale_per_item, scaled};
 use crate::schedule::{
-    check_steps, float_timesteps, numpy_interp, numpy_linspace, torch_linspace_f32, NoiseSchedule,
+    check_steps, exponential_sigmas, float_timesteps, karras_sigmas, numpy_interp, sigma_to_t,
+    torch_linspace_f32, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -115,13 +116,20 @@ impl SigmaSteps {
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
         check_add_noise(self.class, &original, &noise, timesteps)?;
+        let sigmas = self.sigmas_for_add_noise(timesteps)?;
+        Ok(original + scale_per_item(noise, &sigmas))
+    }
+
+    /// The sigma `add_noise` uses for each timestep: looked up by value before the first
+    /// step, else the current step's (or `begin_index`'s), as diffusers does.
+    pub fn sigmas_for_add_noise(&self, timesteps: &[f64]) -> Result<Vec<f64>> {
         if !self.initialized {
             return Err(SchedulerError::NotInitialized {
                 class: self.class,
                 op: "add_noise",
             });
         }
-        let sigmas = timesteps
+        timesteps
             .iter()
             .map(|&t| {
                 let i = match (self.begin_index, self.step_index) {
@@ -130,34 +138,31 @@ impl SigmaSteps {
                 };
                 Ok(self.sigmas[i.min(self.sigmas.len() - 1)])
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(original + scale_per_item(noise, &sigmas))
+            .collect()
+    }
+}
+
+/// The coefficients `(a, b)` of k-diffusion's derivative `d = (x - x0) / sigma = a x + b
+/// model_output`, with `x0` as the prediction type defines it.
+pub(crate) fn derivative_coefficients(prediction: PredictionType, sigma: f64) -> (f64, f64) {
+    match prediction {
+        // x0 = x - sigma * eps
+        PredictionType::Epsilon => (0.0, 1.0),
+        // x0 = -sigma / sqrt(sigma^2 + 1) v + x / (sigma^2 + 1)
+        PredictionType::VPrediction => {
+            let s2 = sigma * sigma + 1.0;
+            (sigma / s2, 1.0 / s2.sqrt())
+        }
+        // x0 = model_output
+        PredictionType::Sample => (1.0 / sigma, -1.0 / sigma),
     }
 }
 
 /// The linear-combination coefficients of an Euler step `prev = a x + b model_output`, from
 /// `sigma` and `dt = sigma_next - sigma` (k-diffusion's `x + d * dt`, `d = (x - x0) / sigma`).
 pub(crate) fn euler_coefficients(prediction: PredictionType, sigma: f64, dt: f64) -> (f64, f64) {
-    match prediction {
-        // x0 = x - sigma * eps
-        PredictionType::Epsilon => (1.0, dt),
-        // x0 = -sigma / sqrt(sigma^2 + 1) v + x / (sigma^2 + 1)
-        PredictionType::VPrediction => {
-            let s2 = sigma * sigma + 1.0;
-            (1.0 + dt * sigma / s2, dt / s2.sqrt())
-        }
-        // x0 = model_output
-        PredictionType::Sample => (1.0 + dt / sigma, -dt / sigma),
-    }
-}
-
-/// `x * a`, skipping the multiplication when `a` is 1.
-pub(crate) fn scaled<B: Backend>(x: Tensor<B, 4>, a: f64) -> Tensor<B, 4> {
-    if a == 1.0 {
-        x
-    } else {
-        x.mul_scalar(a)
-    }
+    let (a, b) = derivative_coefficients(prediction, sigma);
+    (1.0 + dt * a, dt * b)
 }
 
 /// diffusers' `EulerDiscreteScheduler` (with `s_churn = 0`, as its pipelines call it).
@@ -232,60 +237,17 @@ impl EulerDiscreteScheduler {
         Ok(this)
     }
 
-    /// The sigmas the UNet was trained on, ascending in t; `ln` of them in f32 (numpy's `np.log`
-    /// of an f32 array).
-    fn log_train_sigmas(&self) -> Vec<f32> {
-        self.schedule
-            .train_sigmas()
-            .iter()
-            .map(|&s| (s as f64).ln() as f32)
-            .collect()
-    }
-
-    /// Karras et al. (2022) sigmas: `rho = 7` interpolation between sigma_max and sigma_min.
-    fn karras(&self, in_sigmas: &[f64], n: usize) -> Vec<f64> {
+    /// The Karras or exponential sigmas for `n` steps between the config's (or the
+    /// schedule's) sigma_min and sigma_max.
+    fn special_sigmas(&self, in_sigmas: &[f64], n: usize) -> Vec<f64> {
         let sigma_min = self.sigma_min.unwrap_or(in_sigmas[in_sigmas.len() - 1]);
         let sigma_max = self.sigma_max.unwrap_or(in_sigmas[0]);
-        let rho = 7.0;
-        let min_inv = sigma_min.powf(1.0 / rho);
-        let max_inv = sigma_max.powf(1.0 / rho);
-        numpy_linspace(0.0, 1.0, n)
-            .iter()
-            .map(|r| (max_inv + r * (min_inv - max_inv)).powf(rho))
-            .collect()
-    }
-
-    /// Sigmas evenly spaced in log space between sigma_max and sigma_min.
-    fn exponential(&self, in_sigmas: &[f64], n: usize) -> Vec<f64> {
-        let sigma_min = self.sigma_min.unwrap_or(in_sigmas[in_sigmas.len() - 1]);
-        let sigma_max = self.sigma_max.unwrap_or(in_sigmas[0]);
-        numpy_linspace(sigma_max.ln(), sigma_min.ln(), n)
-            .iter()
-            .map(|l| l.exp())
-            .collect()
-    }
-}
-
-/// diffusers' `_sigma_to_t`: the fractional training timestep whose log-sigma, interpolated
-/// linearly between neighbours, equals `ln(sigma)`.
-fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
-    let log_sigma = sigma.max(1e-10).ln();
-    // argmax of cumsum(log_sigmas <= log_sigma): the first index reaching the full count.
-    let (mut count, mut best, mut low) = (0usize, 0usize, 0usize);
-    for (i, &ls) in log_sigmas.iter().enumerate() {
-        if log_sigma - ls as f64 >= 0.0 {
-            count += 1;
-        }
-        if count > best {
-            best = count;
-            low = i;
+        if self.use_karras_sigmas {
+            karras_sigmas(sigma_min, sigma_max, n)
+        } else {
+            exponential_sigmas(sigma_min, sigma_max, n)
         }
     }
-    let low = low.min(log_sigmas.len() - 2);
-    let (lo, hi) = (log_sigmas[low], log_sigmas[low + 1]);
-    // numpy: f32 - f64 -> f64, but f32 - f32 stays f32.
-    let w = ((lo as f64 - log_sigma) / (lo - hi) as f64).clamp(0.0, 1.0);
-    (1.0 - w) * low as f64 + w * (low + 1) as f64
 }
 
 impl<B: Backend> Scheduler<B> for EulerDiscreteScheduler {
@@ -318,12 +280,8 @@ impl<B: Backend> Scheduler<B> for EulerDiscreteScheduler {
             .collect(),
         };
         if self.use_karras_sigmas || self.use_exponential_sigmas {
-            sigmas = if self.use_karras_sigmas {
-                self.karras(&sigmas, n)
-            } else {
-                self.exponential(&sigmas, n)
-            };
-            let log_sigmas = self.log_train_sigmas();
+            sigmas = self.special_sigmas(&sigmas, n);
+            let log_sigmas = self.schedule.log_train_sigmas();
             timesteps = sigmas
                 .iter()
                 .map(|&s| sigma_to_t(s, &log_sigmas) as f32)

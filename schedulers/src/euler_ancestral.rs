@@ -8,8 +8,9 @@ use burn::tensor::Tensor;
 
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
-use crate::euler::{euler_coefficients, scaled, SigmaSteps};
+use crate::euler::{euler_coefficients, SigmaSteps};
 use crate::noise::NoiseSource;
+use crate::ops::scaled;
 use crate::schedule::{check_steps, float_timesteps, numpy_interp, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 

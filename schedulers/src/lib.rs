@@ -26,24 +26,34 @@ use burn::tensor::Tensor;
 
 mod config;
 mod ddim;
+mod ddpm;
+mod dpmsolver_multistep;
 mod error;
 mod euler;
 mod euler_ancestral;
+mod heun_discrete;
+mod lms_discrete;
 mod noise;
 mod ops;
 mod pndm;
 mod schedule;
+mod unipc_multistep;
 
 pub use config::{
-    BetaSchedule, FinalSigmasType, InterpolationType, PredictionType, SchedulerConfig,
-    TimestepSpacing, TimestepType,
+    AlgorithmType, BetaSchedule, FinalSigmasType, InterpolationType, PredictionType,
+    SchedulerConfig, SolverType, TimestepSpacing, TimestepType, VarianceType,
 };
 pub use ddim::DdimScheduler;
+pub use ddpm::DdpmScheduler;
+pub use dpmsolver_multistep::DpmSolverMultistepScheduler;
 pub use error::{Result, SchedulerError};
 pub use euler::EulerDiscreteScheduler;
 pub use euler_ancestral::EulerAncestralDiscreteScheduler;
+pub use heun_discrete::HeunDiscreteScheduler;
+pub use lms_discrete::LmsDiscreteScheduler;
 pub use noise::{NoNoise, NoiseSource, RecordedNoise, TorchCpuGenerator};
 pub use pndm::PndmScheduler;
+pub use unipc_multistep::UniPcMultistepScheduler;
 
 /// The scheduler interface the pipelines drive, as in diffusers' denoising loop.
 pub trait Scheduler<B: Backend>: Send {
@@ -54,13 +64,16 @@ pub trait Scheduler<B: Backend>: Send {
     fn set_timesteps(&mut self, num_inference_steps: usize) -> Result<()>;
 
     /// The timesteps the denoiser receives, in loop order (diffusers' `scheduler.timesteps`);
-    /// empty before `set_timesteps`. PNDM's PRK warm-up repeats timesteps.
+    /// empty before `set_timesteps`. PNDM's PRK warm-up and Heun's second stage repeat
+    /// timesteps.
     fn timesteps(&self) -> &[f64];
 
     /// The standard deviation of the initial noise: latents are `randn * init_noise_sigma`.
     fn init_noise_sigma(&self) -> f64;
 
-    /// Denoiser evaluations per step (1 for all schedulers here, as in diffusers).
+    /// Denoiser evaluations per step, diffusers' `scheduler.order`: 2 for Heun, 1 for the
+    /// others. `timesteps()` already lists every evaluation, so a pipeline loops over it
+    /// once either way; `order` only tells how many entries make one step (progress bars).
     fn order(&self) -> usize {
         1
     }
@@ -110,6 +123,11 @@ pub fn scheduler_from_config<B: Backend>(cfg: &SchedulerConfig) -> Result<Box<dy
         SchedulerKind::EulerAncestralDiscrete => {
             Box::new(EulerAncestralDiscreteScheduler::new(cfg)?)
         }
+        SchedulerKind::DpmSolverMultistep => Box::new(DpmSolverMultistepScheduler::new(cfg)?),
+        SchedulerKind::Ddpm => Box::new(DdpmScheduler::new(cfg)?),
+        SchedulerKind::LmsDiscrete => Box::new(LmsDiscreteScheduler::new(cfg)?),
+        SchedulerKind::HeunDiscrete => Box::new(HeunDiscreteScheduler::new(cfg)?),
+        SchedulerKind::UniPcMultistep => Box::new(UniPcMultistepScheduler::new(cfg)?),
     })
 }
 
@@ -124,14 +142,29 @@ pub enum SchedulerKind {
     EulerDiscrete,
     /// `EulerAncestralDiscreteScheduler`.
     EulerAncestralDiscrete,
+    /// `DPMSolverMultistepScheduler` (DPM-Solver++ 2M; Karras and SDE are config options).
+    DpmSolverMultistep,
+    /// `DDPMScheduler` (ancestral DDPM sampling).
+    Ddpm,
+    /// `LMSDiscreteScheduler` (k-diffusion's linear multistep, order 4).
+    LmsDiscrete,
+    /// `HeunDiscreteScheduler` (Heun's second-order method, two evaluations per step).
+    HeunDiscrete,
+    /// `UniPCMultistepScheduler` (UniPC predictor-corrector, bh2 by default).
+    UniPcMultistep,
 }
 
 impl SchedulerKind {
-    pub const ALL: [SchedulerKind; 4] = [
+    pub const ALL: [SchedulerKind; 9] = [
         SchedulerKind::Pndm,
         SchedulerKind::Ddim,
         SchedulerKind::EulerDiscrete,
         SchedulerKind::EulerAncestralDiscrete,
+        SchedulerKind::DpmSolverMultistep,
+        SchedulerKind::Ddpm,
+        SchedulerKind::LmsDiscrete,
+        SchedulerKind::HeunDiscrete,
+        SchedulerKind::UniPcMultistep,
     ];
 
     /// The diffusers class name (`_class_name`).
@@ -141,11 +174,18 @@ impl SchedulerKind {
             SchedulerKind::Ddim => "DDIMScheduler",
             SchedulerKind::EulerDiscrete => "EulerDiscreteScheduler",
             SchedulerKind::EulerAncestralDiscrete => "EulerAncestralDiscreteScheduler",
+            SchedulerKind::DpmSolverMultistep => "DPMSolverMultistepScheduler",
+            SchedulerKind::Ddpm => "DDPMScheduler",
+            SchedulerKind::LmsDiscrete => "LMSDiscreteScheduler",
+            SchedulerKind::HeunDiscrete => "HeunDiscreteScheduler",
+            SchedulerKind::UniPcMultistep => "UniPCMultistepScheduler",
         }
     }
 
     /// Names accepted by `from_str` besides the class name (case, spaces and dashes ignored);
-    /// the A1111 names are "PLMS", "DDIM", "Euler" and "Euler a".
+    /// the A1111 names are "PLMS", "DDIM", "Euler", "Euler a", "DPM++ 2M", "DDPM", "LMS", "Heun" and "UniPC". A1111 names
+    /// that are a class plus options ("DPM++ 2M Karras") are read by
+    /// [`SchedulerConfig::switched_to_named`].
     pub fn aliases(self) -> &'static [&'static str] {
         match self {
             SchedulerKind::Pndm => &["pndm", "plms"],
@@ -154,16 +194,44 @@ impl SchedulerKind {
             SchedulerKind::EulerAncestralDiscrete => {
                 &["euler_a", "euler_ancestral", "euler_ancestral_discrete"]
             }
+            SchedulerKind::DpmSolverMultistep => &[
+                "dpm++_2m",
+                "dpmpp_2m",
+                "dpm_solver_multistep",
+                "dpmsolver_multistep",
+                "dpmsolver++",
+            ],
+            SchedulerKind::Ddpm => &["ddpm"],
+            SchedulerKind::LmsDiscrete => &["lms", "k_lms", "lms_discrete"],
+            SchedulerKind::HeunDiscrete => &["heun", "k_heun", "heun_discrete"],
+            SchedulerKind::UniPcMultistep => &["unipc", "uni_pc", "unipc_multistep"],
         }
+    }
+
+    /// Whether the class reads `use_karras_sigmas`.
+    pub fn has_karras_sigmas(self) -> bool {
+        matches!(
+            self,
+            SchedulerKind::EulerDiscrete
+                | SchedulerKind::DpmSolverMultistep
+                | SchedulerKind::LmsDiscrete
+                | SchedulerKind::HeunDiscrete
+                | SchedulerKind::UniPcMultistep
+        )
     }
 
     /// The class's default `timestep_spacing`.
     pub(crate) fn default_timestep_spacing(self) -> TimestepSpacing {
         match self {
-            SchedulerKind::Pndm | SchedulerKind::Ddim => TimestepSpacing::Leading,
-            SchedulerKind::EulerDiscrete | SchedulerKind::EulerAncestralDiscrete => {
-                TimestepSpacing::Linspace
+            SchedulerKind::Pndm | SchedulerKind::Ddim | SchedulerKind::Ddpm => {
+                TimestepSpacing::Leading
             }
+            SchedulerKind::EulerDiscrete
+            | SchedulerKind::EulerAncestralDiscrete
+            | SchedulerKind::DpmSolverMultistep
+            | SchedulerKind::LmsDiscrete
+            | SchedulerKind::HeunDiscrete
+            | SchedulerKind::UniPcMultistep => TimestepSpacing::Linspace,
         }
     }
 

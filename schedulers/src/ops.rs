@@ -1,4 +1,6 @@
-//! Tensor helpers shared by the schedulers: per-batch-item scaling for `add_noise`.
+//! Tensor helpers shared by the schedulers: linear combinations with host coefficients,
+//! per-batch-item scaling for `add_noise`, and dynamic thresholding of the predicted clean
+//! sample.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -63,4 +65,56 @@ pub(crate) fn alpha_add_noise<B: Backend>(
     let sqrt_a: Vec<f64> = alphas.iter().map(|a| a.sqrt()).collect();
     let sqrt_1ma: Vec<f64> = alphas.iter().map(|a| (1.0 - a).sqrt()).collect();
     scale_per_item(original, &sqrt_a) + scale_per_item(noise, &sqrt_1ma)
+}
+
+/// diffusers' `_threshold_sample`: per batch item, `s` is the `dynamic_thresholding_ratio`
+/// quantile of `|x|` (torch.quantile's linear interpolation), clamped to
+/// `[1, sample_max_value]`; `x` is clamped to `[-s, s]` and divided by `s`.
+pub(crate) fn dynamic_threshold<B: Backend>(
+    x: Tensor<B, 4>,
+    dynamic_thresholding_ratio: f64,
+    sample_max_value: f64,
+) -> Tensor<B, 4> {
+    let [b, c, h, w] = x.dims();
+    let n = c * h * w;
+    let flat = x.reshape([b, n]);
+    let sorted = flat.clone().abs().sort(1);
+    // torch computes the rank in the tensor's dtype (f32) and lerps from the lower value
+    // for weights below one half, from the upper value otherwise.
+    let rank = dynamic_thresholding_ratio as f32 * (n - 1) as f32;
+    let lo = rank.floor() as usize;
+    let hi = (rank.ceil() as usize).min(n - 1);
+    let weight = (rank - lo as f32) as f64;
+    let below = sorted.clone().narrow(1, lo, 1);
+    let above = sorted.narrow(1, hi, 1);
+    let s = if weight < 0.5 {
+        below.clone() + (above - below).mul_scalar(weight)
+    } else {
+        above.clone() - (above - below).mul_scalar(1.0 - weight)
+    };
+    let s = s.clamp_min(1.0).clamp_max(sample_max_value).expand([b, n]);
+    flat.max_pair(s.clone().neg())
+        .min_pair(s.clone())
+        .div(s)
+        .reshape([b, c, h, w])
+}
+
+/// `x * a`, skipping the multiplication when `a` is 1.
+pub(crate) fn scaled<B: Backend>(x: Tensor<B, 4>, a: f64) -> Tensor<B, 4> {
+    if a == 1.0 {
+        x
+    } else {
+        x.mul_scalar(a)
+    }
+}
+
+/// `first.0 * first.1 + sum of x * c over rest`, skipping the terms of `rest` whose
+/// coefficient is zero.
+pub(crate) fn lincomb<B: Backend>(
+    first: (Tensor<B, 4>, f64),
+    rest: impl IntoIterator<Item = (Tensor<B, 4>, f64)>,
+) -> Tensor<B, 4> {
+    rest.into_iter()
+        .filter(|(_, c)| *c != 0.0)
+        .fold(scaled(first.0, first.1), |acc, (x, c)| acc + scaled(x, c))
 }

@@ -138,6 +138,12 @@ impl NoiseSchedule {
                 message: format!("num_train_timesteps must be at least 2, got {n}"),
             });
         }
+        let (beta_start, beta_end) = match class {
+            "HeunDiscreteScheduler" => (0.00085, 0.012),
+            _ => (0.0001, 0.02),
+        };
+        let beta_start = cfg.beta_start.unwrap_or(beta_start);
+        let beta_end = cfg.beta_end.unwrap_or(beta_end);
         let mut betas = match &cfg.trained_betas {
             Some(b) if b.len() != n => {
                 return Err(SchedulerError::Unsupported {
@@ -150,9 +156,9 @@ impl NoiseSchedule {
             }
             Some(b) => b.iter().map(|&v| v as f32).collect(),
             None => match cfg.beta_schedule {
-                BetaSchedule::Linear => torch_linspace_f32(cfg.beta_start, cfg.beta_end, n),
+                BetaSchedule::Linear => torch_linspace_f32(beta_start, beta_end, n),
                 BetaSchedule::ScaledLinear => {
-                    torch_linspace_f32(cfg.beta_start.sqrt(), cfg.beta_end.sqrt(), n)
+                    torch_linspace_f32(beta_start.sqrt(), beta_end.sqrt(), n)
                         .into_iter()
                         .map(|b| b * b)
                         .collect()
@@ -192,6 +198,55 @@ impl NoiseSchedule {
             .map(|&a| ((1.0 - a) / a).sqrt())
             .collect()
     }
+
+    /// `ln` of the training sigmas in f32 (numpy's `np.log` of an f32 array), ascending in t.
+    pub fn log_train_sigmas(&self) -> Vec<f32> {
+        self.train_sigmas()
+            .iter()
+            .map(|&s| (s as f64).ln() as f32)
+            .collect()
+    }
+}
+
+/// Karras et al. (2022) sigmas: `rho = 7` interpolation from sigma_max down to sigma_min.
+pub(crate) fn karras_sigmas(sigma_min: f64, sigma_max: f64, n: usize) -> Vec<f64> {
+    let rho = 7.0;
+    let min_inv = sigma_min.powf(1.0 / rho);
+    let max_inv = sigma_max.powf(1.0 / rho);
+    numpy_linspace(0.0, 1.0, n)
+        .iter()
+        .map(|r| (max_inv + r * (min_inv - max_inv)).powf(rho))
+        .collect()
+}
+
+/// Sigmas evenly spaced in log space from sigma_max down to sigma_min.
+pub(crate) fn exponential_sigmas(sigma_min: f64, sigma_max: f64, n: usize) -> Vec<f64> {
+    numpy_linspace(sigma_max.ln(), sigma_min.ln(), n)
+        .iter()
+        .map(|l| l.exp())
+        .collect()
+}
+
+/// diffusers' `_sigma_to_t`: the fractional training timestep whose log-sigma, interpolated
+/// linearly between neighbours, equals `ln(sigma)`.
+pub(crate) fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
+    let log_sigma = sigma.max(1e-10).ln();
+    // argmax of cumsum(log_sigmas <= log_sigma): the first index reaching the full count.
+    let (mut count, mut best, mut low) = (0usize, 0usize, 0usize);
+    for (i, &ls) in log_sigmas.iter().enumerate() {
+        if log_sigma - ls as f64 >= 0.0 {
+            count += 1;
+        }
+        if count > best {
+            best = count;
+            low = i;
+        }
+    }
+    let low = low.min(log_sigmas.len() - 2);
+    let (lo, hi) = (log_sigmas[low], log_sigmas[low + 1]);
+    // numpy: f32 - f64 -> f64, but f32 - f32 stays f32.
+    let w = ((lo as f64 - log_sigma) / (lo - hi) as f64).clamp(0.0, 1.0);
+    (1.0 - w) * low as f64 + w * (low + 1) as f64
 }
 
 /// Checks `1 <= num_inference_steps <= num_train_timesteps`.
@@ -228,6 +283,42 @@ pub(crate) fn integer_timesteps(
         }
         TimestepSpacing::Trailing => {
             numpy_arange(num_train as f64, 0.0, -(num_train as f64 / n as f64))
+                .iter()
+                .map(|t| t.round_ties_even() as i64 - 1)
+                .collect()
+        }
+    }
+}
+
+/// The integer inference timesteps of the multistep solvers (DPM-Solver, UniPC), highest
+/// first: `n + 1` points from `last_timestep` down to 0 with the last (0) dropped.
+/// `last_timestep` is `num_train_timesteps` unless DPM-Solver's `lambda_min_clipped` cuts it.
+pub(crate) fn multistep_timesteps(
+    spacing: TimestepSpacing,
+    num_train: usize,
+    last_timestep: usize,
+    n: usize,
+    steps_offset: usize,
+) -> Vec<i64> {
+    match spacing {
+        TimestepSpacing::Linspace => {
+            let mut ts: Vec<i64> = numpy_linspace(0.0, last_timestep as f64 - 1.0, n + 1)
+                .iter()
+                .rev()
+                .map(|t| t.round_ties_even() as i64)
+                .collect();
+            ts.pop();
+            ts
+        }
+        TimestepSpacing::Leading => {
+            let ratio = (last_timestep / (n + 1)) as i64;
+            (1..=n as i64)
+                .rev()
+                .map(|i| i * ratio + steps_offset as i64)
+                .collect()
+        }
+        TimestepSpacing::Trailing => {
+            numpy_arange(last_timestep as f64, 0.0, -(num_train as f64 / n as f64))
                 .iter()
                 .map(|t| t.round_ties_even() as i64 - 1)
                 .collect()
@@ -286,12 +377,17 @@ mod tests {
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for (name, case) in meta["cases"].as_object().unwrap() {
             let cfg = SchedulerConfig::from_json_str(&case["config"].to_string(), name).unwrap();
-            let class = case["class"].as_str().unwrap();
+            let class = case["class"]
+                .as_str()
+                .unwrap()
+                .parse::<crate::SchedulerKind>()
+                .unwrap()
+                .class_name();
             let rescale = cfg.rescale_betas_zero_snr && class != "PNDMScheduler";
-            let mut ours = NoiseSchedule::new(&cfg, "test", rescale)
+            let mut ours = NoiseSchedule::new(&cfg, class, rescale)
                 .unwrap()
                 .alphas_cumprod;
-            if rescale && class.starts_with("Euler") {
+            if rescale && (class.starts_with("Euler") || class.starts_with("DPM")) {
                 *ours.last_mut().unwrap() = 2f32.powi(-24);
             }
             let theirs: Vec<f32> = st

@@ -3,8 +3,8 @@
 use burn::tensor::{Distribution, Tensor};
 use burn_flex::{Flex, FlexDevice};
 use oxidiff_schedulers::{
-    scheduler_from_config, DdimScheduler, NoNoise, RecordedNoise, Scheduler, SchedulerConfig,
-    SchedulerError, SchedulerKind, TimestepSpacing,
+    scheduler_from_config, AlgorithmType, DdimScheduler, NoNoise, RecordedNoise, Scheduler,
+    SchedulerConfig, SchedulerError, SchedulerKind, TimestepSpacing, VarianceType,
 };
 
 type B = Flex;
@@ -93,7 +93,10 @@ fn wrong_timesteps_are_errors() {
     for mut s in all_schedulers() {
         s.set_timesteps(10).unwrap();
         let x = randn([1, 4, 8, 8]);
-        let bad = if matches!(s.kind(), SchedulerKind::Pndm | SchedulerKind::Ddim) {
+        let bad = if matches!(
+            s.kind(),
+            SchedulerKind::Pndm | SchedulerKind::Ddim | SchedulerKind::Ddpm
+        ) {
             1.5
         } else {
             123.25
@@ -109,7 +112,12 @@ fn wrong_timesteps_are_errors() {
 
 #[test]
 fn stepping_past_the_schedule_is_an_error() {
-    for kind in [SchedulerKind::Pndm, SchedulerKind::EulerDiscrete] {
+    for kind in [
+        SchedulerKind::Pndm,
+        SchedulerKind::EulerDiscrete,
+        SchedulerKind::DpmSolverMultistep,
+        SchedulerKind::HeunDiscrete,
+    ] {
         let mut s = scheduler_from_config::<B>(&sd15().switched_to(kind)).unwrap();
         s.set_timesteps(3).unwrap();
         let mut x = randn([1, 4, 8, 8]);
@@ -218,13 +226,13 @@ fn config_ignores_unknown_fields_and_accepts_nulls() {
 
 #[test]
 fn unknown_scheduler_names_list_the_known_ones() {
-    let err = "k_lms".parse::<SchedulerKind>().unwrap_err();
+    let err = "k_dpm_fast".parse::<SchedulerKind>().unwrap_err();
     let msg = err.to_string();
     for name in ["PNDMScheduler", "ddim", "euler", "euler_a"] {
         assert!(msg.contains(name), "{msg}");
     }
     let mut cfg = sd15();
-    cfg.class_name = Some("LMSDiscreteScheduler".into());
+    cfg.class_name = Some("KDPM2AncestralDiscreteScheduler".into());
     assert!(matches!(
         scheduler_from_config::<B>(&cfg),
         Err(SchedulerError::UnknownScheduler { .. })
@@ -249,6 +257,12 @@ fn scheduler_names_parse_from_diffusers_short_and_a1111_names() {
         (
             "EulerAncestralDiscreteScheduler",
             SchedulerKind::EulerAncestralDiscrete,
+        ),
+        ("DPM++ 2M", SchedulerKind::DpmSolverMultistep),
+        ("dpmpp_2m", SchedulerKind::DpmSolverMultistep),
+        (
+            "DPMSolverMultistepScheduler",
+            SchedulerKind::DpmSolverMultistep,
         ),
     ];
     for (name, kind) in cases {
@@ -290,4 +304,96 @@ fn schedulers_are_send() {
     for s in all_schedulers() {
         send(&s);
     }
+}
+
+#[test]
+fn a1111_option_words_switch_class_and_options() {
+    let cfg = sd15().switched_to_named("DPM++ 2M Karras").unwrap();
+    assert_eq!(cfg.kind().unwrap(), SchedulerKind::DpmSolverMultistep);
+    assert!(cfg.use_karras_sigmas);
+    let cfg = sd15().switched_to_named("DPM++ 2M SDE Karras").unwrap();
+    assert_eq!(
+        cfg.algorithm_type,
+        Some(AlgorithmType::SdeDpmSolverPlusPlus)
+    );
+    assert!(cfg.use_karras_sigmas);
+    let cfg = sd15().switched_to_named("Euler").unwrap();
+    assert!(!cfg.use_karras_sigmas);
+    for bad in ["DDIM Karras", "Euler SDE", "nonsense Karras"] {
+        assert!(sd15().switched_to_named(bad).is_err(), "{bad}");
+    }
+    let mut s =
+        scheduler_from_config::<B>(&sd15().switched_to_named("DPM++ 2M Karras").unwrap()).unwrap();
+    s.set_timesteps(12).unwrap();
+    assert_eq!(s.timesteps()[..3], [999.0, 933.0, 854.0]);
+}
+
+#[test]
+fn ddpm_rejects_learned_variances_and_off_schedule_timesteps() {
+    for v in [
+        VarianceType::Learned,
+        VarianceType::LearnedRange,
+        VarianceType::FixedLargeLog,
+    ] {
+        let mut cfg = sd15().switched_to(SchedulerKind::Ddpm);
+        cfg.variance_type = Some(v);
+        assert!(matches!(
+            scheduler_from_config::<B>(&cfg),
+            Err(SchedulerError::Unsupported { .. })
+        ));
+    }
+    let mut s = scheduler_from_config::<B>(&sd15().switched_to(SchedulerKind::Ddpm)).unwrap();
+    s.set_timesteps(10).unwrap();
+    let x = randn([1, 4, 8, 8]);
+    // 500 is a training timestep but not one of this schedule's.
+    let err = s.step(x.clone(), 500.0, x, &mut NoNoise).unwrap_err();
+    assert!(matches!(err, SchedulerError::BadTimestep { .. }), "{err}");
+}
+
+#[test]
+fn python_non_finite_values_read_as_defaults() {
+    // diffusers' save_config writes DPM-Solver's default lambda_min_clipped as -Infinity.
+    let cfg = SchedulerConfig::from_json_str(
+        r#"{"_class_name": "DPMSolverMultistepScheduler", "lambda_min_clipped": -Infinity,
+            "sigma_max": NaN, "note": "-Infinity stays a string"}"#,
+        "dpm.json",
+    )
+    .unwrap();
+    assert_eq!(cfg.lambda_min_clipped, None);
+    assert_eq!(cfg.sigma_max, None);
+    let cfg = SchedulerConfig::from_json_str(r#"{"lambda_min_clipped": -5.1}"#, "x").unwrap();
+    assert_eq!(cfg.lambda_min_clipped, Some(-5.1));
+    assert!(SchedulerConfig::from_json_str(r#"{"a": Infinityx}"#, "y").is_err());
+}
+
+#[test]
+fn dpm_solver_rejects_what_it_does_not_implement() {
+    let base = sd15().switched_to(SchedulerKind::DpmSolverMultistep);
+    let mut cases = Vec::new();
+    let mut c = base.clone();
+    c.algorithm_type = Some(AlgorithmType::DpmSolver);
+    cases.push(c);
+    let mut c = base.clone();
+    c.solver_order = 4;
+    cases.push(c);
+    let mut c = base.clone();
+    c.use_lu_lambdas = true;
+    cases.push(c);
+    let mut c = base.clone();
+    c.use_karras_sigmas = true;
+    c.use_exponential_sigmas = true;
+    cases.push(c);
+    for cfg in cases {
+        assert!(matches!(
+            scheduler_from_config::<B>(&cfg),
+            Err(SchedulerError::Unsupported { .. })
+        ));
+    }
+    let mut c = base.clone();
+    c.lambda_min_clipped = Some(10.0);
+    let mut s = scheduler_from_config::<B>(&c).unwrap();
+    assert!(matches!(
+        s.set_timesteps(10),
+        Err(SchedulerError::InvalidSteps { .. })
+    ));
 }

@@ -10,7 +10,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
 use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
-use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerator};
+use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
 
 /// The model used when none is given: one step, no guidance, 512x512.
@@ -40,7 +40,8 @@ struct Args {
     /// else 7.5).
     #[arg(long)]
     guidance: Option<f64>,
-    /// Scheduler by diffusers class or A1111 name (pndm/PLMS, ddim, euler, euler_a).
+    /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
+    /// euler_a ("Euler a"), heun, lms, "DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE", unipc.
     #[arg(long)]
     scheduler: Option<String>,
     /// Seed of the noise generator (PyTorch's CPU generator: same seed, same latents as
@@ -102,11 +103,6 @@ fn run(args: Args) -> Result<()> {
             args.output.display()
         );
     }
-    let scheduler = args
-        .scheduler
-        .as_deref()
-        .map(str::parse::<SchedulerKind>)
-        .transpose()?;
     let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
     let steps = args.steps.unwrap_or(if turbo { 1 } else { 50 });
     let guidance = args.guidance.unwrap_or(if turbo { 0.0 } else { 7.5 });
@@ -119,7 +115,7 @@ fn run(args: Args) -> Result<()> {
     let started = Instant::now();
     let options = LoadOptions {
         variant: args.variant.clone(),
-        scheduler,
+        scheduler: args.scheduler.clone(),
     };
     let mut pipe = StableDiffusionPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
         .with_context(|| format!("loading {}", args.model))?;

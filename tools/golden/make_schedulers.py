@@ -24,10 +24,16 @@ from common import save_canonical, save_json  # noqa: E402
 import diffusers  # noqa: E402
 from diffusers import (  # noqa: E402
     DDIMScheduler,
+    DDPMScheduler,
+    DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    HeunDiscreteScheduler,
+    LMSDiscreteScheduler,
     PNDMScheduler,
+    UniPCMultistepScheduler,
 )
+from scipy import integrate  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -55,7 +61,14 @@ CLASSES = {
     "DDIMScheduler": DDIMScheduler,
     "EulerDiscreteScheduler": EulerDiscreteScheduler,
     "EulerAncestralDiscreteScheduler": EulerAncestralDiscreteScheduler,
+    "DPMSolverMultistepScheduler": DPMSolverMultistepScheduler,
+    "DDPMScheduler": DDPMScheduler,
+    "LMSDiscreteScheduler": LMSDiscreteScheduler,
+    "HeunDiscreteScheduler": HeunDiscreteScheduler,
+    "UniPCMultistepScheduler": UniPCMultistepScheduler,
 }
+UNIPC = {"_class_name": "UniPCMultistepScheduler"}
+DPM = {"_class_name": "DPMSolverMultistepScheduler"}
 
 
 def case(name, config, steps, switch_to=None, eta=None):
@@ -105,6 +118,59 @@ CASES = [
     case("euler_a_v_trailing", {"_class_name": "EulerAncestralDiscreteScheduler", **SD_BETAS,
                                 "prediction_type": "v_prediction", "timestep_spacing": "trailing"}, 6),
     case("euler_a_linear_linspace", {"_class_name": "EulerAncestralDiscreteScheduler"}, 7),
+    # DPM-Solver++ (multistep)
+    case("dpm_sd15", SD15, 10, switch_to="DPMSolverMultistepScheduler"),
+    case("dpm_karras", {**DPM, **SD_BETAS, "use_karras_sigmas": True}, 12),
+    case("dpm_order3_v_trailing_sigma_min_clipped", {**DPM, **SD_BETAS, "solver_order": 3,
+                                                     "prediction_type": "v_prediction",
+                                                     "timestep_spacing": "trailing",
+                                                     "final_sigmas_type": "sigma_min",
+                                                     "lambda_min_clipped": -2.5}, 16),
+    case("dpm_order3_lower_order_final", {**DPM, "solver_order": 3}, 8),
+    case("dpm_sde_karras_heun", {**DPM, **SD_BETAS, "algorithm_type": "sde-dpmsolver++",
+                                 "use_karras_sigmas": True, "solver_type": "heun"}, 8),
+    case("dpm_heun_leading_euler_at_final", {**DPM, **SD_BETAS, "solver_type": "heun",
+                                             "timestep_spacing": "leading", "steps_offset": 1,
+                                             "euler_at_final": True, "lower_order_final": False,
+                                             "final_sigmas_type": "sigma_min"}, 6),
+    case("dpm_order1_sample_exponential_thresholding", {**DPM, "solver_order": 1, "prediction_type": "sample",
+                                                        "use_exponential_sigmas": True, "thresholding": True,
+                                                        "dynamic_thresholding_ratio": 0.9,
+                                                        "sample_max_value": 1.5}, 5),
+    case("dpm_sde_order3_v", {**DPM, **SD_BETAS, "algorithm_type": "sde-dpmsolver++", "solver_order": 3,
+                              "prediction_type": "v_prediction", "lower_order_final": False,
+                              "final_sigmas_type": "sigma_min"}, 7),
+    # DDPM
+    case("ddpm_sd15", SD15, 8, switch_to="DDPMScheduler"),
+    case("ddpm_v_small_log_trailing", {"_class_name": "DDPMScheduler", **SD_BETAS, "prediction_type": "v_prediction",
+                                       "variance_type": "fixed_small_log", "timestep_spacing": "trailing",
+                                       "clip_sample": False}, 6),
+    case("ddpm_default_clip_large_linspace", {"_class_name": "DDPMScheduler", "variance_type": "fixed_large",
+                                              "timestep_spacing": "linspace"}, 5),
+    # LMS
+    case("lms_sd15", SD15, 10, switch_to="LMSDiscreteScheduler"),
+    case("lms_karras_v", {"_class_name": "LMSDiscreteScheduler", **SD_BETAS, "prediction_type": "v_prediction",
+                          "use_karras_sigmas": True}, 8),
+    case("lms_exponential_leading_sample", {"_class_name": "LMSDiscreteScheduler", "prediction_type": "sample",
+                                            "use_exponential_sigmas": True, "timestep_spacing": "leading",
+                                            "steps_offset": 1}, 6),
+    # Heun (2 n - 1 evaluations)
+    case("heun_sd15", SD15, 6, switch_to="HeunDiscreteScheduler"),
+    case("heun_karras_v", {"_class_name": "HeunDiscreteScheduler", **SD_BETAS, "prediction_type": "v_prediction",
+                           "use_karras_sigmas": True}, 5),
+    # Heun's own defaults: beta_start 0.00085, beta_end 0.012, linear.
+    case("heun_defaults_clip_sample_trailing", {"_class_name": "HeunDiscreteScheduler", "clip_sample": True,
+                                                "prediction_type": "sample", "timestep_spacing": "trailing"}, 4),
+    # UniPC
+    case("unipc_sd15", SD15, 10, switch_to="UniPCMultistepScheduler"),
+    case("unipc_bh1_order3_karras", {**UNIPC, **SD_BETAS, "solver_type": "bh1", "solver_order": 3,
+                                     "use_karras_sigmas": True}, 8),
+    case("unipc_v_trailing_order3_sigma_min", {**UNIPC, **SD_BETAS, "prediction_type": "v_prediction",
+                                               "timestep_spacing": "trailing", "solver_order": 3,
+                                               "lower_order_final": False, "final_sigmas_type": "sigma_min",
+                                               "disable_corrector": [2]}, 7),
+    case("unipc_noise_pred_leading", {**UNIPC, **SD_BETAS, "predict_x0": False, "timestep_spacing": "leading",
+                                      "steps_offset": 1, "final_sigmas_type": "sigma_min"}, 6),
 ]
 
 # Where each scheduler module looks up randn_tensor.
@@ -112,6 +178,8 @@ MODULES = [
     "diffusers.schedulers.scheduling_ddim",
     "diffusers.schedulers.scheduling_euler_discrete",
     "diffusers.schedulers.scheduling_euler_ancestral_discrete",
+    "diffusers.schedulers.scheduling_dpmsolver_multistep",
+    "diffusers.schedulers.scheduling_ddpm",
 ]
 
 
@@ -144,9 +212,35 @@ def as_list(x):
     return [float(v) for v in x.detach().cpu().numpy().astype(np.float64).tolist()]
 
 
+def lms_coefficients(sched):
+    """Per step, diffusers' get_lms_coefficient (quad of an f32 integrand) and the same
+    quadrature on f64 sigmas, for the order step() uses (min(i + 1, 4))."""
+    sig = [float(s) for s in sched.sigmas]
+
+    def f64_coefficient(order, t, current):
+        def basis(tau):
+            prod = 1.0
+            for k in range(order):
+                if k != current:
+                    prod *= (tau - sig[t - k]) / (sig[t - current] - sig[t - k])
+            return prod
+
+        return integrate.quad(basis, sig[t], sig[t + 1], epsrel=1e-13, epsabs=0)[0]
+
+    out = []
+    for i in range(len(sched.timesteps)):
+        order = min(i + 1, 4)
+        out.append({
+            "diffusers": [float(sched.get_lms_coefficient(order, i, j)) for j in range(order)],
+            "f64": [f64_coefficient(order, i, j) for j in range(order)],
+        })
+    return out
+
+
 def run_case(index, c, tensors):
     sched = build(c)
     sched.set_timesteps(c["steps"])
+    extra = {"lms_coefficients": lms_coefficients(sched)} if isinstance(sched, LMSDiscreteScheduler) else {}
     seed = 1000 + index
     noise_seed = 2000 + index
     gen = torch.Generator().manual_seed(seed)
@@ -165,7 +259,8 @@ def run_case(index, c, tensors):
             kwargs = {}
             if isinstance(sched, DDIMScheduler):
                 kwargs["eta"] = c["eta"]
-            if isinstance(sched, (DDIMScheduler, EulerAncestralDiscreteScheduler, EulerDiscreteScheduler)):
+            if isinstance(sched, (DDIMScheduler, EulerAncestralDiscreteScheduler, EulerDiscreteScheduler,
+                                  DPMSolverMultistepScheduler, DDPMScheduler)):
                 kwargs["generator"] = noise_gen
             sample = sched.step(mo, t, sample, **kwargs).prev_sample
             model_outputs.append(mo)
@@ -195,6 +290,7 @@ def run_case(index, c, tensors):
         "timesteps": as_list(sched.timesteps.to(torch.float64)),
         "sigmas": as_list(sigmas.to(torch.float64)) if sigmas is not None else None,
         "init_noise_sigma": init_sigma,
+        **extra,
     }
 
 
@@ -220,7 +316,8 @@ def add_noise_reference(tensors):
     out = {}
     g = torch.Generator().manual_seed(3000)
     for c in CASES:
-        if c["name"] not in ("pndm_sd15", "ddim_sd15_eta0", "euler_sd15", "euler_a_sd15", "euler_karras"):
+        if c["name"] not in ("pndm_sd15", "ddim_sd15_eta0", "euler_sd15", "euler_a_sd15", "euler_karras",
+                             "dpm_sd15", "dpm_karras", "ddpm_sd15", "lms_sd15", "heun_sd15", "unipc_sd15"):
             continue
         sched = build(c)
         sched.set_timesteps(c["steps"])

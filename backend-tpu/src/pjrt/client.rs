@@ -248,6 +248,25 @@ impl Client {
         unsafe { pjrt_call!(api, PJRT_Client_Compile, &mut args) }?;
         LoadedExecutable::from_raw(self.inner.clone(), args.executable)
     }
+
+    /// Loads an executable serialized by
+    /// [`LoadedExecutable::serialize`] with this plugin version.
+    pub fn deserialize_and_load(&self, serialized: &[u8]) -> Result<LoadedExecutable> {
+        let mut args = Padded::<ffi::PJRT_Executable_DeserializeAndLoad_Args>::new();
+        args.client = self.inner.raw;
+        args.serialized_executable = serialized.as_ptr().cast();
+        args.serialized_executable_size = serialized.len();
+        // SAFETY: the bytes outlive the call; the executable is an
+        // out-parameter we take ownership of.
+        unsafe {
+            pjrt_call!(
+                self.inner.plugin.api(),
+                PJRT_Executable_DeserializeAndLoad,
+                &mut args
+            )
+        }?;
+        LoadedExecutable::from_raw(self.inner.clone(), args.loaded_executable)
+    }
 }
 
 /// Turns libtpu's "no device" failure into [`Error::NoTpu`].

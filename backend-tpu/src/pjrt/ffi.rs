@@ -324,6 +324,14 @@ args_struct! {
         pub serialized_executable: *mut PJRT_SerializedExecutable,
         pub serialized_executable_deleter: Option<unsafe extern "C" fn(*mut PJRT_SerializedExecutable)>,
     }
+    pub struct PJRT_Executable_DeserializeAndLoad_Args {
+        pub client: *mut PJRT_Client,
+        pub serialized_executable: *const c_char,
+        pub serialized_executable_size: usize,
+        pub loaded_executable: *mut PJRT_LoadedExecutable,
+        pub overridden_serialized_compile_options: *const c_char,
+        pub overridden_serialized_compile_options_size: usize,
+    }
     pub struct PJRT_LoadedExecutable_Destroy_Args {
         pub executable: *mut PJRT_LoadedExecutable,
     }
@@ -501,7 +509,7 @@ pub struct PJRT_Api {
     pub PJRT_LoadedExecutable_Delete: Unused,
     pub PJRT_LoadedExecutable_IsDeleted: Unused,
     pub PJRT_LoadedExecutable_Execute: Option<ErrFn<PJRT_LoadedExecutable_Execute_Args>>,
-    pub PJRT_Executable_DeserializeAndLoad: Unused,
+    pub PJRT_Executable_DeserializeAndLoad: Option<ErrFn<PJRT_Executable_DeserializeAndLoad_Args>>,
     pub PJRT_LoadedExecutable_Fingerprint: Unused,
 
     pub PJRT_Buffer_Destroy: Option<ErrFn<PJRT_Buffer_Destroy_Args>>,
@@ -557,6 +565,7 @@ const _: () = assert!(std::mem::size_of::<PJRT_Buffer_CopyToDevice_Args>() == 40
 const _: () = assert!(std::mem::size_of::<PJRT_Executable_Serialize_Args>() == 56);
 const _: () = assert!(std::mem::size_of::<PJRT_TopologyDescription_Create_Args>() == 56);
 const _: () = assert!(std::mem::size_of::<PJRT_Compile_Args>() == 64);
+const _: () = assert!(std::mem::size_of::<PJRT_Executable_DeserializeAndLoad_Args>() == 64);
 const _: () = assert!(std::mem::size_of::<PJRT_Api_Version>() == 24);
 const _: () = assert!(std::mem::offset_of!(PJRT_Api, PJRT_Error_Destroy) == 40);
 // 90 slots after the 40-byte head, one pointer each.

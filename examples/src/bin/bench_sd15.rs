@@ -51,7 +51,10 @@ fn main() -> Result<()> {
         StableDiffusionPipeline::<Cpu>::from_pretrained(dir, &LoadOptions::default(), &device)?;
     let load = start.elapsed().as_secs_f64();
     if args.iter().any(|a| a == "--load-only") {
-        println!("{}", serde_json::json!({"load_s": load, "peak_rss_bytes": peak_rss_bytes()}));
+        println!(
+            "{}",
+            serde_json::json!({"load_s": load, "peak_rss_bytes": peak_rss_bytes()})
+        );
         return Ok(());
     }
 

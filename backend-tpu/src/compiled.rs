@@ -1,0 +1,1103 @@
+//! Compiled mode: a Rust closure over [`Oxi`] tensors on a PJRT device,
+//! traced once per input signature into one StableHLO program, compiled once,
+//! and then run as a single executable. It sits beside [`eager`](crate::eager)
+//! on the same device client and shares its [`Lowerer`] and buffers.
+//!
+//! ```no_run
+//! use burn_tensor::Tensor;
+//! use oxidiff_backend_tpu::compiled::CompiledFn;
+//! use oxidiff_backend_tpu::{Oxi, OxiDevice};
+//!
+//! let device: OxiDevice = "xla:cpu".parse()?;
+//! let w = Tensor::<Oxi, 2>::ones([8, 4], &device);
+//! let step = CompiledFn::new("mlp", |(x, scale): (Tensor<Oxi, 2>, Tensor<Oxi, 1>)| {
+//!     x.matmul(w.clone()).tanh() * scale.unsqueeze()
+//! });
+//! let x = Tensor::<Oxi, 2>::ones([2, 8], &device);
+//! let y = step.call((x, Tensor::from_floats([0.5], &device)))?; // traces and compiles
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Design
+//! - **Tracing** reuses the eager client: while a thread traces for a device,
+//!   [`PjrtClient::register_op`] hands each op to [`intercept`], which records
+//!   it instead of running it (a thread-local recording, so other threads and
+//!   devices stay eager). The closure runs once on the real input tensors;
+//!   the ops it issues are the program. Reading a tensor on the device while
+//!   tracing is an error (a program cannot depend on host values).
+//! - **Inputs** are the closure's tensors, declared first, in order, as
+//!   `%arg0..`. The signature that keys the cache is the device, the inputs'
+//!   shapes and dtypes, and which inputs are the same tensor.
+//! - **Weights** need no special path: every tensor an op reads that was not
+//!   produced inside the trace and is not an input (a module's parameter the
+//!   closure captured, a constant uploaded during the trace) becomes a
+//!   function argument of the lowering ([`Argument::Tensor`] with its
+//!   [`TensorId`]), and each call passes the device buffer the eager client
+//!   already holds for that id. Weights are never inlined: the program is a
+//!   function of them and they stay device buffers. A tensor created during
+//!   the trace and dropped in it (its `Drop` arrives while recording) is kept
+//!   by the program itself, so later calls still find it. The closure owns or
+//!   borrows the module it captures, so its parameters outlive the
+//!   [`CompiledFn`].
+//! - **Scalars** of ops (`x * 0.5`, eps, fill values) are rank-0 arguments
+//!   in the lowering already; compiled mode uploads them once, at trace time,
+//!   and passes them on every call. Values that change from call to call
+//!   (timestep, guidance scale) must be **tensor inputs**: the closure is
+//!   traced once per signature, so a Rust value it reads is frozen at trace
+//!   time, as in `jax.jit`. Random ops take a fresh `rng_bit_generator`
+//!   state from the device's seeded counter on every call, as in eager mode.
+//! - **Outputs**: on the tracing call the closure's own output tensors get the
+//!   executable's results; on cached calls new tensors are made with the
+//!   traced shapes and dtypes, without running the closure.
+//! - Tensors the closure dropped or consumed (inputs included) are freed after
+//!   the program ran, as eager mode would have freed them.
+//! - Calling a [`CompiledFn`] inside another one's closure inlines it into
+//!   the outer trace.
+//!
+//! - **Donation** ([`CompiledFn::donate`]): an output may take over an
+//!   input's buffer (`tf.aliasing_output` on the argument), so a denoising
+//!   step that replaces its latents needs no second buffer. An input tensor
+//!   still referenced elsewhere is copied first, so donation is never visible.
+//! - **On-disk cache** ([`CompiledFn::with_disk_cache`], or
+//!   [`COMPILE_CACHE_ENV`]): executables are serialized under a hash of the
+//!   module text and of the plugin's platform, version and device; a later
+//!   process still traces and lowers (milliseconds) but loads instead of
+//!   compiling.
+//!
+//! Every compile increments [`CompiledFn::compiles`] and the process-wide
+//! [`compile_count`], is recorded in [`CompiledFn::compile_log`], and is
+//! printed to stderr with its reason and timings when [`LOG_COMPILES_ENV`]
+//! is set.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use burn_backend::{DType, Shape};
+use burn_ir::{OperationIr, TensorId, TensorIr, TensorStatus};
+use burn_router::RouterTensor;
+use burn_tensor::{Bool, Int, Tensor, TensorPrimitive};
+
+use crate::channel::OxiClient;
+use crate::device::OxiDevice;
+use crate::eager::{scalar_bytes, PjrtClient};
+use crate::lowering::{Argument, LowerError, Lowerer};
+use crate::pjrt::{self, Buffer, CompileOptions, ElementType, LoadedExecutable};
+use crate::Oxi;
+
+/// Environment variable: when set (to anything but `0`), every compile is
+/// printed to stderr with its reason and timings.
+pub const LOG_COMPILES_ENV: &str = "OXIDIFF_LOG_COMPILES";
+
+/// Environment variable: a directory for the on-disk cache of compiled
+/// executables ([`CompiledFn::with_disk_cache`]).
+pub const COMPILE_CACHE_ENV: &str = "OXIDIFF_COMPILE_CACHE";
+
+static COMPILES: AtomicU64 = AtomicU64::new(0);
+
+fn log_compiles() -> bool {
+    std::env::var(LOG_COMPILES_ENV).is_ok_and(|v| v != "0")
+}
+
+/// XLA compiles run by every [`CompiledFn`] of the process so far (loads
+/// from the disk cache do not count).
+pub fn compile_count() -> u64 {
+    COMPILES.load(Ordering::Relaxed)
+}
+
+/// Why a compiled function could not run.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CompileError {
+    /// The inputs or outputs are not tensors of one PJRT device.
+    #[error("compiled function `{name}`: {message}")]
+    Placement { name: String, message: String },
+    /// A donation ([`CompiledFn::donate`]) that cannot hold.
+    #[error("compiled function `{name}`: donating input {input} to output {output}: {message}")]
+    Donation {
+        name: String,
+        input: usize,
+        output: usize,
+        message: String,
+    },
+    /// The traced ops could not be lowered.
+    #[error("compiled function `{name}`: {source}")]
+    Lower {
+        name: String,
+        #[source]
+        source: LowerError,
+    },
+    /// PJRT rejected the program.
+    #[error("compiled function `{name}` on {device}: compiling its StableHLO ({ops} ops) failed: {message}")]
+    Compile {
+        name: String,
+        device: OxiDevice,
+        ops: usize,
+        message: String,
+    },
+    /// Running it failed (a missing buffer, a failed upload or execution).
+    #[error("compiled function `{name}` on {device}: {message}")]
+    Run {
+        name: String,
+        device: OxiDevice,
+        message: String,
+    },
+}
+
+// ---- tensors in and out ------------------------------------------------
+
+/// What a compiled function takes and returns: an [`Oxi`] tensor (float,
+/// int or bool, any rank) or a tuple of up to six of them.
+pub trait Tensors: Sized {
+    /// Appends the router tensors, in order.
+    fn flatten(self, out: &mut Vec<RouterTensor<OxiClient>>);
+    /// Rebuilds from router tensors, in the order [`flatten`](Self::flatten)
+    /// wrote them.
+    fn unflatten(tensors: &mut std::vec::IntoIter<RouterTensor<OxiClient>>) -> Self;
+}
+
+fn next_tensor(
+    tensors: &mut std::vec::IntoIter<RouterTensor<OxiClient>>,
+) -> RouterTensor<OxiClient> {
+    tensors
+        .next()
+        .expect("compiled function: fewer tensors than the signature's type has (a bug)")
+}
+
+impl<const D: usize> Tensors for Tensor<Oxi, D> {
+    fn flatten(self, out: &mut Vec<RouterTensor<OxiClient>>) {
+        out.push(match self.into_primitive() {
+            TensorPrimitive::Float(t) | TensorPrimitive::QFloat(t) => t,
+        });
+    }
+
+    fn unflatten(tensors: &mut std::vec::IntoIter<RouterTensor<OxiClient>>) -> Self {
+        Tensor::from_primitive(TensorPrimitive::Float(next_tensor(tensors)))
+    }
+}
+
+impl<const D: usize> Tensors for Tensor<Oxi, D, Int> {
+    fn flatten(self, out: &mut Vec<RouterTensor<OxiClient>>) {
+        out.push(self.into_primitive());
+    }
+
+    fn unflatten(tensors: &mut std::vec::IntoIter<RouterTensor<OxiClient>>) -> Self {
+        Tensor::from_primitive(next_tensor(tensors))
+    }
+}
+
+impl<const D: usize> Tensors for Tensor<Oxi, D, Bool> {
+    fn flatten(self, out: &mut Vec<RouterTensor<OxiClient>>) {
+        out.push(self.into_primitive());
+    }
+
+    fn unflatten(tensors: &mut std::vec::IntoIter<RouterTensor<OxiClient>>) -> Self {
+        Tensor::from_primitive(next_tensor(tensors))
+    }
+}
+
+macro_rules! tuple_tensors {
+    ($($t:ident),+) => {
+        impl<$($t: Tensors),+> Tensors for ($($t,)+) {
+            #[allow(non_snake_case)]
+            fn flatten(self, out: &mut Vec<RouterTensor<OxiClient>>) {
+                let ($($t,)+) = self;
+                $($t.flatten(out);)+
+            }
+
+            fn unflatten(tensors: &mut std::vec::IntoIter<RouterTensor<OxiClient>>) -> Self {
+                ($($t::unflatten(tensors),)+)
+            }
+        }
+    };
+}
+
+tuple_tensors!(A);
+tuple_tensors!(A, B);
+tuple_tensors!(A, B, C);
+tuple_tensors!(A, B, C, D);
+tuple_tensors!(A, B, C, D, E);
+tuple_tensors!(A, B, C, D, E, F);
+
+/// The metadata of a router tensor, without consuming or dropping it.
+fn ir_of(tensor: &RouterTensor<OxiClient>) -> TensorIr {
+    // The clone makes the count at least 2, so `into_ir` reports `ReadOnly`
+    // and dropping the clone registers nothing.
+    tensor.clone().into_ir()
+}
+
+// ---- recording -----------------------------------------------------------
+
+/// The ops one thread issued on one device while tracing.
+struct Recording {
+    device: OxiDevice,
+    ops: Vec<OperationIr>,
+    /// Tensors produced by recorded ops.
+    produced: HashSet<TensorId>,
+    /// Tensors from outside the trace that were dropped or consumed in it:
+    /// freed (or kept by the program) once it has run.
+    released: Vec<TensorId>,
+}
+
+impl Recording {
+    fn record(&mut self, op: OperationIr) {
+        match &op {
+            OperationIr::Init(_) => return,
+            OperationIr::Drop(tensor) => {
+                if !self.produced.contains(&tensor.id) {
+                    self.released.push(tensor.id);
+                }
+                return;
+            }
+            _ => {}
+        }
+        for input in op.inputs() {
+            if input.status == TensorStatus::ReadWrite && !self.produced.contains(&input.id) {
+                self.released.push(input.id);
+            }
+        }
+        for output in op.outputs() {
+            self.produced.insert(output.id);
+        }
+        self.ops.push(op);
+    }
+}
+
+thread_local! {
+    static RECORDING: RefCell<Option<Recording>> = const { RefCell::new(None) };
+}
+
+/// Records `op` if this thread is tracing for the device `device()` names;
+/// otherwise gives it back to run eagerly.
+pub(crate) fn intercept(
+    op: OperationIr,
+    device: impl FnOnce() -> OxiDevice,
+) -> Option<OperationIr> {
+    let mut op = Some(op);
+    let _ = RECORDING.try_with(|cell| {
+        if let Some(recording) = cell.borrow_mut().as_mut() {
+            if recording.device == device() {
+                if let Some(op) = op.take() {
+                    recording.record(op);
+                }
+            }
+        }
+    });
+    op
+}
+
+/// Whether this thread is tracing for `device`.
+pub(crate) fn is_tracing(device: &OxiDevice) -> bool {
+    RECORDING
+        .try_with(|cell| cell.borrow().as_ref().is_some_and(|r| &r.device == device))
+        .unwrap_or(false)
+}
+
+fn tracing_any() -> bool {
+    RECORDING
+        .try_with(|cell| cell.borrow().is_some())
+        .unwrap_or(false)
+}
+
+/// Ends the recording when dropped; if the trace did not finish (the closure
+/// panicked), frees what it released.
+struct TraceGuard {
+    client: PjrtClient,
+    finished: bool,
+}
+
+impl TraceGuard {
+    fn start(device: OxiDevice, client: PjrtClient) -> Self {
+        RECORDING.with(|cell| {
+            *cell.borrow_mut() = Some(Recording {
+                device,
+                ops: Vec::new(),
+                produced: HashSet::new(),
+                released: Vec::new(),
+            })
+        });
+        Self {
+            client,
+            finished: false,
+        }
+    }
+
+    fn finish(mut self) -> Recording {
+        self.finished = true;
+        RECORDING
+            .with(|cell| cell.borrow_mut().take())
+            .expect("the recording was started by this guard")
+    }
+}
+
+impl Drop for TraceGuard {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        if let Ok(Some(recording)) = RECORDING.try_with(|cell| cell.borrow_mut().take()) {
+            self.client.with_buffers(|buffers| {
+                for id in &recording.released {
+                    buffers.remove(id);
+                }
+            });
+        }
+    }
+}
+
+// ---- the compiled function ---------------------------------------------
+
+/// The cache key: device, input shapes and dtypes, and which inputs are the
+/// same tensor (index of the first input with the same id).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Signature {
+    device: OxiDevice,
+    inputs: Vec<(Vec<usize>, DType)>,
+    aliases: Vec<usize>,
+}
+
+impl Signature {
+    fn of(device: &OxiDevice, inputs: &[TensorIr]) -> Self {
+        let aliases = inputs
+            .iter()
+            .map(|t| {
+                inputs
+                    .iter()
+                    .position(|u| u.id == t.id)
+                    .expect("the tensor itself is in the list")
+            })
+            .collect();
+        Self {
+            device: device.clone(),
+            inputs: inputs.iter().map(|t| (t.shape.to_vec(), t.dtype)).collect(),
+            aliases,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let inputs = self
+            .inputs
+            .iter()
+            .map(|(dims, dtype)| format!("{dtype:?}{dims:?}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!("({inputs}) on {}", self.device)
+    }
+}
+
+/// Where one argument of a program comes from on each call.
+enum Source {
+    /// Input `k` of the call.
+    Input(usize),
+    /// A tensor the eager client holds (a captured weight), by id.
+    Captured(TensorId),
+    /// A buffer the program owns: a constant created and dropped during the
+    /// trace, or a scalar of an op.
+    Owned(Buffer),
+    /// A fresh random state.
+    Rng,
+}
+
+/// One compiled program of a [`CompiledFn`].
+struct Program {
+    executable: LoadedExecutable,
+    sources: Vec<Source>,
+    /// Shapes and dtypes of the outputs, for the tensors of cached calls.
+    outputs: Vec<(Shape, DType)>,
+    /// Inputs whose buffers the program may reuse for an output.
+    donated: Vec<usize>,
+}
+
+/// What one compile did, for logs, tests and benchmarks.
+#[derive(Clone, Debug)]
+pub struct CompileInfo {
+    /// Why it compiled: the new input signature, and those already cached.
+    pub reason: String,
+    /// Ops traced (the program's size).
+    pub ops: usize,
+    /// Bytes of StableHLO text.
+    pub module_bytes: usize,
+    /// Arguments of the program, and how many are inputs, captured tensors
+    /// (weights), scalars and random states.
+    pub arguments: usize,
+    pub inputs: usize,
+    pub captured: usize,
+    pub scalars: usize,
+    pub random: usize,
+    /// Inputs donated to outputs (`tf.aliasing_output`).
+    pub donated: usize,
+    /// Whether the executable came from the on-disk cache instead of a
+    /// compile.
+    pub from_disk: bool,
+    /// Running the closure while recording.
+    pub trace: Duration,
+    /// Lowering the recording to StableHLO.
+    pub lower: Duration,
+    /// PJRT compile.
+    pub compile: Duration,
+}
+
+impl std::fmt::Display for CompileInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}; traced {} ops in {:.1?}, lowered to {} KiB of StableHLO with {} arguments ({} inputs, {} donated, {} captured tensors, {} scalars, {} random states) in {:.1?}, {} in {:.1?}",
+            self.reason,
+            self.ops,
+            self.trace,
+            self.module_bytes / 1024,
+            self.arguments,
+            self.inputs,
+            self.donated,
+            self.captured,
+            self.scalars,
+            self.random,
+            self.lower,
+            if self.from_disk {
+                "loaded from the disk cache"
+            } else {
+                "compiled"
+            },
+            self.compile
+        )
+    }
+}
+
+/// A closure over [`Oxi`] tensors on one PJRT device, compiled into one
+/// program per input signature (see the module docs).
+pub struct CompiledFn<I, O, F> {
+    name: String,
+    f: F,
+    programs: Mutex<HashMap<Signature, Arc<Program>>>,
+    log: Mutex<Vec<CompileInfo>>,
+    /// `(input, output)` pairs: the output may reuse the input's buffer.
+    donations: Vec<(usize, usize)>,
+    /// Where serialized executables are kept between processes.
+    disk_cache: Option<PathBuf>,
+    _io: PhantomData<fn(I) -> O>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
+    /// Wraps `f`; nothing is traced or compiled before the first call.
+    /// `name` appears in logs and errors.
+    pub fn new(name: impl Into<String>, f: F) -> Self {
+        Self {
+            name: name.into(),
+            f,
+            programs: Mutex::default(),
+            log: Mutex::default(),
+            donations: Vec::new(),
+            disk_cache: std::env::var_os(COMPILE_CACHE_ENV).map(PathBuf::from),
+            _io: PhantomData,
+        }
+    }
+
+    /// Keeps serialized executables in `dir` (created if missing), keyed by
+    /// a hash of the module text, the plugin's platform and version, and the
+    /// device: a later process skips the XLA compile of a program it traces
+    /// again. The default is [`COMPILE_CACHE_ENV`], if set.
+    pub fn with_disk_cache(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.disk_cache = Some(dir.into());
+        self
+    }
+
+    /// Lets output `output` reuse the device buffer of input `input` (buffer
+    /// donation, `tf.aliasing_output`): a step that replaces its latents
+    /// then needs no second buffer for them. Both must have the same shape
+    /// and dtype, and the input must not be passed twice in one call. An
+    /// input tensor that is still referenced elsewhere when the call takes it
+    /// is copied first, so donation never changes what other tensors hold.
+    pub fn donate(mut self, input: usize, output: usize) -> Self {
+        self.donations.push((input, output));
+        self
+    }
+
+    /// The name given to [`new`](Self::new).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Programs this function built so far, one per input signature (traced,
+    /// lowered, and compiled or loaded from the disk cache).
+    pub fn compiles(&self) -> u64 {
+        lock(&self.log).len() as u64
+    }
+
+    /// What each compile did, in order.
+    pub fn compile_log(&self) -> Vec<CompileInfo> {
+        lock(&self.log).clone()
+    }
+
+    /// Runs the function: the cached program for these inputs' signature, or
+    /// a new one traced from the closure and compiled first. All inputs must
+    /// live on one PJRT device; the outputs live there too.
+    pub fn call(&self, inputs: I) -> Result<O, CompileError> {
+        if tracing_any() {
+            // Inside another compiled function's trace: inline.
+            return Ok((self.f)(inputs));
+        }
+        let mut tensors = Vec::new();
+        inputs.flatten(&mut tensors);
+        let (client, device) = self.pjrt_client(&tensors, "input")?;
+        let irs: Vec<TensorIr> = tensors.iter().map(ir_of).collect();
+        let signature = Signature::of(&device, &irs);
+        let cached = lock(&self.programs).get(&signature).cloned();
+        let Some(program) = cached else {
+            return self.trace_and_compile(client, device, signature, tensors, irs);
+        };
+        let router = tensors[0].client.clone();
+        let ids: Vec<TensorId> = program
+            .outputs
+            .iter()
+            .map(|_| client.create_empty_handle())
+            .collect();
+        // A donated input held only by this call is consumed here (its
+        // buffer is gone after the run); one held elsewhere too is copied.
+        let mut tensors: Vec<Option<RouterTensor<OxiClient>>> =
+            tensors.into_iter().map(Some).collect();
+        let mut consumed = Vec::new();
+        let mut copies = HashMap::new();
+        for &k in &program.donated {
+            if let Some(tensor) = tensors[k].take() {
+                let ir = tensor.into_ir();
+                if ir.status == TensorStatus::ReadWrite {
+                    consumed.push(ir.id);
+                } else {
+                    copies.insert(k, self.copy_input(&client, &device, k, ir.id)?);
+                }
+            }
+        }
+        let result = self.run(&client, &device, &program, &irs, &ids, &copies);
+        client.with_buffers(|buffers| {
+            for id in &consumed {
+                buffers.remove(id);
+            }
+        });
+        result?;
+        // The other inputs are consumed: dropping them frees their buffers.
+        drop(tensors);
+        let outputs: Vec<_> = ids
+            .into_iter()
+            .zip(&program.outputs)
+            .map(|(id, (shape, dtype))| {
+                RouterTensor::new(id, shape.clone(), *dtype, router.clone())
+            })
+            .collect();
+        Ok(O::unflatten(&mut outputs.into_iter()))
+    }
+
+    /// The eager client of the one PJRT device all `tensors` live on.
+    fn pjrt_client(
+        &self,
+        tensors: &[RouterTensor<OxiClient>],
+        what: &str,
+    ) -> Result<(PjrtClient, OxiDevice), CompileError> {
+        let placement = |message: String| CompileError::Placement {
+            name: self.name.clone(),
+            message,
+        };
+        let mut found: Option<(PjrtClient, OxiDevice)> = None;
+        for (k, tensor) in tensors.iter().enumerate() {
+            let OxiClient::Pjrt(client) = &tensor.client else {
+                return Err(placement(format!(
+                    "{what} {k} is on the cpu device: compiled functions run on a PJRT device; move it there with `to_device`"
+                )));
+            };
+            let device = client.device();
+            match &found {
+                Some((_, first)) if *first != device => {
+                    return Err(placement(format!(
+                        "{what} {k} is on {device} but {what} 0 is on {first}: a compiled function runs on one device"
+                    )))
+                }
+                Some(_) => {}
+                None => found = Some((client.clone(), device)),
+            }
+        }
+        found.ok_or_else(|| {
+            placement(format!(
+                "it has no {what} tensor, so no device: pass at least one {what} on a PJRT device"
+            ))
+        })
+    }
+
+    fn trace_and_compile(
+        &self,
+        client: PjrtClient,
+        device: OxiDevice,
+        signature: Signature,
+        tensors: Vec<RouterTensor<OxiClient>>,
+        irs: Vec<TensorIr>,
+    ) -> Result<O, CompileError> {
+        let name = &self.name;
+        let lower_error = |source| CompileError::Lower {
+            name: name.clone(),
+            source,
+        };
+        let run_error = |message: String| CompileError::Run {
+            name: name.clone(),
+            device: device.clone(),
+            message,
+        };
+
+        // Trace.
+        let started = Instant::now();
+        let guard = TraceGuard::start(device.clone(), client.clone());
+        let outputs = (self.f)(I::unflatten(&mut tensors.into_iter()));
+        let mut out_tensors = Vec::new();
+        outputs.flatten(&mut out_tensors);
+        let recording = guard.finish();
+        let trace = started.elapsed();
+        let released: HashSet<TensorId> = recording.released.iter().copied().collect();
+        let free_released = || {
+            client.with_buffers(|buffers| {
+                for id in &released {
+                    buffers.remove(id);
+                }
+            })
+        };
+        let out_device = match self.pjrt_client(&out_tensors, "output") {
+            Ok((_, d)) => d,
+            Err(e) => {
+                free_released();
+                return Err(e);
+            }
+        };
+        if out_device != device {
+            free_released();
+            return Err(CompileError::Placement {
+                name: name.clone(),
+                message: format!("its outputs are on {out_device} but its inputs on {device}"),
+            });
+        }
+        let out_irs: Vec<TensorIr> = out_tensors.iter().map(ir_of).collect();
+
+        // Lower: inputs first, then the ops; an output nothing computed (a
+        // captured tensor returned as is) becomes an argument too.
+        let started = Instant::now();
+        let lowered = (|| {
+            let mut lowerer = Lowerer::new();
+            for ir in &irs {
+                lowerer.declare_input(ir)?;
+            }
+            for op in &recording.ops {
+                lowerer.lower(op)?;
+            }
+            for ir in &out_irs {
+                if !lowerer.has_value(ir.id) {
+                    lowerer.declare_input(ir)?;
+                }
+            }
+            let ids: Vec<TensorId> = out_irs.iter().map(|t| t.id).collect();
+            lowerer.finish(&ids)
+        })();
+        let function = match lowered {
+            Ok(f) => f,
+            Err(e) => {
+                free_released();
+                return Err(lower_error(e));
+            }
+        };
+        let lower = started.elapsed();
+
+        // Where each argument comes from.
+        let (pjrt_client, pjrt_device) = match client.target() {
+            Ok(t) => t,
+            Err(e) => {
+                free_released();
+                return Err(run_error(e));
+            }
+        };
+        let first_input: HashMap<TensorId, usize> = irs
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(k, t)| (t.id, k))
+            .collect();
+        let mut sources = Vec::with_capacity(function.arguments.len());
+        let (mut captured, mut scalars, mut random) = (0, 0, 0);
+        for (argument, ty) in &function.arguments {
+            let source = match argument {
+                Argument::Tensor(id) => {
+                    if let Some(&k) = first_input.get(id) {
+                        Source::Input(k)
+                    } else if released.contains(id) {
+                        captured += 1;
+                        match client.with_buffers(|buffers| buffers.remove(id)) {
+                            Some(buffer) => Source::Owned(buffer),
+                            None => {
+                                free_released();
+                                return Err(run_error(format!(
+                                    "tensor {id}, used by the traced ops, is not on the device"
+                                )));
+                            }
+                        }
+                    } else {
+                        captured += 1;
+                        Source::Captured(*id)
+                    }
+                }
+                Argument::Scalar(scalar) => {
+                    scalars += 1;
+                    let shape = pjrt::Shape::new(ty.elem, Vec::new());
+                    let bytes = scalar_bytes(*scalar, ty.elem);
+                    match pjrt_client.buffer_from_host(&bytes, &shape, pjrt_device) {
+                        Ok(buffer) => Source::Owned(buffer),
+                        Err(e) => {
+                            free_released();
+                            return Err(run_error(format!("uploading a scalar failed: {e}")));
+                        }
+                    }
+                }
+                Argument::RngState => {
+                    random += 1;
+                    Source::Rng
+                }
+            };
+            sources.push(source);
+        }
+
+        // Donations: mark the argument, check the types.
+        let mut module = function.module;
+        let mut donated = Vec::new();
+        for &(input, output) in &self.donations {
+            let checked = (|| {
+                if input >= irs.len() || output >= out_irs.len() {
+                    return Err(format!(
+                        "the function has {} inputs and {} outputs",
+                        irs.len(),
+                        out_irs.len()
+                    ));
+                }
+                let alias = signature.aliases[input];
+                if signature
+                    .aliases
+                    .iter()
+                    .enumerate()
+                    .any(|(k, &a)| a == alias && k != input)
+                {
+                    return Err("the input tensor is passed more than once".to_string());
+                }
+                let argument = sources
+                    .iter()
+                    .position(|s| matches!(s, Source::Input(k) if *k == input))
+                    .ok_or_else(|| "the input is not an argument".to_string())?;
+                let in_ty = &function.arguments[argument].1;
+                let out_ty = &function.results[output].1;
+                if in_ty != out_ty {
+                    return Err(format!(
+                        "the input is {} but the output {}",
+                        in_ty.mlir(),
+                        out_ty.mlir()
+                    ));
+                }
+                mark_donation(&mut module, argument, &in_ty.mlir(), output)
+            })();
+            if let Err(message) = checked {
+                free_released();
+                return Err(CompileError::Donation {
+                    name: name.clone(),
+                    input,
+                    output,
+                    message,
+                });
+            }
+            donated.push(input);
+        }
+
+        // Compile, or load the executable an earlier process compiled.
+        let started = Instant::now();
+        let disk = self.disk_cache.as_ref().map(|dir| {
+            dir.join(format!(
+                "{}.pjrt",
+                disk_key(&module, pjrt_client, pjrt_device.id())
+            ))
+        });
+        let loaded = disk.as_ref().and_then(|path| {
+            let bytes = std::fs::read(path).ok()?;
+            match pjrt_client.deserialize_and_load(&bytes) {
+                Ok(exe) if exe.num_outputs() == out_irs.len() => Some(exe),
+                Ok(_) => None,
+                Err(e) => {
+                    if log_compiles() {
+                        eprintln!(
+                            "oxidiff: `{name}`: the cached executable {} did not load ({e}); compiling",
+                            path.display()
+                        );
+                    }
+                    None
+                }
+            }
+        });
+        let from_disk = loaded.is_some();
+        let options = CompileOptions::on_device(i64::from(pjrt_device.id()));
+        let compiled = match loaded {
+            Some(exe) => Ok(exe),
+            None => pjrt_client.compile(&module, &options).inspect(|exe| {
+                COMPILES.fetch_add(1, Ordering::Relaxed);
+                if let Some(path) = &disk {
+                    store_executable(path, exe);
+                }
+            }),
+        };
+        let executable = match compiled {
+            Ok(exe) => exe,
+            Err(e) => {
+                free_released();
+                return Err(CompileError::Compile {
+                    name: name.clone(),
+                    device: device.clone(),
+                    ops: recording.ops.len(),
+                    message: e.to_string(),
+                });
+            }
+        };
+        let compile = started.elapsed();
+
+        let reason = {
+            let programs = lock(&self.programs);
+            if programs.is_empty() {
+                format!("first call, inputs {}", signature.describe())
+            } else {
+                let cached = programs
+                    .keys()
+                    .map(Signature::describe)
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                format!(
+                    "new input signature {} (cached: {cached})",
+                    signature.describe()
+                )
+            }
+        };
+        let info = CompileInfo {
+            reason,
+            ops: recording.ops.len(),
+            module_bytes: module.len(),
+            arguments: sources.len(),
+            inputs: irs.len(),
+            captured,
+            scalars,
+            random,
+            donated: donated.len(),
+            from_disk,
+            trace,
+            lower,
+            compile,
+        };
+        if log_compiles() {
+            eprintln!(
+                "oxidiff: compiled `{name}` (#{} of it, {} in the process): {info}",
+                lock(&self.log).len() + 1,
+                compile_count()
+            );
+        }
+        lock(&self.log).push(info);
+
+        let program = Arc::new(Program {
+            executable,
+            sources,
+            outputs: out_irs.iter().map(|t| (t.shape.clone(), t.dtype)).collect(),
+            donated,
+        });
+        // A donated input the closure dropped is freed after the run anyway;
+        // one still referenced elsewhere is copied.
+        let mut copies = HashMap::new();
+        for &k in &program.donated {
+            if !released.contains(&irs[k].id) {
+                match self.copy_input(&client, &device, k, irs[k].id) {
+                    Ok(copy) => {
+                        copies.insert(k, copy);
+                    }
+                    Err(e) => {
+                        free_released();
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        let out_ids: Vec<TensorId> = out_irs.iter().map(|t| t.id).collect();
+        let result = self.run(&client, &device, &program, &irs, &out_ids, &copies);
+        free_released();
+        result?;
+        lock(&self.programs).insert(signature, program);
+        Ok(O::unflatten(&mut out_tensors.into_iter()))
+    }
+
+    /// A copy of input `k` (tensor `id`) to donate in its place.
+    fn copy_input(
+        &self,
+        client: &PjrtClient,
+        device: &OxiDevice,
+        k: usize,
+        id: TensorId,
+    ) -> Result<Buffer, CompileError> {
+        let run_error = |message: String| CompileError::Run {
+            name: self.name.clone(),
+            device: device.clone(),
+            message,
+        };
+        let (_, pjrt_device) = client.target().map_err(run_error)?;
+        client
+            .with_buffers(|buffers| match buffers.get(&id) {
+                Some(buffer) => buffer
+                    .copy_to_device(pjrt_device)
+                    .map_err(|e| format!("copying donated input {k} failed: {e}")),
+                None => Err(format!("input {k} (tensor {id}) is not on the device")),
+            })
+            .map_err(run_error)
+    }
+
+    /// Executes `program` on the inputs `inputs`, binding its results to
+    /// `outputs` in the eager client.
+    fn run(
+        &self,
+        client: &PjrtClient,
+        device: &OxiDevice,
+        program: &Program,
+        inputs: &[TensorIr],
+        outputs: &[TensorId],
+        copies: &HashMap<usize, Buffer>,
+    ) -> Result<(), CompileError> {
+        let run_error = |message: String| CompileError::Run {
+            name: self.name.clone(),
+            device: device.clone(),
+            message,
+        };
+        let (pjrt_client, pjrt_device) = client.target().map_err(run_error)?;
+        let mut rng_states = Vec::new();
+        for source in &program.sources {
+            if matches!(source, Source::Rng) {
+                let bytes: Vec<u8> = client
+                    .next_rng_state()
+                    .iter()
+                    .flat_map(|w| w.to_le_bytes())
+                    .collect();
+                let shape = pjrt::Shape::new(ElementType::U64, vec![2]);
+                let buffer = pjrt_client
+                    .buffer_from_host(&bytes, &shape, pjrt_device)
+                    .map_err(|e| run_error(format!("uploading a random state failed: {e}")))?;
+                rng_states.push(buffer);
+            }
+        }
+        let results = client.with_buffers(|buffers| {
+            let mut rng_states = rng_states.iter();
+            let mut args = Vec::with_capacity(program.sources.len());
+            for source in &program.sources {
+                let buffer = match source {
+                    Source::Input(k) if copies.contains_key(k) => &copies[k],
+                    Source::Input(k) => buffers.get(&inputs[*k].id).ok_or_else(|| {
+                        format!(
+                            "input {k} (tensor {}) is not on the device (was it produced by an op that failed?)",
+                            inputs[*k].id
+                        )
+                    })?,
+                    Source::Captured(id) => buffers.get(id).ok_or_else(|| {
+                        format!(
+                            "tensor {id}, which the closure captured (a weight), is no longer on the device: keep the module the closure uses alive, or make a new compiled function after replacing it"
+                        )
+                    })?,
+                    Source::Owned(buffer) => buffer,
+                    Source::Rng => rng_states
+                        .next()
+                        .ok_or_else(|| "a random state is missing (a bug)".to_string())?,
+                };
+                args.push(buffer);
+            }
+            program
+                .executable
+                .execute(&args)
+                .map_err(|e| format!("execution failed: {e}"))
+        });
+        let results = results.map_err(run_error)?;
+        if results.len() != outputs.len() {
+            return Err(run_error(format!(
+                "the program returned {} outputs, expected {}",
+                results.len(),
+                outputs.len()
+            )));
+        }
+        client.with_buffers(|buffers| {
+            for (id, buffer) in outputs.iter().zip(results) {
+                buffers.insert(*id, buffer);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Adds `tf.aliasing_output = output` to argument `argument` (of type `ty`)
+/// of `@main` in `module`.
+fn mark_donation(
+    module: &mut String,
+    argument: usize,
+    ty: &str,
+    output: usize,
+) -> Result<(), String> {
+    let header = module
+        .find("func.func public @main(")
+        .ok_or_else(|| "the module has no @main (a bug)".to_string())?;
+    let header_end = header + module[header..].find('\n').unwrap_or(module.len() - header);
+    let needle = format!("%arg{argument}: {ty}");
+    let at = module[header..header_end]
+        .match_indices(&needle)
+        .map(|(i, _)| header + i + needle.len())
+        .find(|&end| matches!(module.as_bytes().get(end), Some(b',' | b')')))
+        .ok_or_else(|| format!("argument {argument} is not in the signature of @main (a bug)"))?;
+    module.insert_str(at, &format!(" {{tf.aliasing_output = {output} : i32}}"));
+    Ok(())
+}
+
+/// FNV-1a, 64 bits: a hash that is the same in every process and build.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for &byte in part.iter().chain(&(part.len() as u64).to_le_bytes()) {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// The on-disk cache key of `module` compiled by `client` for `device_id`:
+/// the module's hash and that of the plugin version and device.
+fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> String {
+    let target = fnv1a(&[
+        client.platform_name().as_bytes(),
+        client.platform_version().as_bytes(),
+        &device_id.to_le_bytes(),
+        env!("CARGO_PKG_VERSION").as_bytes(),
+    ]);
+    format!("{:016x}-{target:016x}", fnv1a(&[module.as_bytes()]))
+}
+
+/// Writes `exe` to `path` (through a temporary file, so a reader never sees
+/// half a file). Failures only cost a compile later, so they are logged.
+fn store_executable(path: &Path, exe: &LoadedExecutable) {
+    let result = (|| -> Result<(), String> {
+        let bytes = exe.serialize().map_err(|e| e.to_string())?;
+        let dir = path.parent().ok_or("no directory")?;
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, bytes).map_err(|e| e.to_string())?;
+        std::fs::rename(&tmp, path).map_err(|e| e.to_string())
+    })();
+    if let Err(e) = result {
+        if log_compiles() {
+            eprintln!(
+                "oxidiff: storing a compiled executable in {} failed: {e}",
+                path.display()
+            );
+        }
+    }
+}

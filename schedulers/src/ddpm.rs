@@ -1,0 +1,205 @@
+//! `DDPMScheduler`: ancestral sampling of denoising diffusion probabilistic models.
+//!
+//! Each step predicts the clean sample `x0` (optionally clipped or thresholded), takes the
+//! mean of the posterior `q(x_prev | x_t, x0)` and adds fresh noise with the posterior's
+//! (or the forward process') standard deviation. The previous timestep is the next one in
+//! the schedule, so any spacing works.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing, VarianceType};
+use crate::error::{Result, SchedulerError};
+use crate::noise::NoiseSource;
+use crate::ops::{alpha_add_noise, check_add_noise, dynamic_threshold};
+use crate::schedule::{check_steps, integer_timestep, integer_timesteps, NoiseSchedule};
+use crate::{Scheduler, SchedulerKind};
+
+const CLASS: &str = "DDPMScheduler";
+
+/// diffusers' `DDPMScheduler` with a fixed variance (`fixed_small`, `fixed_small_log`,
+/// `fixed_large`).
+pub struct DdpmScheduler {
+    schedule: NoiseSchedule,
+    num_train_timesteps: usize,
+    prediction_type: PredictionType,
+    variance_type: VarianceType,
+    timestep_spacing: TimestepSpacing,
+    steps_offset: usize,
+    clip_sample: bool,
+    clip_sample_range: f64,
+    thresholding: bool,
+    dynamic_thresholding_ratio: f64,
+    sample_max_value: f64,
+    timesteps: Vec<f64>,
+    initialized: bool,
+}
+
+impl DdpmScheduler {
+    pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
+        let variance_type = cfg.variance_type.unwrap_or(VarianceType::FixedSmall);
+        if !matches!(
+            variance_type,
+            VarianceType::FixedSmall | VarianceType::FixedSmallLog | VarianceType::FixedLarge
+        ) {
+            return Err(SchedulerError::Unsupported {
+                class: CLASS,
+                message: format!(
+                    "variance_type {variance_type:?} is not supported (learned variances need a 2x-channel model output; diffusers' fixed_large_log takes the square root of a log); use fixed_small, fixed_small_log or fixed_large"
+                ),
+            });
+        }
+        if cfg.thresholding && !(0.0..=1.0).contains(&cfg.dynamic_thresholding_ratio) {
+            return Err(SchedulerError::Unsupported {
+                class: CLASS,
+                message: format!(
+                    "dynamic_thresholding_ratio must be in [0, 1], got {}",
+                    cfg.dynamic_thresholding_ratio
+                ),
+            });
+        }
+        Ok(Self {
+            schedule: NoiseSchedule::new(cfg, CLASS, cfg.rescale_betas_zero_snr)?,
+            num_train_timesteps: cfg.num_train_timesteps,
+            prediction_type: cfg.prediction_type,
+            variance_type,
+            timestep_spacing: cfg
+                .timestep_spacing
+                .unwrap_or(SchedulerKind::Ddpm.default_timestep_spacing()),
+            steps_offset: cfg.steps_offset,
+            clip_sample: cfg.clip_sample.unwrap_or(true),
+            clip_sample_range: cfg.clip_sample_range,
+            thresholding: cfg.thresholding,
+            dynamic_thresholding_ratio: cfg.dynamic_thresholding_ratio,
+            sample_max_value: cfg.sample_max_value,
+            timesteps: Vec::new(),
+            initialized: false,
+        })
+    }
+
+    /// The timestep after `t` in the schedule, or -1 after the last one.
+    fn previous_timestep(&self, t: f64) -> Result<i64> {
+        let i = self.timesteps.iter().position(|&s| s == t).ok_or_else(|| {
+            SchedulerError::BadTimestep {
+                class: CLASS,
+                timestep: t,
+                reason: "is not in the schedule; pass a value from timesteps()".into(),
+            }
+        })?;
+        Ok(self.timesteps.get(i + 1).map_or(-1, |&p| p as i64))
+    }
+}
+
+impl<B: Backend> Scheduler<B> for DdpmScheduler {
+    fn kind(&self) -> SchedulerKind {
+        SchedulerKind::Ddpm
+    }
+
+    fn set_timesteps(&mut self, n: usize) -> Result<()> {
+        check_steps(CLASS, n, self.num_train_timesteps)?;
+        let ts = integer_timesteps(
+            self.timestep_spacing,
+            self.num_train_timesteps,
+            n,
+            self.steps_offset,
+        );
+        if let Some(&top) = ts.iter().max() {
+            if top >= self.num_train_timesteps as i64 {
+                return Err(SchedulerError::InvalidSteps {
+                    class: CLASS,
+                    got: n,
+                    reason: format!(
+                        "with steps_offset {} the first timestep {top} is past num_train_timesteps ({})",
+                        self.steps_offset, self.num_train_timesteps
+                    ),
+                });
+            }
+        }
+        self.timesteps = ts.iter().map(|&t| t as f64).collect();
+        self.initialized = true;
+        Ok(())
+    }
+
+    fn timesteps(&self) -> &[f64] {
+        &self.timesteps
+    }
+
+    fn init_noise_sigma(&self) -> f64 {
+        1.0
+    }
+
+    fn scale_model_input(&self, sample: Tensor<B, 4>, _timestep: f64) -> Result<Tensor<B, 4>> {
+        Ok(sample)
+    }
+
+    fn step(
+        &mut self,
+        model_output: Tensor<B, 4>,
+        timestep: f64,
+        sample: Tensor<B, 4>,
+        noise: &mut dyn NoiseSource<B>,
+    ) -> Result<Tensor<B, 4>> {
+        if !self.initialized {
+            return Err(SchedulerError::NotInitialized {
+                class: CLASS,
+                op: "step",
+            });
+        }
+        let t = integer_timestep(CLASS, timestep)?;
+        let prev_t = self.previous_timestep(timestep)?;
+        let a_t = self.schedule.alpha_at(CLASS, t)?;
+        let a_prev = if prev_t >= 0 {
+            self.schedule.alpha_at(CLASS, prev_t)?
+        } else {
+            1.0
+        };
+        let (b_t, b_prev) = (1.0 - a_t, 1.0 - a_prev);
+        let current_alpha = a_t / a_prev;
+        let current_beta = 1.0 - current_alpha;
+
+        let (sa, sb) = (a_t.sqrt(), b_t.sqrt());
+        let x0 = match self.prediction_type {
+            PredictionType::Epsilon => {
+                sample.clone().mul_scalar(1.0 / sa) - model_output.clone().mul_scalar(sb / sa)
+            }
+            PredictionType::Sample => model_output.clone(),
+            PredictionType::VPrediction => {
+                sample.clone().mul_scalar(sa) - model_output.clone().mul_scalar(sb)
+            }
+        };
+        let x0 = if self.thresholding {
+            dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
+        } else if self.clip_sample {
+            x0.clamp(-self.clip_sample_range, self.clip_sample_range)
+        } else {
+            x0
+        };
+        let x0_coeff = a_prev.sqrt() * current_beta / b_t;
+        let sample_coeff = current_alpha.sqrt() * b_prev / b_t;
+        let mean = x0.mul_scalar(x0_coeff) + sample.mul_scalar(sample_coeff);
+        if t == 0 {
+            return Ok(mean);
+        }
+        // The posterior variance, floored at 1e-20 as diffusers does.
+        let std = match self.variance_type {
+            VarianceType::FixedLarge => current_beta.sqrt(),
+            _ => (b_prev / b_t * current_beta).max(1e-20).sqrt(),
+        };
+        let z = noise.randn(model_output.dims(), &model_output.device())?;
+        Ok(mean + z.mul_scalar(std))
+    }
+
+    fn add_noise(
+        &self,
+        original: Tensor<B, 4>,
+        noise: Tensor<B, 4>,
+        timesteps: &[f64],
+    ) -> Result<Tensor<B, 4>> {
+        check_add_noise(CLASS, &original, &noise, timesteps)?;
+        let alphas = timesteps
+            .iter()
+            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(alpha_add_noise(original, noise, &alphas))
+    }
+}
