@@ -82,3 +82,65 @@ fn tiny_pipeline_on_xla_cpu_matches_cpu() {
         "split placement vs cpu: relative error {err:e}"
     );
 }
+
+/// Compiled mode: the UNet step is one program; a new prompt, seed, guidance, scheduler or step
+/// count reuses it, a new size compiles once more; results match the eager CPU run.
+#[test]
+fn compiled_unet_matches_and_does_not_recompile() {
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let golden = Golden::load("tiny-sd1");
+    let cpu = OxiDevice::Cpu;
+    let options = LoadOptions {
+        scheduler: Some("ddim".into()),
+        ..Default::default()
+    };
+    let mut pipe =
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &cpu).unwrap();
+    assert!(pipe
+        .compile()
+        .unwrap_err()
+        .to_string()
+        .contains("PJRT device"));
+    let expected = pipe
+        .generate_with(&request(&golden, &cpu), &mut NoNoise, |_| {})
+        .unwrap()
+        .images
+        .unwrap()
+        .data;
+
+    let mut pipe = pipe.to(&xla(0));
+    pipe.compile().unwrap();
+    assert_eq!(pipe.compiles(), Some(0));
+    let out = pipe
+        .generate_with(&request(&golden, &cpu), &mut NoNoise, |_| {})
+        .unwrap();
+    let err = relative_error(&out.images.unwrap().data, &expected);
+    assert!(err <= 1e-4, "compiled vs eager cpu: relative error {err:e}");
+    assert_eq!(pipe.compiles(), Some(1));
+
+    pipe.set_scheduler("euler_a").unwrap();
+    let other = GenerateRequest::<Oxi> {
+        prompts: vec!["a red apple".into()],
+        num_inference_steps: 3,
+        guidance_scale: 4.0,
+        seed: 9,
+        ..Default::default()
+    };
+    pipe.generate(&other).unwrap();
+    assert_eq!(
+        pipe.compiles(),
+        Some(1),
+        "prompt/seed/guidance/scheduler/steps recompiled"
+    );
+
+    let larger = GenerateRequest::<Oxi> {
+        width: Some(72),
+        num_inference_steps: 1,
+        ..other
+    };
+    let out = pipe.generate(&larger).unwrap();
+    assert_eq!(out.images.unwrap().width, 72);
+    assert_eq!(pipe.compiles(), Some(2), "a new size compiles once");
+}

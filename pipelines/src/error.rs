@@ -24,6 +24,8 @@ pub enum PipelineError {
         class: String,
         supported: String,
     },
+    #[error("compiled mode: {0}")]
+    Compile(String),
     #[error("invalid input: {0}")]
     InvalidInput(String),
     #[error("cannot write {path}: {source}")]

@@ -13,5 +13,6 @@ pub use error::{PipelineError, Result};
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
 pub use stable_diffusion::{
-    GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline, StepInfo,
+    Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
+    StepInfo,
 };

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::config::load_json;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, ClipTokenizer, ToDevice, UNet2DConditionConfig,
@@ -107,6 +108,20 @@ struct ModelIndex {
     class_name: String,
 }
 
+/// The denoiser call `unet(sample, timestep, context)` run some other way than eagerly, e.g. as
+/// one compiled XLA program ([`StableDiffusionPipeline::compile`]).
+pub trait Denoiser<B: Backend> {
+    fn denoise(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        context: Tensor<B, 3>,
+    ) -> Result<Tensor<B, 4>>;
+
+    /// How many programs were compiled so far (one per input shape).
+    fn compiles(&self) -> u64;
+}
+
 /// Stable Diffusion 1.x/2.x text-to-image.
 pub struct StableDiffusionPipeline<B: Backend> {
     pub tokenizer: ClipTokenizer,
@@ -121,6 +136,8 @@ pub struct StableDiffusionPipeline<B: Backend> {
     /// Where latents live and the denoising loop runs: the UNet's device.
     pub device: B::Device,
     pub source: PathBuf,
+    /// The compiled denoiser, when [`compile`](Self::compile) was called.
+    pub compiled: Option<Box<dyn Denoiser<B>>>,
 }
 
 impl<B: Backend> StableDiffusionPipeline<B> {
@@ -194,6 +211,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             sample_size,
             device: device.clone(),
             source: dir.to_path_buf(),
+            compiled: None,
         })
     }
 
@@ -225,6 +243,8 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self.unet = self.unet.to(unet);
         self.vae = self.vae.to(vae);
         self.device = unet.clone();
+        // A compiled denoiser holds the UNet of its device: compile again after moving.
+        self.compiled = None;
         self
     }
 
@@ -367,7 +387,10 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             let model_input = self.scheduler.scale_model_input(model_input, t)?;
             let timestep =
                 Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), &self.device);
-            let noise_pred = self.unet.forward(model_input, timestep, context.clone());
+            let noise_pred = match &self.compiled {
+                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone())?,
+                None => self.unet.forward(model_input, timestep, context.clone()),
+            };
             let noise_pred = if cfg {
                 let uncond = noise_pred.clone().narrow(0, 0, batch);
                 let text = noise_pred.narrow(0, batch, batch);
@@ -400,5 +423,55 @@ impl<B: Backend> ToDevice<B> for StableDiffusionPipeline<B> {
     /// Moves every component to `device`: `pipe.to(&"tpu".parse()?)`.
     fn to(self, device: &B::Device) -> Self {
         self.to_components(device, device, device)
+    }
+}
+
+/// The UNet's inputs: latents, timestep, text context.
+type UNetInputs = (Tensor<Oxi, 4>, Tensor<Oxi, 1>, Tensor<Oxi, 3>);
+type UNetFn = Box<dyn Fn(UNetInputs) -> Tensor<Oxi, 4>>;
+type UNetStep = CompiledFn<UNetInputs, Tensor<Oxi, 4>, UNetFn>;
+
+impl Denoiser<Oxi> for UNetStep {
+    fn denoise(
+        &self,
+        sample: Tensor<Oxi, 4>,
+        timestep: Tensor<Oxi, 1>,
+        context: Tensor<Oxi, 3>,
+    ) -> Result<Tensor<Oxi, 4>> {
+        self.call((sample, timestep, context))
+            .map_err(|e| PipelineError::Compile(e.to_string()))
+    }
+
+    fn compiles(&self) -> u64 {
+        CompiledFn::compiles(self)
+    }
+}
+
+impl StableDiffusionPipeline<Oxi> {
+    /// Compiled mode: from the next generation on, each UNet call (both halves of
+    /// classifier-free guidance, batched) is one XLA program, traced and compiled on first use
+    /// and cached by input shapes. The timestep is a runtime input and the weights are device
+    /// buffers passed in, so a new prompt, seed, guidance scale, scheduler or step count reuses
+    /// the program; a new size or batch compiles once more. Needs the UNet on a PJRT device
+    /// (`xla:cpu`, `tpu`, `cuda`); scheduler and VAE stay eager.
+    pub fn compile(&mut self) -> Result<()> {
+        let device = self.unet_device();
+        if !device.is_pjrt() {
+            return Err(PipelineError::Compile(format!(
+                "the UNet is on {device}; compiled mode needs a PJRT device \
+                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
+            )));
+        }
+        let unet = self.unet.clone();
+        let step: UNetFn =
+            Box::new(move |(sample, timestep, context)| unet.forward(sample, timestep, context));
+        let compiled: UNetStep = CompiledFn::new("unet", step);
+        self.compiled = Some(Box::new(compiled));
+        Ok(())
+    }
+
+    /// Programs compiled so far in compiled mode (`None` when eager).
+    pub fn compiles(&self) -> Option<u64> {
+        self.compiled.as_ref().map(|c| c.compiles())
     }
 }

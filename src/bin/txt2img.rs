@@ -67,6 +67,10 @@ struct Args {
     /// path. PJRT devices run in eager mode (each op compiled once, then cached).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Compiled mode: each UNet call is one XLA program, compiled once per image size and then
+    /// reused (needs a PJRT --device).
+    #[arg(long)]
+    compile: bool,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
@@ -119,6 +123,9 @@ fn run(args: Args) -> Result<()> {
     };
     let mut pipe = StableDiffusionPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
         .with_context(|| format!("loading {}", args.model))?;
+    if args.compile {
+        pipe.compile()?;
+    }
     let loaded = started.elapsed();
 
     let latents = match &args.latents {
@@ -172,8 +179,12 @@ fn run(args: Args) -> Result<()> {
     bar.finish_and_clear();
     let images = output.images.context("the pipeline returned no images")?;
     images.save_png(0, &args.output)?;
+    let mode = match pipe.compiles() {
+        Some(n) => format!("compiled, {n} program(s)"),
+        None => "eager".into(),
+    };
     eprintln!(
-        "wrote {} (seed {seed}, {steps} steps, guidance {guidance}, {}x{}, {device}; load {:.2}s, generate {:.2}s)",
+        "wrote {} (seed {seed}, {steps} steps, guidance {guidance}, {}x{}, {device} {mode}; load {:.2}s, generate {:.2}s)",
         display(&args.output),
         images.width,
         images.height,
