@@ -13,8 +13,8 @@ use burn::tensor::{Int, Tensor};
 use crate::error::{ModelError, Result};
 use crate::weights::VarBuilder;
 
-/// `torch.nn.Linear`; the weight keeps PyTorch's `[out, in]` layout (loaded with no copy or
-/// transpose) and is read transposed, a stride change, in `forward`.
+/// `torch.nn.Linear`; the weight is kept as Burn's `[in, out]` (transposed once at load: a
+/// transposed view would be copied to contiguous memory by the CPU matmul on every call).
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
@@ -23,7 +23,7 @@ pub struct Linear<B: Backend> {
 
 impl<B: Backend> Linear<B> {
     pub fn load(vb: &VarBuilder<B>, d_in: usize, d_out: usize, bias: bool) -> Result<Self> {
-        let weight = Param::from_tensor(vb.get("weight", [d_out, d_in])?);
+        let weight = Param::from_tensor(vb.get_linear_weight("weight", d_in, d_out)?);
         let bias = if bias {
             Some(Param::from_tensor(vb.get("bias", [d_out])?))
         } else {
@@ -33,11 +33,7 @@ impl<B: Backend> Linear<B> {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        linear(
-            x,
-            self.weight.val().transpose(),
-            self.bias.as_ref().map(|b| b.val()),
-        )
+        linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
     }
 }
 

@@ -376,6 +376,29 @@ impl<B: Backend> VarBuilder<B> {
         Ok(values)
     }
 
+    /// Loads a PyTorch `[out, in]` linear weight as Burn's `[in, out]`: transposed once here (in
+    /// cache-sized tiles), so every forward pass is a plain matmul on contiguous memory.
+    pub fn get_linear_weight(&self, name: &str, d_in: usize, d_out: usize) -> Result<Tensor<B, 2>> {
+        let values = self.get_host(name, &[d_out, d_in])?;
+        let mut transposed = Vec::with_capacity(values.len());
+        transposed.resize(values.len(), 0f32);
+        const TILE: usize = 64;
+        for o0 in (0..d_out).step_by(TILE) {
+            for i0 in (0..d_in).step_by(TILE) {
+                for o in o0..(o0 + TILE).min(d_out) {
+                    let row = &values[o * d_in..(o + 1) * d_in];
+                    for i in i0..(i0 + TILE).min(d_in) {
+                        transposed[i * d_out + o] = row[i];
+                    }
+                }
+            }
+        }
+        Ok(Tensor::from_data(
+            TensorData::new(transposed, [d_in, d_out]),
+            &self.device,
+        ))
+    }
+
     /// Loads `name` as an f32 tensor of the expected shape.
     pub fn get<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
         let values = self.get_host(name, &shape)?;
