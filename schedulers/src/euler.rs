@@ -184,23 +184,7 @@ pub struct EulerDiscreteScheduler {
 
 impl EulerDiscreteScheduler {
     pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
-        if cfg.use_beta_sigmas {
-            return Err(SchedulerError::Unsupported {
-                class: CLASS,
-                message: "use_beta_sigmas is not supported; use use_karras_sigmas or use_exponential_sigmas".into(),
-            });
-        }
-        let special = [
-            cfg.use_karras_sigmas,
-            cfg.use_exponential_sigmas,
-            cfg.use_beta_sigmas,
-        ];
-        if special.iter().filter(|&&b| b).count() > 1 {
-            return Err(SchedulerError::Unsupported {
-                class: CLASS,
-                message: "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set".into(),
-            });
-        }
+        crate::schedule::check_sigma_options(cfg, CLASS, true)?;
         let mut schedule = NoiseSchedule::new(cfg, CLASS, cfg.rescale_betas_zero_snr)?;
         if cfg.rescale_betas_zero_snr {
             // diffusers keeps the last sigma finite: alpha_T = 2^-24, so sigma_max = 4096.

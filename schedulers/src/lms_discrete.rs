@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
-use crate::error::{Result, SchedulerError};
+use crate::error::Result;
 use crate::euler::{derivative_coefficients, SigmaSteps};
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
@@ -69,24 +69,7 @@ pub(crate) fn lms_coefficient(sigmas: &[f64], order: usize, i: usize, j: usize) 
 
 impl<B: Backend> LmsDiscreteScheduler<B> {
     pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
-        if cfg.use_beta_sigmas {
-            return Err(SchedulerError::Unsupported {
-                class: CLASS,
-                message: "use_beta_sigmas is not supported; use use_karras_sigmas or use_exponential_sigmas".into(),
-            });
-        }
-        if cfg.use_karras_sigmas && cfg.use_exponential_sigmas {
-            return Err(SchedulerError::Unsupported {
-                class: CLASS,
-                message: "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set".into(),
-            });
-        }
-        if cfg.rescale_betas_zero_snr {
-            return Err(SchedulerError::Unsupported {
-                class: CLASS,
-                message: "rescale_betas_zero_snr is not an option of this scheduler".into(),
-            });
-        }
+        crate::schedule::check_sigma_options(cfg, CLASS, false)?;
         let schedule = NoiseSchedule::new(cfg, CLASS, false)?;
         let timestep_spacing = cfg
             .timestep_spacing

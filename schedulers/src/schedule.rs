@@ -250,6 +250,36 @@ pub(crate) fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
 }
 
 /// Checks `1 <= num_inference_steps <= num_train_timesteps`.
+/// The sigma options of the Euler family (Euler, Heun, LMS): beta sigmas are not implemented,
+/// at most one of Karras and exponential sigmas may be set, and `zero_snr_ok` says whether the
+/// class takes `rescale_betas_zero_snr`.
+pub(crate) fn check_sigma_options(
+    cfg: &SchedulerConfig,
+    class: &'static str,
+    zero_snr_ok: bool,
+) -> Result<()> {
+    let unsupported = |message: &str| {
+        Err(SchedulerError::Unsupported {
+            class,
+            message: message.into(),
+        })
+    };
+    if cfg.use_beta_sigmas {
+        return unsupported(
+            "use_beta_sigmas is not supported; use use_karras_sigmas or use_exponential_sigmas",
+        );
+    }
+    if cfg.use_karras_sigmas && cfg.use_exponential_sigmas {
+        return unsupported(
+            "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
+        );
+    }
+    if cfg.rescale_betas_zero_snr && !zero_snr_ok {
+        return unsupported("rescale_betas_zero_snr is not an option of this scheduler");
+    }
+    Ok(())
+}
+
 pub(crate) fn check_steps(class: &'static str, n: usize, num_train: usize) -> Result<()> {
     if n == 0 || n > num_train {
         return Err(SchedulerError::InvalidSteps {
