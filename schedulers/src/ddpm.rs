@@ -12,7 +12,7 @@ use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing, VarianceTy
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
 use crate::ops::{alpha_add_noise, check_add_noise, dynamic_threshold};
-use crate::schedule::{check_steps, integer_timestep, integer_timesteps, NoiseSchedule};
+use crate::schedule::{check_steps, checked_integer_timesteps, integer_timestep, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "DDPMScheduler";
@@ -97,24 +97,13 @@ impl<B: Backend> Scheduler<B> for DdpmScheduler {
 
     fn set_timesteps(&mut self, n: usize) -> Result<()> {
         check_steps(CLASS, n, self.num_train_timesteps)?;
-        let ts = integer_timesteps(
+        let ts = checked_integer_timesteps(
+            CLASS,
             self.timestep_spacing,
             self.num_train_timesteps,
             n,
             self.steps_offset,
-        );
-        if let Some(&top) = ts.iter().max() {
-            if top >= self.num_train_timesteps as i64 {
-                return Err(SchedulerError::InvalidSteps {
-                    class: CLASS,
-                    got: n,
-                    reason: format!(
-                        "with steps_offset {} the first timestep {top} is past num_train_timesteps ({})",
-                        self.steps_offset, self.num_train_timesteps
-                    ),
-                });
-            }
-        }
+        )?;
         self.timesteps = ts.iter().map(|&t| t as f64).collect();
         self.initialized = true;
         Ok(())

@@ -14,10 +14,7 @@ use crate::error::Result;
 use crate::euler::{derivative_coefficients, SigmaSteps};
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
-use crate::schedule::{
-    check_steps, exponential_sigmas, float_timesteps, karras_sigmas, numpy_interp, sigma_to_t,
-    NoiseSchedule,
-};
+use crate::schedule::{check_steps, k_sigma_schedule, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "LMSDiscreteScheduler";
@@ -103,31 +100,15 @@ impl<B: Backend> Scheduler<B> for LmsDiscreteScheduler<B> {
 
     fn set_timesteps(&mut self, n: usize) -> Result<()> {
         check_steps(CLASS, n, self.num_train_timesteps)?;
-        let mut timesteps = float_timesteps(
+        let (timesteps, sigmas) = k_sigma_schedule(
+            &self.schedule,
             self.timestep_spacing,
             self.num_train_timesteps,
             n,
             self.steps_offset,
+            self.use_karras_sigmas,
+            self.use_exponential_sigmas,
         );
-        let train = self.schedule.train_sigmas();
-        let mut sigmas: Vec<f64> = timesteps
-            .iter()
-            .map(|&t| numpy_interp(t as f64, &train))
-            .collect();
-        if self.use_karras_sigmas || self.use_exponential_sigmas {
-            // LMS has no sigma_min/sigma_max options: the schedule's own ends.
-            let (sigma_min, sigma_max) = (sigmas[sigmas.len() - 1], sigmas[0]);
-            sigmas = if self.use_karras_sigmas {
-                karras_sigmas(sigma_min, sigma_max, n)
-            } else {
-                exponential_sigmas(sigma_min, sigma_max, n)
-            };
-            let log_sigmas = self.schedule.log_train_sigmas();
-            timesteps = sigmas
-                .iter()
-                .map(|&s| sigma_to_t(s, &log_sigmas) as f32)
-                .collect();
-        }
         let mut sigmas: Vec<f32> = sigmas.iter().map(|&s| s as f32).collect();
         sigmas.push(0.0);
         self.steps

@@ -292,6 +292,64 @@ pub(crate) fn check_steps(class: &'static str, n: usize, num_train: usize) -> Re
 }
 
 /// The integer inference timesteps of DDIM (and, reversed, PNDM), highest first.
+/// [`integer_timesteps`] for schedulers that index `alphas_cumprod` by timestep (DDIM, DDPM):
+/// a `steps_offset` that pushes the first timestep past the training range is an error.
+pub(crate) fn checked_integer_timesteps(
+    class: &'static str,
+    spacing: TimestepSpacing,
+    num_train: usize,
+    n: usize,
+    steps_offset: usize,
+) -> Result<Vec<i64>> {
+    let ts = integer_timesteps(spacing, num_train, n, steps_offset);
+    if let Some(&top) = ts.iter().max() {
+        if top >= num_train as i64 {
+            return Err(SchedulerError::InvalidSteps {
+                class,
+                got: n,
+                reason: format!(
+                    "with steps_offset {steps_offset} the first timestep {top} is past num_train_timesteps ({num_train})"
+                ),
+            });
+        }
+    }
+    Ok(ts)
+}
+
+/// The timesteps and sigmas of the k-diffusion schedulers without `sigma_min`/`sigma_max`
+/// options (Heun, LMS): spaced timesteps, their interpolated training sigmas, or Karras /
+/// exponential sigmas between the schedule's own ends with timesteps mapped back from them.
+pub(crate) fn k_sigma_schedule(
+    schedule: &NoiseSchedule,
+    spacing: TimestepSpacing,
+    num_train: usize,
+    n: usize,
+    steps_offset: usize,
+    karras: bool,
+    exponential: bool,
+) -> (Vec<f32>, Vec<f64>) {
+    let mut timesteps = float_timesteps(spacing, num_train, n, steps_offset);
+    let train = schedule.train_sigmas();
+    let mut sigmas: Vec<f64> = timesteps
+        .iter()
+        .map(|&t| numpy_interp(t as f64, &train))
+        .collect();
+    if (karras || exponential) && !sigmas.is_empty() {
+        let (sigma_min, sigma_max) = (sigmas[sigmas.len() - 1], sigmas[0]);
+        sigmas = if karras {
+            karras_sigmas(sigma_min, sigma_max, n)
+        } else {
+            exponential_sigmas(sigma_min, sigma_max, n)
+        };
+        let log_sigmas = schedule.log_train_sigmas();
+        timesteps = sigmas
+            .iter()
+            .map(|&s| sigma_to_t(s, &log_sigmas) as f32)
+            .collect();
+    }
+    (timesteps, sigmas)
+}
+
 pub(crate) fn integer_timesteps(
     spacing: TimestepSpacing,
     num_train: usize,
