@@ -65,6 +65,22 @@ fn unsupported<T>(message: impl Into<String>) -> Result<T> {
 
 /// `alpha_t = 1 / sqrt(sigma^2 + 1)` and `sigma_t = sigma alpha_t` of the VP process whose
 /// Karras sigma is `sigma`.
+/// `add_noise` of the variance-preserving multistep solvers (DPM-Solver, UniPC):
+/// `alpha_t * original + sigma_t * noise` at each item's timestep.
+pub(crate) fn vp_add_noise<B: Backend>(
+    class: &'static str,
+    steps: &SigmaSteps,
+    original: Tensor<B, 4>,
+    noise: Tensor<B, 4>,
+    timesteps: &[f64],
+) -> Result<Tensor<B, 4>> {
+    check_add_noise(class, &original, &noise, timesteps)?;
+    let sigmas = steps.sigmas_for_add_noise(timesteps)?;
+    let (alphas, sigma_ts): (Vec<f64>, Vec<f64>) =
+        sigmas.iter().map(|&s| vp_alpha_sigma(s)).unzip();
+    Ok(scale_per_item(original, &alphas) + scale_per_item(noise, &sigma_ts))
+}
+
 pub(crate) fn vp_alpha_sigma(sigma: f64) -> (f64, f64) {
     let alpha = 1.0 / (sigma * sigma + 1.0).sqrt();
     (alpha, sigma * alpha)
@@ -401,11 +417,7 @@ impl<B: Backend> Scheduler<B> for DpmSolverMultistepScheduler<B> {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let sigmas = self.steps.sigmas_for_add_noise(timesteps)?;
-        let (alphas, sigma_ts): (Vec<f64>, Vec<f64>) =
-            sigmas.iter().map(|&s| vp_alpha_sigma(s)).unzip();
-        Ok(scale_per_item(original, &alphas) + scale_per_item(noise, &sigma_ts))
+        vp_add_noise(CLASS, &self.steps, original, noise, timesteps)
     }
 
     fn sigmas(&self) -> Option<&[f64]> {

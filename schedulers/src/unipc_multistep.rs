@@ -12,11 +12,11 @@ use burn::tensor::Tensor;
 use crate::config::{
     FinalSigmasType, PredictionType, SchedulerConfig, SolverType, TimestepSpacing,
 };
-use crate::dpmsolver_multistep::{vp_alpha_sigma, vp_lambda, x0_coefficients};
+use crate::dpmsolver_multistep::{vp_add_noise, vp_alpha_sigma, vp_lambda, x0_coefficients};
 use crate::error::{Result, SchedulerError};
 use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
-use crate::ops::{check_add_noise, dynamic_threshold, lincomb, scale_per_item};
+use crate::ops::{dynamic_threshold, lincomb};
 use crate::schedule::{
     check_steps, exponential_sigmas, karras_sigmas, multistep_timesteps, numpy_interp, sigma_to_t,
     NoiseSchedule,
@@ -429,11 +429,7 @@ impl<B: Backend> Scheduler<B> for UniPcMultistepScheduler<B> {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let sigmas = self.steps.sigmas_for_add_noise(timesteps)?;
-        let (alphas, sigma_ts): (Vec<f64>, Vec<f64>) =
-            sigmas.iter().map(|&s| vp_alpha_sigma(s)).unzip();
-        Ok(scale_per_item(original, &alphas) + scale_per_item(noise, &sigma_ts))
+        vp_add_noise(CLASS, &self.steps, original, noise, timesteps)
     }
 
     fn sigmas(&self) -> Option<&[f64]> {
