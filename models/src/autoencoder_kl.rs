@@ -96,7 +96,21 @@ impl AutoencoderKLConfig {
                 reason: format!("`act_fn: {}`", self.act_fn),
             });
         }
-        Ok(())
+        if n > 8 {
+            return Err(ModelError::Config {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "{n} VAE blocks would scale latents by 2^{}: not a real VAE config",
+                    n - 1
+                ),
+            });
+        }
+        crate::config::check_groups(
+            self.norm_num_groups,
+            &self.block_out_channels,
+            "block_out_channels",
+            path,
+        )
     }
 
     /// How much smaller than the image the latents are (8 for Stable Diffusion).

@@ -50,3 +50,21 @@ impl<T: Clone> PerBlock<T> {
         }
     }
 }
+
+/// GroupNorm needs a positive group count that divides every channel count it normalizes; a
+/// config that breaks this would otherwise fail deep inside a forward pass.
+pub fn check_groups(groups: usize, channels: &[usize], field: &str, path: &Path) -> Result<()> {
+    match channels
+        .iter()
+        .find(|&&c| groups == 0 || c == 0 || !c.is_multiple_of(groups))
+    {
+        Some(c) => Err(ModelError::Config {
+            path: path.to_path_buf(),
+            reason: format!(
+                "`norm_num_groups: {groups}` must be positive and divide every entry of \
+                 `{field}` (found {c})"
+            ),
+        }),
+        None => Ok(()),
+    }
+}

@@ -16,6 +16,7 @@ pub mod embeddings;
 pub mod error;
 pub mod nn;
 pub mod resnet;
+pub mod safetensors_check;
 pub mod tokenizer;
 pub mod unet_2d_condition;
 pub mod weights;

@@ -86,7 +86,10 @@ impl ClipTokenizer {
         let mut tokenizer = if json.is_file() {
             Tokenizer::from_file(&json).map_err(|e| err(format!("tokenizer.json: {e}")))?
         } else if vocab.is_file() && merges.is_file() {
-            Self::build_bpe(&vocab, &merges).map_err(|e| err(e.to_string()))?
+            // Parsed once by us first, so a damaged vocab.json is named with its JSON fault.
+            load_json::<std::collections::HashMap<String, u32>>(&vocab)?;
+            Self::build_bpe(&vocab, &merges)
+                .map_err(|e| err(format!("vocab.json + merges.txt: {e}")))?
         } else {
             return Err(err(
                 "neither tokenizer.json nor vocab.json + merges.txt found; is this the \

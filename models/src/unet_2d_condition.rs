@@ -13,7 +13,7 @@ use burn::tensor::Tensor;
 use serde::Deserialize;
 
 use crate::attention::{Transformer2DModel, Transformer2DSpec};
-use crate::config::{load_json, PerBlock};
+use crate::config::{check_groups, load_json, PerBlock};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
@@ -109,6 +109,10 @@ impl Default for UNet2DConditionConfig {
     }
 }
 
+/// More layers per block than any released UNet has (SDXL: 10 transformer layers); a larger
+/// count in a config is a corrupt or hostile file, refused before any layer is built.
+const MAX_LAYERS_PER_BLOCK: usize = 64;
+
 impl UNet2DConditionConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let config: Self = load_json(path)?;
@@ -188,6 +192,44 @@ impl UNet2DConditionConfig {
         }
         if Activation::from_name(&self.act_fn).is_none() {
             return unsupported(format!("`act_fn: {}`", self.act_fn));
+        }
+        let depths = [
+            ("layers_per_block", &self.layers_per_block),
+            (
+                "transformer_layers_per_block",
+                &self.transformer_layers_per_block,
+            ),
+        ];
+        for (field, depth) in depths {
+            let deepest = depth.expand(n, field, path)?.into_iter().max().unwrap_or(0);
+            if deepest > MAX_LAYERS_PER_BLOCK {
+                return Err(ModelError::Config {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "`{field}: {deepest}` is not a real UNet (at most \
+                         {MAX_LAYERS_PER_BLOCK} layers per block are accepted)"
+                    ),
+                });
+            }
+        }
+        check_groups(
+            self.norm_num_groups,
+            &self.block_out_channels,
+            "block_out_channels",
+            path,
+        )?;
+        let heads = self.heads(path)?;
+        for (&channels, &h) in self.block_out_channels.iter().zip(&heads) {
+            if h == 0 || !channels.is_multiple_of(h) {
+                return Err(ModelError::Config {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "{channels} channels cannot be split into {h} attention heads \
+                         (`attention_head_dim`/`num_attention_heads` must divide \
+                         `block_out_channels`)"
+                    ),
+                });
+            }
         }
         Ok(())
     }

@@ -168,6 +168,12 @@ impl Weights {
                 path: path.clone(),
                 source,
             })?;
+            crate::safetensors_check::check_header(&mmap).map_err(|reason| {
+                ModelError::Safetensors {
+                    path: path.clone(),
+                    reason,
+                }
+            })?;
             let (header_len, metadata) =
                 SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
                     path: path.clone(),

@@ -7,6 +7,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::error::{PipelineError, Result};
+use crate::metadata::{encode_png, GenerationParameters, PARAMETERS_KEYWORD};
 
 /// A batch of RGB images as float values in `[0, 1]`, laid out `[n, h, w, 3]` like diffusers'
 /// `output_type="np"`.
@@ -61,18 +62,24 @@ impl Images {
     /// Writes image `i` as PNG; the file appears only once complete (temporary file, then
     /// rename), so an interrupted run never leaves a broken or half-overwritten image.
     pub fn save_png(&self, i: usize, path: &Path) -> Result<()> {
+        self.save_png_with_parameters(i, path, None)
+    }
+
+    /// [`save_png`](Self::save_png) with the generation parameters in the PNG's `parameters`
+    /// text chunk, where A1111-compatible tools (and `txt2img --from-png`) read them.
+    pub fn save_png_with_parameters(
+        &self,
+        i: usize,
+        path: &Path,
+        parameters: Option<&GenerationParameters>,
+    ) -> Result<()> {
         let rgb = self
             .to_rgb8(i)
             .ok_or_else(|| PipelineError::InvalidInput(format!("no image {i}")))?;
-        let mut encoded = Vec::new();
-        rgb.write_to(
-            &mut std::io::Cursor::new(&mut encoded),
-            image::ImageFormat::Png,
-        )
-        .map_err(|e| PipelineError::Write {
-            path: path.to_path_buf(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        let text: Vec<(&str, String)> = parameters
+            .map(|p| vec![(PARAMETERS_KEYWORD, p.to_text())])
+            .unwrap_or_default();
+        let encoded = encode_png(&rgb, &text)?;
         write_atomic(path, &encoded)
     }
 }

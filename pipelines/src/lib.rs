@@ -7,11 +7,13 @@
 pub mod error;
 pub mod hub;
 pub mod image;
+pub mod metadata;
 pub mod stable_diffusion;
 
 pub use error::{PipelineError, Result};
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
+pub use metadata::GenerationParameters;
 pub use stable_diffusion::{
     Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
     StepInfo,

@@ -9,7 +9,9 @@ use burn::tensor::{Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
-use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
+use oxidiff::pipelines::{
+    GenerateRequest, GenerationParameters, LoadOptions, StableDiffusionPipeline,
+};
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
 
@@ -22,8 +24,13 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
     about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x)"
 )]
 struct Args {
-    /// The prompt.
-    prompt: String,
+    /// The prompt (optional with --from-png).
+    prompt: Option<String>,
+    /// Take prompt, negative prompt, steps, sampler, guidance, seed and size from the
+    /// `parameters` text of a PNG that oxidiff (or an A1111-compatible tool) wrote; flags given
+    /// as well override them.
+    #[arg(long, value_name = "FILE.png")]
+    from_png: Option<PathBuf>,
     /// A diffusers-format model folder, or a Hugging Face Hub id (`org/name[@revision]`) found in
     /// the local Hub cache or downloaded when online.
     #[arg(long, default_value = DEFAULT_MODEL)]
@@ -31,8 +38,8 @@ struct Args {
     /// Weight variant to load, e.g. `fp16` (`*.fp16.safetensors`).
     #[arg(long)]
     variant: Option<String>,
-    #[arg(long, default_value = "")]
-    negative_prompt: String,
+    #[arg(long)]
+    negative_prompt: Option<String>,
     /// Denoising steps (default: 1 for sd-turbo, else 50).
     #[arg(long)]
     steps: Option<usize>,
@@ -94,7 +101,32 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: Args) -> Result<()> {
+/// Fills what the user left out from `--from-png`'s parameters; explicit flags win.
+fn apply_from_png(args: &mut Args) -> Result<()> {
+    let Some(path) = &args.from_png else {
+        if args.prompt.is_none() {
+            bail!("no prompt given: pass it as the last argument, or use --from-png FILE.png");
+        }
+        return Ok(());
+    };
+    let p = GenerationParameters::from_png(path)?;
+    args.prompt.get_or_insert(p.prompt);
+    args.negative_prompt.get_or_insert(p.negative_prompt);
+    args.steps.get_or_insert(p.steps);
+    args.guidance.get_or_insert(p.guidance_scale);
+    args.seed.get_or_insert(p.seed);
+    args.width.get_or_insert(p.width);
+    args.height.get_or_insert(p.height);
+    if args.scheduler.is_none() && !p.sampler.is_empty() {
+        args.scheduler = Some(p.sampler);
+    }
+    Ok(())
+}
+
+fn run(mut args: Args) -> Result<()> {
+    apply_from_png(&mut args)?;
+    let prompt = args.prompt.clone().unwrap_or_default();
+    let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
     if args.output.exists() && !args.force {
         bail!(
             "{} already exists; pass --force to overwrite it or choose another --output",
@@ -145,11 +177,11 @@ fn run(args: Args) -> Result<()> {
         None => None,
     };
     let request = GenerateRequest {
-        prompts: vec![args.prompt.clone()],
-        negative_prompts: if args.negative_prompt.is_empty() {
+        prompts: vec![prompt.clone()],
+        negative_prompts: if negative_prompt.is_empty() {
             Vec::new()
         } else {
-            vec![args.negative_prompt.clone()]
+            vec![negative_prompt.clone()]
         },
         num_inference_steps: steps,
         guidance_scale: guidance,
@@ -178,7 +210,25 @@ fn run(args: Args) -> Result<()> {
     })?;
     bar.finish_and_clear();
     let images = output.images.context("the pipeline returned no images")?;
-    images.save_png(0, &args.output)?;
+    let parameters = GenerationParameters {
+        prompt,
+        negative_prompt,
+        steps,
+        sampler: args
+            .scheduler
+            .clone()
+            .unwrap_or_else(|| pipe.scheduler.kind().class_name().to_string()),
+        guidance_scale: guidance,
+        seed,
+        width: images.width,
+        height: images.height,
+        model: args.model.clone(),
+        extra: vec![(
+            "Version".into(),
+            format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
+        )],
+    };
+    images.save_png_with_parameters(0, &args.output, Some(&parameters))?;
     let mode = match pipe.compiles() {
         Some(n) => format!("compiled, {n} program(s)"),
         None => "eager".into(),
