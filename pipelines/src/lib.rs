@@ -5,6 +5,7 @@
 //! nothing of the device beyond the Burn backend it is generic over.
 
 pub mod error;
+pub mod guard;
 pub mod hub;
 pub mod image;
 pub mod metadata;

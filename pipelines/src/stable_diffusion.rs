@@ -20,6 +20,7 @@ use oxidiff_schedulers::{
 use serde::Deserialize;
 
 use crate::error::{PipelineError, Result};
+use crate::guard::{self, Stage};
 use crate::image::{postprocess, Images};
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
@@ -398,7 +399,20 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             } else {
                 noise_pred
             };
+            let prediction = noise_pred.clone();
             latents = self.scheduler.step(noise_pred, t, latents, noise)?;
+            if !guard::is_finite(&latents)? {
+                let stage = if guard::is_finite(&prediction)? {
+                    Stage::Scheduler {
+                        step,
+                        timestep: t,
+                        scheduler: self.scheduler.kind().to_string(),
+                    }
+                } else {
+                    Stage::Denoiser { step, timestep: t }
+                };
+                return Err(guard::fault(stage));
+            }
             callback(StepInfo {
                 step,
                 num_steps: timesteps.len(),
@@ -412,6 +426,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             OutputType::Images => {
                 let on_vae = latents.clone().to_device(&self.vae_device());
                 let decoded = self.vae.decode(on_vae.div_scalar(self.vae.scaling_factor));
+                guard::ensure_finite(&decoded, Stage::VaeDecode)?;
                 Some(postprocess(decoded)?)
             }
         };
