@@ -430,3 +430,48 @@ fn from_png_without_parameters_and_missing_prompt_are_clear_errors() {
         &out,
     );
 }
+
+#[test]
+fn ctrl_c_stops_after_the_current_step_writes_nothing_and_exits_130() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let out = tmp.path().join("out.png");
+    // Enough steps that the run is still denoising when the signal arrives.
+    let child = Command::new(env!("CARGO_BIN_EXE_txt2img"))
+        .args([
+            "--model",
+            model.to_str().unwrap(),
+            "--steps",
+            "1000",
+            "--scheduler",
+            "euler",
+            "--seed",
+            "1",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "a long run",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("txt2img starts");
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let started = std::time::Instant::now();
+    let result = child.wait_with_output().unwrap();
+    let msg = stderr(&result);
+    assert_eq!(result.status.code(), Some(130), "{msg}");
+    assert!(msg.contains("interrupted after"), "{msg}");
+    assert!(msg.contains("of 1000 steps; nothing was written"), "{msg}");
+    assert!(
+        started.elapsed().as_secs() < 30,
+        "it must stop after the current step"
+    );
+    // No image and no temporary file left behind.
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -8,7 +8,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 seconds="${1:-30}"
 if ! command -v cargo-fuzz >/dev/null; then
-    cargo install cargo-fuzz --locked --version 0.13.1
+    cargo install cargo-fuzz --locked --version 0.13.2
 fi
 # cargo fuzz passes nightly-only -Z flags (the sanitizer); the machine's stable toolchain
 # accepts them with RUSTC_BOOTSTRAP, which is how we run it without a nightly toolchain.

@@ -28,6 +28,8 @@ pub enum PipelineError {
     Compile(String),
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    #[error("interrupted after {done} of {total} steps; nothing was written")]
+    Cancelled { done: usize, total: usize },
     #[error("NaN or Inf in {stage}: {hint}")]
     NonFinite { stage: String, hint: String },
     #[error("cannot write {path}: {source}")]

@@ -1,8 +1,12 @@
-//! Numerical faults: NaN or Inf in latents or images, caught where they appear.
+//! Guards of a running generation: numerical faults (NaN or Inf in latents or images, caught
+//! where they appear) and cancellation (Ctrl-C).
 //!
 //! A non-finite value spreads through every later step, so the pipeline checks after each
 //! denoising step and after the VAE decode, with one reduction and one scalar read each (cheap
 //! next to a UNet call), and names the step, the component and the usual fix.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
@@ -94,5 +98,34 @@ pub fn fault(stage: Stage) -> PipelineError {
     PipelineError::NonFinite {
         hint: stage.hint().to_string(),
         stage: stage.to_string(),
+    }
+}
+
+/// A flag another thread (a Ctrl-C handler, a UI) sets to stop a generation after its current
+/// step; the pipeline then returns [`PipelineError::Cancelled`] and produces no image.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the generation to stop after the step it is in.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// Fails with [`PipelineError::Cancelled`] once cancelled; `done` steps were completed.
+    pub fn check(&self, done: usize, total: usize) -> Result<()> {
+        if self.is_cancelled() {
+            Err(PipelineError::Cancelled { done, total })
+        } else {
+            Ok(())
+        }
     }
 }

@@ -12,6 +12,7 @@ pub mod metadata;
 pub mod stable_diffusion;
 
 pub use error::{PipelineError, Result};
+pub use guard::CancelToken;
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
 pub use metadata::GenerationParameters;

@@ -20,7 +20,7 @@ use oxidiff_schedulers::{
 use serde::Deserialize;
 
 use crate::error::{PipelineError, Result};
-use crate::guard::{self, Stage};
+use crate::guard::{self, CancelToken, Stage};
 use crate::image::{postprocess, Images};
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
@@ -66,6 +66,9 @@ pub struct GenerateRequest<B: Backend> {
     /// DDIM's eta.
     pub eta: f64,
     pub output: OutputType,
+    /// Checked after every step: once cancelled, the generation stops with
+    /// [`PipelineError::Cancelled`].
+    pub cancel: Option<CancelToken>,
 }
 
 impl<B: Backend> Default for GenerateRequest<B> {
@@ -82,6 +85,7 @@ impl<B: Backend> Default for GenerateRequest<B> {
             latents: None,
             eta: 0.0,
             output: OutputType::Images,
+            cancel: None,
         }
     }
 }
@@ -419,6 +423,9 @@ impl<B: Backend> StableDiffusionPipeline<B> {
                 timestep: t,
                 latents: &latents,
             });
+            if let Some(cancel) = &req.cancel {
+                cancel.check(step + 1, timesteps.len())?;
+            }
         }
 
         let images = match req.output {

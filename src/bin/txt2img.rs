@@ -10,10 +10,14 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
 use oxidiff::pipelines::{
-    GenerateRequest, GenerationParameters, LoadOptions, StableDiffusionPipeline,
+    CancelToken, GenerateRequest, GenerationParameters, LoadOptions, PipelineError,
+    StableDiffusionPipeline,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
+
+/// Exit status after Ctrl-C (128 + SIGINT, as shells report it).
+const INTERRUPTED: u8 = 130;
 
 /// The model used when none is given: one step, no guidance, 512x512.
 const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
@@ -96,7 +100,17 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            let interrupted = e.chain().any(|cause| {
+                matches!(
+                    cause.downcast_ref::<PipelineError>(),
+                    Some(PipelineError::Cancelled { .. })
+                )
+            });
+            if interrupted {
+                ExitCode::from(INTERRUPTED)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
@@ -201,6 +215,20 @@ fn run(mut args: Args) -> Result<()> {
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         bar
+    };
+    // Ctrl-C stops after the current step with nothing written; a second one exits at once.
+    let cancel = CancelToken::new();
+    let on_interrupt = cancel.clone();
+    ctrlc::set_handler(move || {
+        if on_interrupt.is_cancelled() {
+            std::process::exit(i32::from(INTERRUPTED));
+        }
+        on_interrupt.cancel();
+    })
+    .context("installing the Ctrl-C handler")?;
+    let request = GenerateRequest {
+        cancel: Some(cancel),
+        ..request
     };
     let mut generator = TorchCpuGenerator::new(seed);
     let generated = Instant::now();
