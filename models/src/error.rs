@@ -16,6 +16,16 @@ pub enum ModelError {
          download it again"
     )]
     Safetensors { path: PathBuf, reason: String },
+    #[error(
+        "{path} links to {target}, outside the model folder {model}; oxidiff reads weights only \
+         from inside the model folder (or its Hub cache blobs): copy the file into the folder if \
+         you trust it"
+    )]
+    OutsideModel {
+        path: PathBuf,
+        target: PathBuf,
+        model: PathBuf,
+    },
     #[error("no weights found in {dir}: expected {expected}")]
     NoWeights { dir: PathBuf, expected: String },
     #[error(

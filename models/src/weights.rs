@@ -154,6 +154,9 @@ impl Weights {
 
     /// Opens and validates the given safetensors files (headers, offsets and lengths).
     pub fn from_files(paths: &[PathBuf]) -> Result<Self> {
+        for path in paths {
+            ensure_inside_model(path)?;
+        }
         let mut files = Vec::with_capacity(paths.len());
         let mut entries = HashMap::new();
         for path in paths {
@@ -412,5 +415,51 @@ impl<B: Backend> VarBuilder<B> {
             TensorData::new(values, shape),
             &self.device,
         ))
+    }
+}
+
+/// A weights file must not be a link out of its model folder (the folder above the component's
+/// folder): a stranger's checkpoint could otherwise make us read any file on the machine. The
+/// one exception is the Hugging Face Hub cache, whose snapshot files are links into the
+/// repository's own `blobs/` folder (`models--org--name/snapshots/REV/unet/x` ->
+/// `../../../blobs/SHA`).
+fn ensure_inside_model(path: &Path) -> Result<()> {
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let real = path.canonicalize().map_err(io)?;
+    let real_parent = |p: &Path| -> PathBuf {
+        match p.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+            _ => PathBuf::from("."),
+        }
+    };
+    let component = real_parent(path).canonicalize().map_err(io)?;
+    let model = real_parent(&component);
+    let model_real = model.canonicalize().map_err(io)?;
+    let mut allowed = vec![model_real.clone()];
+    // model = .../models--org--name/snapshots/REV: its repository's blobs are allowed too.
+    if let Some(repo) = model_real.parent().and_then(Path::parent) {
+        let in_snapshots = model_real
+            .parent()
+            .and_then(Path::file_name)
+            .is_some_and(|n| n == "snapshots");
+        let is_repo = repo
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("models--"));
+        if in_snapshots && is_repo {
+            allowed.push(repo.join("blobs"));
+        }
+    }
+    if allowed.iter().any(|root| real.starts_with(root)) {
+        Ok(())
+    } else {
+        Err(ModelError::OutsideModel {
+            path: path.to_path_buf(),
+            target: real,
+            model: model_real,
+        })
     }
 }

@@ -335,3 +335,63 @@ fn malformed_tokenizer_files() {
         &["model_max_length"],
     );
 }
+
+// Links out of the model folder.
+
+#[cfg(unix)]
+#[test]
+fn a_weights_link_out_of_the_model_folder_is_refused() {
+    let outside = tempfile::tempdir().unwrap();
+    let secret = write(
+        outside.path(),
+        "secret.safetensors",
+        &file_bytes(
+            r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            &[0; 4],
+        ),
+    );
+    let model = tempfile::tempdir().unwrap();
+    let unet = model.path().join("unet");
+    std::fs::create_dir_all(&unet).unwrap();
+    let link = unet.join("diffusion_pytorch_model.safetensors");
+    std::os::unix::fs::symlink(&secret, &link).unwrap();
+    let err = Weights::from_component_dir(&unet, &["diffusion_pytorch_model"], None)
+        .unwrap_err()
+        .to_string();
+    assert_mentions(
+        &err,
+        &[
+            &link.display().to_string(),
+            "outside the model folder",
+            "secret.safetensors",
+        ],
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn hub_cache_links_into_the_repositorys_blobs_load() {
+    // The real Hub layout: snapshots/REV/unet/file -> ../../../blobs/SHA.
+    let cache = tempfile::tempdir().unwrap();
+    let repo = cache.path().join("models--org--name");
+    let blobs = repo.join("blobs");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let data: Vec<u8> = 2.5f32.to_le_bytes().to_vec();
+    write(
+        &blobs,
+        "0a1b2c",
+        &file_bytes(
+            r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+            &data,
+        ),
+    );
+    let unet = repo.join("snapshots/0123abcd/unet");
+    std::fs::create_dir_all(&unet).unwrap();
+    std::os::unix::fs::symlink(
+        "../../../blobs/0a1b2c",
+        unet.join("diffusion_pytorch_model.safetensors"),
+    )
+    .unwrap();
+    let weights = Weights::from_component_dir(&unet, &["diffusion_pytorch_model"], None).unwrap();
+    assert_eq!(weights.read_f32("w").unwrap(), (vec![2.5], vec![1]));
+}

@@ -129,7 +129,20 @@ pub fn resolve_model(spec: &str, variant: Option<&str>) -> Result<PathBuf> {
 
 /// Whether a repo file is one a Stable Diffusion-style pipeline needs: configs, tokenizer files,
 /// and safetensors weights of the wanted variant (never pickles).
+/// A file name from the Hub's listing is untrusted: only plain relative paths of ordinary
+/// components are ever fetched, so nothing lands outside the snapshot folder.
+fn plain_relative(file: &str) -> bool {
+    !file.is_empty()
+        && !file.contains('\\')
+        && file
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..")
+}
+
 fn wanted(file: &str, variant: Option<&str>) -> bool {
+    if !plain_relative(file) {
+        return false;
+    }
     let name = file.rsplit('/').next().unwrap_or(file);
     let depth = file.matches('/').count();
     if file == "model_index.json" {
@@ -212,6 +225,18 @@ mod tests {
         assert!(!wanted("unet/diffusion_pytorch_model.bin", None));
         assert!(!wanted("v1-5-pruned.safetensors", None));
         assert!(!wanted("safety_checker/model.safetensors", None));
+        // Names that would leave the snapshot folder are never fetched.
+        for evil in [
+            "../model_index.json",
+            "../unet/config.json",
+            "/etc/config.json",
+            "unet/../../x.json",
+            "unet//config.json",
+            "./unet/config.json",
+            "unet\\..\\..\\config.json",
+        ] {
+            assert!(!wanted(evil, None), "{evil}");
+        }
         assert!(wanted(
             "unet/diffusion_pytorch_model.fp16.safetensors",
             Some("fp16")
