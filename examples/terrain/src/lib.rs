@@ -108,6 +108,18 @@ pub fn scheduler<B: Backend>(steps: usize) -> Result<CmStochasticIterativeSchedu
     Ok(s)
 }
 
+/// The scheduler with the package's settings on explicit discretisation points of the 40
+/// (decreasing; `[0]` is one step at sigma_max). This model was distilled for one step from
+/// sigma_max ("endpoint distillation") and denoises well only at high sigmas, so a useful
+/// second point is small: `[3, 0]` re-noises to sigma 51.9, where diffusers' default two
+/// steps (`[20, 0]`) re-noise to sigma 2.24 and leave speckle.
+pub fn scheduler_at(points: &[usize]) -> Result<CmStochasticIterativeScheduler> {
+    let cfg = SchedulerConfig::from_json_str(SCHEDULER_CONFIG, "terrain scheduler config")?;
+    let mut s = CmStochasticIterativeScheduler::new(&cfg)?;
+    s.set_custom_timesteps(points)?;
+    Ok(s)
+}
+
 /// Loads the generated module's weights from `path` (normally [`WEIGHTS`]).
 #[cfg(terrain_model)]
 pub fn load<B: Backend>(path: &std::path::Path, device: &B::Device) -> Result<model::Model<B>> {
@@ -129,25 +141,24 @@ pub fn load<B: Backend>(path: &std::path::Path, device: &B::Device) -> Result<mo
     Ok(net)
 }
 
-/// One sampling loop of `steps` steps, diffusers' `ConsistencyModelPipeline`: initial noise
-/// `randn * sigma_max` and the step noise from one `noise` source; `network(x, t, label)`
-/// is the model (eager, or a compiled call). Returns the sample after each step (model
-/// space; the last is the result).
+/// One sampling loop over the schedule of `sched` (see [`scheduler`], [`scheduler_at`]),
+/// diffusers' `ConsistencyModelPipeline`: initial noise `randn * sigma_max` and the step
+/// noise from one `noise` source; `network(x, t, label)` is the model (eager, or a compiled
+/// call). Returns the sample after each step (model space; the last is the result).
 pub fn sample<B: Backend>(
     network: &mut dyn FnMut(Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) -> Result<Tensor<B, 4>>,
-    steps: usize,
+    mut sched: CmStochasticIterativeScheduler,
     difficulty: u32,
     batch: usize,
     noise: &mut dyn NoiseSource<B>,
     device: &B::Device,
 ) -> Result<Vec<Tensor<B, 4>>> {
     let label = difficulty_label(difficulty)?;
-    let mut sched = scheduler::<B>(steps)?;
     let labels = Tensor::<B, 1>::from_data(TensorData::new(vec![label; batch], [batch]), device);
     let mut x = noise
         .randn([batch, 1, SIZE, SIZE], device)?
         .mul_scalar(Scheduler::<B>::init_noise_sigma(&sched));
-    let mut out = Vec::with_capacity(steps);
+    let mut out = Vec::new();
     for t in Scheduler::<B>::timesteps(&sched).to_vec() {
         let scaled = sched.scale_model_input(x.clone(), t)?;
         let timestep =

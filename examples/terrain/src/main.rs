@@ -31,6 +31,10 @@ struct Args {
     /// Consistency sampling steps (the model was distilled for 1; 2 adds one noise-and-denoise).
     #[arg(long, default_value_t = 1)]
     steps: usize,
+    /// Explicit discretisation points instead of --steps, decreasing, e.g. `3,0` (two steps,
+    /// re-noising to sigma 51.9; see `scheduler_at`).
+    #[arg(long, value_delimiter = ',')]
+    timesteps: Option<Vec<usize>>,
     /// How many maps to generate (one batch).
     #[arg(long, default_value_t = 1)]
     count: usize,
@@ -112,9 +116,14 @@ fn generate<B: Backend>(
 ) -> anyhow::Result<()> {
     let start = Instant::now();
     let mut noise = TorchCpuGenerator::new(args.seed);
+    let sched = match &args.timesteps {
+        Some(points) => oxidiff_terrain::scheduler_at(points)?,
+        None => oxidiff_terrain::scheduler::<B>(args.steps)?,
+    };
+    let steps = oxidiff::schedulers::Scheduler::<B>::timesteps(&sched).len();
     let samples = oxidiff_terrain::sample::<B>(
         network,
-        args.steps,
+        sched,
         args.difficulty,
         args.count,
         &mut noise,
@@ -150,7 +159,7 @@ fn generate<B: Backend>(
     println!(
         "{} map(s), {} step(s), difficulty {}, seed {} on {}{}: {elapsed:.2?}",
         args.count,
-        args.steps,
+        steps,
         args.difficulty,
         args.seed,
         args.device,

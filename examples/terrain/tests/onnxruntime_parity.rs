@@ -134,7 +134,8 @@ fn check<B: Backend>(what: &str, network: &mut Network<'_, B>, device: &B::Devic
     // Whole samples from the seed, every step compared.
     for steps in [1usize, 2] {
         let mut gen = TorchCpuGenerator::new(seed);
-        let out = sample::<B>(network, steps, difficulty, 1, &mut gen, device).unwrap();
+        let sched = scheduler::<B>(steps).unwrap();
+        let out = sample::<B>(network, sched, difficulty, 1, &mut gen, device).unwrap();
         assert_eq!(out.len(), steps);
         for (i, x) in out.into_iter().enumerate() {
             let reference = golden.item(&format!("steps{steps}.prev_sample"), i);
