@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use clap::Parser;
@@ -70,6 +70,7 @@ fn run(_: &Args) -> anyhow::Result<()> {
 
 #[cfg(terrain_model)]
 fn run(args: &Args) -> anyhow::Result<()> {
+    use anyhow::Context;
     use oxidiff::backend::CompiledFn;
     use oxidiff::{Cpu, Oxi, OxiDevice};
     use oxidiff_terrain::{load, WEIGHTS};
