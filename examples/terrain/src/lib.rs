@@ -184,3 +184,70 @@ pub fn heights(values: &[f32]) -> Vec<f32> {
     let floor = h.iter().copied().fold(f32::INFINITY, f32::min);
     h.into_iter().map(|v| v - floor).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_flex::Flex;
+
+    #[test]
+    fn difficulty_labels_span_zero_to_one_and_reject_the_rest() {
+        assert_eq!(difficulty_label(1).unwrap(), 0.0);
+        assert_eq!(difficulty_label(100).unwrap(), 1.0);
+        assert_eq!(difficulty_label(60).unwrap(), 59.0 / 99.0);
+        for bad in [0, 101] {
+            let err = difficulty_label(bad).unwrap_err();
+            assert!(err.to_string().contains("1..=100"), "{err}");
+        }
+    }
+
+    #[test]
+    fn heights_follow_the_package_mapping_with_a_zero_floor() {
+        // -1 is height 0, 1 is the whole range, 0 is asinh's midpoint; outside [-1, 1] clips.
+        let h = heights(&[-1.0, 0.0, 1.0, 2.0, -3.0]);
+        let mid = ASINH_SCALE * ((HEIGHT_RANGE / ASINH_SCALE).asinh() * 0.5).sinh();
+        assert_eq!(h[0], 0.0);
+        assert!((h[1] - mid).abs() < 1e-5, "{}", h[1]);
+        assert!((h[2] - HEIGHT_RANGE).abs() < 1e-4, "{}", h[2]);
+        assert_eq!(h[3], h[2]);
+        assert_eq!(h[4], 0.0);
+        // Shifted so that the lowest point is 0.
+        let h = heights(&[0.5, 0.0]);
+        assert_eq!(h[1], 0.0);
+        assert!(h[0] > 0.0);
+    }
+
+    #[test]
+    fn schedules_land_where_the_docs_say() {
+        let two = scheduler::<Flex>(2).unwrap();
+        let sigmas = Scheduler::<Flex>::sigmas(&two).unwrap();
+        assert_eq!(sigmas[0], 80.0);
+        assert!((sigmas[1] - 2.2404).abs() < 1e-4, "{sigmas:?}");
+        let custom = scheduler_at(&[3, 0]).unwrap();
+        let sigmas = Scheduler::<Flex>::sigmas(&custom).unwrap();
+        assert!((sigmas[1] - 51.9).abs() < 0.05, "{sigmas:?}");
+        assert!(matches!(scheduler::<Flex>(0), Err(TerrainError::Steps(0))));
+        assert!(scheduler_at(&[40, 0]).is_err());
+    }
+
+    #[test]
+    fn hillshade_lights_north_west_slopes() {
+        // A ramp rising to the east faces west, towards the light: brighter than one rising
+        // to the west.
+        let n = 8;
+        let east: Vec<f32> = (0..n * n).map(|i| (i % n) as f32 * 0.05).collect();
+        let west: Vec<f32> = (0..n * n).map(|i| (n - 1 - i % n) as f32 * 0.05).collect();
+        let (e, w) = (
+            hillshade_rgb(&east, n, n, 0.1),
+            hillshade_rgb(&west, n, n, 0.1),
+        );
+        let at = |rgb: &[u8]| rgb[(3 * n + 3) * 3] as i32;
+        assert!(
+            at(&e) > at(&w),
+            "east-rising {} vs west-rising {}",
+            at(&e),
+            at(&w)
+        );
+        assert_eq!(e.len(), n * n * 3);
+    }
+}
