@@ -190,6 +190,14 @@ pub struct SchedulerConfig {
     /// UniPC: the steps whose corrector is skipped.
     #[serde(deserialize_with = "null_as_default")]
     pub disable_corrector: Vec<usize>,
+    /// Consistency models: the data's standard deviation (EDM's `sigma_data`). Default 0.5.
+    pub sigma_data: Option<f64>,
+    /// Consistency models: the scale of the noise added between steps. Default 1.
+    pub s_noise: Option<f64>,
+    /// Consistency models: the Karras schedule's exponent. Default 7.
+    pub rho: Option<f64>,
+    /// Consistency models: clip the clean estimate to `[-1, 1]`. Default true.
+    pub clip_denoised: Option<bool>,
 }
 
 impl Default for SchedulerConfig {
@@ -231,6 +239,10 @@ impl Default for SchedulerConfig {
             variance_type: None,
             predict_x0: None,
             disable_corrector: Vec::new(),
+            sigma_data: None,
+            s_noise: None,
+            rho: None,
+            clip_denoised: None,
         }
     }
 }

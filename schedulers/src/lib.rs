@@ -24,6 +24,7 @@ use std::str::FromStr;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
+mod cm_stochastic_iterative;
 mod config;
 mod ddim;
 mod ddpm;
@@ -39,6 +40,7 @@ mod pndm;
 mod schedule;
 mod unipc_multistep;
 
+pub use cm_stochastic_iterative::{sigma_to_t as cm_sigma_to_t, CmStochasticIterativeScheduler};
 pub use config::{
     AlgorithmType, BetaSchedule, FinalSigmasType, InterpolationType, PredictionType,
     SchedulerConfig, SolverType, TimestepSpacing, TimestepType, VarianceType,
@@ -128,6 +130,7 @@ pub fn scheduler_from_config<B: Backend>(cfg: &SchedulerConfig) -> Result<Box<dy
         SchedulerKind::LmsDiscrete => Box::new(LmsDiscreteScheduler::new(cfg)?),
         SchedulerKind::HeunDiscrete => Box::new(HeunDiscreteScheduler::new(cfg)?),
         SchedulerKind::UniPcMultistep => Box::new(UniPcMultistepScheduler::new(cfg)?),
+        SchedulerKind::CmStochasticIterative => Box::new(CmStochasticIterativeScheduler::new(cfg)?),
     })
 }
 
@@ -152,10 +155,12 @@ pub enum SchedulerKind {
     HeunDiscrete,
     /// `UniPCMultistepScheduler` (UniPC predictor-corrector, bh2 by default).
     UniPcMultistep,
+    /// `CMStochasticIterativeScheduler` (consistency-model multistep sampling).
+    CmStochasticIterative,
 }
 
 impl SchedulerKind {
-    pub const ALL: [SchedulerKind; 9] = [
+    pub const ALL: [SchedulerKind; 10] = [
         SchedulerKind::Pndm,
         SchedulerKind::Ddim,
         SchedulerKind::EulerDiscrete,
@@ -165,6 +170,7 @@ impl SchedulerKind {
         SchedulerKind::LmsDiscrete,
         SchedulerKind::HeunDiscrete,
         SchedulerKind::UniPcMultistep,
+        SchedulerKind::CmStochasticIterative,
     ];
 
     /// The diffusers class name (`_class_name`).
@@ -179,6 +185,7 @@ impl SchedulerKind {
             SchedulerKind::LmsDiscrete => "LMSDiscreteScheduler",
             SchedulerKind::HeunDiscrete => "HeunDiscreteScheduler",
             SchedulerKind::UniPcMultistep => "UniPCMultistepScheduler",
+            SchedulerKind::CmStochasticIterative => "CMStochasticIterativeScheduler",
         }
     }
 
@@ -205,6 +212,9 @@ impl SchedulerKind {
             SchedulerKind::LmsDiscrete => &["lms", "k_lms", "lms_discrete"],
             SchedulerKind::HeunDiscrete => &["heun", "k_heun", "heun_discrete"],
             SchedulerKind::UniPcMultistep => &["unipc", "uni_pc", "unipc_multistep"],
+            SchedulerKind::CmStochasticIterative => {
+                &["cm", "consistency", "cm_stochastic_iterative"]
+            }
         }
     }
 
@@ -231,7 +241,8 @@ impl SchedulerKind {
             | SchedulerKind::DpmSolverMultistep
             | SchedulerKind::LmsDiscrete
             | SchedulerKind::HeunDiscrete
-            | SchedulerKind::UniPcMultistep => TimestepSpacing::Linspace,
+            | SchedulerKind::UniPcMultistep
+            | SchedulerKind::CmStochasticIterative => TimestepSpacing::Linspace,
         }
     }
 
