@@ -189,6 +189,12 @@ fn every_scheduler_runs_the_pipeline() {
         ("DPM++ 2M Karras", 3),
         ("DPM++ 2M SDE", 3),
         ("unipc", 3),
+        ("flow_match_euler", 3),
+        ("FlowMatchHeunDiscreteScheduler", 5),
+        ("DPM2 Karras", 5),
+        ("DPM2 a", 5),
+        ("LCM", 3),
+        ("TCD", 3),
     ];
     for (name, calls) in cases {
         pipe.set_scheduler(name).unwrap();

@@ -163,7 +163,7 @@ impl<B: Backend> DpmSolverMultistepScheduler<B> {
             euler_at_final: cfg.euler_at_final,
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
-            round_special_timesteps: cfg.beta_schedule != BetaSchedule::SquaredcosCapV2
+            round_special_timesteps: cfg.beta_schedule != Some(BetaSchedule::SquaredcosCapV2)
                 || cfg.trained_betas.is_some(),
             sigma_min: cfg.sigma_min,
             sigma_max: cfg.sigma_max,

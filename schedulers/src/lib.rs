@@ -31,17 +31,23 @@ mod dpmsolver_multistep;
 mod error;
 mod euler;
 mod euler_ancestral;
+mod flow_match_euler;
+mod flow_match_heun;
 mod heun_discrete;
+mod k_dpm_2_ancestral_discrete;
+mod k_dpm_2_discrete;
+mod lcm;
 mod lms_discrete;
 mod noise;
 mod ops;
 mod pndm;
 mod schedule;
+mod tcd;
 mod unipc_multistep;
 
 pub use config::{
     AlgorithmType, BetaSchedule, FinalSigmasType, InterpolationType, PredictionType,
-    SchedulerConfig, SolverType, TimestepSpacing, TimestepType, VarianceType,
+    SchedulerConfig, SolverType, TimeShiftType, TimestepSpacing, TimestepType, VarianceType,
 };
 pub use ddim::DdimScheduler;
 pub use ddpm::DdpmScheduler;
@@ -49,10 +55,16 @@ pub use dpmsolver_multistep::DpmSolverMultistepScheduler;
 pub use error::{Result, SchedulerError};
 pub use euler::EulerDiscreteScheduler;
 pub use euler_ancestral::EulerAncestralDiscreteScheduler;
+pub use flow_match_euler::{calculate_shift, FlowMatchEulerDiscreteScheduler};
+pub use flow_match_heun::FlowMatchHeunDiscreteScheduler;
 pub use heun_discrete::HeunDiscreteScheduler;
+pub use k_dpm_2_ancestral_discrete::KDpm2AncestralDiscreteScheduler;
+pub use k_dpm_2_discrete::KDpm2DiscreteScheduler;
+pub use lcm::LcmScheduler;
 pub use lms_discrete::LmsDiscreteScheduler;
 pub use noise::{NoNoise, NoiseSource, RecordedNoise, TorchCpuGenerator};
 pub use pndm::PndmScheduler;
+pub use tcd::TcdScheduler;
 pub use unipc_multistep::UniPcMultistepScheduler;
 
 /// The scheduler interface the pipelines drive, as in diffusers' denoising loop.
@@ -112,6 +124,56 @@ pub trait Scheduler<B: Backend>: Send {
     /// DDIM's `eta` (0: deterministic DDIM, 1: DDPM-like). Ignored by schedulers without one,
     /// as diffusers' pipelines only pass `eta` to schedulers whose `step` accepts it.
     fn set_eta(&mut self, _eta: f64) {}
+
+    /// `set_timesteps` with diffusers' keyword arguments (`sigmas=`, `mu=`), as the Flux and
+    /// SD3 pipelines call it. With default options this is `set_timesteps(n)`; a scheduler
+    /// that takes none of the options given (diffusers' `retrieve_timesteps` checks
+    /// `set_timesteps`' signature the same way) returns [`SchedulerError::Unsupported`].
+    /// `FlowMatchEulerDiscreteScheduler` takes both.
+    fn set_timesteps_with(
+        &mut self,
+        num_inference_steps: usize,
+        options: &TimestepOptions,
+    ) -> Result<()> {
+        if *options != TimestepOptions::default() {
+            return Err(SchedulerError::Unsupported {
+                class: self.kind().class_name(),
+                message: format!(
+                    "set_timesteps takes no {}; only FlowMatchEulerDiscreteScheduler takes custom sigmas and mu",
+                    options.given()
+                ),
+            });
+        }
+        self.set_timesteps(num_inference_steps)
+    }
+}
+
+/// The optional arguments of [`Scheduler::set_timesteps_with`].
+///
+/// Flux: `sigmas = linspace(1, 1/n, n)` and `mu = calculate_shift(image_seq_len, ..)`
+/// (see [`calculate_shift`]); SD3 3.5 with `use_dynamic_shifting`: only `mu`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TimestepOptions {
+    /// Custom sigmas, one per step, noisiest first, before shifting (diffusers' `sigmas=`);
+    /// `num_inference_steps` must equal their count.
+    pub sigmas: Option<Vec<f64>>,
+    /// The resolution-dependent shift of `use_dynamic_shifting` (diffusers' `mu=`); required
+    /// exactly when the config sets `use_dynamic_shifting`.
+    pub mu: Option<f64>,
+}
+
+impl TimestepOptions {
+    /// The names of the options that are set, for error messages.
+    fn given(&self) -> String {
+        let mut names = Vec::new();
+        if self.sigmas.is_some() {
+            names.push("sigmas");
+        }
+        if self.mu.is_some() {
+            names.push("mu");
+        }
+        names.join(" or ")
+    }
 }
 
 /// Builds the scheduler named by the config's `_class_name`.
@@ -128,6 +190,16 @@ pub fn scheduler_from_config<B: Backend>(cfg: &SchedulerConfig) -> Result<Box<dy
         SchedulerKind::LmsDiscrete => Box::new(LmsDiscreteScheduler::new(cfg)?),
         SchedulerKind::HeunDiscrete => Box::new(HeunDiscreteScheduler::new(cfg)?),
         SchedulerKind::UniPcMultistep => Box::new(UniPcMultistepScheduler::new(cfg)?),
+        SchedulerKind::FlowMatchEulerDiscrete => {
+            Box::new(FlowMatchEulerDiscreteScheduler::new(cfg)?)
+        }
+        SchedulerKind::FlowMatchHeunDiscrete => Box::new(FlowMatchHeunDiscreteScheduler::new(cfg)?),
+        SchedulerKind::KDpm2Discrete => Box::new(KDpm2DiscreteScheduler::new(cfg)?),
+        SchedulerKind::KDpm2AncestralDiscrete => {
+            Box::new(KDpm2AncestralDiscreteScheduler::new(cfg)?)
+        }
+        SchedulerKind::Lcm => Box::new(LcmScheduler::new(cfg)?),
+        SchedulerKind::Tcd => Box::new(TcdScheduler::new(cfg)?),
     })
 }
 
@@ -152,10 +224,22 @@ pub enum SchedulerKind {
     HeunDiscrete,
     /// `UniPCMultistepScheduler` (UniPC predictor-corrector, bh2 by default).
     UniPcMultistep,
+    /// `FlowMatchEulerDiscreteScheduler` (rectified flow: SD3, Flux).
+    FlowMatchEulerDiscrete,
+    /// `FlowMatchHeunDiscreteScheduler` (rectified flow, Heun's method).
+    FlowMatchHeunDiscrete,
+    /// `KDPM2DiscreteScheduler` (DPM-Solver-2, two evaluations per step; A1111's "DPM2").
+    KDpm2Discrete,
+    /// `KDPM2AncestralDiscreteScheduler` (A1111's "DPM2 a").
+    KDpm2AncestralDiscrete,
+    /// `LCMScheduler` (latent consistency models, LCM-LoRA).
+    Lcm,
+    /// `TCDScheduler` (trajectory consistency distillation; `eta` is its gamma).
+    Tcd,
 }
 
 impl SchedulerKind {
-    pub const ALL: [SchedulerKind; 9] = [
+    pub const ALL: [SchedulerKind; 15] = [
         SchedulerKind::Pndm,
         SchedulerKind::Ddim,
         SchedulerKind::EulerDiscrete,
@@ -165,6 +249,12 @@ impl SchedulerKind {
         SchedulerKind::LmsDiscrete,
         SchedulerKind::HeunDiscrete,
         SchedulerKind::UniPcMultistep,
+        SchedulerKind::FlowMatchEulerDiscrete,
+        SchedulerKind::FlowMatchHeunDiscrete,
+        SchedulerKind::KDpm2Discrete,
+        SchedulerKind::KDpm2AncestralDiscrete,
+        SchedulerKind::Lcm,
+        SchedulerKind::Tcd,
     ];
 
     /// The diffusers class name (`_class_name`).
@@ -179,6 +269,12 @@ impl SchedulerKind {
             SchedulerKind::LmsDiscrete => "LMSDiscreteScheduler",
             SchedulerKind::HeunDiscrete => "HeunDiscreteScheduler",
             SchedulerKind::UniPcMultistep => "UniPCMultistepScheduler",
+            SchedulerKind::FlowMatchEulerDiscrete => "FlowMatchEulerDiscreteScheduler",
+            SchedulerKind::FlowMatchHeunDiscrete => "FlowMatchHeunDiscreteScheduler",
+            SchedulerKind::KDpm2Discrete => "KDPM2DiscreteScheduler",
+            SchedulerKind::KDpm2AncestralDiscrete => "KDPM2AncestralDiscreteScheduler",
+            SchedulerKind::Lcm => "LCMScheduler",
+            SchedulerKind::Tcd => "TCDScheduler",
         }
     }
 
@@ -205,6 +301,24 @@ impl SchedulerKind {
             SchedulerKind::LmsDiscrete => &["lms", "k_lms", "lms_discrete"],
             SchedulerKind::HeunDiscrete => &["heun", "k_heun", "heun_discrete"],
             SchedulerKind::UniPcMultistep => &["unipc", "uni_pc", "unipc_multistep"],
+            SchedulerKind::FlowMatchEulerDiscrete => &[
+                "flow_match_euler",
+                "flow_match_euler_discrete",
+                "flow_euler",
+            ],
+            SchedulerKind::FlowMatchHeunDiscrete => {
+                &["flow_match_heun", "flow_match_heun_discrete", "flow_heun"]
+            }
+            SchedulerKind::KDpm2Discrete => &["dpm2", "k_dpm_2", "kdpm2", "kdpm2_discrete"],
+            SchedulerKind::KDpm2AncestralDiscrete => &[
+                "dpm2_a",
+                "k_dpm_2_a",
+                "kdpm2_a",
+                "kdpm2_ancestral",
+                "kdpm2_ancestral_discrete",
+            ],
+            SchedulerKind::Lcm => &["lcm"],
+            SchedulerKind::Tcd => &["tcd"],
         }
     }
 
@@ -217,21 +331,40 @@ impl SchedulerKind {
                 | SchedulerKind::LmsDiscrete
                 | SchedulerKind::HeunDiscrete
                 | SchedulerKind::UniPcMultistep
+                | SchedulerKind::FlowMatchEulerDiscrete
+                | SchedulerKind::KDpm2Discrete
+                | SchedulerKind::KDpm2AncestralDiscrete
+        )
+    }
+
+    /// Whether this is a flow-matching scheduler (velocity-predicting models: SD3, Flux):
+    /// timesteps are `sigma * num_train_timesteps`, no input scaling, unit initial noise, any
+    /// step count (no training grid to stay within).
+    pub fn is_flow_matching(self) -> bool {
+        matches!(
+            self,
+            SchedulerKind::FlowMatchEulerDiscrete | SchedulerKind::FlowMatchHeunDiscrete
         )
     }
 
     /// The class's default `timestep_spacing`.
     pub(crate) fn default_timestep_spacing(self) -> TimestepSpacing {
         match self {
-            SchedulerKind::Pndm | SchedulerKind::Ddim | SchedulerKind::Ddpm => {
-                TimestepSpacing::Leading
-            }
+            SchedulerKind::Pndm
+            | SchedulerKind::Ddim
+            | SchedulerKind::Ddpm
+            | SchedulerKind::Lcm
+            | SchedulerKind::Tcd => TimestepSpacing::Leading,
             SchedulerKind::EulerDiscrete
             | SchedulerKind::EulerAncestralDiscrete
             | SchedulerKind::DpmSolverMultistep
             | SchedulerKind::LmsDiscrete
             | SchedulerKind::HeunDiscrete
-            | SchedulerKind::UniPcMultistep => TimestepSpacing::Linspace,
+            | SchedulerKind::UniPcMultistep
+            | SchedulerKind::FlowMatchEulerDiscrete
+            | SchedulerKind::FlowMatchHeunDiscrete
+            | SchedulerKind::KDpm2Discrete
+            | SchedulerKind::KDpm2AncestralDiscrete => TimestepSpacing::Linspace,
         }
     }
 
@@ -251,14 +384,44 @@ impl FromStr for SchedulerKind {
     fn from_str(name: &str) -> Result<Self> {
         let norm = |s: &str| s.trim().to_ascii_lowercase().replace([' ', '-'], "_");
         let wanted = norm(name);
-        Self::ALL
+        if let Some(kind) = Self::ALL
             .into_iter()
             .find(|k| norm(k.class_name()) == wanted || k.aliases().iter().any(|a| *a == wanted))
-            .ok_or_else(|| SchedulerError::UnknownScheduler {
+        {
+            return Ok(kind);
+        }
+        match not_implemented(&wanted) {
+            Some(reason) => Err(SchedulerError::NotImplemented {
+                name: name.to_string(),
+                reason: reason.to_string(),
+            }),
+            None => Err(SchedulerError::UnknownScheduler {
                 name: name.to_string(),
                 known: Self::known_names(),
-            })
+            }),
+        }
     }
+}
+
+/// Names (normalised as in `from_str`) that diffusers' A1111 table or class list has but
+/// this crate does not implement, with what to say about them.
+fn not_implemented(wanted: &str) -> Option<&'static str> {
+    Some(match wanted {
+        "dpm++_sde" | "dpmpp_sde" | "dpmsolversinglestepscheduler" | "dpm_solver_singlestep" => {
+            "diffusers maps A1111's \"DPM++ SDE\" to DPMSolverSinglestepScheduler, which oxidiff does not implement yet; \"DPM++ 2M SDE\" (DPMSolverMultistepScheduler) is the nearest"
+        }
+        "dpm++_2s_a" | "dpmpp_2s_a" => {
+            "A1111's \"DPM++ 2S a\" has no diffusers equivalent (its docs: \"very similar to DPMSolverSinglestepScheduler\", which oxidiff does not implement yet)"
+        }
+        "dpm_adaptive" | "dpm_fast" => "this A1111 sampler has no diffusers equivalent",
+        "deis" | "deismultistepscheduler" | "deis_multistep" => {
+            "DEISMultistepScheduler is not implemented in oxidiff yet; UniPC or DPM++ 2M are the nearest"
+        }
+        "dpmsolversdescheduler" => {
+            "DPMSolverSDEScheduler (torchsde Brownian-tree noise) is not implemented in oxidiff"
+        }
+        _ => return None,
+    })
 }
 
 impl fmt::Display for SchedulerKind {

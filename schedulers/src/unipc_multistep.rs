@@ -124,6 +124,17 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
                 "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
             );
         }
+        let predict_x0 = cfg.predict_x0.unwrap_or(true);
+        if cfg.final_sigmas_type == FinalSigmasType::Zero && !(bh2 && predict_x0) {
+            // The last update goes to sigma 0, where lambda is infinite: bh1's B(h) = h and
+            // the noise-prediction form's sigma_t (e^h - 1) are inf * 0. diffusers 0.42.1
+            // returns NaN or inf there (or fails to solve for order 3); we refuse instead.
+            return unsupported(format!(
+                "{} with final_sigmas_type `zero` has no finite last step (diffusers 0.42.1 gives NaN/inf); set final_sigmas_type to `sigma_min`{}",
+                if bh2 { "predict_x0 = false" } else { "solver_type bh1" },
+                if bh2 { " or predict_x0 to true" } else { " or use solver_type bh2" }
+            ));
+        }
         if cfg.thresholding && !(0.0..=1.0).contains(&cfg.dynamic_thresholding_ratio) {
             return unsupported(format!(
                 "dynamic_thresholding_ratio must be in [0, 1], got {}",
@@ -140,7 +151,7 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
             num_train_timesteps: cfg.num_train_timesteps,
             solver_order: cfg.solver_order,
             prediction_type: cfg.prediction_type,
-            predict_x0: cfg.predict_x0.unwrap_or(true),
+            predict_x0,
             bh2,
             lower_order_final: cfg.lower_order_final.unwrap_or(true),
             disable_corrector: cfg.disable_corrector.clone(),
