@@ -234,6 +234,21 @@ pub(crate) fn exponential_sigmas(sigma_min: f64, sigma_max: f64, n: usize) -> Ve
         .collect()
 }
 
+/// Exponential sigmas, or beta sigmas when `beta`: diffusers treats the two alike (timesteps
+/// mapped back from the sigmas, not rounded).
+pub(crate) fn exponential_or_beta_sigmas(
+    beta: bool,
+    sigma_min: f64,
+    sigma_max: f64,
+    n: usize,
+) -> Vec<f64> {
+    if beta {
+        beta_sigmas(sigma_min, sigma_max, n)
+    } else {
+        exponential_sigmas(sigma_min, sigma_max, n)
+    }
+}
+
 /// Beta sigmas ("Beta Sampling is All You Need", Lee et al. 2024), diffusers'
 /// `_convert_to_beta` with alpha = beta = 0.6: `sigma_min + ppf(1 - r) (sigma_max - sigma_min)`
 /// for `r = linspace(0, 1, n)`, `ppf` the inverse CDF of the Beta(0.6, 0.6) distribution
@@ -366,9 +381,9 @@ pub(crate) fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
 }
 
 /// Checks `1 <= num_inference_steps <= num_train_timesteps`.
-/// The sigma options of the Euler family (Euler, Heun, LMS): beta sigmas are not implemented,
-/// at most one of Karras and exponential sigmas may be set, and `zero_snr_ok` says whether the
-/// class takes `rescale_betas_zero_snr`.
+/// The sigma options of the Euler family (Euler, Heun, LMS): at most one of Karras,
+/// exponential and beta sigmas may be set, and `zero_snr_ok` says whether the class takes
+/// `rescale_betas_zero_snr`.
 pub(crate) fn check_sigma_options(
     cfg: &SchedulerConfig,
     class: &'static str,
@@ -380,12 +395,12 @@ pub(crate) fn check_sigma_options(
             message: message.into(),
         })
     };
-    if cfg.use_beta_sigmas {
-        return unsupported(
-            "use_beta_sigmas is not supported; use use_karras_sigmas or use_exponential_sigmas",
-        );
-    }
-    if cfg.use_karras_sigmas && cfg.use_exponential_sigmas {
+    let special = [
+        cfg.use_karras_sigmas,
+        cfg.use_exponential_sigmas,
+        cfg.use_beta_sigmas,
+    ];
+    if special.iter().filter(|&&b| b).count() > 1 {
         return unsupported(
             "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
         );
@@ -434,7 +449,8 @@ pub(crate) fn checked_integer_timesteps(
 
 /// The timesteps and sigmas of the k-diffusion schedulers without `sigma_min`/`sigma_max`
 /// options (Heun, LMS): spaced timesteps, their interpolated training sigmas, or Karras /
-/// exponential sigmas between the schedule's own ends with timesteps mapped back from them.
+/// exponential / beta sigmas between the schedule's own ends with timesteps mapped back from
+/// them. `exponential_or_beta`: `Some(false)` exponential, `Some(true)` beta.
 pub(crate) fn k_sigma_schedule(
     schedule: &NoiseSchedule,
     spacing: TimestepSpacing,
@@ -442,7 +458,7 @@ pub(crate) fn k_sigma_schedule(
     n: usize,
     steps_offset: usize,
     karras: bool,
-    exponential: bool,
+    exponential_or_beta: Option<bool>,
 ) -> (Vec<f32>, Vec<f64>) {
     let mut timesteps = float_timesteps(spacing, num_train, n, steps_offset);
     let train = schedule.train_sigmas();
@@ -450,12 +466,12 @@ pub(crate) fn k_sigma_schedule(
         .iter()
         .map(|&t| numpy_interp(t as f64, &train))
         .collect();
-    if (karras || exponential) && !sigmas.is_empty() {
+    if (karras || exponential_or_beta.is_some()) && !sigmas.is_empty() {
         let (sigma_min, sigma_max) = (sigmas[sigmas.len() - 1], sigmas[0]);
-        sigmas = if karras {
-            karras_sigmas(sigma_min, sigma_max, n)
-        } else {
-            exponential_sigmas(sigma_min, sigma_max, n)
+        sigmas = match exponential_or_beta {
+            _ if karras => karras_sigmas(sigma_min, sigma_max, n),
+            Some(beta) => exponential_or_beta_sigmas(beta, sigma_min, sigma_max, n),
+            None => unreachable!(),
         };
         let log_sigmas = schedule.log_train_sigmas();
         timesteps = sigmas

@@ -18,8 +18,8 @@ use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::{dynamic_threshold, lincomb};
 use crate::schedule::{
-    check_steps, exponential_sigmas, karras_sigmas, multistep_timesteps, numpy_interp, sigma_to_t,
-    NoiseSchedule,
+    check_steps, exponential_or_beta_sigmas, karras_sigmas, multistep_timesteps, numpy_interp,
+    sigma_to_t, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -38,6 +38,7 @@ pub struct UniPcMultistepScheduler<B: Backend> {
     disable_corrector: Vec<usize>,
     use_karras_sigmas: bool,
     use_exponential_sigmas: bool,
+    use_beta_sigmas: bool,
     sigma_min: Option<f64>,
     sigma_max: Option<f64>,
     final_sigmas_type: FinalSigmasType,
@@ -114,12 +115,17 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
                 cfg.solver_order
             ));
         }
-        if cfg.use_beta_sigmas || cfg.use_flow_sigmas {
+        if cfg.use_flow_sigmas {
             return unsupported(
-                "use_beta_sigmas and use_flow_sigmas are not supported; use use_karras_sigmas or use_exponential_sigmas",
+                "use_flow_sigmas is not supported; use use_karras_sigmas, use_exponential_sigmas or use_beta_sigmas",
             );
         }
-        if cfg.use_karras_sigmas && cfg.use_exponential_sigmas {
+        let special = [
+            cfg.use_karras_sigmas,
+            cfg.use_exponential_sigmas,
+            cfg.use_beta_sigmas,
+        ];
+        if special.iter().filter(|&&b| b).count() > 1 {
             return unsupported(
                 "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
             );
@@ -157,6 +163,7 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
             disable_corrector: cfg.disable_corrector.clone(),
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
+            use_beta_sigmas: cfg.use_beta_sigmas,
             sigma_min: cfg.sigma_min,
             sigma_max: cfg.sigma_max,
             final_sigmas_type: cfg.final_sigmas_type,
@@ -327,13 +334,13 @@ impl<B: Backend> Scheduler<B> for UniPcMultistepScheduler<B> {
         }
         let train = self.schedule.train_sigmas();
         let (timesteps, sigmas, sigma_min): (Vec<f64>, Vec<f64>, f64) =
-            if self.use_karras_sigmas || self.use_exponential_sigmas {
+            if self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas {
                 let sigma_min = self.sigma_min.unwrap_or(train[0] as f64);
                 let sigma_max = self.sigma_max.unwrap_or(train[train.len() - 1] as f64);
                 let sigmas = if self.use_karras_sigmas {
                     karras_sigmas(sigma_min, sigma_max, n)
                 } else {
-                    exponential_sigmas(sigma_min, sigma_max, n)
+                    exponential_or_beta_sigmas(self.use_beta_sigmas, sigma_min, sigma_max, n)
                 };
                 let log_sigmas = self.schedule.log_train_sigmas();
                 // Karras timesteps are rounded, exponential ones truncated (below).

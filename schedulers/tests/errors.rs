@@ -320,6 +320,7 @@ fn switching_class_keeps_betas_and_takes_the_new_class_defaults() {
 fn unsupported_options_are_errors() {
     let mut cfg = sd15().switched_to(SchedulerKind::EulerDiscrete);
     cfg.use_beta_sigmas = true;
+    cfg.use_karras_sigmas = true;
     assert!(matches!(
         scheduler_from_config::<B>(&cfg),
         Err(SchedulerError::Unsupported { .. })

@@ -44,7 +44,7 @@ from scipy import integrate  # noqa: E402
 torch.set_num_threads(1)
 
 OUT = os.path.join("tests", "fixtures", "golden")
-SHAPE = (1, 4, 8, 8)
+SHAPE = (1, 4, 4, 4)
 
 # runwayml/stable-diffusion-v1-5 scheduler/scheduler_config.json, verbatim.
 SD15 = {
@@ -231,6 +231,13 @@ CASES = [
     case("kdpm2_a_beta_leading", {**KDPM2A, "use_beta_sigmas": True, "timestep_spacing": "leading",
                                   "steps_offset": 1}, 6),
     case("kdpm2_a_trailing", {**KDPM2A, **SD_BETAS, "timestep_spacing": "trailing"}, 7),
+    # Beta sigmas (Beta(0.6, 0.6) quantiles) in the classes that have them
+    case("euler_beta_v", {"_class_name": "EulerDiscreteScheduler", **SD_BETAS, "use_beta_sigmas": True,
+                          "prediction_type": "v_prediction"}, 7),
+    case("heun_beta", {"_class_name": "HeunDiscreteScheduler", **SD_BETAS, "use_beta_sigmas": True}, 5),
+    case("lms_beta", {"_class_name": "LMSDiscreteScheduler", **SD_BETAS, "use_beta_sigmas": True}, 6),
+    case("dpm_beta_sde", {**DPM, **SD_BETAS, "use_beta_sigmas": True, "algorithm_type": "sde-dpmsolver++"}, 8),
+    case("unipc_beta", {**UNIPC, **SD_BETAS, "use_beta_sigmas": True}, 7),
     # LCM and TCD (timesteps from the 50-step distillation schedule)
     case("lcm_sd15", SD15, 4, switch_to="LCMScheduler"),
     case("lcm_v_orig25_scaling5", {"_class_name": "LCMScheduler", **SD_BETAS, "prediction_type": "v_prediction",
@@ -247,7 +254,7 @@ CASES = [
                                                "original_inference_steps": 20}, 5, eta=1.0),
 ]
 
-# Every case again at 4 and 10 steps (the minimum), on a smaller sample.
+# Every case again at 4 and 10 steps (the minimum).
 SMALL = (1, 4, 4, 4)
 
 
