@@ -5,6 +5,25 @@
 //! tables) apart from tensor math, which is only scalar multiplications and additions on
 //! burn `Tensor`s and so runs on any backend, including inside a compiled step.
 //!
+//! Implemented (diffusers classes): PNDM, DDIM, DDPM, Euler, Euler ancestral, Heun, LMS,
+//! KDPM2, KDPM2 ancestral, DPM-Solver++ multistep, UniPC, LCM, TCD, and the flow-matching
+//! Euler and Heun schedulers of SD3 and Flux. Flow-matching schedulers have no input scaling
+//! (identity), unit initial noise, and timesteps `sigma * num_train_timesteps`; Flux and SD3
+//! pipelines pass `mu` and custom sigmas through [`Scheduler::set_timesteps_with`]:
+//!
+//! ```text
+//! let n = 28;
+//! let sigmas = (0..n).map(|i| 1.0 - i as f64 * (1.0 - 1.0 / n as f64) / (n - 1) as f64);
+//! let options = TimestepOptions {
+//!     sigmas: Some(sigmas.collect()),              // np.linspace(1, 1/n, n)
+//!     mu: Some(calculate_shift(image_seq_len, &cfg)), // (h/16) * (w/16) tokens for Flux
+//! };
+//! sched.set_timesteps_with(n, &options)?;
+//! ```
+//!
+//! UniPC with a zero final sigma and `bh1` (or `predict_x0 = false`) is refused: diffusers
+//! 0.42.1 gives NaN/inf on its last step there; `final_sigmas_type = "sigma_min"` works.
+//!
 //! ```text
 //! let cfg = SchedulerConfig::from_file("scheduler/scheduler_config.json")?;
 //! let cfg = cfg.switched_to("euler_a".parse()?);   // optional: --scheduler
@@ -279,8 +298,9 @@ impl SchedulerKind {
     }
 
     /// Names accepted by `from_str` besides the class name (case, spaces and dashes ignored);
-    /// the A1111 names are "PLMS", "DDIM", "Euler", "Euler a", "DPM++ 2M", "DDPM", "LMS", "Heun" and "UniPC". A1111 names
-    /// that are a class plus options ("DPM++ 2M Karras") are read by
+    /// the A1111 names are "PLMS", "DDIM", "Euler", "Euler a", "DPM++ 2M", "DDPM", "LMS",
+    /// "Heun", "DPM2", "DPM2 a", "UniPC", "LCM" and "TCD" (diffusers' table). A1111 names
+    /// that are a class plus options ("DPM++ 2M Karras", "DPM2 a Karras") are read by
     /// [`SchedulerConfig::switched_to_named`].
     pub fn aliases(self) -> &'static [&'static str] {
         match self {
