@@ -195,6 +195,7 @@ fn every_scheduler_runs_the_pipeline() {
         ("DPM2 a", 5),
         ("LCM", 3),
         ("TCD", 3),
+        ("DPM++ SDE Karras", 3),
     ];
     for (name, calls) in cases {
         pipe.set_scheduler(name).unwrap();

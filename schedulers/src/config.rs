@@ -363,9 +363,12 @@ impl SchedulerConfig {
         let mut karras = false;
         let mut sde = false;
         loop {
-            // "DPM++ SDE Karras": a name diffusers maps to a class not implemented here.
-            if let Err(e @ SchedulerError::NotImplemented { .. }) = base.parse::<SchedulerKind>() {
-                return Err(e);
+            // A whole name first ("DPM++ SDE" is a class, not DPM++ with an SDE option), and
+            // names diffusers maps to classes not implemented here.
+            match base.parse::<SchedulerKind>() {
+                Ok(_) => break,
+                Err(e @ SchedulerError::NotImplemented { .. }) => return Err(e),
+                Err(_) => {}
             }
             let lower = base.to_ascii_lowercase();
             if let Some(rest) = ["_karras", " karras", "-karras"]

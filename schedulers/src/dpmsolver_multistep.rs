@@ -103,6 +103,23 @@ pub(crate) fn x0_coefficients(prediction: PredictionType, sigma: f64) -> (f64, f
     }
 }
 
+/// diffusers' `searchsorted(flip(lambda_t), lambda_min_clipped)` (DPM-Solver multistep and
+/// singlestep): how many training timesteps, from the noisy end, have a log-SNR below the clip.
+pub(crate) fn lambda_clipped_count(schedule: &NoiseSchedule, lambda_min_clipped: f64) -> usize {
+    if lambda_min_clipped == f64::NEG_INFINITY {
+        return 0;
+    }
+    // lambda_t = ln(sqrt(a)) - ln(sqrt(1 - a)) in f32, as diffusers' tensors.
+    schedule
+        .alphas_cumprod
+        .iter()
+        .filter(|&&a| {
+            let l = (a.sqrt() as f64).ln() as f32 - ((1.0 - a).sqrt() as f64).ln() as f32;
+            (l as f64) < lambda_min_clipped
+        })
+        .count()
+}
+
 impl<B: Backend> DpmSolverMultistepScheduler<B> {
     pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
         let sde = match cfg.algorithm_type.unwrap_or(AlgorithmType::DpmSolverPlusPlus) {
@@ -196,18 +213,7 @@ impl<B: Backend> DpmSolverMultistepScheduler<B> {
     /// diffusers' `searchsorted(flip(lambda_t), lambda_min_clipped)`: how many training
     /// timesteps (from the noisy end) have a log-SNR below the clip.
     fn clipped_count(&self) -> usize {
-        if self.lambda_min_clipped == f64::NEG_INFINITY {
-            return 0;
-        }
-        // lambda_t = ln(sqrt(a)) - ln(sqrt(1 - a)) in f32, as diffusers' tensors.
-        self.schedule
-            .alphas_cumprod
-            .iter()
-            .filter(|&&a| {
-                let l = (a.sqrt() as f64).ln() as f32 - ((1.0 - a).sqrt() as f64).ln() as f32;
-                (l as f64) < self.lambda_min_clipped
-            })
-            .count()
+        lambda_clipped_count(&self.schedule, self.lambda_min_clipped)
     }
 
     /// The coefficients `(a, [w_0, w_1, w_2], c)` of

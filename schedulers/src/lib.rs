@@ -6,7 +6,7 @@
 //! burn `Tensor`s and so runs on any backend, including inside a compiled step.
 //!
 //! Implemented (diffusers classes): PNDM, DDIM, DDPM, Euler, Euler ancestral, Heun, LMS,
-//! KDPM2, KDPM2 ancestral, DPM-Solver++ multistep, UniPC, LCM, TCD, and the flow-matching
+//! KDPM2, KDPM2 ancestral, DPM-Solver++ multistep and singlestep, UniPC, LCM, TCD, and the flow-matching
 //! Euler and Heun schedulers of SD3 and Flux. Flow-matching schedulers have no input scaling
 //! (identity), unit initial noise, and timesteps `sigma * num_train_timesteps`; Flux and SD3
 //! pipelines pass `mu` and custom sigmas through [`Scheduler::set_timesteps_with`]:
@@ -47,6 +47,7 @@ mod config;
 mod ddim;
 mod ddpm;
 mod dpmsolver_multistep;
+mod dpmsolver_singlestep;
 mod error;
 mod euler;
 mod euler_ancestral;
@@ -71,6 +72,7 @@ pub use config::{
 pub use ddim::DdimScheduler;
 pub use ddpm::DdpmScheduler;
 pub use dpmsolver_multistep::DpmSolverMultistepScheduler;
+pub use dpmsolver_singlestep::DpmSolverSinglestepScheduler;
 pub use error::{Result, SchedulerError};
 pub use euler::EulerDiscreteScheduler;
 pub use euler_ancestral::EulerAncestralDiscreteScheduler;
@@ -219,6 +221,7 @@ pub fn scheduler_from_config<B: Backend>(cfg: &SchedulerConfig) -> Result<Box<dy
         }
         SchedulerKind::Lcm => Box::new(LcmScheduler::new(cfg)?),
         SchedulerKind::Tcd => Box::new(TcdScheduler::new(cfg)?),
+        SchedulerKind::DpmSolverSinglestep => Box::new(DpmSolverSinglestepScheduler::new(cfg)?),
     })
 }
 
@@ -255,10 +258,12 @@ pub enum SchedulerKind {
     Lcm,
     /// `TCDScheduler` (trajectory consistency distillation; `eta` is its gamma).
     Tcd,
+    /// `DPMSolverSinglestepScheduler` (singlestep DPM-Solver++; diffusers' "DPM++ SDE").
+    DpmSolverSinglestep,
 }
 
 impl SchedulerKind {
-    pub const ALL: [SchedulerKind; 15] = [
+    pub const ALL: [SchedulerKind; 16] = [
         SchedulerKind::Pndm,
         SchedulerKind::Ddim,
         SchedulerKind::EulerDiscrete,
@@ -274,6 +279,7 @@ impl SchedulerKind {
         SchedulerKind::KDpm2AncestralDiscrete,
         SchedulerKind::Lcm,
         SchedulerKind::Tcd,
+        SchedulerKind::DpmSolverSinglestep,
     ];
 
     /// The diffusers class name (`_class_name`).
@@ -294,12 +300,14 @@ impl SchedulerKind {
             SchedulerKind::KDpm2AncestralDiscrete => "KDPM2AncestralDiscreteScheduler",
             SchedulerKind::Lcm => "LCMScheduler",
             SchedulerKind::Tcd => "TCDScheduler",
+            SchedulerKind::DpmSolverSinglestep => "DPMSolverSinglestepScheduler",
         }
     }
 
     /// Names accepted by `from_str` besides the class name (case, spaces and dashes ignored);
     /// the A1111 names are "PLMS", "DDIM", "Euler", "Euler a", "DPM++ 2M", "DDPM", "LMS",
-    /// "Heun", "DPM2", "DPM2 a", "UniPC", "LCM" and "TCD" (diffusers' table). A1111 names
+    /// "Heun", "DPM2", "DPM2 a", "DPM++ SDE" (DPMSolverSinglestepScheduler, as diffusers' table
+    /// maps it), "UniPC", "LCM" and "TCD". A1111 names
     /// that are a class plus options ("DPM++ 2M Karras", "DPM2 a Karras") are read by
     /// [`SchedulerConfig::switched_to_named`].
     pub fn aliases(self) -> &'static [&'static str] {
@@ -339,6 +347,12 @@ impl SchedulerKind {
             ],
             SchedulerKind::Lcm => &["lcm"],
             SchedulerKind::Tcd => &["tcd"],
+            SchedulerKind::DpmSolverSinglestep => &[
+                "dpm++_sde",
+                "dpmpp_sde",
+                "dpm_solver_singlestep",
+                "dpmsolver_singlestep",
+            ],
         }
     }
 
@@ -354,6 +368,7 @@ impl SchedulerKind {
                 | SchedulerKind::FlowMatchEulerDiscrete
                 | SchedulerKind::KDpm2Discrete
                 | SchedulerKind::KDpm2AncestralDiscrete
+                | SchedulerKind::DpmSolverSinglestep
         )
     }
 
@@ -384,7 +399,8 @@ impl SchedulerKind {
             | SchedulerKind::FlowMatchEulerDiscrete
             | SchedulerKind::FlowMatchHeunDiscrete
             | SchedulerKind::KDpm2Discrete
-            | SchedulerKind::KDpm2AncestralDiscrete => TimestepSpacing::Linspace,
+            | SchedulerKind::KDpm2AncestralDiscrete
+            | SchedulerKind::DpmSolverSinglestep => TimestepSpacing::Linspace,
         }
     }
 
@@ -427,11 +443,8 @@ impl FromStr for SchedulerKind {
 /// this crate does not implement, with what to say about them.
 fn not_implemented(wanted: &str) -> Option<&'static str> {
     Some(match wanted {
-        "dpm++_sde" | "dpmpp_sde" | "dpmsolversinglestepscheduler" | "dpm_solver_singlestep" => {
-            "diffusers maps A1111's \"DPM++ SDE\" to DPMSolverSinglestepScheduler, which oxidiff does not implement yet; \"DPM++ 2M SDE\" (DPMSolverMultistepScheduler) is the nearest"
-        }
         "dpm++_2s_a" | "dpmpp_2s_a" => {
-            "A1111's \"DPM++ 2S a\" has no diffusers equivalent (its docs: \"very similar to DPMSolverSinglestepScheduler\", which oxidiff does not implement yet)"
+            "A1111's \"DPM++ 2S a\" has no diffusers equivalent (its docs: \"very similar to DPMSolverSinglestepScheduler\", which is \"DPM++ SDE\" here)"
         }
         "dpm_adaptive" | "dpm_fast" => "this A1111 sampler has no diffusers equivalent",
         "deis" | "deismultistepscheduler" | "deis_multistep" => {

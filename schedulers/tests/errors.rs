@@ -245,11 +245,10 @@ fn unknown_scheduler_names_list_the_known_ones() {
     ));
     // Names diffusers maps to classes not implemented here say so and what is near.
     for (name, needle) in [
-        ("DPM++ SDE", "DPMSolverSinglestepScheduler"),
-        ("DPM++ SDE Karras", "DPMSolverSinglestepScheduler"),
         ("DPM++ 2S a", "no diffusers equivalent"),
+        ("DPM++ 2S a Karras", "no diffusers equivalent"),
         ("DEIS", "DEISMultistepScheduler"),
-        ("DPMSolverSinglestepScheduler", "not implement"),
+        ("DPM fast", "no diffusers equivalent"),
     ] {
         let err = sd15().switched_to_named(name).unwrap_err();
         assert!(
@@ -281,6 +280,11 @@ fn scheduler_names_parse_from_diffusers_short_and_a1111_names() {
         ),
         ("DPM++ 2M", SchedulerKind::DpmSolverMultistep),
         ("DPM2", SchedulerKind::KDpm2Discrete),
+        ("DPM++ SDE", SchedulerKind::DpmSolverSinglestep),
+        (
+            "DPMSolverSinglestepScheduler",
+            SchedulerKind::DpmSolverSinglestep,
+        ),
         ("KDPM2DiscreteScheduler", SchedulerKind::KDpm2Discrete),
         ("DPM2 a", SchedulerKind::KDpm2AncestralDiscrete),
         ("k_dpm_2_a", SchedulerKind::KDpm2AncestralDiscrete),
@@ -555,4 +559,34 @@ fn unipc_without_a_finite_last_step_is_refused() {
         fixed.final_sigmas_type = oxidiff_schedulers::FinalSigmasType::SigmaMin;
         scheduler_from_config::<B>(&fixed).unwrap();
     }
+}
+
+#[test]
+fn a1111_names_of_the_k_diffusion_family_map_as_diffusers_documents() {
+    // diffusers' A1111 table: "DPM++ SDE (Karras)" -> DPMSolverSinglestepScheduler
+    // (use_karras_sigmas), "DPM2 (a) (Karras)" -> KDPM2(Ancestral)DiscreteScheduler.
+    for (name, kind, karras) in [
+        ("DPM++ SDE", SchedulerKind::DpmSolverSinglestep, false),
+        ("DPM++ SDE Karras", SchedulerKind::DpmSolverSinglestep, true),
+        ("DPM2", SchedulerKind::KDpm2Discrete, false),
+        ("DPM2 Karras", SchedulerKind::KDpm2Discrete, true),
+        ("DPM2 a", SchedulerKind::KDpm2AncestralDiscrete, false),
+        ("DPM2 a Karras", SchedulerKind::KDpm2AncestralDiscrete, true),
+        ("LMS Karras", SchedulerKind::LmsDiscrete, true),
+        (
+            "DPM++ 2M SDE Karras",
+            SchedulerKind::DpmSolverMultistep,
+            true,
+        ),
+    ] {
+        let cfg = sd15().switched_to_named(name).unwrap();
+        assert_eq!(cfg.kind().unwrap(), kind, "{name}");
+        assert_eq!(cfg.use_karras_sigmas, karras, "{name}");
+        assert_eq!(
+            cfg.algorithm_type == Some(AlgorithmType::SdeDpmSolverPlusPlus),
+            name.contains("2M SDE"),
+            "{name}"
+        );
+    }
+    assert!(sd15().switched_to_named("LCM Karras").is_err());
 }

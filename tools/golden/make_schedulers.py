@@ -26,6 +26,7 @@ from diffusers import (  # noqa: E402
     DDIMScheduler,
     DDPMScheduler,
     DPMSolverMultistepScheduler,
+    DPMSolverSinglestepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
@@ -76,11 +77,13 @@ CLASSES = {
     "FlowMatchHeunDiscreteScheduler": FlowMatchHeunDiscreteScheduler,
     "KDPM2DiscreteScheduler": KDPM2DiscreteScheduler,
     "KDPM2AncestralDiscreteScheduler": KDPM2AncestralDiscreteScheduler,
+    "DPMSolverSinglestepScheduler": DPMSolverSinglestepScheduler,
     "LCMScheduler": LCMScheduler,
     "TCDScheduler": TCDScheduler,
 }
 UNIPC = {"_class_name": "UniPCMultistepScheduler"}
 DPM = {"_class_name": "DPMSolverMultistepScheduler"}
+DPMS = {"_class_name": "DPMSolverSinglestepScheduler"}
 FM = {"_class_name": "FlowMatchEulerDiscreteScheduler"}
 KDPM2 = {"_class_name": "KDPM2DiscreteScheduler"}
 KDPM2A = {"_class_name": "KDPM2AncestralDiscreteScheduler"}
@@ -238,6 +241,19 @@ CASES = [
     case("lms_beta", {"_class_name": "LMSDiscreteScheduler", **SD_BETAS, "use_beta_sigmas": True}, 6),
     case("dpm_beta_sde", {**DPM, **SD_BETAS, "use_beta_sigmas": True, "algorithm_type": "sde-dpmsolver++"}, 8),
     case("unipc_beta", {**UNIPC, **SD_BETAS, "use_beta_sigmas": True}, 7),
+    # DPM-Solver++ singlestep (groups of 1, 2(, 3) steps from one start sample)
+    case("dpm_single_sd15", SD15, 10, switch_to="DPMSolverSinglestepScheduler"),
+    case("dpm_single_order3_karras_v", {**DPMS, **SD_BETAS, "solver_order": 3, "use_karras_sigmas": True,
+                                        "prediction_type": "v_prediction"}, 8),
+    case("dpm_single_sde_heun_sigma_min", {**DPMS, **SD_BETAS, "algorithm_type": "sde-dpmsolver++",
+                                           "solver_type": "heun", "final_sigmas_type": "sigma_min"}, 6),
+    case("dpm_single_order3_heun_exponential_sample_thresholding",
+         {**DPMS, "solver_order": 3, "solver_type": "heun", "use_exponential_sigmas": True,
+          "prediction_type": "sample", "thresholding": True, "dynamic_thresholding_ratio": 0.9,
+          "sample_max_value": 1.5, "final_sigmas_type": "sigma_min"}, 9),
+    case("dpm_single_clipped_beta_order1", {**DPMS, **SD_BETAS, "solver_order": 1, "use_beta_sigmas": True}, 5),
+    case("dpm_single_clipped_lambda", {**DPMS, **SD_BETAS, "lambda_min_clipped": -3.0}, 6),
+    case("dpm_single_sde_order3", {**DPMS, **SD_BETAS, "algorithm_type": "sde-dpmsolver++", "solver_order": 3}, 7),
     # LCM and TCD (timesteps from the 50-step distillation schedule)
     case("lcm_sd15", SD15, 4, switch_to="LCMScheduler"),
     case("lcm_v_orig25_scaling5", {"_class_name": "LCMScheduler", **SD_BETAS, "prediction_type": "v_prediction",
@@ -282,6 +298,7 @@ MODULES = [
     "diffusers.schedulers.scheduling_flow_match_euler_discrete",
     "diffusers.schedulers.scheduling_k_dpm_2_ancestral_discrete",
     "diffusers.schedulers.scheduling_lcm",
+    "diffusers.schedulers.scheduling_dpmsolver_singlestep",
     "diffusers.schedulers.scheduling_tcd",
 ]
 
@@ -380,7 +397,8 @@ def run_case(index, c, tensors):
                 kwargs["eta"] = c["eta"]
             if isinstance(sched, (DDIMScheduler, EulerAncestralDiscreteScheduler, EulerDiscreteScheduler,
                                   DPMSolverMultistepScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler,
-                                  KDPM2AncestralDiscreteScheduler, LCMScheduler, TCDScheduler)):
+                                  KDPM2AncestralDiscreteScheduler, LCMScheduler, TCDScheduler,
+                                  DPMSolverSinglestepScheduler)):
                 kwargs["generator"] = noise_gen
             sample = sched.step(mo, t, sample, **kwargs).prev_sample
             model_outputs.append(mo)
@@ -442,7 +460,7 @@ def add_noise_reference(tensors):
         if c["name"] not in ("pndm_sd15", "ddim_sd15_eta0", "euler_sd15", "euler_a_sd15", "euler_karras",
                              "dpm_sd15", "dpm_karras", "ddpm_sd15", "lms_sd15", "heun_sd15", "unipc_sd15",
                              "fm_euler_sd3", "fm_euler_flux_dev", "kdpm2_sd15", "kdpm2_a_sd15",
-                             "lcm_sd15", "tcd_sd15_gamma03"):
+                             "lcm_sd15", "tcd_sd15_gamma03", "dpm_single_sd15"):
             continue
         sched = build(c)
         sched.set_timesteps(c["steps"], **timestep_kwargs(c))
