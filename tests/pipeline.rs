@@ -187,6 +187,7 @@ fn every_scheduler_runs_the_pipeline() {
         ("heun", 5),
         ("lms", 3),
         ("DPM++ 2M Karras", 3),
+        ("DEIS", 3),
         ("DPM++ 2M SDE", 3),
         ("unipc", 3),
         ("flow_match_euler", 3),

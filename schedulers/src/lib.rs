@@ -6,7 +6,7 @@
 //! burn `Tensor`s and so runs on any backend, including inside a compiled step.
 //!
 //! Implemented (diffusers classes): PNDM, DDIM, DDPM, Euler, Euler ancestral, Heun, LMS,
-//! KDPM2, KDPM2 ancestral, DPM-Solver++ multistep and singlestep, UniPC, LCM, TCD, and the flow-matching
+//! KDPM2, KDPM2 ancestral, DPM-Solver++ multistep and singlestep, UniPC, DEIS, LCM, TCD, and the flow-matching
 //! Euler and Heun schedulers of SD3 and Flux. Flow-matching schedulers have no input scaling
 //! (identity), unit initial noise, and timesteps `sigma * num_train_timesteps`; Flux and SD3
 //! pipelines pass `mu` and custom sigmas through [`Scheduler::set_timesteps_with`]:
@@ -46,6 +46,7 @@ use burn::tensor::Tensor;
 mod config;
 mod ddim;
 mod ddpm;
+mod deis_multistep;
 mod dpmsolver_multistep;
 mod dpmsolver_singlestep;
 mod error;
@@ -71,6 +72,7 @@ pub use config::{
 };
 pub use ddim::DdimScheduler;
 pub use ddpm::DdpmScheduler;
+pub use deis_multistep::DeisMultistepScheduler;
 pub use dpmsolver_multistep::DpmSolverMultistepScheduler;
 pub use dpmsolver_singlestep::DpmSolverSinglestepScheduler;
 pub use error::{Result, SchedulerError};
@@ -222,6 +224,7 @@ pub fn scheduler_from_config<B: Backend>(cfg: &SchedulerConfig) -> Result<Box<dy
         SchedulerKind::Lcm => Box::new(LcmScheduler::new(cfg)?),
         SchedulerKind::Tcd => Box::new(TcdScheduler::new(cfg)?),
         SchedulerKind::DpmSolverSinglestep => Box::new(DpmSolverSinglestepScheduler::new(cfg)?),
+        SchedulerKind::DeisMultistep => Box::new(DeisMultistepScheduler::new(cfg)?),
     })
 }
 
@@ -260,10 +263,12 @@ pub enum SchedulerKind {
     Tcd,
     /// `DPMSolverSinglestepScheduler` (singlestep DPM-Solver++; diffusers' "DPM++ SDE").
     DpmSolverSinglestep,
+    /// `DEISMultistepScheduler` (log-rho DEIS, orders 1-3).
+    DeisMultistep,
 }
 
 impl SchedulerKind {
-    pub const ALL: [SchedulerKind; 16] = [
+    pub const ALL: [SchedulerKind; 17] = [
         SchedulerKind::Pndm,
         SchedulerKind::Ddim,
         SchedulerKind::EulerDiscrete,
@@ -280,6 +285,7 @@ impl SchedulerKind {
         SchedulerKind::Lcm,
         SchedulerKind::Tcd,
         SchedulerKind::DpmSolverSinglestep,
+        SchedulerKind::DeisMultistep,
     ];
 
     /// The diffusers class name (`_class_name`).
@@ -301,13 +307,14 @@ impl SchedulerKind {
             SchedulerKind::Lcm => "LCMScheduler",
             SchedulerKind::Tcd => "TCDScheduler",
             SchedulerKind::DpmSolverSinglestep => "DPMSolverSinglestepScheduler",
+            SchedulerKind::DeisMultistep => "DEISMultistepScheduler",
         }
     }
 
     /// Names accepted by `from_str` besides the class name (case, spaces and dashes ignored);
     /// the A1111 names are "PLMS", "DDIM", "Euler", "Euler a", "DPM++ 2M", "DDPM", "LMS",
     /// "Heun", "DPM2", "DPM2 a", "DPM++ SDE" (DPMSolverSinglestepScheduler, as diffusers' table
-    /// maps it), "UniPC", "LCM" and "TCD". A1111 names
+    /// maps it), "UniPC", "DEIS", "LCM" and "TCD". A1111 names
     /// that are a class plus options ("DPM++ 2M Karras", "DPM2 a Karras") are read by
     /// [`SchedulerConfig::switched_to_named`].
     pub fn aliases(self) -> &'static [&'static str] {
@@ -353,6 +360,7 @@ impl SchedulerKind {
                 "dpm_solver_singlestep",
                 "dpmsolver_singlestep",
             ],
+            SchedulerKind::DeisMultistep => &["deis", "deis_multistep"],
         }
     }
 
@@ -369,6 +377,7 @@ impl SchedulerKind {
                 | SchedulerKind::KDpm2Discrete
                 | SchedulerKind::KDpm2AncestralDiscrete
                 | SchedulerKind::DpmSolverSinglestep
+                | SchedulerKind::DeisMultistep
         )
     }
 
@@ -400,7 +409,8 @@ impl SchedulerKind {
             | SchedulerKind::FlowMatchHeunDiscrete
             | SchedulerKind::KDpm2Discrete
             | SchedulerKind::KDpm2AncestralDiscrete
-            | SchedulerKind::DpmSolverSinglestep => TimestepSpacing::Linspace,
+            | SchedulerKind::DpmSolverSinglestep
+            | SchedulerKind::DeisMultistep => TimestepSpacing::Linspace,
         }
     }
 
@@ -447,9 +457,6 @@ fn not_implemented(wanted: &str) -> Option<&'static str> {
             "A1111's \"DPM++ 2S a\" has no diffusers equivalent (its docs: \"very similar to DPMSolverSinglestepScheduler\", which is \"DPM++ SDE\" here)"
         }
         "dpm_adaptive" | "dpm_fast" => "this A1111 sampler has no diffusers equivalent",
-        "deis" | "deismultistepscheduler" | "deis_multistep" => {
-            "DEISMultistepScheduler is not implemented in oxidiff yet; UniPC or DPM++ 2M are the nearest"
-        }
         "dpmsolversdescheduler" => {
             "DPMSolverSDEScheduler (torchsde Brownian-tree noise) is not implemented in oxidiff"
         }

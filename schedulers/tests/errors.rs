@@ -247,7 +247,6 @@ fn unknown_scheduler_names_list_the_known_ones() {
     for (name, needle) in [
         ("DPM++ 2S a", "no diffusers equivalent"),
         ("DPM++ 2S a Karras", "no diffusers equivalent"),
-        ("DEIS", "DEISMultistepScheduler"),
         ("DPM fast", "no diffusers equivalent"),
     ] {
         let err = sd15().switched_to_named(name).unwrap_err();
@@ -281,6 +280,7 @@ fn scheduler_names_parse_from_diffusers_short_and_a1111_names() {
         ("DPM++ 2M", SchedulerKind::DpmSolverMultistep),
         ("DPM2", SchedulerKind::KDpm2Discrete),
         ("DPM++ SDE", SchedulerKind::DpmSolverSinglestep),
+        ("DEIS", SchedulerKind::DeisMultistep),
         (
             "DPMSolverSinglestepScheduler",
             SchedulerKind::DpmSolverSinglestep,
@@ -589,4 +589,18 @@ fn a1111_names_of_the_k_diffusion_family_map_as_diffusers_documents() {
         );
     }
     assert!(sd15().switched_to_named("LCM Karras").is_err());
+}
+
+#[test]
+fn deis_refuses_sde_algorithms_as_diffusers_does() {
+    // A config carried over from "DPM++ 2M SDE": diffusers' DEIS raises NotImplementedError.
+    let mut cfg = sd15().switched_to(SchedulerKind::DeisMultistep);
+    cfg.algorithm_type = Some(AlgorithmType::SdeDpmSolverPlusPlus);
+    let err = scheduler_from_config::<B>(&cfg).err().unwrap();
+    assert!(
+        err.to_string().contains("\"sde-dpmsolver++\"") && err.to_string().contains("\"deis\""),
+        "{err}"
+    );
+    cfg.algorithm_type = Some(AlgorithmType::DpmSolverPlusPlus);
+    scheduler_from_config::<B>(&cfg).unwrap();
 }

@@ -25,6 +25,7 @@ import diffusers  # noqa: E402
 from diffusers import (  # noqa: E402
     DDIMScheduler,
     DDPMScheduler,
+    DEISMultistepScheduler,
     DPMSolverMultistepScheduler,
     DPMSolverSinglestepScheduler,
     EulerAncestralDiscreteScheduler,
@@ -78,12 +79,14 @@ CLASSES = {
     "KDPM2DiscreteScheduler": KDPM2DiscreteScheduler,
     "KDPM2AncestralDiscreteScheduler": KDPM2AncestralDiscreteScheduler,
     "DPMSolverSinglestepScheduler": DPMSolverSinglestepScheduler,
+    "DEISMultistepScheduler": DEISMultistepScheduler,
     "LCMScheduler": LCMScheduler,
     "TCDScheduler": TCDScheduler,
 }
 UNIPC = {"_class_name": "UniPCMultistepScheduler"}
 DPM = {"_class_name": "DPMSolverMultistepScheduler"}
 DPMS = {"_class_name": "DPMSolverSinglestepScheduler"}
+DEIS = {"_class_name": "DEISMultistepScheduler"}
 FM = {"_class_name": "FlowMatchEulerDiscreteScheduler"}
 KDPM2 = {"_class_name": "KDPM2DiscreteScheduler"}
 KDPM2A = {"_class_name": "KDPM2AncestralDiscreteScheduler"}
@@ -254,6 +257,17 @@ CASES = [
     case("dpm_single_clipped_beta_order1", {**DPMS, **SD_BETAS, "solver_order": 1, "use_beta_sigmas": True}, 5),
     case("dpm_single_clipped_lambda", {**DPMS, **SD_BETAS, "lambda_min_clipped": -3.0}, 6),
     case("dpm_single_sde_order3", {**DPMS, **SD_BETAS, "algorithm_type": "sde-dpmsolver++", "solver_order": 3}, 7),
+    # DEIS (log-rho, noise-prediction history; ends on the smallest training sigma)
+    case("deis_sd15", SD15, 10, switch_to="DEISMultistepScheduler"),
+    case("deis_order3_v_karras", {**DEIS, **SD_BETAS, "solver_order": 3, "prediction_type": "v_prediction",
+                                  "use_karras_sigmas": True}, 8),
+    case("deis_order3_leading_no_lower_final", {**DEIS, **SD_BETAS, "solver_order": 3, "timestep_spacing": "leading",
+                                                "steps_offset": 1, "lower_order_final": False}, 7),
+    case("deis_trailing_sample_thresholding_exponential", {**DEIS, "prediction_type": "sample", "thresholding": True,
+                                                           "dynamic_thresholding_ratio": 0.9, "sample_max_value": 1.5,
+                                                           "timestep_spacing": "trailing",
+                                                           "use_exponential_sigmas": True}, 6),
+    case("deis_order1_beta", {**DEIS, **SD_BETAS, "solver_order": 1, "use_beta_sigmas": True}, 5),
     # LCM and TCD (timesteps from the 50-step distillation schedule)
     case("lcm_sd15", SD15, 4, switch_to="LCMScheduler"),
     case("lcm_v_orig25_scaling5", {"_class_name": "LCMScheduler", **SD_BETAS, "prediction_type": "v_prediction",
@@ -460,7 +474,7 @@ def add_noise_reference(tensors):
         if c["name"] not in ("pndm_sd15", "ddim_sd15_eta0", "euler_sd15", "euler_a_sd15", "euler_karras",
                              "dpm_sd15", "dpm_karras", "ddpm_sd15", "lms_sd15", "heun_sd15", "unipc_sd15",
                              "fm_euler_sd3", "fm_euler_flux_dev", "kdpm2_sd15", "kdpm2_a_sd15",
-                             "lcm_sd15", "tcd_sd15_gamma03", "dpm_single_sd15"):
+                             "lcm_sd15", "tcd_sd15_gamma03", "dpm_single_sd15", "deis_sd15"):
             continue
         sched = build(c)
         sched.set_timesteps(c["steps"], **timestep_kwargs(c))
