@@ -126,7 +126,7 @@ impl Kdpm2Options {
     /// The timestep of a midpoint sigma, in the dtype of the step timesteps (f32 unless
     /// the sigmas are Karras/exponential/beta).
     pub fn interpolated_timestep(&self, sigma: f32, log_sigmas: &[f32]) -> f64 {
-        let t = sigma_to_t(sigma as f64, log_sigmas);
+        let t = sigma_to_t_f32(sigma, log_sigmas);
         if self.special_sigmas() {
             t
         } else {
@@ -161,6 +161,26 @@ impl Kdpm2Options {
         let x0 = self.x0(x.clone(), model_output, sigma_input);
         (x - x0).div_scalar(sigma)
     }
+}
+
+/// diffusers' `_sigma_to_t` as KDPM2 calls it on an f32 tensor: `ln(sigma)` and the weight in
+/// f32, the weighted index sum in f64 (numpy promotes f32 times int64 to f64).
+fn sigma_to_t_f32(sigma: f32, log_sigmas: &[f32]) -> f64 {
+    let log_sigma = sigma.max(1e-10).ln();
+    let count = log_sigmas.iter().filter(|&&l| log_sigma - l >= 0.0).count();
+    // argmax of cumsum(dists >= 0): the first index where the count is reached.
+    let low = log_sigmas
+        .iter()
+        .scan(0usize, |acc, &l| {
+            *acc += usize::from(log_sigma - l >= 0.0);
+            Some(*acc)
+        })
+        .position(|c| c == count)
+        .unwrap_or(0)
+        .min(log_sigmas.len() - 2);
+    let (lo, hi) = (log_sigmas[low], log_sigmas[low + 1]);
+    let w = ((lo - log_sigma) / (lo - hi)).clamp(0.0, 1.0);
+    (1.0 - w) as f64 * low as f64 + w as f64 * (low + 1) as f64
 }
 
 /// `[x0, x1, x1, .., x_last, x_last, x_last]`: diffusers' `cat([x[:1], x[1:].repeat_interleave(2), x[-1:]])`.

@@ -604,3 +604,26 @@ fn deis_refuses_sde_algorithms_as_diffusers_does() {
     cfg.algorithm_type = Some(AlgorithmType::DpmSolverPlusPlus);
     scheduler_from_config::<B>(&cfg).unwrap();
 }
+
+#[test]
+fn lcm_and_tcd_steps_are_a_subset_of_the_distillation_schedule() {
+    for kind in [SchedulerKind::Lcm, SchedulerKind::Tcd] {
+        let mut cfg = sd15().switched_to(kind);
+        let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+        // 50 distillation steps by default: more inference steps cannot be picked from them.
+        let err = s.set_timesteps(51).unwrap_err();
+        assert!(
+            err.to_string().contains("original_inference_steps (50)"),
+            "{kind}: {err}"
+        );
+        s.set_timesteps(50).unwrap();
+        assert_eq!(s.timesteps()[..2], [999.0, 979.0]);
+        cfg.original_inference_steps = Some(2000);
+        let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+        let err = s.set_timesteps(4).unwrap_err();
+        assert!(
+            err.to_string().contains("original_inference_steps must be"),
+            "{err}"
+        );
+    }
+}
