@@ -130,10 +130,12 @@ impl FlowMatchEulerDiscreteScheduler {
                     .into(),
             ));
         }
-        if let Some(t) = cfg.shift_terminal {
-            if !(t.is_finite() && t < 1.0) || t == 0.0 {
+        // diffusers tests `if shift_terminal:`, so 0 means unset.
+        let shift_terminal = cfg.shift_terminal.filter(|&t| t != 0.0);
+        if let Some(t) = shift_terminal {
+            if !(t.is_finite() && t < 1.0) {
                 return Err(unsupported(format!(
-                    "shift_terminal must be below 1 (and not 0, which diffusers reads as unset), got {t}"
+                    "shift_terminal must be a number below 1, got {t}"
                 )));
             }
         }
@@ -148,7 +150,7 @@ impl FlowMatchEulerDiscreteScheduler {
             use_dynamic_shifting: cfg.use_dynamic_shifting,
             time_shift_type: cfg.time_shift_type,
             invert_sigmas: cfg.invert_sigmas,
-            shift_terminal: cfg.shift_terminal,
+            shift_terminal,
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
             use_beta_sigmas: cfg.use_beta_sigmas,

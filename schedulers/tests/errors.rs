@@ -502,6 +502,19 @@ fn flow_matching_options_are_checked() {
         let err = scheduler_from_config::<B>(&cfg).err().unwrap();
         assert!(err.to_string().contains(needle), "{json}: {err}");
     }
+    // shift_terminal 0 is unset in diffusers (`if shift_terminal:`).
+    let timesteps = |json: &str| {
+        let cfg = SchedulerConfig::from_json_str(json, "x.json").unwrap();
+        let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+        s.set_timesteps(5).unwrap();
+        s.timesteps().to_vec()
+    };
+    assert_eq!(
+        timesteps(
+            r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "shift_terminal": 0.0}"#
+        ),
+        timesteps(r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}"#)
+    );
     let err = SchedulerConfig::from_json_str(
         r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "time_shift_type": "cubic"}"#,
         "x.json",
