@@ -182,7 +182,26 @@ impl FlowMatchEulerDiscreteScheduler {
                 });
             }
         }
-        let sigmas: Vec<f32> = match &options.sigmas {
+        let nt = self.schedule.num_train_timesteps as f32;
+        let custom: Option<Vec<f64>> = match (&options.sigmas, &options.timesteps) {
+            (Some(s), _) => Some(s.clone()),
+            // sigmas = float32(timesteps) / N, in f32.
+            (None, Some(t)) => Some(t.iter().map(|&t| (t as f32 / nt) as f64).collect()),
+            (None, None) => None,
+        };
+        if let Some(t) = &options.timesteps {
+            if t.len() != n {
+                return Err(SchedulerError::InvalidSteps {
+                    class: CLASS,
+                    got: n,
+                    reason: format!(
+                        "{} custom timesteps were given; pass num_inference_steps = their count",
+                        t.len()
+                    ),
+                });
+            }
+        }
+        let sigmas: Vec<f32> = match &custom {
             None => {
                 let base = self.schedule.base_sigmas(n);
                 let shifted = match mu.filter(|_| self.use_dynamic_shifting) {
@@ -341,6 +360,10 @@ impl<B: Backend> Scheduler<B> for FlowMatchEulerDiscreteScheduler {
             sigmas,
             self.invert_sigmas,
         );
+        // Custom timesteps are used as given (f32), unless the sigmas are inverted.
+        if let (Some(t), false) = (&options.timesteps, self.invert_sigmas) {
+            self.steps.timesteps = t.iter().map(|&t| t as f32 as f64).collect();
+        }
         Ok(())
     }
 

@@ -17,6 +17,7 @@
 //! let options = TimestepOptions {
 //!     sigmas: Some(sigmas.collect()),              // np.linspace(1, 1/n, n)
 //!     mu: Some(calculate_shift(image_seq_len, &cfg)), // (h/16) * (w/16) tokens for Flux
+//!     ..Default::default()
 //! };
 //! sched.set_timesteps_with(n, &options)?;
 //! ```
@@ -162,7 +163,7 @@ pub trait Scheduler<B: Backend>: Send {
             return Err(SchedulerError::Unsupported {
                 class: self.kind().class_name(),
                 message: format!(
-                    "set_timesteps takes no {}; only FlowMatchEulerDiscreteScheduler takes custom sigmas and mu",
+                    "set_timesteps takes no {}; only FlowMatchEulerDiscreteScheduler takes custom sigmas, timesteps and mu",
                     options.given()
                 ),
             });
@@ -183,6 +184,9 @@ pub struct TimestepOptions {
     /// The resolution-dependent shift of `use_dynamic_shifting` (diffusers' `mu=`); required
     /// exactly when the config sets `use_dynamic_shifting`.
     pub mu: Option<f64>,
+    /// Custom timesteps, one per step (diffusers' `timesteps=`), used as given; without
+    /// `sigmas`, the sigmas are `timesteps / num_train_timesteps`, then shifted.
+    pub timesteps: Option<Vec<f64>>,
 }
 
 impl TimestepOptions {
@@ -194,6 +198,9 @@ impl TimestepOptions {
         }
         if self.mu.is_some() {
             names.push("mu");
+        }
+        if self.timesteps.is_some() {
+            names.push("timesteps");
         }
         names.join(" or ")
     }

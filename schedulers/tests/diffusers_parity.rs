@@ -158,6 +158,7 @@ fn timestep_options(case: &Value) -> TimestepOptions {
     TimestepOptions {
         sigmas: kwargs.get("sigmas").map(f64s),
         mu: kwargs.get("mu").and_then(Value::as_f64),
+        timesteps: kwargs.get("timesteps").map(f64s),
     }
 }
 

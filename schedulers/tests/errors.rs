@@ -448,6 +448,7 @@ fn flow_matching_options_are_checked() {
     let options = TimestepOptions {
         sigmas: Some(vec![1.0, 0.5]),
         mu: Some(1.15),
+        ..Default::default()
     };
     let err = s.set_timesteps_with(4, &options).unwrap_err();
     assert!(
@@ -459,11 +460,18 @@ fn flow_matching_options_are_checked() {
     let bad = TimestepOptions {
         sigmas: Some(vec![1.0, 0.0]),
         mu: Some(1.15),
+        ..Default::default()
     };
     assert!(s.set_timesteps_with(2, &bad).is_err());
     let bad = TimestepOptions {
-        sigmas: None,
         mu: Some(f64::NAN),
+        ..Default::default()
+    };
+    assert!(s.set_timesteps_with(2, &bad).is_err());
+    let bad = TimestepOptions {
+        mu: Some(1.0),
+        timesteps: Some(vec![1000.0, 500.0, 1.0]),
+        ..Default::default()
     };
     assert!(s.set_timesteps_with(2, &bad).is_err());
     s.set_timesteps_with(2, &options).unwrap();
@@ -528,7 +536,7 @@ fn schedulers_without_custom_sigmas_refuse_them() {
     for mut s in all_schedulers() {
         let options = TimestepOptions {
             sigmas: Some(vec![1.0, 0.5]),
-            mu: None,
+            ..Default::default()
         };
         let result = s.set_timesteps_with(2, &options);
         if s.kind() == SchedulerKind::FlowMatchEulerDiscrete {

@@ -105,11 +105,13 @@ def calculate_shift(image_seq_len, config):
                  config.get("base_shift", 0.5), config.get("max_shift", 1.15))
 
 
-def case(name, config, steps, switch_to=None, eta=None, flux_sigmas=False, image_seq_len=None, mu=None):
+def case(name, config, steps, switch_to=None, eta=None, flux_sigmas=False, image_seq_len=None, mu=None,
+         custom_timesteps=False):
     """`flux_sigmas`: pass `sigmas=np.linspace(1, 1/n, n)` as the Flux pipeline does;
-    `image_seq_len`: pass `mu=calculate_shift(image_seq_len)`; `mu`: pass it as given."""
+    `image_seq_len`: pass `mu=calculate_shift(image_seq_len)`; `mu`: pass it as given;
+    `custom_timesteps`: pass `timesteps=np.linspace(1000, 1000/n, n)`."""
     return dict(name=name, config=config, steps=steps, switch_to=switch_to, eta=eta,
-                flux_sigmas=flux_sigmas, image_seq_len=image_seq_len, mu=mu)
+                flux_sigmas=flux_sigmas, image_seq_len=image_seq_len, mu=mu, custom_timesteps=custom_timesteps)
 
 
 CASES = [
@@ -222,6 +224,9 @@ CASES = [
     case("fm_euler_beta_stochastic", {**SD3, "use_beta_sigmas": True, "stochastic_sampling": True}, 10),
     case("fm_euler_flux_beta_dynamic", {**FLUX, "use_beta_sigmas": True}, 10, flux_sigmas=True,
          image_seq_len=4096),
+    case("fm_euler_custom_timesteps", SD3, 10, custom_timesteps=True),
+    case("fm_euler_custom_timesteps_and_sigmas_dynamic", FLUX, 10, flux_sigmas=True, image_seq_len=4096,
+         custom_timesteps=True),
     case("fm_heun_sd3", {**SD3, "_class_name": "FlowMatchHeunDiscreteScheduler"}, 10),
     case("fm_heun_default", {"_class_name": "FlowMatchHeunDiscreteScheduler"}, 10),
     # KDPM2 (2 n - 1 evaluations, midpoint timesteps interleaved)
@@ -381,6 +386,8 @@ def timestep_kwargs(c):
         kwargs["mu"] = calculate_shift(c["image_seq_len"], c["config"])
     if c["mu"] is not None:
         kwargs["mu"] = c["mu"]
+    if c["custom_timesteps"]:
+        kwargs["timesteps"] = np.linspace(1000.0, 1000 / n, n)
     return kwargs
 
 
@@ -443,7 +450,7 @@ def run_case(index, c, tensors):
         "timesteps": as_list(sched.timesteps.to(torch.float64)),
         "sigmas": as_list(sigmas.to(torch.float64)) if sigmas is not None else None,
         "init_noise_sigma": init_sigma,
-        "set_timesteps": {k: (as_list(torch.tensor(v)) if k == "sigmas" else float(v)) for k, v in ts_kwargs.items()},
+        "set_timesteps": {k: (as_list(torch.tensor(v)) if k in ("sigmas", "timesteps") else float(v)) for k, v in ts_kwargs.items()},
         "image_seq_len": c["image_seq_len"],
         **extra,
     }
