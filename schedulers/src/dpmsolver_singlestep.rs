@@ -344,7 +344,8 @@ impl<B: Backend> Scheduler<B> for DpmSolverSinglestepScheduler<B> {
             .iter()
             .rev()
             .take(order)
-            .map(|m| m.clone().expect("checked above"))
+            // All `order` newest entries are set: the loop above lowered the order until so.
+            .filter_map(|m| m.clone())
             .zip(w);
         let prev = lincomb((start, a), history.chain(z.map(|z| (z, cz))));
         self.steps.step_index = Some(i + 1);

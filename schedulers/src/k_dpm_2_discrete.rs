@@ -267,13 +267,13 @@ impl<B: Backend> Scheduler<B> for KDpm2DiscreteScheduler<B> {
             all.push(timesteps[k]);
         }
         self.sigmas_interpol = doubled(&interpol).into_iter().map(f64::from).collect();
-        let all_f32: Vec<f32> = Vec::new();
         self.steps.set(
-            all_f32,
+            Vec::new(),
             doubled(&sigmas),
             self.options.timestep_spacing,
             true,
         );
+        // Set afterwards: with Karras/exponential/beta sigmas they are f64, not f32.
         self.steps.timesteps = all;
         self.first = None;
         Ok(())
