@@ -97,11 +97,12 @@ fn max_abs(t: &Tensor<B, 4>) -> f64 {
 fn rel_err(ours: &Tensor<B, 4>, reference: &Tensor<B, 4>, floor: f64) -> f64 {
     let (a, b) = (values(ours), values(reference));
     assert_eq!(a.len(), b.len());
-    // f64::max skips NaN: a non-finite reference would pass unchecked.
+    // f64::max skips NaN: a non-finite value on either side would pass unchecked.
     assert!(
         b.iter().all(|v| v.is_finite()),
         "golden reference has non-finite values"
     );
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite values");
     let diff = a
         .iter()
         .zip(&b)
