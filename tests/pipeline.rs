@@ -166,9 +166,10 @@ fn empty_prompts_bad_sizes_and_wrong_latents_are_input_errors() {
     assert_eq!(pipe.default_size(), 64);
 }
 
-/// Every scheduler the crate offers runs the tiny pipeline to a finite image, calling the UNet
-/// once per entry of its timesteps (PLMS repeats one, Heun all but the first), by A1111 name
-/// too.
+/// Every scheduler the crate offers (each `SchedulerKind`) runs the tiny pipeline to a finite
+/// image, calling the UNet once per entry of its timesteps (PLMS repeats one; Heun, KDPM2 and
+/// flow-matching Heun add one per step but the last), by A1111 name too. The flow-matching
+/// ones run on this epsilon UNet as diffusers would let them: a smoke test, not a parity test.
 #[test]
 fn every_scheduler_runs_the_pipeline() {
     let device = Default::default();
@@ -187,11 +188,21 @@ fn every_scheduler_runs_the_pipeline() {
         ("heun", 5),
         ("lms", 3),
         ("DPM++ 2M Karras", 3),
+        ("DEIS", 3),
         ("DPM++ 2M SDE", 3),
         ("unipc", 3),
+        ("flow_match_euler", 3),
+        ("FlowMatchHeunDiscreteScheduler", 5),
+        ("DPM2 Karras", 5),
+        ("DPM2 a", 5),
+        ("LCM", 3),
+        ("TCD", 3),
+        ("DPM++ SDE Karras", 3),
     ];
+    let mut kinds = std::collections::HashSet::new();
     for (name, calls) in cases {
         pipe.set_scheduler(name).unwrap();
+        kinds.insert(pipe.scheduler.kind());
         let request = GenerateRequest::<B> {
             prompts: vec!["a red apple".into()],
             num_inference_steps: 3,
@@ -210,4 +221,7 @@ fn every_scheduler_runs_the_pipeline() {
         assert!((0.05..0.95).contains(&mean), "{name}: mean {mean}");
     }
     assert!(pipe.set_scheduler("warp drive").is_err());
+    for kind in oxidiff::schedulers::SchedulerKind::ALL {
+        assert!(kinds.contains(&kind), "{kind} was not run");
+    }
 }

@@ -104,6 +104,17 @@ pub enum SolverType {
     Bh2,
 }
 
+/// How flow-matching schedulers shift sigmas by `mu` (`use_dynamic_shifting`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TimeShiftType {
+    /// `e^mu / (e^mu + 1/s - 1)` (Flux, SD3).
+    #[default]
+    Exponential,
+    /// `mu / (mu + 1/s - 1)`.
+    Linear,
+}
+
 /// DDPM's posterior variance (and whether the model predicts it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -124,11 +135,12 @@ pub struct SchedulerConfig {
     #[serde(rename = "_class_name")]
     pub class_name: Option<String>,
     pub num_train_timesteps: usize,
-    /// Default 0.0001 (0.00085 for Heun, whose defaults are Stable Diffusion's).
+    /// Default 0.0001 (0.00085 for Heun, KDPM2, LCM and TCD, whose defaults are Stable Diffusion's).
     pub beta_start: Option<f64>,
-    /// Default 0.02 (0.012 for Heun).
+    /// Default 0.02 (0.012 for Heun, KDPM2, LCM and TCD).
     pub beta_end: Option<f64>,
-    pub beta_schedule: BetaSchedule,
+    /// Default `linear` (`scaled_linear` for LCM and TCD).
+    pub beta_schedule: Option<BetaSchedule>,
     /// Betas given explicitly; they replace `beta_start`/`beta_end`/`beta_schedule`.
     pub trained_betas: Option<Vec<f64>>,
     pub prediction_type: PredictionType,
@@ -198,6 +210,34 @@ pub struct SchedulerConfig {
     pub rho: Option<f64>,
     /// Consistency models: clip the clean estimate to `[-1, 1]`. Default true.
     pub clip_denoised: Option<bool>,
+    /// Flow matching: the static sigma shift `shift s / (1 + (shift - 1) s)`. Default 1.
+    pub shift: Option<f64>,
+    /// Flow matching: shift by a resolution-dependent `mu` passed to `set_timesteps_with`
+    /// (Flux) instead of `shift`.
+    #[serde(deserialize_with = "null_as_default")]
+    pub use_dynamic_shifting: bool,
+    /// Flow matching: `mu` at `base_image_seq_len` tokens (default 0.5); see `calculate_shift`.
+    pub base_shift: Option<f64>,
+    /// Flow matching: `mu` at `max_image_seq_len` tokens (default 1.15).
+    pub max_shift: Option<f64>,
+    /// Default 256.
+    pub base_image_seq_len: Option<usize>,
+    /// Default 4096.
+    pub max_image_seq_len: Option<usize>,
+    /// Flow matching: sigmas `1 - s` (the schedule runs from 0 up to 1).
+    #[serde(deserialize_with = "null_as_default")]
+    pub invert_sigmas: bool,
+    /// Flow matching: stretch the shifted schedule so that it ends at this sigma (LTX-Video).
+    pub shift_terminal: Option<f64>,
+    pub time_shift_type: TimeShiftType,
+    /// Flow matching: each step re-noises the predicted clean sample with fresh noise.
+    #[serde(deserialize_with = "null_as_default")]
+    pub stochastic_sampling: bool,
+    /// LCM and TCD: the length of the distillation schedule the inference timesteps are
+    /// picked from. Default 50.
+    pub original_inference_steps: Option<usize>,
+    /// LCM: the timestep scale of the consistency boundary condition. Default 10.
+    pub timestep_scaling: Option<f64>,
 }
 
 impl Default for SchedulerConfig {
@@ -207,7 +247,7 @@ impl Default for SchedulerConfig {
             num_train_timesteps: 1000,
             beta_start: None,
             beta_end: None,
-            beta_schedule: BetaSchedule::Linear,
+            beta_schedule: None,
             trained_betas: None,
             prediction_type: PredictionType::Epsilon,
             timestep_spacing: None,
@@ -243,6 +283,18 @@ impl Default for SchedulerConfig {
             s_noise: None,
             rho: None,
             clip_denoised: None,
+            shift: None,
+            use_dynamic_shifting: false,
+            base_shift: None,
+            max_shift: None,
+            base_image_seq_len: None,
+            max_image_seq_len: None,
+            invert_sigmas: false,
+            shift_terminal: None,
+            time_shift_type: TimeShiftType::Exponential,
+            stochastic_sampling: false,
+            original_inference_steps: None,
+            timestep_scaling: None,
         }
     }
 }
@@ -323,6 +375,13 @@ impl SchedulerConfig {
         let mut karras = false;
         let mut sde = false;
         loop {
+            // A whole name first ("DPM++ SDE" is a class, not DPM++ with an SDE option), and
+            // names diffusers maps to classes not implemented here.
+            match base.parse::<SchedulerKind>() {
+                Ok(_) => break,
+                Err(e @ SchedulerError::NotImplemented { .. }) => return Err(e),
+                Err(_) => {}
+            }
             let lower = base.to_ascii_lowercase();
             if let Some(rest) = ["_karras", " karras", "-karras"]
                 .iter()

@@ -19,8 +19,8 @@ use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::{check_add_noise, dynamic_threshold, lincomb, scale_per_item};
 use crate::schedule::{
-    check_steps, exponential_sigmas, karras_sigmas, multistep_timesteps, numpy_interp, sigma_to_t,
-    NoiseSchedule,
+    check_steps, exponential_or_beta_sigmas, karras_sigmas, multistep_timesteps, numpy_interp,
+    sigma_to_t, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -39,6 +39,7 @@ pub struct DpmSolverMultistepScheduler<B: Backend> {
     euler_at_final: bool,
     use_karras_sigmas: bool,
     use_exponential_sigmas: bool,
+    use_beta_sigmas: bool,
     /// `squaredcos_cap_v2` keeps Karras timesteps fractional; other schedules round them.
     round_special_timesteps: bool,
     sigma_min: Option<f64>,
@@ -102,6 +103,23 @@ pub(crate) fn x0_coefficients(prediction: PredictionType, sigma: f64) -> (f64, f
     }
 }
 
+/// diffusers' `searchsorted(flip(lambda_t), lambda_min_clipped)` (DPM-Solver multistep and
+/// singlestep): how many training timesteps, from the noisy end, have a log-SNR below the clip.
+pub(crate) fn lambda_clipped_count(schedule: &NoiseSchedule, lambda_min_clipped: f64) -> usize {
+    if lambda_min_clipped == f64::NEG_INFINITY {
+        return 0;
+    }
+    // lambda_t = ln(sqrt(a)) - ln(sqrt(1 - a)) in f32, as diffusers' tensors.
+    schedule
+        .alphas_cumprod
+        .iter()
+        .filter(|&&a| {
+            let l = (a.sqrt() as f64).ln() as f32 - ((1.0 - a).sqrt() as f64).ln() as f32;
+            (l as f64) < lambda_min_clipped
+        })
+        .count()
+}
+
 impl<B: Backend> DpmSolverMultistepScheduler<B> {
     pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
         let sde = match cfg.algorithm_type.unwrap_or(AlgorithmType::DpmSolverPlusPlus) {
@@ -123,14 +141,20 @@ impl<B: Backend> DpmSolverMultistepScheduler<B> {
                 cfg.solver_order
             ));
         }
-        if cfg.use_beta_sigmas || cfg.use_lu_lambdas || cfg.use_flow_sigmas {
+        if cfg.use_lu_lambdas || cfg.use_flow_sigmas {
             return unsupported(
-                "use_beta_sigmas, use_lu_lambdas and use_flow_sigmas are not supported; use use_karras_sigmas or use_exponential_sigmas",
+                "use_lu_lambdas and use_flow_sigmas are not supported; use use_karras_sigmas, use_exponential_sigmas or use_beta_sigmas",
             );
         }
-        if [cfg.use_karras_sigmas, cfg.use_exponential_sigmas]
-            .iter()
-            .all(|&b| b)
+        if [
+            cfg.use_karras_sigmas,
+            cfg.use_exponential_sigmas,
+            cfg.use_beta_sigmas,
+        ]
+        .iter()
+        .filter(|&&b| b)
+        .count()
+            > 1
         {
             return unsupported(
                 "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
@@ -163,7 +187,8 @@ impl<B: Backend> DpmSolverMultistepScheduler<B> {
             euler_at_final: cfg.euler_at_final,
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
-            round_special_timesteps: cfg.beta_schedule != BetaSchedule::SquaredcosCapV2
+            use_beta_sigmas: cfg.use_beta_sigmas,
+            round_special_timesteps: cfg.beta_schedule != Some(BetaSchedule::SquaredcosCapV2)
                 || cfg.trained_betas.is_some(),
             sigma_min: cfg.sigma_min,
             sigma_max: cfg.sigma_max,
@@ -188,18 +213,7 @@ impl<B: Backend> DpmSolverMultistepScheduler<B> {
     /// diffusers' `searchsorted(flip(lambda_t), lambda_min_clipped)`: how many training
     /// timesteps (from the noisy end) have a log-SNR below the clip.
     fn clipped_count(&self) -> usize {
-        if self.lambda_min_clipped == f64::NEG_INFINITY {
-            return 0;
-        }
-        // lambda_t = ln(sqrt(a)) - ln(sqrt(1 - a)) in f32, as diffusers' tensors.
-        self.schedule
-            .alphas_cumprod
-            .iter()
-            .filter(|&&a| {
-                let l = (a.sqrt() as f64).ln() as f32 - ((1.0 - a).sqrt() as f64).ln() as f32;
-                (l as f64) < self.lambda_min_clipped
-            })
-            .count()
+        lambda_clipped_count(&self.schedule, self.lambda_min_clipped)
     }
 
     /// The coefficients `(a, [w_0, w_1, w_2], c)` of
@@ -307,13 +321,13 @@ impl<B: Backend> Scheduler<B> for DpmSolverMultistepScheduler<B> {
         }
         let train = self.schedule.train_sigmas();
         let (timesteps, sigmas): (Vec<f64>, Vec<f64>) =
-            if self.use_karras_sigmas || self.use_exponential_sigmas {
+            if self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas {
                 let sigma_min = self.sigma_min.unwrap_or(train[0] as f64);
                 let sigma_max = self.sigma_max.unwrap_or(train[train.len() - 1] as f64);
                 let sigmas = if self.use_karras_sigmas {
                     karras_sigmas(sigma_min, sigma_max, n)
                 } else {
-                    exponential_sigmas(sigma_min, sigma_max, n)
+                    exponential_or_beta_sigmas(self.use_beta_sigmas, sigma_min, sigma_max, n)
                 };
                 let log_sigmas = self.schedule.log_train_sigmas();
                 // diffusers rounds Karras timesteps (except for the cosine schedule) but

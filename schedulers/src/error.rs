@@ -63,6 +63,9 @@ pub enum SchedulerError {
         op: &'static str,
         message: String,
     },
+    /// A scheduler name that diffusers knows (or A1111 uses) but this crate does not implement.
+    #[error("scheduler `{name}`: {reason}")]
+    NotImplemented { name: String, reason: String },
     /// A noise source that cannot deliver the requested noise.
     #[error("noise source: {0}")]
     Noise(String),

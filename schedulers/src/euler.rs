@@ -15,8 +15,8 @@ use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
 use crate::ops::{check_add_noise, scale_per_item, scaled};
 use crate::schedule::{
-    check_steps, exponential_sigmas, float_timesteps, karras_sigmas, numpy_interp, sigma_to_t,
-    torch_linspace_f32, NoiseSchedule,
+    check_steps, exponential_or_beta_sigmas, float_timesteps, karras_sigmas, numpy_interp,
+    sigma_to_t, torch_linspace_f32, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -175,6 +175,7 @@ pub struct EulerDiscreteScheduler {
     interpolation_type: InterpolationType,
     use_karras_sigmas: bool,
     use_exponential_sigmas: bool,
+    use_beta_sigmas: bool,
     sigma_min: Option<f64>,
     sigma_max: Option<f64>,
     timestep_type: TimestepType,
@@ -202,6 +203,7 @@ impl EulerDiscreteScheduler {
             interpolation_type: cfg.interpolation_type,
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
+            use_beta_sigmas: cfg.use_beta_sigmas,
             sigma_min: cfg.sigma_min,
             sigma_max: cfg.sigma_max,
             timestep_type: cfg.timestep_type,
@@ -229,7 +231,7 @@ impl EulerDiscreteScheduler {
         if self.use_karras_sigmas {
             karras_sigmas(sigma_min, sigma_max, n)
         } else {
-            exponential_sigmas(sigma_min, sigma_max, n)
+            exponential_or_beta_sigmas(self.use_beta_sigmas, sigma_min, sigma_max, n)
         }
     }
 }
@@ -263,7 +265,7 @@ impl<B: Backend> Scheduler<B> for EulerDiscreteScheduler {
             .map(|&l| (l as f64).exp() as f32 as f64)
             .collect(),
         };
-        if self.use_karras_sigmas || self.use_exponential_sigmas {
+        if self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas {
             sigmas = self.special_sigmas(&sigmas, n);
             let log_sigmas = self.schedule.log_train_sigmas();
             timesteps = sigmas

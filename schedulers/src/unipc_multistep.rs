@@ -18,8 +18,8 @@ use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::{dynamic_threshold, lincomb};
 use crate::schedule::{
-    check_steps, exponential_sigmas, karras_sigmas, multistep_timesteps, numpy_interp, sigma_to_t,
-    NoiseSchedule,
+    check_steps, exponential_or_beta_sigmas, karras_sigmas, multistep_timesteps, numpy_interp,
+    sigma_to_t, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -38,6 +38,7 @@ pub struct UniPcMultistepScheduler<B: Backend> {
     disable_corrector: Vec<usize>,
     use_karras_sigmas: bool,
     use_exponential_sigmas: bool,
+    use_beta_sigmas: bool,
     sigma_min: Option<f64>,
     sigma_max: Option<f64>,
     final_sigmas_type: FinalSigmasType,
@@ -114,15 +115,31 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
                 cfg.solver_order
             ));
         }
-        if cfg.use_beta_sigmas || cfg.use_flow_sigmas {
+        if cfg.use_flow_sigmas {
             return unsupported(
-                "use_beta_sigmas and use_flow_sigmas are not supported; use use_karras_sigmas or use_exponential_sigmas",
+                "use_flow_sigmas is not supported; use use_karras_sigmas, use_exponential_sigmas or use_beta_sigmas",
             );
         }
-        if cfg.use_karras_sigmas && cfg.use_exponential_sigmas {
+        let special = [
+            cfg.use_karras_sigmas,
+            cfg.use_exponential_sigmas,
+            cfg.use_beta_sigmas,
+        ];
+        if special.iter().filter(|&&b| b).count() > 1 {
             return unsupported(
                 "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
             );
+        }
+        let predict_x0 = cfg.predict_x0.unwrap_or(true);
+        if cfg.final_sigmas_type == FinalSigmasType::Zero && !(bh2 && predict_x0) {
+            // The last update goes to sigma 0, where lambda is infinite: bh1's B(h) = h and
+            // the noise-prediction form's sigma_t (e^h - 1) are inf * 0. diffusers 0.42.1
+            // returns NaN or inf there (or fails to solve for order 3); we refuse instead.
+            return unsupported(format!(
+                "{} with final_sigmas_type `zero` has no finite last step (diffusers 0.42.1 gives NaN/inf); set final_sigmas_type to `sigma_min`{}",
+                if bh2 { "predict_x0 = false" } else { "solver_type bh1" },
+                if bh2 { " or predict_x0 to true" } else { " or use solver_type bh2" }
+            ));
         }
         if cfg.thresholding && !(0.0..=1.0).contains(&cfg.dynamic_thresholding_ratio) {
             return unsupported(format!(
@@ -140,12 +157,13 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
             num_train_timesteps: cfg.num_train_timesteps,
             solver_order: cfg.solver_order,
             prediction_type: cfg.prediction_type,
-            predict_x0: cfg.predict_x0.unwrap_or(true),
+            predict_x0,
             bh2,
             lower_order_final: cfg.lower_order_final.unwrap_or(true),
             disable_corrector: cfg.disable_corrector.clone(),
             use_karras_sigmas: cfg.use_karras_sigmas,
             use_exponential_sigmas: cfg.use_exponential_sigmas,
+            use_beta_sigmas: cfg.use_beta_sigmas,
             sigma_min: cfg.sigma_min,
             sigma_max: cfg.sigma_max,
             final_sigmas_type: cfg.final_sigmas_type,
@@ -316,13 +334,13 @@ impl<B: Backend> Scheduler<B> for UniPcMultistepScheduler<B> {
         }
         let train = self.schedule.train_sigmas();
         let (timesteps, sigmas, sigma_min): (Vec<f64>, Vec<f64>, f64) =
-            if self.use_karras_sigmas || self.use_exponential_sigmas {
+            if self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas {
                 let sigma_min = self.sigma_min.unwrap_or(train[0] as f64);
                 let sigma_max = self.sigma_max.unwrap_or(train[train.len() - 1] as f64);
                 let sigmas = if self.use_karras_sigmas {
                     karras_sigmas(sigma_min, sigma_max, n)
                 } else {
-                    exponential_sigmas(sigma_min, sigma_max, n)
+                    exponential_or_beta_sigmas(self.use_beta_sigmas, sigma_min, sigma_max, n)
                 };
                 let log_sigmas = self.schedule.log_train_sigmas();
                 // Karras timesteps are rounded, exponential ones truncated (below).

@@ -4,7 +4,7 @@ use burn::tensor::{Distribution, Tensor};
 use burn_flex::{Flex, FlexDevice};
 use oxidiff_schedulers::{
     scheduler_from_config, AlgorithmType, DdimScheduler, NoNoise, RecordedNoise, Scheduler,
-    SchedulerConfig, SchedulerError, SchedulerKind, TimestepSpacing, VarianceType,
+    SchedulerConfig, SchedulerError, SchedulerKind, TimestepOptions, TimestepSpacing, VarianceType,
 };
 
 type B = Flex;
@@ -56,6 +56,12 @@ fn step_before_set_timesteps_is_an_error() {
 fn step_counts_outside_the_training_range_are_errors() {
     for mut s in all_schedulers() {
         for n in [0, 1001] {
+            if n > 1000 && s.kind().is_flow_matching() {
+                // diffusers' flow matching spaces any step count over [sigma_min, 1].
+                s.set_timesteps(n).unwrap();
+                assert_eq!(s.timesteps().len(), n * s.order() - (s.order() - 1));
+                continue;
+            }
             let err = s.set_timesteps(n).unwrap_err();
             assert!(
                 matches!(err, SchedulerError::InvalidSteps { got, .. } if got == n),
@@ -232,11 +238,24 @@ fn unknown_scheduler_names_list_the_known_ones() {
         assert!(msg.contains(name), "{msg}");
     }
     let mut cfg = sd15();
-    cfg.class_name = Some("KDPM2AncestralDiscreteScheduler".into());
+    cfg.class_name = Some("RePaintScheduler".into());
     assert!(matches!(
         scheduler_from_config::<B>(&cfg),
         Err(SchedulerError::UnknownScheduler { .. })
     ));
+    // Names diffusers maps to classes not implemented here say so and what is near.
+    for (name, needle) in [
+        ("DPM++ 2S a", "no diffusers equivalent"),
+        ("DPM++ 2S a Karras", "no diffusers equivalent"),
+        ("DPM fast", "no diffusers equivalent"),
+    ] {
+        let err = sd15().switched_to_named(name).unwrap_err();
+        assert!(
+            matches!(&err, SchedulerError::NotImplemented { .. })
+                && err.to_string().contains(needle),
+            "{name}: {err}"
+        );
+    }
     cfg.class_name = None;
     assert!(scheduler_from_config::<B>(&cfg).is_err());
 }
@@ -259,6 +278,23 @@ fn scheduler_names_parse_from_diffusers_short_and_a1111_names() {
             SchedulerKind::EulerAncestralDiscrete,
         ),
         ("DPM++ 2M", SchedulerKind::DpmSolverMultistep),
+        ("DPM2", SchedulerKind::KDpm2Discrete),
+        ("DPM++ SDE", SchedulerKind::DpmSolverSinglestep),
+        ("DEIS", SchedulerKind::DeisMultistep),
+        (
+            "DPMSolverSinglestepScheduler",
+            SchedulerKind::DpmSolverSinglestep,
+        ),
+        ("KDPM2DiscreteScheduler", SchedulerKind::KDpm2Discrete),
+        ("DPM2 a", SchedulerKind::KDpm2AncestralDiscrete),
+        ("k_dpm_2_a", SchedulerKind::KDpm2AncestralDiscrete),
+        ("LCM", SchedulerKind::Lcm),
+        ("TCDScheduler", SchedulerKind::Tcd),
+        (
+            "FlowMatchEulerDiscreteScheduler",
+            SchedulerKind::FlowMatchEulerDiscrete,
+        ),
+        ("flow_match_heun", SchedulerKind::FlowMatchHeunDiscrete),
         ("dpmpp_2m", SchedulerKind::DpmSolverMultistep),
         (
             "DPMSolverMultistepScheduler",
@@ -288,6 +324,7 @@ fn switching_class_keeps_betas_and_takes_the_new_class_defaults() {
 fn unsupported_options_are_errors() {
     let mut cfg = sd15().switched_to(SchedulerKind::EulerDiscrete);
     cfg.use_beta_sigmas = true;
+    cfg.use_karras_sigmas = true;
     assert!(matches!(
         scheduler_from_config::<B>(&cfg),
         Err(SchedulerError::Unsupported { .. })
@@ -396,4 +433,218 @@ fn dpm_solver_rejects_what_it_does_not_implement() {
         s.set_timesteps(10),
         Err(SchedulerError::InvalidSteps { .. })
     ));
+}
+
+#[test]
+fn flow_matching_options_are_checked() {
+    let flux = r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0,
+                   "use_dynamic_shifting": true, "base_shift": 0.5, "max_shift": 1.15}"#;
+    let cfg = SchedulerConfig::from_json_str(flux, "flux.json").unwrap();
+    let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+    // Dynamic shifting without mu.
+    let err = s.set_timesteps(4).unwrap_err();
+    assert!(err.to_string().contains("needs `mu`"), "{err}");
+    // Custom sigmas of the wrong count.
+    let options = TimestepOptions {
+        sigmas: Some(vec![1.0, 0.5]),
+        mu: Some(1.15),
+        ..Default::default()
+    };
+    let err = s.set_timesteps_with(4, &options).unwrap_err();
+    assert!(
+        matches!(err, SchedulerError::InvalidSteps { got: 4, .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("2 custom sigmas"), "{err}");
+    // Non-positive custom sigmas and a non-finite mu.
+    let bad = TimestepOptions {
+        sigmas: Some(vec![1.0, 0.0]),
+        mu: Some(1.15),
+        ..Default::default()
+    };
+    assert!(s.set_timesteps_with(2, &bad).is_err());
+    let bad = TimestepOptions {
+        mu: Some(f64::NAN),
+        ..Default::default()
+    };
+    assert!(s.set_timesteps_with(2, &bad).is_err());
+    let bad = TimestepOptions {
+        mu: Some(1.0),
+        timesteps: Some(vec![1000.0, 500.0, 1.0]),
+        ..Default::default()
+    };
+    assert!(s.set_timesteps_with(2, &bad).is_err());
+    s.set_timesteps_with(2, &options).unwrap();
+    assert_eq!(s.timesteps().len(), 2);
+    // Zero steps.
+    assert!(matches!(
+        s.set_timesteps_with(
+            0,
+            &TimestepOptions {
+                mu: Some(1.0),
+                ..Default::default()
+            }
+        ),
+        Err(SchedulerError::InvalidSteps { got: 0, .. })
+    ));
+    // Bad config values.
+    for (json, needle) in [
+        (
+            r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 0}"#,
+            "shift must be",
+        ),
+        (
+            r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift_terminal": 1.5}"#,
+            "shift_terminal",
+        ),
+        (
+            r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "use_karras_sigmas": true, "use_beta_sigmas": true}"#,
+            "only one of",
+        ),
+        (
+            r#"{"_class_name": "FlowMatchHeunDiscreteScheduler", "shift": -1.0}"#,
+            "shift must be",
+        ),
+    ] {
+        let cfg = SchedulerConfig::from_json_str(json, "x.json").unwrap();
+        let err = scheduler_from_config::<B>(&cfg).err().unwrap();
+        assert!(err.to_string().contains(needle), "{json}: {err}");
+    }
+    // shift_terminal 0 is unset in diffusers (`if shift_terminal:`).
+    let timesteps = |json: &str| {
+        let cfg = SchedulerConfig::from_json_str(json, "x.json").unwrap();
+        let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+        s.set_timesteps(5).unwrap();
+        s.timesteps().to_vec()
+    };
+    assert_eq!(
+        timesteps(
+            r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "shift_terminal": 0.0}"#
+        ),
+        timesteps(r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0}"#)
+    );
+    let err = SchedulerConfig::from_json_str(
+        r#"{"_class_name": "FlowMatchEulerDiscreteScheduler", "time_shift_type": "cubic"}"#,
+        "x.json",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("time_shift_type"), "{err}");
+}
+
+#[test]
+fn schedulers_without_custom_sigmas_refuse_them() {
+    for mut s in all_schedulers() {
+        let options = TimestepOptions {
+            sigmas: Some(vec![1.0, 0.5]),
+            ..Default::default()
+        };
+        let result = s.set_timesteps_with(2, &options);
+        if s.kind() == SchedulerKind::FlowMatchEulerDiscrete {
+            result.unwrap();
+            continue;
+        }
+        let err = result.unwrap_err();
+        assert!(
+            matches!(err, SchedulerError::Unsupported { .. }),
+            "{}: {err}",
+            s.kind()
+        );
+        assert!(err.to_string().contains("sigmas"), "{err}");
+        // Default options are plain set_timesteps.
+        s.set_timesteps_with(2, &TimestepOptions::default())
+            .unwrap();
+    }
+}
+
+#[test]
+fn unipc_without_a_finite_last_step_is_refused() {
+    // The configs for which diffusers 0.42.1 ends in NaN/inf (checked when the golden data
+    // were made, see refused_configs() in tools/golden/make_schedulers.py).
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/golden/schedulers.json"
+    );
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let refused = meta["refused"].as_array().unwrap();
+    assert!(refused.len() >= 4);
+    for case in refused {
+        let cfg = SchedulerConfig::from_json_str(&case["config"].to_string(), "refused").unwrap();
+        let err = scheduler_from_config::<B>(&cfg).err().unwrap();
+        assert!(
+            err.to_string().contains("final_sigmas_type `zero`")
+                && err.to_string().contains("sigma_min"),
+            "{err}"
+        );
+        let mut fixed = cfg.clone();
+        fixed.final_sigmas_type = oxidiff_schedulers::FinalSigmasType::SigmaMin;
+        scheduler_from_config::<B>(&fixed).unwrap();
+    }
+}
+
+#[test]
+fn a1111_names_of_the_k_diffusion_family_map_as_diffusers_documents() {
+    // diffusers' A1111 table: "DPM++ SDE (Karras)" -> DPMSolverSinglestepScheduler
+    // (use_karras_sigmas), "DPM2 (a) (Karras)" -> KDPM2(Ancestral)DiscreteScheduler.
+    for (name, kind, karras) in [
+        ("DPM++ SDE", SchedulerKind::DpmSolverSinglestep, false),
+        ("DPM++ SDE Karras", SchedulerKind::DpmSolverSinglestep, true),
+        ("DPM2", SchedulerKind::KDpm2Discrete, false),
+        ("DPM2 Karras", SchedulerKind::KDpm2Discrete, true),
+        ("DPM2 a", SchedulerKind::KDpm2AncestralDiscrete, false),
+        ("DPM2 a Karras", SchedulerKind::KDpm2AncestralDiscrete, true),
+        ("LMS Karras", SchedulerKind::LmsDiscrete, true),
+        (
+            "DPM++ 2M SDE Karras",
+            SchedulerKind::DpmSolverMultistep,
+            true,
+        ),
+    ] {
+        let cfg = sd15().switched_to_named(name).unwrap();
+        assert_eq!(cfg.kind().unwrap(), kind, "{name}");
+        assert_eq!(cfg.use_karras_sigmas, karras, "{name}");
+        assert_eq!(
+            cfg.algorithm_type == Some(AlgorithmType::SdeDpmSolverPlusPlus),
+            name.contains("2M SDE"),
+            "{name}"
+        );
+    }
+    assert!(sd15().switched_to_named("LCM Karras").is_err());
+}
+
+#[test]
+fn deis_refuses_sde_algorithms_as_diffusers_does() {
+    // A config carried over from "DPM++ 2M SDE": diffusers' DEIS raises NotImplementedError.
+    let mut cfg = sd15().switched_to(SchedulerKind::DeisMultistep);
+    cfg.algorithm_type = Some(AlgorithmType::SdeDpmSolverPlusPlus);
+    let err = scheduler_from_config::<B>(&cfg).err().unwrap();
+    assert!(
+        err.to_string().contains("\"sde-dpmsolver++\"") && err.to_string().contains("\"deis\""),
+        "{err}"
+    );
+    cfg.algorithm_type = Some(AlgorithmType::DpmSolverPlusPlus);
+    scheduler_from_config::<B>(&cfg).unwrap();
+}
+
+#[test]
+fn lcm_and_tcd_steps_are_a_subset_of_the_distillation_schedule() {
+    for kind in [SchedulerKind::Lcm, SchedulerKind::Tcd] {
+        let mut cfg = sd15().switched_to(kind);
+        let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+        // 50 distillation steps by default: more inference steps cannot be picked from them.
+        let err = s.set_timesteps(51).unwrap_err();
+        assert!(
+            err.to_string().contains("original_inference_steps (50)"),
+            "{kind}: {err}"
+        );
+        s.set_timesteps(50).unwrap();
+        assert_eq!(s.timesteps()[..2], [999.0, 979.0]);
+        cfg.original_inference_steps = Some(2000);
+        let mut s = scheduler_from_config::<B>(&cfg).unwrap();
+        let err = s.set_timesteps(4).unwrap_err();
+        assert!(
+            err.to_string().contains("original_inference_steps must be"),
+            "{err}"
+        );
+    }
 }

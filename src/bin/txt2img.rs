@@ -52,7 +52,8 @@ struct Args {
     #[arg(long)]
     guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
-    /// euler_a ("Euler a"), heun, lms, "DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE", unipc.
+    /// euler_a ("Euler a"), heun, lms, "DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE",
+    /// "DPM++ SDE", "DPM2", "DPM2 a", unipc, deis, lcm, tcd, flow_match_euler, flow_match_heun.
     #[arg(long)]
     scheduler: Option<String>,
     /// Seed of the noise generator (PyTorch's CPU generator: same seed, same latents as
