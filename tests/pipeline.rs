@@ -198,6 +198,7 @@ fn every_scheduler_runs_the_pipeline() {
         ("LCM", 3),
         ("TCD", 3),
         ("DPM++ SDE Karras", 3),
+        ("cm", 3),
     ];
     let mut kinds = std::collections::HashSet::new();
     for (name, calls) in cases {
