@@ -7,11 +7,19 @@
 pub mod error;
 pub mod hub;
 pub mod image;
+pub mod loading;
+pub mod pixart;
+pub mod pixart_bins;
 pub mod stable_diffusion;
 
 pub use error::{PipelineError, Result};
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
+pub use loading::pipeline_class;
+pub use pixart::{
+    PixArtAlphaPipeline, PixArtPipeline, PixArtRequest, PixArtSigmaPipeline, PixArtVariant,
+    PIXART_CLASSES,
+};
 pub use stable_diffusion::{
     Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
     StepInfo,

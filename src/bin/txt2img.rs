@@ -1,4 +1,5 @@
-//! `txt2img`: generate images from a prompt with a diffusers-format Stable Diffusion model.
+//! `txt2img`: generate images from a prompt with a diffusers-format model: Stable Diffusion
+//! 1.x/2.x or PixArt-Alpha/Sigma, picked by `model_index.json`'s `_class_name`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -9,7 +10,10 @@ use burn::tensor::{Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
-use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
+use oxidiff::pipelines::{
+    pipeline_class, resolve_model, GenerateRequest, Images, LoadOptions, PixArtPipeline,
+    PixArtRequest, StableDiffusionPipeline, StepInfo, PIXART_CLASSES,
+};
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
 
@@ -19,7 +23,7 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, PixArt-Alpha/Sigma)"
 )]
 struct Args {
     /// The prompt.
@@ -33,11 +37,11 @@ struct Args {
     variant: Option<String>,
     #[arg(long, default_value = "")]
     negative_prompt: String,
-    /// Denoising steps (default: 1 for sd-turbo, else 50).
+    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, else 50).
     #[arg(long)]
     steps: Option<usize>,
     /// Classifier-free guidance scale; 1 or less disables guidance (default: 0 for sd-turbo,
-    /// else 7.5).
+    /// 4.5 for PixArt, else 7.5).
     #[arg(long)]
     guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
@@ -71,6 +75,14 @@ struct Args {
     /// reused (needs a PJRT --device).
     #[arg(long)]
     compile: bool,
+    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma); longer
+    /// prompts are cut with a warning.
+    #[arg(long)]
+    max_sequence_length: Option<usize>,
+    /// PixArt: generate at exactly --width x --height instead of the nearest trained aspect
+    /// ratio (diffusers' `use_resolution_binning=False`).
+    #[arg(long)]
+    no_resolution_binning: bool,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
@@ -107,11 +119,7 @@ fn run(args: Args) -> Result<()> {
             args.output.display()
         );
     }
-    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
-    let steps = args.steps.unwrap_or(if turbo { 1 } else { 50 });
-    let guidance = args.guidance.unwrap_or(if turbo { 0.0 } else { 7.5 });
     let seed = args.seed.unwrap_or_else(random_seed);
-
     let device: OxiDevice = args
         .device
         .parse()
@@ -121,13 +129,28 @@ fn run(args: Args) -> Result<()> {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
     };
-    let mut pipe = StableDiffusionPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
+    let dir = resolve_model(&args.model, args.variant.as_deref())
         .with_context(|| format!("loading {}", args.model))?;
-    if args.compile {
-        pipe.compile()?;
+    let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
+    let pixart = PIXART_CLASSES.contains(&class.as_str());
+    if !pixart && (args.max_sequence_length.is_some() || args.no_resolution_binning) {
+        bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models; {} is a {class}", args.model);
     }
-    let loaded = started.elapsed();
-
+    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
+    let steps = args.steps.unwrap_or(if turbo {
+        1
+    } else if pixart {
+        20
+    } else {
+        50
+    });
+    let guidance = args.guidance.unwrap_or(if turbo {
+        0.0
+    } else if pixart {
+        4.5
+    } else {
+        7.5
+    });
     let latents = match &args.latents {
         Some(path) => {
             let (values, shape) = read_latents(path)?;
@@ -170,19 +193,45 @@ fn run(args: Args) -> Result<()> {
         );
         bar
     };
-    let mut generator = TorchCpuGenerator::new(seed);
-    let generated = Instant::now();
-    let output = pipe.generate_with(&request, &mut generator, |info| {
+    let progress = |info: StepInfo<'_, Oxi>| {
         bar.set_length(info.num_steps as u64);
         bar.set_position(info.step as u64 + 1);
-    })?;
-    bar.finish_and_clear();
-    let images = output.images.context("the pipeline returned no images")?;
-    images.save_png(0, &args.output)?;
-    let mode = match pipe.compiles() {
-        Some(n) => format!("compiled, {n} program(s)"),
-        None => "eager".into(),
     };
+    let mut generator = TorchCpuGenerator::new(seed);
+    let (images, loaded, generated, mode): (Images, _, _, String) = if pixart {
+        if args.compile {
+            bail!("--compile is not available for PixArt yet; run it eagerly (drop --compile)");
+        }
+        let mut pipe = PixArtPipeline::<Oxi>::from_dir(&dir, &options, &device)
+            .with_context(|| format!("loading {}", args.model))?;
+        let loaded = started.elapsed();
+        let request = PixArtRequest {
+            common: request,
+            max_sequence_length: args.max_sequence_length,
+            resolution_binning: !args.no_resolution_binning,
+        };
+        let generated = Instant::now();
+        let output = pipe.generate_with(&request, &mut generator, progress)?;
+        let images = output.images.context("the pipeline returned no images")?;
+        (images, loaded, generated, "eager".into())
+    } else {
+        let mut pipe = StableDiffusionPipeline::<Oxi>::from_dir(&dir, &options, &device)
+            .with_context(|| format!("loading {}", args.model))?;
+        if args.compile {
+            pipe.compile()?;
+        }
+        let loaded = started.elapsed();
+        let generated = Instant::now();
+        let output = pipe.generate_with(&request, &mut generator, progress)?;
+        let images = output.images.context("the pipeline returned no images")?;
+        let mode = match pipe.compiles() {
+            Some(n) => format!("compiled, {n} program(s)"),
+            None => "eager".into(),
+        };
+        (images, loaded, generated, mode)
+    };
+    bar.finish_and_clear();
+    images.save_png(0, &args.output)?;
     eprintln!(
         "wrote {} (seed {seed}, {steps} steps, guidance {guidance}, {}x{}, {device} {mode}; load {:.2}s, generate {:.2}s)",
         display(&args.output),
