@@ -312,3 +312,99 @@ fn unknown_scheduler_class_in_config_is_named() {
     });
     assert!(msg.contains("WarpScheduler"), "{msg}");
 }
+
+#[test]
+fn pixart_folder_is_recognised_and_its_png_matches_diffusers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = Golden::load("tiny-pixart-alpha");
+    let (values, shape) = golden.host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    write_npy(&latents, &values, &shape);
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-pixart-alpha");
+    let s = &golden.json["pipeline"];
+    let (model, latents, out_str) = (
+        model.to_str().unwrap(),
+        latents.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    // The defaults (20 steps, 4.5, 120 tokens, binning on) except the step count and size.
+    let result = txt2img(
+        &[
+            "--model",
+            model,
+            "--latents",
+            latents,
+            "--steps",
+            "4",
+            "--width",
+            "128",
+            "--height",
+            "200",
+            "--quiet",
+            "-o",
+            out_str,
+            s["prompt"].as_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, "tiny-pixart-alpha.png", 2);
+
+    // Without binning the golden latents (made for the 304x208 bin) do not fit 200x128.
+    let again = tmp.path().join("again.png");
+    let result = txt2img(
+        &[
+            "--model",
+            model,
+            "--latents",
+            latents,
+            "--steps",
+            "4",
+            "--width",
+            "128",
+            "--height",
+            "208",
+            "--no-resolution-binning",
+            "--max-sequence-length",
+            "64",
+            "--quiet",
+            "-o",
+            again.to_str().unwrap(),
+            "a prompt",
+        ],
+        &[],
+    );
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("[1, 4, 26, 16]"),
+        "{}",
+        stderr(&result)
+    );
+    assert!(!again.exists());
+}
+
+#[test]
+fn pixart_options_on_a_stable_diffusion_model_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-sd1");
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--no-resolution-binning",
+            "-o",
+            out.to_str().unwrap(),
+            "a prompt",
+        ],
+        &[],
+    );
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("apply to PixArt models"),
+        "{}",
+        stderr(&result)
+    );
+}

@@ -14,7 +14,9 @@ use std::path::Path;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use common::{assert_close, model_dir, relative_error, to_vec, Golden, B};
-use oxidiff::pipelines::{GenerateRequest, LoadOptions, PixArtPipeline, PixArtRequest};
+use oxidiff::pipelines::{
+    GenerateRequest, LoadOptions, PixArtPipeline, PixArtRequest, PixArtVariant,
+};
 use oxidiff::schedulers::NoNoise;
 use oxidiff::{Oxi, OxiDevice, ToDevice};
 
@@ -259,4 +261,66 @@ fn bad_requests_are_clear_errors() {
     req.max_sequence_length = Some(0);
     let err = pipe.generate(&req).unwrap_err().to_string();
     assert!(err.contains("max_sequence_length"), "{err}");
+}
+
+#[test]
+fn pixart_sigma_class_with_its_300_token_default_matches_diffusers() {
+    // The Alpha components under `PixArtSigmaPipeline`, as the golden script ran them.
+    let golden = Golden::load("tiny-pixart-sigma");
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    copy_dir(&model_dir(NAME), &model);
+    edit(
+        &model.join("model_index.json"),
+        "PixArtAlphaPipeline",
+        "PixArtSigmaPipeline",
+    );
+    let device = Default::default();
+    let mut pipe = PixArtPipeline::<B>::from_dir(&model, &LoadOptions::default(), &device).unwrap();
+    assert_eq!(pipe.variant, PixArtVariant::Sigma);
+    let s = &golden.json["pipeline"];
+    let prompt = s["prompt"].as_str().unwrap();
+    let encoded = pipe
+        .encode_prompts(
+            &[prompt.into()],
+            1,
+            pipe.variant.default_max_sequence_length(),
+        )
+        .unwrap();
+    assert_eq!(encoded.embeds.dims()[1], 300);
+    let (values, shape) = golden.host("pipe.latents");
+    let shape: [usize; 4] = shape.try_into().unwrap();
+    let req = PixArtRequest {
+        common: GenerateRequest {
+            prompts: vec![prompt.into()],
+            negative_prompts: vec![s["negative_prompt"].as_str().unwrap().into()],
+            num_inference_steps: s["num_inference_steps"].as_u64().unwrap() as usize,
+            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+            width: Some(s["width"].as_u64().unwrap() as usize),
+            height: Some(s["height"].as_u64().unwrap() as usize),
+            latents: Some(Tensor::from_data(TensorData::new(values, shape), &device)),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let steps = RefCell::new(Vec::new());
+    let out = pipe
+        .generate_with(&req, &mut NoNoise, |info| {
+            steps.borrow_mut().push(info.latents.clone())
+        })
+        .unwrap();
+    let steps = steps.into_inner();
+    assert_eq!(
+        steps.len(),
+        golden.json["timesteps"].as_array().unwrap().len()
+    );
+    for (i, latents) in steps.into_iter().enumerate() {
+        assert_close(&golden, &format!("pipe.step{i}"), latents, TOL);
+    }
+    let images = out.images.unwrap();
+    let (reference, _) = golden.host("pipe.image");
+    let err = relative_error(&images.data, &reference);
+    eprintln!("sigma pipe.image: relative error {err:e}");
+    assert!(err <= TOL, "image relative error {err:e}");
+    common::assert_png_close(&images.to_rgb8(0).unwrap(), "tiny-pixart-sigma.png", 2);
 }

@@ -12,6 +12,8 @@ Writes:
   tests/fixtures/golden/tiny-pixart-alpha.safetensors  reference tensors (canonical header)
   tests/fixtures/golden/tiny-pixart-alpha.json     settings, tokenizer cases, timesteps, versions
   tests/fixtures/golden/tiny-pixart-alpha.png      the final image of the pipeline run
+  tests/fixtures/golden/tiny-pixart-sigma.*        the same components as a PixArtSigmaPipeline
+                                                   (its default 300 tokens), run at 256x256
 
 The T5 tokenizer is a real one (t5-v1_1's 32100-piece unigram vocabulary) taken from the
 stable-diffusion-cpp-python sdist on PyPI (see README.md). Everything is seeded and every file
@@ -42,6 +44,7 @@ import transformers  # noqa: E402
 from diffusers import (  # noqa: E402
     DPMSolverMultistepScheduler,
     PixArtAlphaPipeline,
+    PixArtSigmaPipeline,
     PixArtTransformer2DModel,
 )
 from diffusers.utils import logging as dlogging  # noqa: E402
@@ -332,6 +335,67 @@ def golden(folder, built, transformer_1024_dir):
     save_json(os.path.join(GOLDEN, f"{NAME}.json"), info)
 
 
+SIGMA_SETTINGS = {
+    "prompt": "a small cabin in a snowy forest at night",
+    "negative_prompt": "low quality",
+    "num_inference_steps": 3,
+    "guidance_scale": 4.5,
+    "height": 256,
+    "width": 256,
+}
+
+
+def golden_sigma(alpha_folder):
+    """The Alpha components under model_index `PixArtSigmaPipeline` (what the test assembles)."""
+    import json
+
+    name = "tiny-pixart-sigma"
+    tmp = os.path.join(GOLDEN, ".tmp-sigma")
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    shutil.copytree(alpha_folder, tmp)
+    index_path = os.path.join(tmp, "model_index.json")
+    index = json.load(open(index_path))
+    index["_class_name"] = "PixArtSigmaPipeline"
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    pipe = PixArtSigmaPipeline.from_pretrained(tmp, local_files_only=True, torch_dtype=torch.float32)
+    shutil.rmtree(tmp)
+    pipe.set_progress_bar_config(disable=True)
+    s = SIGMA_SETTINGS
+    latents = torch.randn((1, 4, s["height"] // 8, s["width"] // 8), generator=gen(SEED + 20))
+    tensors = {"pipe.latents": latents}
+    info = {"name": name, "pipeline": dict(s), "max_sequence_length": 300}
+
+    def run(output_type):
+        steps = []
+        res = pipe(
+            prompt=s["prompt"], negative_prompt=s["negative_prompt"],
+            num_inference_steps=s["num_inference_steps"], guidance_scale=s["guidance_scale"],
+            height=s["height"], width=s["width"], latents=latents.clone(), output_type=output_type,
+            clean_caption=False, callback=lambda i, t, lat: steps.append((int(t), lat.detach().clone())),
+            callback_steps=1,
+        )
+        return res, steps
+
+    with torch.no_grad():
+        pe, pm, _, _ = pipe.encode_prompt(s["prompt"], True, device="cpu", clean_caption=False)
+        assert pe.shape[1] == 300 and pm.shape[1] == 300
+        res_np, steps = run("np")
+        info["timesteps"] = [t for t, _ in steps]
+        for i, (_, st) in enumerate(steps):
+            tensors[f"pipe.step{i}"] = st
+        image = np.asarray(res_np.images, dtype=np.float32)
+        tensors["pipe.image"] = image
+        res_pil, _ = run("pil")
+        pil = res_pil.images[0]
+        assert np.array_equal(np.asarray(pil), (image[0] * 255).round().astype(np.uint8))
+        pil.save(os.path.join(GOLDEN, f"{name}.png"))
+    save_canonical(os.path.join(GOLDEN, f"{name}.safetensors"), tensors)
+    info["keys"] = sorted(tensors)
+    save_json(os.path.join(GOLDEN, f"{name}.json"), info)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--t5-tokenizer", default=DEFAULT_TOKENIZER, help="a T5 tokenizer.json")
@@ -375,6 +439,7 @@ def main():
     canonicalize_safetensors(tr_dir)
 
     golden(out, pipe, tr_dir)
+    golden_sigma(out)
     print(f"wrote {out}, {tr_dir} and golden/{NAME}.*")
 
 
