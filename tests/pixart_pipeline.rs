@@ -134,15 +134,38 @@ fn pixart_on_xla_cpu_matches_cpu() {
         .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));
     let mut pipe = pipe.to(&device);
     let on_xla = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
-    let err = relative_error(
-        &to_vec(on_xla.latents.to_device(&cpu)),
-        &to_vec(on_cpu.latents),
-    );
+    let reference = to_vec(on_cpu.latents);
+    let err = relative_error(&to_vec(on_xla.latents.to_device(&cpu)), &reference);
     eprintln!("xla:cpu vs cpu latents: relative error {err:e}");
     assert!(err <= TOL, "xla:cpu vs cpu latents: relative error {err:e}");
-    let err = relative_error(&on_xla.images.unwrap().data, &on_cpu.images.unwrap().data);
+    let expected = on_cpu.images.unwrap().data;
+    let err = relative_error(&on_xla.images.unwrap().data, &expected);
     eprintln!("xla:cpu vs cpu image: relative error {err:e}");
     assert!(err <= TOL, "xla:cpu vs cpu image: relative error {err:e}");
+
+    // Compiled: one program for the transformer call, reused by a new prompt and seed.
+    pipe.compile().unwrap();
+    let compiled = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
+    let err = relative_error(&to_vec(compiled.latents.to_device(&cpu)), &reference);
+    eprintln!("compiled xla:cpu vs cpu latents: relative error {err:e}");
+    assert!(
+        err <= TOL,
+        "compiled vs cpu latents: relative error {err:e}"
+    );
+    let err = relative_error(&compiled.images.unwrap().data, &expected);
+    assert!(err <= TOL, "compiled vs cpu image: relative error {err:e}");
+    assert_eq!(pipe.compiles(), Some(1));
+    let mut other = request::<Oxi>(&golden, &device);
+    other.common.num_inference_steps = 1;
+    other.common.prompts = vec!["another prompt".into()];
+    other.common.latents = None;
+    other.common.seed = 7;
+    pipe.generate(&other).unwrap();
+    assert_eq!(
+        pipe.compiles(),
+        Some(1),
+        "a new prompt and seed reuse the program"
+    );
 }
 
 // ------------------------------------------------------------------------------ bad input

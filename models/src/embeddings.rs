@@ -236,24 +236,18 @@ impl<B: Backend> PixArtAlphaCombinedTimestepSizeEmbeddings<B> {
         })
     }
 
-    /// `timestep` `[batch]` to `[batch, dim]`; `conditions` are used when the model has size
-    /// embedders (and must be given then).
+    /// `timestep` `[batch]` to `[batch, dim]`, plus the embedded `conditions` when the model
+    /// has size embedders (callers check they are given: [`Self::needs_conditions`]).
     pub fn forward(
         &self,
         timestep: Tensor<B, 1>,
         conditions: Option<&MicroConditions<B>>,
-    ) -> Result<Tensor<B, 2>> {
+    ) -> Tensor<B, 2> {
         let emb = self
             .timestep_embedder
             .forward(self.time_proj.forward(timestep));
-        let Some(sizes) = &self.sizes else {
-            return Ok(emb);
-        };
-        let Some(cond) = conditions else {
-            return Err(crate::error::ModelError::Input(
-                "this transformer uses micro-conditions (resolution and aspect ratio); pass them"
-                    .into(),
-            ));
+        let (Some(sizes), Some(cond)) = (&self.sizes, conditions) else {
+            return emb;
         };
         let batch = emb.dims()[0];
         let embed = |values: Tensor<B, 2>, embedder: &TimestepEmbedding<B>| {
@@ -263,6 +257,11 @@ impl<B: Backend> PixArtAlphaCombinedTimestepSizeEmbeddings<B> {
         };
         let resolution = embed(cond.resolution.clone(), &sizes.resolution_embedder);
         let aspect = embed(cond.aspect_ratio.clone(), &sizes.aspect_ratio_embedder);
-        Ok(emb + Tensor::cat(vec![resolution, aspect], 1))
+        emb + Tensor::cat(vec![resolution, aspect], 1)
+    }
+
+    /// Whether the model embeds micro-conditions (and so needs them).
+    pub fn needs_conditions(&self) -> bool {
+        self.sizes.is_some()
     }
 }

@@ -37,12 +37,12 @@ impl<B: Backend> AdaLayerNormSingle<B> {
         &self,
         timestep: Tensor<B, 1>,
         conditions: Option<&MicroConditions<B>>,
-    ) -> Result<(Tensor<B, 2>, Tensor<B, 2>)> {
-        let embedded = self.emb.forward(timestep, conditions)?;
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        let embedded = self.emb.forward(timestep, conditions);
         let modulation = self
             .linear
             .forward(burn::tensor::activation::silu(embedded.clone()));
-        Ok((modulation, embedded))
+        (modulation, embedded)
     }
 }
 

@@ -285,8 +285,42 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
             .reshape([batch, 1, 1, seq])
     }
 
-    /// One denoiser call: latents `[batch, in_channels, h, w]` (h, w multiples of the patch
-    /// size), timesteps `[batch]`, caption `[batch, seq, caption_channels]` with its mask bias
+    /// Checks the shapes of a call: latents `[batch, in_channels, h, w]` with h and w
+    /// multiples of the patch size, `batch` timesteps and caption rows, and the
+    /// micro-conditions when the model uses them.
+    pub fn check_inputs(
+        &self,
+        latents: [usize; 4],
+        timesteps: usize,
+        caption: [usize; 3],
+        has_conditions: bool,
+    ) -> Result<()> {
+        let [b, c, h, w] = latents;
+        let p = self.patch_size;
+        if c != self.in_channels || h % p != 0 || w % p != 0 {
+            return Err(ModelError::Input(format!(
+                "the transformer takes latents [batch, {}, h, w] with h and w multiples of {p}, \
+                 got {latents:?}",
+                self.in_channels,
+            )));
+        }
+        if caption[0] != b || timesteps != b {
+            return Err(ModelError::Input(format!(
+                "batch sizes differ: latents {b}, caption {}, timesteps {timesteps}",
+                caption[0]
+            )));
+        }
+        if self.uses_micro_conditions() && !has_conditions {
+            return Err(ModelError::Input(
+                "this transformer uses micro-conditions (resolution and aspect ratio); pass them"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// One denoiser call: latents `[batch, in_channels, h, w]`, timesteps `[batch]`, caption
+    /// `[batch, seq, caption_channels]` with its mask bias
     /// ([`caption_mask_bias`](Self::caption_mask_bias)), and the micro-conditions when the
     /// model uses them. Returns `[batch, out_channels, h, w]`.
     pub fn forward(
@@ -297,26 +331,30 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
         caption_bias: Option<Tensor<B, 4>>,
         conditions: Option<&MicroConditions<B>>,
     ) -> Result<Tensor<B, 4>> {
-        let [b, c, h, w] = latents.dims();
+        self.check_inputs(
+            latents.dims(),
+            timestep.dims()[0],
+            caption.dims(),
+            conditions.is_some(),
+        )?;
+        Ok(self.forward_checked(latents, timestep, caption, caption_bias, conditions))
+    }
+
+    /// [`forward`](Self::forward) for inputs already passed through
+    /// [`check_inputs`](Self::check_inputs) (a compiled step cannot return errors).
+    pub fn forward_checked(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        caption: Tensor<B, 3>,
+        caption_bias: Option<Tensor<B, 4>>,
+        conditions: Option<&MicroConditions<B>>,
+    ) -> Tensor<B, 4> {
+        let [b, _, h, w] = latents.dims();
         let p = self.patch_size;
-        if c != self.in_channels || h % p != 0 || w % p != 0 {
-            return Err(ModelError::Input(format!(
-                "the transformer takes latents [batch, {}, h, w] with h and w multiples of {p}, \
-                 got {:?}",
-                self.in_channels,
-                latents.dims()
-            )));
-        }
-        if caption.dims()[0] != b || timestep.dims()[0] != b {
-            return Err(ModelError::Input(format!(
-                "batch sizes differ: latents {b}, caption {}, timesteps {}",
-                caption.dims()[0],
-                timestep.dims()[0]
-            )));
-        }
         let (gh, gw) = (h / p, w / p);
         let mut x = self.pos_embed.forward(latents);
-        let (modulation, embedded) = self.adaln_single.forward(timestep, conditions)?;
+        let (modulation, embedded) = self.adaln_single.forward(timestep, conditions);
         let caption = match &self.caption_projection {
             Some(projection) => projection.forward(caption),
             None => caption,
@@ -333,7 +371,7 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
         // Un-patch: [b, gh, gw, p, q, c] -> [b, c, gh, p, gw, q].
         let c_out = self.out_channels;
         let x: Tensor<B, 6> = x.reshape([b, gh, gw, p, p, c_out]);
-        Ok(x.permute([0, 5, 1, 3, 2, 4])
-            .reshape([b, c_out, gh * p, gw * p]))
+        x.permute([0, 5, 1, 3, 2, 4])
+            .reshape([b, c_out, gh * p, gw * p])
     }
 }

@@ -17,8 +17,8 @@ pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
 pub use loading::pipeline_class;
 pub use pixart::{
-    PixArtAlphaPipeline, PixArtPipeline, PixArtRequest, PixArtSigmaPipeline, PixArtVariant,
-    PIXART_CLASSES,
+    PixArtAlphaPipeline, PixArtDenoiser, PixArtPipeline, PixArtRequest, PixArtSigmaPipeline,
+    PixArtVariant, PIXART_CLASSES,
 };
 pub use stable_diffusion::{
     Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::embeddings::MicroConditions;
 use oxidiff_models::{
     AutoencoderKL, AutoencoderKLConfig, PixArtTransformer2DConfig, PixArtTransformer2DModel,
@@ -109,6 +110,22 @@ pub struct PromptEmbeds<B: Backend> {
     pub mask: Vec<Vec<u32>>,
 }
 
+/// The transformer call run some other way than eagerly, e.g. as one compiled XLA program
+/// ([`PixArtPipeline::compile`]). Inputs are checked by the pipeline before the call.
+pub trait PixArtDenoiser<B: Backend> {
+    fn denoise(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        caption: Tensor<B, 3>,
+        caption_bias: Tensor<B, 4>,
+        conditions: Option<&MicroConditions<B>>,
+    ) -> Result<Tensor<B, 4>>;
+
+    /// How many programs were compiled so far (one per input shape).
+    fn compiles(&self) -> u64;
+}
+
 /// PixArt-Alpha and PixArt-Sigma text-to-image.
 pub struct PixArtPipeline<B: Backend> {
     pub variant: PixArtVariant,
@@ -124,6 +141,8 @@ pub struct PixArtPipeline<B: Backend> {
     /// Where latents live and the denoising loop runs: the transformer's device.
     pub device: B::Device,
     pub source: PathBuf,
+    /// The compiled transformer call, when [`compile`](PixArtPipeline::compile) was called.
+    pub compiled: Option<Box<dyn PixArtDenoiser<B>>>,
 }
 
 /// diffusers' name for the Alpha pipeline: the same type.
@@ -167,6 +186,7 @@ impl<B: Backend> PixArtPipeline<B> {
             sample_size: transformer_config.sample_size,
             device: device.clone(),
             source: dir.to_path_buf(),
+            compiled: None,
         })
     }
 
@@ -188,6 +208,8 @@ impl<B: Backend> PixArtPipeline<B> {
         self.transformer = self.transformer.to(transformer);
         self.vae = self.vae.to(vae);
         self.device = transformer.clone();
+        // A compiled step holds the transformer of its device: compile again after moving.
+        self.compiled = None;
         self
     }
 
@@ -350,13 +372,30 @@ impl<B: Backend> PixArtPipeline<B> {
                 TensorData::new(vec![t as f32; model_batch], [model_batch]),
                 &self.device,
             );
-            let prediction = self.transformer.forward(
-                model_input,
-                timestep,
-                caption.clone(),
-                Some(caption_bias.clone()),
-                conditions.as_ref(),
-            )?;
+            let prediction = match &self.compiled {
+                Some(denoiser) => {
+                    self.transformer.check_inputs(
+                        model_input.dims(),
+                        model_batch,
+                        caption.dims(),
+                        conditions.is_some(),
+                    )?;
+                    denoiser.denoise(
+                        model_input,
+                        timestep,
+                        caption.clone(),
+                        caption_bias.clone(),
+                        conditions.as_ref(),
+                    )?
+                }
+                None => self.transformer.forward(
+                    model_input,
+                    timestep,
+                    caption.clone(),
+                    Some(caption_bias.clone()),
+                    conditions.as_ref(),
+                )?,
+            };
             let prediction = if cfg {
                 guide(prediction, batch, common.guidance_scale)
             } else {
@@ -398,5 +437,122 @@ impl<B: Backend> ToDevice<B> for PixArtPipeline<B> {
     /// Moves every component to `device`.
     fn to(self, device: &B::Device) -> Self {
         self.to_components(device, device, device)
+    }
+}
+
+/// Latents, timesteps, caption, caption bias.
+type PlainInputs = (
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 1>,
+    Tensor<Oxi, 3>,
+    Tensor<Oxi, 4>,
+);
+/// The same plus the micro-conditions (resolution, aspect ratio).
+type ConditionedInputs = (
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 1>,
+    Tensor<Oxi, 3>,
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 2>,
+    Tensor<Oxi, 2>,
+);
+type StepFn<I> = Box<dyn Fn(I) -> Tensor<Oxi, 4>>;
+
+/// The compiled call of a transformer without micro-conditions.
+struct PlainStep(CompiledFn<PlainInputs, Tensor<Oxi, 4>, StepFn<PlainInputs>>);
+/// The compiled call of a 1024px Alpha transformer, with micro-conditions.
+struct ConditionedStep(CompiledFn<ConditionedInputs, Tensor<Oxi, 4>, StepFn<ConditionedInputs>>);
+
+fn compile_error(e: impl std::fmt::Display) -> PipelineError {
+    PipelineError::Compile(e.to_string())
+}
+
+impl PixArtDenoiser<Oxi> for PlainStep {
+    fn denoise(
+        &self,
+        latents: Tensor<Oxi, 4>,
+        timestep: Tensor<Oxi, 1>,
+        caption: Tensor<Oxi, 3>,
+        caption_bias: Tensor<Oxi, 4>,
+        _conditions: Option<&MicroConditions<Oxi>>,
+    ) -> Result<Tensor<Oxi, 4>> {
+        self.0
+            .call((latents, timestep, caption, caption_bias))
+            .map_err(compile_error)
+    }
+
+    fn compiles(&self) -> u64 {
+        self.0.compiles()
+    }
+}
+
+impl PixArtDenoiser<Oxi> for ConditionedStep {
+    fn denoise(
+        &self,
+        latents: Tensor<Oxi, 4>,
+        timestep: Tensor<Oxi, 1>,
+        caption: Tensor<Oxi, 3>,
+        caption_bias: Tensor<Oxi, 4>,
+        conditions: Option<&MicroConditions<Oxi>>,
+    ) -> Result<Tensor<Oxi, 4>> {
+        let c = conditions.ok_or_else(|| {
+            compile_error("this transformer was compiled with micro-conditions; pass them")
+        })?;
+        self.0
+            .call((
+                latents,
+                timestep,
+                caption,
+                caption_bias,
+                c.resolution.clone(),
+                c.aspect_ratio.clone(),
+            ))
+            .map_err(compile_error)
+    }
+
+    fn compiles(&self) -> u64 {
+        self.0.compiles()
+    }
+}
+
+impl PixArtPipeline<Oxi> {
+    /// Compiled mode: from the next generation on, each transformer call (both halves of
+    /// classifier-free guidance, batched) is one XLA program, traced on first use and cached
+    /// by input shapes. Timesteps, caption, mask and micro-conditions are runtime inputs, so a
+    /// new prompt, seed, guidance scale or step count reuses the program; a new size, batch or
+    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; T5,
+    /// scheduler and VAE stay eager.
+    pub fn compile(&mut self) -> Result<()> {
+        let device = self.transformer.device();
+        if !device.is_pjrt() {
+            return Err(PipelineError::Compile(format!(
+                "the transformer is on {device}; compiled mode needs a PJRT device \
+                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
+            )));
+        }
+        let transformer = self.transformer.clone();
+        self.compiled = Some(if transformer.uses_micro_conditions() {
+            let step: StepFn<ConditionedInputs> = Box::new(
+                move |(latents, t, caption, bias, resolution, aspect_ratio)| {
+                    let conditions = MicroConditions {
+                        resolution,
+                        aspect_ratio,
+                    };
+                    transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
+                },
+            );
+            Box::new(ConditionedStep(CompiledFn::new("pixart_transformer", step)))
+        } else {
+            let step: StepFn<PlainInputs> = Box::new(move |(latents, t, caption, bias)| {
+                transformer.forward_checked(latents, t, caption, Some(bias), None)
+            });
+            Box::new(PlainStep(CompiledFn::new("pixart_transformer", step)))
+        });
+        Ok(())
+    }
+
+    /// Programs compiled so far in compiled mode (`None` when eager).
+    pub fn compiles(&self) -> Option<u64> {
+        self.compiled.as_ref().map(|c| c.compiles())
     }
 }

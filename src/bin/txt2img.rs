@@ -71,8 +71,8 @@ struct Args {
     /// path. PJRT devices run in eager mode (each op compiled once, then cached).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Compiled mode: each UNet call is one XLA program, compiled once per image size and then
-    /// reused (needs a PJRT --device).
+    /// Compiled mode: each UNet (or PixArt transformer) call is one XLA program, compiled once
+    /// per image size and then reused (needs a PJRT --device).
     #[arg(long)]
     compile: bool,
     /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma); longer
@@ -199,11 +199,11 @@ fn run(args: Args) -> Result<()> {
     };
     let mut generator = TorchCpuGenerator::new(seed);
     let (images, loaded, generated, mode): (Images, _, _, String) = if pixart {
-        if args.compile {
-            bail!("--compile is not available for PixArt yet; run it eagerly (drop --compile)");
-        }
         let mut pipe = PixArtPipeline::<Oxi>::from_dir(&dir, &options, &device)
             .with_context(|| format!("loading {}", args.model))?;
+        if args.compile {
+            pipe.compile()?;
+        }
         let loaded = started.elapsed();
         let request = PixArtRequest {
             common: request,
@@ -213,7 +213,11 @@ fn run(args: Args) -> Result<()> {
         let generated = Instant::now();
         let output = pipe.generate_with(&request, &mut generator, progress)?;
         let images = output.images.context("the pipeline returned no images")?;
-        (images, loaded, generated, "eager".into())
+        let mode = match pipe.compiles() {
+            Some(n) => format!("compiled, {n} program(s)"),
+            None => "eager".into(),
+        };
+        (images, loaded, generated, mode)
     } else {
         let mut pipe = StableDiffusionPipeline::<Oxi>::from_dir(&dir, &options, &device)
             .with_context(|| format!("loading {}", args.model))?;
