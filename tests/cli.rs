@@ -383,6 +383,35 @@ fn pixart_folder_is_recognised_and_its_png_matches_diffusers() {
         stderr(&result)
     );
     assert!(!again.exists());
+
+    // A prompt longer than --max-sequence-length is cut, with a warning naming what is lost.
+    let result = txt2img(
+        &[
+            "--model",
+            model,
+            "--steps",
+            "1",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--no-resolution-binning",
+            "--max-sequence-length",
+            "8",
+            "--quiet",
+            "-o",
+            again.to_str().unwrap(),
+            "a photo of an astronaut riding a horse on the moon",
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let log = stderr(&result);
+    assert!(
+        log.contains("longer than 8 T5 tokens") && log.contains("horse on the moon"),
+        "{log}"
+    );
+    assert!(again.exists());
 }
 
 #[test]
