@@ -15,7 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use common::{assert_close, model_dir, relative_error, to_vec, Golden, B};
 use oxidiff::pipelines::{
-    GenerateRequest, LoadOptions, PixArtPipeline, PixArtRequest, PixArtVariant,
+    GenerateRequest, LoadOptions, OutputType, PixArtPipeline, PixArtRequest, PixArtVariant,
 };
 use oxidiff::schedulers::NoNoise;
 use oxidiff::{Oxi, OxiDevice, ToDevice};
@@ -346,4 +346,49 @@ fn pixart_sigma_class_with_its_300_token_default_matches_diffusers() {
     eprintln!("sigma pipe.image: relative error {err:e}");
     assert!(err <= TOL, "image relative error {err:e}");
     common::assert_png_close(&images.to_rgb8(0).unwrap(), "tiny-pixart-sigma.png", 2);
+}
+
+#[test]
+fn pixart_alpha_1024_bins_and_micro_conditions_match_diffusers() {
+    // The Alpha folder with the sample_size 128 transformer, as the golden script ran it.
+    let golden = Golden::load("tiny-pixart-alpha-1024");
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    copy_dir(&model_dir(NAME), &model);
+    std::fs::remove_dir_all(model.join("transformer")).unwrap();
+    copy_dir(
+        &common::fixtures().join("tiny-pixart-transformer-1024"),
+        &model.join("transformer"),
+    );
+    let device = Default::default();
+    let mut pipe = PixArtPipeline::<B>::from_dir(&model, &LoadOptions::default(), &device).unwrap();
+    assert!(pipe.transformer.uses_micro_conditions());
+    let s = &golden.json["pipeline"];
+    let (values, shape) = golden.host("pipe.latents");
+    let shape: [usize; 4] = shape.try_into().unwrap();
+    let req = PixArtRequest {
+        common: GenerateRequest {
+            prompts: vec![s["prompt"].as_str().unwrap().into()],
+            num_inference_steps: s["num_inference_steps"].as_u64().unwrap() as usize,
+            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+            width: Some(s["width"].as_u64().unwrap() as usize),
+            height: Some(s["height"].as_u64().unwrap() as usize),
+            latents: Some(Tensor::from_data(TensorData::new(values, shape), &device)),
+            output: OutputType::Latents,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let binned = (
+        golden.json["binned_width"].as_u64().unwrap() as usize,
+        golden.json["binned_height"].as_u64().unwrap() as usize,
+    );
+    assert_eq!(
+        pipe.sizes(&req).unwrap().1,
+        binned,
+        "the 1024 bin of 1000x760"
+    );
+    let out = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
+    assert!(out.images.is_none());
+    assert_close(&golden, "pipe.final", out.latents, TOL);
 }

@@ -14,6 +14,8 @@ Writes:
   tests/fixtures/golden/tiny-pixart-alpha.png      the final image of the pipeline run
   tests/fixtures/golden/tiny-pixart-sigma.*        the same components as a PixArtSigmaPipeline
                                                    (its default 300 tokens), run at 256x256
+  tests/fixtures/golden/tiny-pixart-alpha-1024.*   the Alpha folder with the 1024 transformer:
+                                                   1024 bins and micro-conditions, 2 steps
 
 The T5 tokenizer is a real one (t5-v1_1's 32100-piece unigram vocabulary) taken from the
 stable-diffusion-cpp-python sdist on PyPI (see README.md). Everything is seeded and every file
@@ -396,6 +398,44 @@ def golden_sigma(alpha_folder):
     save_json(os.path.join(GOLDEN, f"{name}.json"), info)
 
 
+def golden_alpha_1024(alpha_folder, transformer_1024_dir):
+    """The Alpha folder with the sample_size 128 transformer: the 1024 bins and the
+    micro-conditions the pipeline passes; two steps (diffusers fails on one with DPM-Solver),
+    the final latents only (no 1152x896 VAE decode; each latent tensor is 258 KB)."""
+    name = "tiny-pixart-alpha-1024"
+    tmp = os.path.join(GOLDEN, ".tmp-alpha-1024")
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    shutil.copytree(alpha_folder, tmp)
+    shutil.rmtree(os.path.join(tmp, "transformer"))
+    shutil.copytree(transformer_1024_dir, os.path.join(tmp, "transformer"))
+    pipe = PixArtAlphaPipeline.from_pretrained(tmp, local_files_only=True, torch_dtype=torch.float32)
+    shutil.rmtree(tmp)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.transformer.config.sample_size == 128
+    from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import ASPECT_RATIO_1024_BIN
+
+    s = {"prompt": "a lighthouse", "height": 1000, "width": 760, "num_inference_steps": 2, "guidance_scale": 4.5}
+    bh, bw = pipe.image_processor.classify_height_width_bin(s["height"], s["width"], ASPECT_RATIO_1024_BIN)
+    latents = torch.randn((1, 4, bh // 8, bw // 8), generator=gen(SEED + 30))
+    steps = []
+    with torch.no_grad():
+        out = pipe(
+            prompt=s["prompt"], num_inference_steps=s["num_inference_steps"],
+            guidance_scale=s["guidance_scale"], height=s["height"], width=s["width"],
+            latents=latents.clone(), output_type="latent", clean_caption=False,
+            callback=lambda i, t, lat: steps.append((int(t), lat.detach().clone())), callback_steps=1,
+        ).images
+    assert torch.equal(out, steps[-1][1])
+    tensors = {"pipe.latents": latents, "pipe.final": steps[-1][1]}
+    info = {
+        "name": name, "pipeline": s, "binned_height": bh, "binned_width": bw,
+        "timesteps": [t for t, _ in steps], "keys": sorted(tensors),
+    }
+    save_canonical(os.path.join(GOLDEN, f"{name}.safetensors"), tensors)
+    save_json(os.path.join(GOLDEN, f"{name}.json"), info)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--t5-tokenizer", default=DEFAULT_TOKENIZER, help="a T5 tokenizer.json")
@@ -440,6 +480,7 @@ def main():
 
     golden(out, pipe, tr_dir)
     golden_sigma(out)
+    golden_alpha_1024(out, tr_dir)
     print(f"wrote {out}, {tr_dir} and golden/{NAME}.*")
 
 
