@@ -475,3 +475,128 @@ fn ctrl_c_stops_after_the_current_step_writes_nothing_and_exits_130() {
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn pixart_folder_is_recognised_and_its_png_matches_diffusers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = Golden::load("tiny-pixart-alpha");
+    let (values, shape) = golden.host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    write_npy(&latents, &values, &shape);
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-pixart-alpha");
+    let s = &golden.json["pipeline"];
+    let (model, latents, out_str) = (
+        model.to_str().unwrap(),
+        latents.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    // The defaults (20 steps, 4.5, 120 tokens, binning on) except the step count and size.
+    let result = txt2img(
+        &[
+            "--model",
+            model,
+            "--latents",
+            latents,
+            "--steps",
+            "4",
+            "--width",
+            "128",
+            "--height",
+            "200",
+            "--quiet",
+            "-o",
+            out_str,
+            s["prompt"].as_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, "tiny-pixart-alpha.png", 2);
+
+    // Without binning the golden latents (made for the 304x208 bin) do not fit 200x128.
+    let again = tmp.path().join("again.png");
+    let result = txt2img(
+        &[
+            "--model",
+            model,
+            "--latents",
+            latents,
+            "--steps",
+            "4",
+            "--width",
+            "128",
+            "--height",
+            "208",
+            "--no-resolution-binning",
+            "--max-sequence-length",
+            "64",
+            "--quiet",
+            "-o",
+            again.to_str().unwrap(),
+            "a prompt",
+        ],
+        &[],
+    );
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("[1, 4, 26, 16]"),
+        "{}",
+        stderr(&result)
+    );
+    assert!(!again.exists());
+
+    // A prompt longer than --max-sequence-length is cut, with a warning naming what is lost.
+    let result = txt2img(
+        &[
+            "--model",
+            model,
+            "--steps",
+            "1",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--no-resolution-binning",
+            "--max-sequence-length",
+            "8",
+            "--quiet",
+            "-o",
+            again.to_str().unwrap(),
+            "a photo of an astronaut riding a horse on the moon",
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let log = stderr(&result);
+    assert!(
+        log.contains("longer than 8 T5 tokens") && log.contains("horse on the moon"),
+        "{log}"
+    );
+    assert!(again.exists());
+}
+
+#[test]
+fn pixart_options_on_a_stable_diffusion_model_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-sd1");
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--no-resolution-binning",
+            "-o",
+            out.to_str().unwrap(),
+            "a prompt",
+        ],
+        &[],
+    );
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("apply to PixArt models"),
+        "{}",
+        stderr(&result)
+    );
+}

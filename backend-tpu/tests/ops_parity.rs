@@ -526,3 +526,42 @@ fn int_and_bool_ops_match_cpu() {
             + a.bool_or(b).float() * 4.0
     });
 }
+
+/// The ops the PixArt/T5 path adds: tanh GELU (`x^3` of negative inputs), and attention with a
+/// padding-mask bias broadcast from `[batch, 1, 1, seq]` holding T5's `f32::MIN` and PixArt's
+/// `-10000`, added to a per-head position bias.
+#[test]
+fn pixart_t5_ops_match_cpu() {
+    check("gelu_approximate", F32_TOL, |d| {
+        burn::tensor::activation::gelu_approximate(input(1200, [2, 3, 16], d).mul_scalar(3.0))
+    });
+    check("powf_scalar 3 of negative values", F32_TOL, |d| {
+        input(1201, [4, 16], d).powf_scalar(3.0)
+    });
+    for (i, masked) in [f32::MIN, -10000.0].into_iter().enumerate() {
+        let seed = 1210 + 10 * i as u64;
+        check("attention padding-mask bias", F32_TOL, |d| {
+            // Batch row 0 keeps 5 of 7 keys, row 1 keeps 2.
+            let keep = [5usize, 2];
+            let mask: Vec<f32> = keep
+                .iter()
+                .flat_map(|&k| (0..7).map(move |j| if j < k { 0.0 } else { masked }))
+                .collect();
+            let mask = Tensor::<Oxi, 2>::from_data(TensorData::new(mask, [2, 7]), d)
+                .reshape([2, 1, 1, 7])
+                .expand([2, 3, 5, 7]);
+            let position = input(seed + 3, [1, 3, 5, 7], d).expand([2, 3, 5, 7]);
+            attention(
+                input(seed, [2, 3, 5, 8], d),
+                input(seed + 1, [2, 3, 7, 8], d),
+                input(seed + 2, [2, 3, 7, 4], d),
+                None,
+                Some(position + mask),
+                AttentionModuleOptions {
+                    scale: Some(1.0),
+                    ..Default::default()
+                },
+            )
+        });
+    }
+}

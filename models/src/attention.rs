@@ -23,16 +23,41 @@ pub fn multi_head_attention<B: Backend>(
     heads: usize,
     causal: bool,
 ) -> Tensor<B, 3> {
+    attend(q, k, v, heads, causal, None)
+}
+
+/// [`multi_head_attention`] with an additive bias on the logits, broadcast from
+/// `[batch, 1, 1, seq_kv]` (a padding mask) or given per head and query.
+pub fn multi_head_attention_with_bias<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    heads: usize,
+    bias: Tensor<B, 4>,
+) -> Tensor<B, 3> {
+    attend(q, k, v, heads, false, Some(bias))
+}
+
+fn attend<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    heads: usize,
+    causal: bool,
+    bias: Option<Tensor<B, 4>>,
+) -> Tensor<B, 3> {
     let [b, s_q, inner] = q.dims();
     let s_kv = k.dims()[1];
     let head_dim = inner / heads;
     let split = |t: Tensor<B, 3>, s: usize| t.reshape([b, s, heads, head_dim]).swap_dims(1, 2);
+    // Backends take the bias in the full `[batch, heads, seq_q, seq_kv]` shape.
+    let bias = bias.map(|bias| bias.expand([b, heads, s_q, s_kv]));
     let out = attention(
         split(q, s_q),
         split(k, s_kv),
         split(v, s_kv),
         None,
-        None,
+        bias,
         AttentionModuleOptions {
             scale: Some(1.0 / (head_dim as f64).sqrt()),
             softcap: None,
@@ -88,12 +113,23 @@ impl<B: Backend> Attention<B> {
 
     /// Attention over a sequence `[batch, seq, dim]`; `context` is the cross-attention input.
     pub fn forward(&self, x: Tensor<B, 3>, context: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
+        self.forward_with_bias(x, context, None)
+    }
+
+    /// [`forward`](Self::forward) with an additive logit bias, e.g. diffusers'
+    /// `encoder_attention_mask` as `(1 - mask) * -10000` of shape `[batch, 1, 1, seq_kv]`.
+    pub fn forward_with_bias(
+        &self,
+        x: Tensor<B, 3>,
+        context: Option<Tensor<B, 3>>,
+        bias: Option<Tensor<B, 4>>,
+    ) -> Tensor<B, 3> {
         let context = context.unwrap_or_else(|| x.clone());
         let q = self.to_q.forward(x);
         let k = self.to_k.forward(context.clone());
         let v = self.to_v.forward(context);
         self.to_out
-            .forward(multi_head_attention(q, k, v, self.heads, false))
+            .forward(attend(q, k, v, self.heads, false, bias))
     }
 
     /// Spatial self-attention over `[batch, channels, h, w]` with group norm and residual, as the
@@ -111,29 +147,77 @@ impl<B: Backend> Attention<B> {
     }
 }
 
-/// diffusers' `FeedForward` with the GEGLU activation (`ff.net.0.proj`, `ff.net.2`).
+/// The activation of a [`FeedForward`] (`activation_fn` in diffusers' configs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FeedForwardActivation {
+    /// `geglu`: `net.0.proj` gives value and gate, `value * gelu(gate)`.
+    Geglu,
+    /// `gelu`: exact GELU after `net.0.proj`.
+    Gelu,
+    /// `gelu-approximate`: tanh GELU after `net.0.proj` (PixArt, SD3, Flux).
+    GeluTanh,
+}
+
+impl FeedForwardActivation {
+    /// Parses diffusers' `activation_fn`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "geglu" => Self::Geglu,
+            "gelu" => Self::Gelu,
+            "gelu-approximate" => Self::GeluTanh,
+            _ => return None,
+        })
+    }
+}
+
+/// diffusers' `FeedForward` (`ff.net.0.proj`, `ff.net.2`).
 #[derive(Module, Debug)]
 pub struct FeedForward<B: Backend> {
     pub proj_in: Linear<B>,
     pub proj_out: Linear<B>,
+    #[module(skip)]
+    pub act: FeedForwardActivation,
 }
 
 impl<B: Backend> FeedForward<B> {
+    /// The UNet's GEGLU feed-forward with inner width `dim * mult`.
     pub fn load(vb: &VarBuilder<B>, dim: usize, mult: usize) -> Result<Self> {
-        let inner = dim * mult;
+        Self::load_with(vb, dim, dim * mult, FeedForwardActivation::Geglu)
+    }
+
+    /// A feed-forward of inner width `inner` with the given activation.
+    pub fn load_with(
+        vb: &VarBuilder<B>,
+        dim: usize,
+        inner: usize,
+        act: FeedForwardActivation,
+    ) -> Result<Self> {
+        let proj_width = match act {
+            FeedForwardActivation::Geglu => inner * 2,
+            _ => inner,
+        };
         Ok(Self {
-            proj_in: Linear::load(&vb.pp("net.0.proj"), dim, inner * 2, true)?,
+            proj_in: Linear::load(&vb.pp("net.0.proj"), dim, proj_width, true)?,
             proj_out: Linear::load(&vb.pp("net.2"), inner, dim, true)?,
+            act,
         })
     }
 
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let projected = self.proj_in.forward(x);
-        let inner = projected.dims()[2] / 2;
-        let hidden = projected.clone().narrow(2, 0, inner);
-        let gate = projected.narrow(2, inner, inner);
-        self.proj_out
-            .forward(hidden * burn::tensor::activation::gelu(gate))
+        let hidden = match self.act {
+            FeedForwardActivation::Geglu => {
+                let inner = projected.dims()[2] / 2;
+                let hidden = projected.clone().narrow(2, 0, inner);
+                let gate = projected.narrow(2, inner, inner);
+                hidden * burn::tensor::activation::gelu(gate)
+            }
+            FeedForwardActivation::Gelu => burn::tensor::activation::gelu(projected),
+            FeedForwardActivation::GeluTanh => {
+                burn::tensor::activation::gelu_approximate(projected)
+            }
+        };
+        self.proj_out.forward(hidden)
     }
 }
 

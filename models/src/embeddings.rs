@@ -71,3 +71,197 @@ impl<B: Backend> TimestepEmbedding<B> {
             .forward(self.act.forward(self.linear_1.forward(x)))
     }
 }
+
+/// diffusers' `get_2d_sincos_pos_embed` for a `grid_h x grid_w` patch grid: `[grid_h * grid_w,
+/// dim]`, row-major over the grid, the first half of each row encoding the column and the
+/// second half the row. Positions are `i / (grid / base_size) / interpolation_scale` in f32,
+/// the sines in f64, as diffusers computes them.
+pub fn sincos_pos_embed_2d(
+    dim: usize,
+    grid_h: usize,
+    grid_w: usize,
+    base_size: usize,
+    interpolation_scale: f64,
+) -> Vec<f32> {
+    let coords = |n: usize| -> Vec<f32> {
+        let step = (n as f64 / base_size as f64) as f32;
+        (0..n)
+            .map(|i| i as f32 / step / interpolation_scale as f32)
+            .collect()
+    };
+    let (rows, cols) = (coords(grid_h), coords(grid_w));
+    let quarter = dim / 4;
+    let omega: Vec<f64> = (0..quarter)
+        .map(|i| 1.0 / 10000f64.powf(i as f64 / (dim as f64 / 4.0)))
+        .collect();
+    let mut out = Vec::with_capacity(grid_h * grid_w * dim);
+    for &row in &rows {
+        for &col in &cols {
+            for pos in [col, row] {
+                let pos = f64::from(pos);
+                out.extend(omega.iter().map(|w| (pos * w).sin() as f32));
+                out.extend(omega.iter().map(|w| (pos * w).cos() as f32));
+            }
+        }
+    }
+    out
+}
+
+/// diffusers' `PatchEmbed` as PixArt uses it: a `patch x patch` convolution with stride
+/// `patch` (`proj`), flattened to tokens, plus the 2D sincos position embedding of the grid
+/// (computed for the input's own size, not stored in checkpoints).
+#[derive(Module, Debug)]
+pub struct PatchEmbed<B: Backend> {
+    pub proj: crate::nn::Conv2d<B>,
+    pub patch_size: usize,
+    /// The native grid side, `sample_size / patch_size`: positions are scaled to it.
+    pub base_size: usize,
+    pub interpolation_scale: f64,
+}
+
+impl<B: Backend> PatchEmbed<B> {
+    pub fn load(
+        vb: &VarBuilder<B>,
+        in_channels: usize,
+        dim: usize,
+        patch_size: usize,
+        sample_size: usize,
+        interpolation_scale: f64,
+    ) -> Result<Self> {
+        let spec = crate::nn::ConvSpec {
+            c_in: in_channels,
+            c_out: dim,
+            kernel: patch_size,
+            stride: patch_size,
+            padding: 0,
+        };
+        Ok(Self {
+            proj: crate::nn::Conv2d::load(&vb.pp("proj"), spec)?,
+            patch_size,
+            base_size: (sample_size / patch_size).max(1),
+            interpolation_scale,
+        })
+    }
+
+    /// `[batch, c, h, w]` latents to `[batch, (h / p) * (w / p), dim]` tokens.
+    pub fn forward(&self, latent: Tensor<B, 4>) -> Tensor<B, 3> {
+        let x = self.proj.forward(latent);
+        let [b, dim, gh, gw] = x.dims();
+        let tokens = x.reshape([b, dim, gh * gw]).swap_dims(1, 2);
+        let pos = sincos_pos_embed_2d(dim, gh, gw, self.base_size, self.interpolation_scale);
+        let pos = Tensor::<B, 2>::from_data(TensorData::new(pos, [gh * gw, dim]), &tokens.device());
+        tokens + pos.unsqueeze::<3>()
+    }
+}
+
+/// diffusers' `PixArtAlphaTextProjection`: `linear_1`, tanh GELU, `linear_2`.
+#[derive(Module, Debug)]
+pub struct PixArtAlphaTextProjection<B: Backend> {
+    pub linear_1: Linear<B>,
+    pub linear_2: Linear<B>,
+}
+
+impl<B: Backend> PixArtAlphaTextProjection<B> {
+    pub fn load(vb: &VarBuilder<B>, in_features: usize, hidden: usize) -> Result<Self> {
+        Ok(Self {
+            linear_1: Linear::load(&vb.pp("linear_1"), in_features, hidden, true)?,
+            linear_2: Linear::load(&vb.pp("linear_2"), hidden, hidden, true)?,
+        })
+    }
+
+    pub fn forward(&self, caption: Tensor<B, 3>) -> Tensor<B, 3> {
+        let h = burn::tensor::activation::gelu_approximate(self.linear_1.forward(caption));
+        self.linear_2.forward(h)
+    }
+}
+
+/// PixArt-Alpha's micro-conditions: the image resolution `[batch, 2]` (height, width) and
+/// aspect ratio `[batch, 1]` of the 1024px models.
+#[derive(Debug, Clone)]
+pub struct MicroConditions<B: Backend> {
+    pub resolution: Tensor<B, 2>,
+    pub aspect_ratio: Tensor<B, 2>,
+}
+
+/// The size embedders of `PixArtAlphaCombinedTimestepSizeEmbeddings` (`resolution_embedder`,
+/// `aspect_ratio_embedder`), present when `use_additional_conditions`.
+#[derive(Module, Debug)]
+pub struct SizeEmbedders<B: Backend> {
+    pub additional_condition_proj: Timesteps<B>,
+    pub resolution_embedder: TimestepEmbedding<B>,
+    pub aspect_ratio_embedder: TimestepEmbedding<B>,
+}
+
+/// diffusers' `PixArtAlphaCombinedTimestepSizeEmbeddings`: the timestep embedding, plus the
+/// embedded micro-conditions when the model has them.
+#[derive(Module, Debug)]
+pub struct PixArtAlphaCombinedTimestepSizeEmbeddings<B: Backend> {
+    pub time_proj: Timesteps<B>,
+    pub timestep_embedder: TimestepEmbedding<B>,
+    pub sizes: Option<SizeEmbedders<B>>,
+}
+
+impl<B: Backend> PixArtAlphaCombinedTimestepSizeEmbeddings<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize, use_additional_conditions: bool) -> Result<Self> {
+        let device = vb.device();
+        let sizes = if use_additional_conditions {
+            let size_dim = dim / 3;
+            Some(SizeEmbedders {
+                additional_condition_proj: Timesteps::new(256, true, 0.0, device),
+                resolution_embedder: TimestepEmbedding::load(
+                    &vb.pp("resolution_embedder"),
+                    256,
+                    size_dim,
+                    Activation::Silu,
+                )?,
+                aspect_ratio_embedder: TimestepEmbedding::load(
+                    &vb.pp("aspect_ratio_embedder"),
+                    256,
+                    size_dim,
+                    Activation::Silu,
+                )?,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            time_proj: Timesteps::new(256, true, 0.0, device),
+            timestep_embedder: TimestepEmbedding::load(
+                &vb.pp("timestep_embedder"),
+                256,
+                dim,
+                Activation::Silu,
+            )?,
+            sizes,
+        })
+    }
+
+    /// `timestep` `[batch]` to `[batch, dim]`, plus the embedded `conditions` when the model
+    /// has size embedders (callers check they are given: [`Self::needs_conditions`]).
+    pub fn forward(
+        &self,
+        timestep: Tensor<B, 1>,
+        conditions: Option<&MicroConditions<B>>,
+    ) -> Tensor<B, 2> {
+        let emb = self
+            .timestep_embedder
+            .forward(self.time_proj.forward(timestep));
+        let (Some(sizes), Some(cond)) = (&self.sizes, conditions) else {
+            return emb;
+        };
+        let batch = emb.dims()[0];
+        let embed = |values: Tensor<B, 2>, embedder: &TimestepEmbedding<B>| {
+            let flat = values.flatten::<1>(0, 1);
+            let projected = sizes.additional_condition_proj.forward(flat);
+            embedder.forward(projected).reshape([batch as i64, -1])
+        };
+        let resolution = embed(cond.resolution.clone(), &sizes.resolution_embedder);
+        let aspect = embed(cond.aspect_ratio.clone(), &sizes.aspect_ratio_embedder);
+        emb + Tensor::cat(vec![resolution, aspect], 1)
+    }
+
+    /// Whether the model embeds micro-conditions (and so needs them).
+    pub fn needs_conditions(&self) -> bool {
+        self.sizes.is_some()
+    }
+}

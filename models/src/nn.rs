@@ -217,3 +217,10 @@ impl Activation {
         }
     }
 }
+
+/// Layer norm over the last dimension without learned parameters
+/// (`elementwise_affine=False`), as the diffusion transformers' adaptive norms use it.
+pub fn layer_norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
+    let (var, mean) = x.clone().var_mean_bias(D - 1);
+    x.sub(mean).div(var.add_scalar(eps).sqrt())
+}

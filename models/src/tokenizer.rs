@@ -210,3 +210,128 @@ impl ClipTokenizer {
         Ok(text.replace("</w>", " ").trim_end().to_string())
     }
 }
+
+/// One prompt for an encoder that masks padding (T5): ids padded to a fixed length and the
+/// mask of real tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MaskedTokens {
+    pub ids: Vec<u32>,
+    /// 1 for each token of the prompt (its end token included), 0 for padding.
+    pub attention_mask: Vec<u32>,
+    /// How many tokens the prompt has before truncation, its end token included.
+    pub untruncated_len: usize,
+}
+
+impl MaskedTokens {
+    /// True when the prompt was cut to fit.
+    pub fn truncated(&self) -> bool {
+        self.untruncated_len > self.ids.len()
+    }
+}
+
+/// The T5 tokenizer (a SentencePiece unigram model) from a checkpoint's `tokenizer.json`, with
+/// transformers' `T5TokenizerFast` framing: the tokens, then `</s>`, then `<pad>` padding.
+#[derive(Debug, Clone)]
+pub struct T5Tokenizer {
+    tokenizer: Tokenizer,
+    eos: u32,
+    pad: u32,
+    dir: PathBuf,
+}
+
+impl T5Tokenizer {
+    /// Reads a `tokenizer` folder: `tokenizer.json`, with `tokenizer_config.json` for the names
+    /// of the end and padding tokens.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let err = |reason: String| ModelError::Tokenizer {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let json = dir.join("tokenizer.json");
+        if !json.is_file() {
+            let hint = if dir.join("spiece.model").is_file() {
+                "the folder has only the SentencePiece file spiece.model; write tokenizer.json next \
+                 to it once with transformers: `T5TokenizerFast.from_pretrained(dir).save_pretrained(dir)`"
+            } else {
+                "tokenizer.json not found; is this the `tokenizer` folder of a diffusers checkpoint?"
+            };
+            return Err(err(hint.into()));
+        }
+        let tokenizer =
+            Tokenizer::from_file(&json).map_err(|e| err(format!("tokenizer.json: {e}")))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config: TokenizerConfig = if config_path.is_file() {
+            load_json(&config_path)?
+        } else {
+            TokenizerConfig::default()
+        };
+        let name = |spec: &Option<TokenSpec>, default: &str| {
+            spec.as_ref()
+                .map(|s| s.content().to_string())
+                .unwrap_or_else(|| default.to_string())
+        };
+        let id = |token: &str| {
+            tokenizer
+                .token_to_id(token)
+                .ok_or_else(|| err(format!("token `{token}` is not in the vocabulary")))
+        };
+        Ok(Self {
+            eos: id(&name(&config.eos_token, "</s>"))?,
+            pad: id(&name(&config.pad_token, "<pad>"))?,
+            tokenizer,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn pad_id(&self) -> u32 {
+        self.pad
+    }
+
+    pub fn eos_id(&self) -> u32 {
+        self.eos
+    }
+
+    /// Token ids of `text` without the end token or padding.
+    pub fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| ModelError::Tokenizer {
+                path: self.dir.clone(),
+                reason: e.to_string(),
+            })?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// `tokens </s>`, truncated to `max_length` (keeping `</s>`) and padded with `<pad>`, as
+    /// `tokenizer(text, padding="max_length", max_length=.., truncation=True)` gives.
+    pub fn encode(&self, text: &str, max_length: usize) -> Result<MaskedTokens> {
+        if max_length == 0 {
+            return Err(ModelError::Input(
+                "the maximum sequence length must be at least 1".into(),
+            ));
+        }
+        let tokens = self.tokenize(text)?;
+        let untruncated_len = tokens.len() + 1;
+        let mut ids: Vec<u32> = tokens.into_iter().take(max_length - 1).collect();
+        ids.push(self.eos);
+        let mut attention_mask = vec![1; ids.len()];
+        attention_mask.resize(max_length, 0);
+        ids.resize(max_length, self.pad);
+        Ok(MaskedTokens {
+            ids,
+            attention_mask,
+            untruncated_len,
+        })
+    }
+
+    /// Turns ids back into text (special tokens dropped), for messages about cut prompts.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| ModelError::Tokenizer {
+                path: self.dir.clone(),
+                reason: e.to_string(),
+            })
+    }
+}

@@ -14,8 +14,9 @@ pub enum PipelineError {
     #[error("model `{spec}` not found: {hint}")]
     ModelNotFound { spec: String, hint: String },
     #[error(
-        "{dir} has no `{component}` folder; a diffusers Stable Diffusion folder has \
-         model_index.json plus text_encoder/, tokenizer/, unet/, vae/ and scheduler/"
+        "{dir} has no `{component}` folder; a diffusers pipeline folder has \
+         model_index.json plus one folder per component it lists (for Stable Diffusion \
+         text_encoder/, tokenizer/, unet/, vae/ and scheduler/)"
     )]
     MissingComponent { dir: PathBuf, component: String },
     #[error("{path}: pipeline class `{class}` is not supported ({supported})")]

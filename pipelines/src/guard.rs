@@ -93,6 +93,30 @@ pub fn ensure_finite<B: Backend, const D: usize>(t: &Tensor<B, D>, stage: Stage)
     }
 }
 
+/// After a denoising step: fails when the new `latents` are not finite, naming the denoiser when
+/// its `prediction` was already broken and the scheduler otherwise. One check per step; the
+/// second only runs on failure.
+pub fn check_step<B: Backend>(
+    latents: &Tensor<B, 4>,
+    prediction: &Tensor<B, 4>,
+    step: usize,
+    timestep: f64,
+    scheduler: &str,
+) -> Result<()> {
+    if is_finite(latents)? {
+        return Ok(());
+    }
+    Err(fault(if is_finite(prediction)? {
+        Stage::Scheduler {
+            step,
+            timestep,
+            scheduler: scheduler.to_string(),
+        }
+    } else {
+        Stage::Denoiser { step, timestep }
+    }))
+}
+
 /// The error for a non-finite value found at `stage`.
 pub fn fault(stage: Stage) -> PipelineError {
     PipelineError::NonFinite {

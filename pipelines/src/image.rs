@@ -110,3 +110,58 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     }
     result.map_err(err)
 }
+
+/// diffusers' `resize_and_crop_tensor`: scales `[n, c, h, w]` images so they cover
+/// `width x height` (bilinear, `align_corners=False`, no antialiasing, as
+/// `F.interpolate`), then crops the centre. Runs on the host; PixArt's resolution binning uses
+/// it to return the requested size.
+pub fn resize_and_crop<B: Backend>(
+    images: Tensor<B, 4>,
+    width: usize,
+    height: usize,
+) -> Result<Tensor<B, 4>> {
+    let [n, c, in_h, in_w] = images.dims();
+    if (in_h, in_w) == (height, width) {
+        return Ok(images);
+    }
+    let device = images.device();
+    let data = images
+        .into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| PipelineError::InvalidInput(format!("reading the image back: {e:?}")))?;
+    let ratio = (height as f64 / in_h as f64).max(width as f64 / in_w as f64);
+    let (out_w, out_h) = (
+        (in_w as f64 * ratio) as usize,
+        (in_h as f64 * ratio) as usize,
+    );
+    // PyTorch's source index for `size=`: (dst + 0.5) * in / out - 0.5, clamped at 0, in f32.
+    let taps = |out: usize, inp: usize| -> Vec<(usize, usize, f32)> {
+        let scale = inp as f32 / out as f32;
+        (0..out)
+            .map(|d| {
+                let src = ((d as f32 + 0.5) * scale - 0.5).max(0.0);
+                let i0 = (src as usize).min(inp - 1);
+                let i1 = (i0 + 1).min(inp - 1);
+                (i0, i1, src - i0 as f32)
+            })
+            .collect()
+    };
+    let (rows, cols) = (taps(out_h, in_h), taps(out_w, in_w));
+    let (top, left) = ((out_h - height) / 2, (out_w - width) / 2);
+    let mut out = Vec::with_capacity(n * c * height * width);
+    for plane in data.chunks_exact(in_h * in_w) {
+        for &(y0, y1, ly) in &rows[top..top + height] {
+            for &(x0, x1, lx) in &cols[left..left + width] {
+                let at = |y: usize, x: usize| plane[y * in_w + x];
+                let upper = (1.0 - lx) * at(y0, x0) + lx * at(y0, x1);
+                let lower = (1.0 - lx) * at(y1, x0) + lx * at(y1, x1);
+                out.push((1.0 - ly) * upper + ly * lower);
+            }
+        }
+    }
+    Ok(Tensor::from_data(
+        burn::tensor::TensorData::new(out, [n, c, height, width]),
+        &device,
+    ))
+}

@@ -8,14 +8,22 @@ pub mod error;
 pub mod guard;
 pub mod hub;
 pub mod image;
+pub mod loading;
 pub mod metadata;
+pub mod pixart;
+pub mod pixart_bins;
 pub mod stable_diffusion;
 
 pub use error::{PipelineError, Result};
 pub use guard::CancelToken;
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
+pub use loading::pipeline_class;
 pub use metadata::GenerationParameters;
+pub use pixart::{
+    PixArtAlphaPipeline, PixArtDenoiser, PixArtPipeline, PixArtRequest, PixArtSigmaPipeline,
+    PixArtVariant, PIXART_CLASSES,
+};
 pub use stable_diffusion::{
     Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
     StepInfo,

@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
-use oxidiff_models::config::load_json;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, ClipTokenizer, ToDevice, UNet2DConditionConfig,
     UNet2DConditionModel,
@@ -17,7 +16,6 @@ use oxidiff_models::{
 use oxidiff_schedulers::{
     scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator,
 };
-use serde::Deserialize;
 
 use crate::error::{PipelineError, Result};
 use crate::guard::{self, CancelToken, Stage};
@@ -107,12 +105,6 @@ pub struct PipelineOutput<B: Backend> {
     pub images: Option<Images>,
 }
 
-#[derive(Debug, Deserialize)]
-struct ModelIndex {
-    #[serde(rename = "_class_name")]
-    class_name: String,
-}
-
 /// The denoiser call `unet(sample, timestep, context)` run some other way than eagerly, e.g. as
 /// one compiled XLA program ([`StableDiffusionPipeline::compile`]).
 pub trait Denoiser<B: Backend> {
@@ -155,34 +147,8 @@ impl<B: Backend> StableDiffusionPipeline<B> {
 
     /// Loads a diffusers-format pipeline folder.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
-        let index_path = dir.join("model_index.json");
-        if !index_path.is_file() {
-            return Err(PipelineError::ModelNotFound {
-                spec: dir.display().to_string(),
-                hint: "the folder has no model_index.json; point at the root of a diffusers \
-                       pipeline folder"
-                    .into(),
-            });
-        }
-        let index: ModelIndex = load_json(&index_path)?;
-        if !SUPPORTED_CLASSES.contains(&index.class_name.as_str()) {
-            return Err(PipelineError::UnsupportedPipeline {
-                path: index_path,
-                class: index.class_name,
-                supported: SUPPORTED_CLASSES.join(", "),
-            });
-        }
-        let component = |name: &str| -> Result<PathBuf> {
-            let path = dir.join(name);
-            if path.is_dir() {
-                Ok(path)
-            } else {
-                Err(PipelineError::MissingComponent {
-                    dir: dir.to_path_buf(),
-                    component: name.to_string(),
-                })
-            }
-        };
+        crate::loading::check_pipeline_class(dir, &SUPPORTED_CLASSES)?;
+        let component = |name: &str| crate::loading::component(dir, name);
         let variant = options.variant.as_deref();
         let tokenizer = ClipTokenizer::from_dir(&component("tokenizer")?)?;
         let text_encoder =
@@ -194,12 +160,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let vae_config =
             oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
         let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
-        let scheduler_path = component("scheduler")?.join("scheduler_config.json");
-        let mut scheduler_config = SchedulerConfig::from_file(&scheduler_path)?;
-        if let Some(name) = &options.scheduler {
-            scheduler_config = scheduler_config.switched_to_named(name)?;
-        }
-        let scheduler = scheduler_from_config(&scheduler_config)?;
+        let (scheduler_config, scheduler) = crate::loading::load_scheduler(dir, options)?;
         let sample_size = match &unet_config.sample_size {
             Some(oxidiff_models::config::PerBlock::One(s)) => *s,
             Some(oxidiff_models::config::PerBlock::Each(v)) => v.first().copied().unwrap_or(64),
@@ -292,39 +253,8 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     }
 
     fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
-        if req.prompts.is_empty() {
-            return Err(PipelineError::InvalidInput(
-                "the prompt list is empty".into(),
-            ));
-        }
-        let n = req.negative_prompts.len();
-        if n > 1 && n != req.prompts.len() {
-            return Err(PipelineError::InvalidInput(format!(
-                "{n} negative prompts for {} prompts: give one, or one per prompt",
-                req.prompts.len()
-            )));
-        }
-        if req.num_inference_steps == 0 {
-            return Err(PipelineError::InvalidInput(
-                "the number of steps must be at least 1".into(),
-            ));
-        }
-        if req.num_images_per_prompt == 0 {
-            return Err(PipelineError::InvalidInput(
-                "images per prompt must be at least 1".into(),
-            ));
-        }
         let default = self.default_size();
-        let (w, h) = (req.width.unwrap_or(default), req.height.unwrap_or(default));
-        let f = self.vae_scale_factor;
-        if w == 0 || h == 0 || w % f != 0 || h % f != 0 {
-            return Err(PipelineError::InvalidInput(format!(
-                "width and height must be positive multiples of {f}, got {w}x{h}; try {}x{}",
-                (w.max(f) / f) * f,
-                (h.max(f) / f) * f
-            )));
-        }
-        Ok((w, h))
+        crate::loading::check_request(req, (default, default), self.vae_scale_factor)
     }
 
     /// Generates with the default generator seeded by `req.seed`.
@@ -347,11 +277,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
 
         let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
         let context = if cfg {
-            let negatives: Vec<String> = match req.negative_prompts.len() {
-                0 => vec![String::new(); req.prompts.len()],
-                1 => vec![req.negative_prompts[0].clone(); req.prompts.len()],
-                _ => req.negative_prompts.clone(),
-            };
+            let negatives = crate::loading::negatives_for(req);
             let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
             Tensor::cat(vec![negative_embeds, prompt_embeds], 0)
         } else {
@@ -367,20 +293,14 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             height / self.vae_scale_factor,
             width / self.vae_scale_factor,
         ];
-        let latents = match &req.latents {
-            Some(l) => {
-                if l.dims() != shape {
-                    return Err(PipelineError::InvalidInput(format!(
-                        "initial latents have shape {:?}, expected {shape:?} for {batch} image(s) \
-                         of {width}x{height}",
-                        l.dims()
-                    )));
-                }
-                l.clone().to_device(&self.device)
-            }
-            None => noise.randn(shape, &self.device)?,
-        };
-        let mut latents = latents.mul_scalar(self.scheduler.init_noise_sigma());
+        let mut latents = crate::loading::initial_latents(
+            req,
+            shape,
+            (width, height),
+            noise,
+            self.scheduler.init_noise_sigma(),
+            &self.device,
+        )?;
 
         let timesteps = self.scheduler.timesteps().to_vec();
         for (step, &t) in timesteps.iter().enumerate() {
@@ -397,26 +317,14 @@ impl<B: Backend> StableDiffusionPipeline<B> {
                 None => self.unet.forward(model_input, timestep, context.clone()),
             };
             let noise_pred = if cfg {
-                let uncond = noise_pred.clone().narrow(0, 0, batch);
-                let text = noise_pred.narrow(0, batch, batch);
-                uncond.clone() + (text - uncond).mul_scalar(req.guidance_scale)
+                crate::loading::guide(noise_pred, batch, req.guidance_scale)
             } else {
                 noise_pred
             };
             let prediction = noise_pred.clone();
             latents = self.scheduler.step(noise_pred, t, latents, noise)?;
-            if !guard::is_finite(&latents)? {
-                let stage = if guard::is_finite(&prediction)? {
-                    Stage::Scheduler {
-                        step,
-                        timestep: t,
-                        scheduler: self.scheduler.kind().to_string(),
-                    }
-                } else {
-                    Stage::Denoiser { step, timestep: t }
-                };
-                return Err(guard::fault(stage));
-            }
+            let scheduler = self.scheduler.kind().class_name();
+            guard::check_step(&latents, &prediction, step, t, scheduler)?;
             callback(StepInfo {
                 step,
                 num_steps: timesteps.len(),

@@ -1,4 +1,5 @@
-//! `txt2img`: generate images from a prompt with a diffusers-format Stable Diffusion model.
+//! `txt2img`: generate images from a prompt with a diffusers-format model: Stable Diffusion
+//! 1.x/2.x or PixArt-Alpha/Sigma, picked by `model_index.json`'s `_class_name`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -10,8 +11,9 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
 use oxidiff::pipelines::{
-    CancelToken, GenerateRequest, GenerationParameters, LoadOptions, PipelineError,
-    StableDiffusionPipeline,
+    pipeline_class, resolve_model, CancelToken, GenerateRequest, GenerationParameters, Images,
+    LoadOptions, PipelineError, PixArtPipeline, PixArtRequest, StableDiffusionPipeline, StepInfo,
+    PIXART_CLASSES,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
@@ -25,7 +27,7 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, PixArt-Alpha/Sigma)"
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -44,16 +46,15 @@ struct Args {
     variant: Option<String>,
     #[arg(long)]
     negative_prompt: Option<String>,
-    /// Denoising steps (default: 1 for sd-turbo, else 50).
+    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, else 50).
     #[arg(long)]
     steps: Option<usize>,
     /// Classifier-free guidance scale; 1 or less disables guidance (default: 0 for sd-turbo,
-    /// else 7.5).
+    /// 4.5 for PixArt, else 7.5).
     #[arg(long)]
     guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
-    /// euler_a ("Euler a"), heun, lms, "DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE",
-    /// "DPM++ SDE", "DPM2", "DPM2 a", unipc, deis, lcm, tcd, flow_match_euler, flow_match_heun.
+    /// euler_a ("Euler a"), heun, lms, "DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE", unipc.
     #[arg(long)]
     scheduler: Option<String>,
     /// Seed of the noise generator (PyTorch's CPU generator: same seed, same latents as
@@ -79,10 +80,18 @@ struct Args {
     /// path. PJRT devices run in eager mode (each op compiled once, then cached).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Compiled mode: each UNet call is one XLA program, compiled once per image size and then
-    /// reused (needs a PJRT --device).
+    /// Compiled mode: each UNet (or PixArt transformer) call is one XLA program, compiled once
+    /// per image size and then reused (needs a PJRT --device).
     #[arg(long)]
     compile: bool,
+    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma); longer
+    /// prompts are cut with a warning.
+    #[arg(long)]
+    max_sequence_length: Option<usize>,
+    /// PixArt: generate at exactly --width x --height instead of the nearest trained aspect
+    /// ratio (diffusers' `use_resolution_binning=False`).
+    #[arg(long)]
+    no_resolution_binning: bool,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
@@ -154,11 +163,7 @@ fn run(mut args: Args) -> Result<()> {
             args.output.display()
         );
     }
-    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
-    let steps = args.steps.unwrap_or(if turbo { 1 } else { 50 });
-    let guidance = args.guidance.unwrap_or(if turbo { 0.0 } else { 7.5 });
     let seed = args.seed.unwrap_or_else(random_seed);
-
     let device: OxiDevice = args
         .device
         .parse()
@@ -168,13 +173,28 @@ fn run(mut args: Args) -> Result<()> {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
     };
-    let mut pipe = StableDiffusionPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
+    let dir = resolve_model(&args.model, args.variant.as_deref())
         .with_context(|| format!("loading {}", args.model))?;
-    if args.compile {
-        pipe.compile()?;
+    let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
+    let pixart = PIXART_CLASSES.contains(&class.as_str());
+    if !pixart && (args.max_sequence_length.is_some() || args.no_resolution_binning) {
+        bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models; {} is a {class}", args.model);
     }
-    let loaded = started.elapsed();
-
+    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
+    let steps = args.steps.unwrap_or(if turbo {
+        1
+    } else if pixart {
+        20
+    } else {
+        50
+    });
+    let guidance = args.guidance.unwrap_or(if turbo {
+        0.0
+    } else if pixart {
+        4.5
+    } else {
+        7.5
+    });
     let latents = match &args.latents {
         Some(path) => {
             let (values, shape) = read_latents(path)?;
@@ -204,6 +224,7 @@ fn run(mut args: Args) -> Result<()> {
         height: args.height,
         seed,
         latents,
+        cancel: Some(interrupt_token()?),
         ..Default::default()
     };
 
@@ -217,36 +238,55 @@ fn run(mut args: Args) -> Result<()> {
         );
         bar
     };
-    // Ctrl-C stops after the current step with nothing written; a second one exits at once.
-    let cancel = CancelToken::new();
-    let on_interrupt = cancel.clone();
-    ctrlc::set_handler(move || {
-        if on_interrupt.is_cancelled() {
-            std::process::exit(i32::from(INTERRUPTED));
-        }
-        on_interrupt.cancel();
-    })
-    .context("installing the Ctrl-C handler")?;
-    let request = GenerateRequest {
-        cancel: Some(cancel),
-        ..request
-    };
-    let mut generator = TorchCpuGenerator::new(seed);
-    let generated = Instant::now();
-    let output = pipe.generate_with(&request, &mut generator, |info| {
+    let progress = |info: StepInfo<'_, Oxi>| {
         bar.set_length(info.num_steps as u64);
         bar.set_position(info.step as u64 + 1);
-    })?;
+    };
+    let mut generator = TorchCpuGenerator::new(seed);
+    let (images, loaded, generated, mode, sampler): (Images, _, _, String, String) = if pixart {
+        let mut pipe = PixArtPipeline::<Oxi>::from_dir(&dir, &options, &device)
+            .with_context(|| format!("loading {}", args.model))?;
+        if args.compile {
+            pipe.compile()?;
+        }
+        let loaded = started.elapsed();
+        let request = PixArtRequest {
+            common: request,
+            max_sequence_length: args.max_sequence_length,
+            resolution_binning: !args.no_resolution_binning,
+        };
+        let generated = Instant::now();
+        let output = pipe.generate_with(&request, &mut generator, progress)?;
+        let images = output.images.context("the pipeline returned no images")?;
+        let mode = match pipe.compiles() {
+            Some(n) => format!("compiled, {n} program(s)"),
+            None => "eager".into(),
+        };
+        let sampler = pipe.scheduler.kind().class_name().to_string();
+        (images, loaded, generated, mode, sampler)
+    } else {
+        let mut pipe = StableDiffusionPipeline::<Oxi>::from_dir(&dir, &options, &device)
+            .with_context(|| format!("loading {}", args.model))?;
+        if args.compile {
+            pipe.compile()?;
+        }
+        let loaded = started.elapsed();
+        let generated = Instant::now();
+        let output = pipe.generate_with(&request, &mut generator, progress)?;
+        let images = output.images.context("the pipeline returned no images")?;
+        let mode = match pipe.compiles() {
+            Some(n) => format!("compiled, {n} program(s)"),
+            None => "eager".into(),
+        };
+        let sampler = pipe.scheduler.kind().class_name().to_string();
+        (images, loaded, generated, mode, sampler)
+    };
     bar.finish_and_clear();
-    let images = output.images.context("the pipeline returned no images")?;
     let parameters = GenerationParameters {
         prompt,
         negative_prompt,
         steps,
-        sampler: args
-            .scheduler
-            .clone()
-            .unwrap_or_else(|| pipe.scheduler.kind().class_name().to_string()),
+        sampler: args.scheduler.clone().unwrap_or(sampler),
         guidance_scale: guidance,
         seed,
         width: images.width,
@@ -258,10 +298,6 @@ fn run(mut args: Args) -> Result<()> {
         )],
     };
     images.save_png_with_parameters(0, &args.output, Some(&parameters))?;
-    let mode = match pipe.compiles() {
-        Some(n) => format!("compiled, {n} program(s)"),
-        None => "eager".into(),
-    };
     eprintln!(
         "wrote {} (seed {seed}, {steps} steps, guidance {guidance}, {}x{}, {device} {mode}; load {:.2}s, generate {:.2}s)",
         display(&args.output),
@@ -271,6 +307,21 @@ fn run(mut args: Args) -> Result<()> {
         generated.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// A token that Ctrl-C cancels: the pipeline stops after the current step and nothing is
+/// written; a second Ctrl-C exits at once.
+fn interrupt_token() -> Result<CancelToken> {
+    let cancel = CancelToken::new();
+    let on_interrupt = cancel.clone();
+    ctrlc::set_handler(move || {
+        if on_interrupt.is_cancelled() {
+            std::process::exit(i32::from(INTERRUPTED));
+        }
+        on_interrupt.cancel();
+    })
+    .context("installing the Ctrl-C handler")?;
+    Ok(cancel)
 }
 
 fn display(path: &Path) -> String {

@@ -26,12 +26,19 @@ def save_canonical(path, tensors, metadata=None):
     offset = 0
     for name in sorted(tensors):
         arr = tensors[name]
+        dtype = None
         if hasattr(arr, "detach"):
-            arr = arr.detach().cpu().numpy()
+            arr = arr.detach().cpu()
+            if str(arr.dtype) == "torch.bfloat16":
+                # numpy has no bfloat16: keep the raw 16-bit patterns.
+                import torch
+
+                arr, dtype = arr.contiguous().view(torch.int16), "BF16"
+            arr = arr.numpy()
         arr = np.ascontiguousarray(arr)
         data = arr.tobytes()
         header[name] = {
-            "dtype": _DTYPES[arr.dtype],
+            "dtype": dtype or _DTYPES[arr.dtype],
             "shape": list(arr.shape),
             "data_offsets": [offset, offset + len(data)],
         }

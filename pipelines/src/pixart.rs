@@ -1,0 +1,566 @@
+//! `PixArtAlphaPipeline` and `PixArtSigmaPipeline`: text to image with PixArt, step for step as
+//! diffusers' `pipeline_pixart_alpha.py` and `pipeline_pixart_sigma.py`.
+//!
+//! Prompt -> lower case -> T5 tokenizer (padded to `max_sequence_length`, with the mask) -> T5
+//! encoder; latents from the generator (or the caller); resolution binning to a trained size;
+//! the scheduler loop with classifier-free guidance batched in one transformer call, the caption
+//! mask and (1024px Alpha models) the micro-conditions; learned sigma dropped; the VAE decode,
+//! resized back to the requested size when binned.
+//!
+//! The two diffusers classes differ only in defaults (120 or 300 tokens, the bins of a 2048px
+//! model, micro-conditions only for Alpha), so one type serves both, told apart by
+//! [`PixArtVariant`].
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_models::embeddings::MicroConditions;
+use oxidiff_models::{
+    AutoencoderKL, AutoencoderKLConfig, PixArtTransformer2DConfig, PixArtTransformer2DModel,
+    T5EncoderModel, T5Tokenizer, ToDevice,
+};
+use oxidiff_schedulers::{NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator};
+
+use crate::error::{PipelineError, Result};
+use crate::guard;
+use crate::image::{postprocess, resize_and_crop};
+use crate::loading::{
+    check_pipeline_class, check_request, component, guide, initial_latents, load_scheduler,
+    negatives_for,
+};
+use crate::pixart_bins::{
+    classify_height_width_bin, ASPECT_RATIO_1024_BIN, ASPECT_RATIO_2048_BIN, ASPECT_RATIO_256_BIN,
+    ASPECT_RATIO_512_BIN,
+};
+use crate::stable_diffusion::{GenerateRequest, LoadOptions, OutputType, PipelineOutput, StepInfo};
+
+/// The pipeline classes this type loads (`_class_name` in `model_index.json`).
+pub const PIXART_CLASSES: [&str; 2] = ["PixArtAlphaPipeline", "PixArtSigmaPipeline"];
+
+/// Which of diffusers' two PixArt pipelines a folder is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PixArtVariant {
+    Alpha,
+    Sigma,
+}
+
+impl PixArtVariant {
+    /// From `model_index.json`'s `_class_name`.
+    pub fn from_class(class: &str) -> Option<Self> {
+        match class {
+            "PixArtAlphaPipeline" => Some(Self::Alpha),
+            "PixArtSigmaPipeline" => Some(Self::Sigma),
+            _ => None,
+        }
+    }
+
+    /// diffusers' default `max_sequence_length`: 120 tokens for Alpha, 300 for Sigma.
+    pub fn default_max_sequence_length(self) -> usize {
+        match self {
+            Self::Alpha => 120,
+            Self::Sigma => 300,
+        }
+    }
+
+    /// The aspect-ratio bins for a transformer `sample_size`, or `None` where diffusers has
+    /// none (it then refuses binning).
+    pub fn bins(self, sample_size: usize) -> Option<&'static [(f64, usize, usize)]> {
+        Some(match (self, sample_size) {
+            (Self::Sigma, 256) => &ASPECT_RATIO_2048_BIN,
+            (_, 128) => &ASPECT_RATIO_1024_BIN,
+            (_, 64) => &ASPECT_RATIO_512_BIN,
+            (_, 32) => &ASPECT_RATIO_256_BIN,
+            _ => return None,
+        })
+    }
+}
+
+/// One PixArt request: the common settings plus PixArt's own.
+#[derive(Debug, Clone)]
+pub struct PixArtRequest<B: Backend> {
+    /// Prompts, negative prompts, steps, guidance, size, seed, latents, output. `Default` gives
+    /// diffusers' PixArt defaults: 20 steps, guidance 4.5, the empty negative prompt.
+    pub common: GenerateRequest<B>,
+    /// Tokens per prompt, `None` for the variant's default (120 Alpha, 300 Sigma); longer
+    /// prompts are cut with a warning.
+    pub max_sequence_length: Option<usize>,
+    /// Map the size to the nearest trained aspect ratio, then resize the image back (diffusers'
+    /// `use_resolution_binning`, on by default).
+    pub resolution_binning: bool,
+}
+
+impl<B: Backend> Default for PixArtRequest<B> {
+    fn default() -> Self {
+        Self {
+            common: GenerateRequest {
+                num_inference_steps: 20,
+                guidance_scale: 4.5,
+                ..Default::default()
+            },
+            max_sequence_length: None,
+            resolution_binning: true,
+        }
+    }
+}
+
+/// Encoded prompts: T5 hidden states `[n, seq, dim]` and their 0/1 masks.
+pub struct PromptEmbeds<B: Backend> {
+    pub embeds: Tensor<B, 3>,
+    pub mask: Vec<Vec<u32>>,
+}
+
+/// The transformer call run some other way than eagerly, e.g. as one compiled XLA program
+/// ([`PixArtPipeline::compile`]). Inputs are checked by the pipeline before the call.
+pub trait PixArtDenoiser<B: Backend> {
+    fn denoise(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        caption: Tensor<B, 3>,
+        caption_bias: Tensor<B, 4>,
+        conditions: Option<&MicroConditions<B>>,
+    ) -> Result<Tensor<B, 4>>;
+
+    /// How many programs were compiled so far (one per input shape).
+    fn compiles(&self) -> u64;
+}
+
+/// PixArt-Alpha and PixArt-Sigma text-to-image.
+pub struct PixArtPipeline<B: Backend> {
+    pub variant: PixArtVariant,
+    pub tokenizer: T5Tokenizer,
+    pub text_encoder: T5EncoderModel<B>,
+    pub transformer: PixArtTransformer2DModel<B>,
+    pub vae: AutoencoderKL<B>,
+    pub scheduler_config: SchedulerConfig,
+    pub scheduler: Box<dyn Scheduler<B>>,
+    pub vae_scale_factor: usize,
+    /// The transformer's native latent size (`sample_size`), for the default size and bins.
+    pub sample_size: usize,
+    /// Where latents live and the denoising loop runs: the transformer's device.
+    pub device: B::Device,
+    pub source: PathBuf,
+    /// The compiled transformer call, when [`compile`](PixArtPipeline::compile) was called.
+    pub compiled: Option<Box<dyn PixArtDenoiser<B>>>,
+}
+
+/// diffusers' name for the Alpha pipeline: the same type.
+pub type PixArtAlphaPipeline<B> = PixArtPipeline<B>;
+/// diffusers' name for the Sigma pipeline: the same type.
+pub type PixArtSigmaPipeline<B> = PixArtPipeline<B>;
+
+impl<B: Backend> PixArtPipeline<B> {
+    /// Loads a diffusers-format folder, or a Hub id from the local cache.
+    pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;
+        Self::from_dir(&dir, options, device)
+    }
+
+    /// Loads a diffusers-format `PixArtAlphaPipeline` or `PixArtSigmaPipeline` folder.
+    pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let class = check_pipeline_class(dir, &PIXART_CLASSES)?;
+        let variant = PixArtVariant::from_class(&class).unwrap_or(PixArtVariant::Alpha);
+        let weights_variant = options.variant.as_deref();
+        let tokenizer = T5Tokenizer::from_dir(&component(dir, "tokenizer")?)?;
+        let text_encoder =
+            T5EncoderModel::from_dir(&component(dir, "text_encoder")?, weights_variant, device)?;
+        let transformer_dir = component(dir, "transformer")?;
+        let transformer_config =
+            PixArtTransformer2DConfig::from_file(&transformer_dir.join("config.json"))?;
+        let transformer =
+            PixArtTransformer2DModel::from_dir(&transformer_dir, weights_variant, device)?;
+        let vae_dir = component(dir, "vae")?;
+        let vae_config = AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
+        let vae = AutoencoderKL::from_dir(&vae_dir, weights_variant, device)?;
+        let (scheduler_config, scheduler) = load_scheduler(dir, options)?;
+        Ok(Self {
+            variant,
+            tokenizer,
+            text_encoder,
+            transformer,
+            vae,
+            scheduler_config,
+            scheduler,
+            vae_scale_factor: vae_config.scale_factor(),
+            sample_size: transformer_config.sample_size,
+            device: device.clone(),
+            source: dir.to_path_buf(),
+            compiled: None,
+        })
+    }
+
+    /// The device the VAE runs on.
+    pub fn vae_device(&self) -> B::Device {
+        self.vae.decoder.conv_in.weight.device()
+    }
+
+    /// Places each component on its own device (e.g. T5 on the CPU, the transformer and VAE
+    /// on an accelerator).
+    #[must_use]
+    pub fn to_components(
+        mut self,
+        text_encoder: &B::Device,
+        transformer: &B::Device,
+        vae: &B::Device,
+    ) -> Self {
+        self.text_encoder = self.text_encoder.to(text_encoder);
+        self.transformer = self.transformer.to(transformer);
+        self.vae = self.vae.to(vae);
+        self.device = transformer.clone();
+        // A compiled step holds the transformer of its device: compile again after moving.
+        self.compiled = None;
+        self
+    }
+
+    /// The default image size: `sample_size` times the VAE factor (1024 for PixArt-XL-2-1024).
+    pub fn default_size(&self) -> usize {
+        self.sample_size * self.vae_scale_factor
+    }
+
+    /// Encodes prompts as diffusers does without caption cleaning (`text.lower().strip()`):
+    /// `[n * images_per_prompt, max_sequence_length, dim]` and the masks.
+    pub fn encode_prompts(
+        &self,
+        prompts: &[String],
+        images_per_prompt: usize,
+        max_sequence_length: usize,
+    ) -> Result<PromptEmbeds<B>> {
+        let mut ids = Vec::with_capacity(prompts.len() * images_per_prompt);
+        let mut mask = Vec::with_capacity(ids.capacity());
+        for prompt in prompts {
+            let text = prompt.to_lowercase();
+            let encoded = self.tokenizer.encode(text.trim(), max_sequence_length)?;
+            if encoded.truncated() {
+                let all = self.tokenizer.tokenize(text.trim())?;
+                let removed = self
+                    .tokenizer
+                    .decode(&all[max_sequence_length.saturating_sub(1)..])
+                    .unwrap_or_default();
+                tracing::warn!(
+                    "the prompt is longer than {max_sequence_length} T5 tokens and was cut; this \
+                     part is not used: {removed:?}"
+                );
+            }
+            for _ in 0..images_per_prompt {
+                ids.push(encoded.ids.clone());
+                mask.push(encoded.attention_mask.clone());
+            }
+        }
+        let embeds = self.text_encoder.forward(&ids, Some(&mask))?;
+        Ok(PromptEmbeds { embeds, mask })
+    }
+
+    /// The size the latents are made at: the request's (or default) size, binned when asked.
+    /// Returns `(requested (w, h), generated (w, h))`.
+    pub fn sizes(&self, req: &PixArtRequest<B>) -> Result<((usize, usize), (usize, usize))> {
+        let default = self.default_size();
+        let common = &req.common;
+        let requested = (
+            common.width.unwrap_or(default),
+            common.height.unwrap_or(default),
+        );
+        // Latents are cut into patches: the size must divide by VAE factor times patch size.
+        let factor = self.vae_scale_factor * self.transformer.patch_size;
+        if !req.resolution_binning {
+            let size = check_request(common, (default, default), factor)?;
+            return Ok((size, size));
+        }
+        let bins = self.variant.bins(self.sample_size).ok_or_else(|| {
+            PipelineError::InvalidInput(format!(
+                "resolution binning has no aspect-ratio bins for a transformer with sample_size \
+                 {} (diffusers has them for 32, 64, 128 and, for Sigma, 256); turn binning off",
+                self.sample_size
+            ))
+        })?;
+        if requested.0 == 0 || requested.1 == 0 {
+            return Err(PipelineError::InvalidInput(format!(
+                "width and height must be positive, got {}x{}",
+                requested.0, requested.1
+            )));
+        }
+        let (h, w) = classify_height_width_bin(requested.1, requested.0, bins);
+        let binned = GenerateRequest {
+            width: Some(w),
+            height: Some(h),
+            ..common.clone()
+        };
+        let size = check_request(&binned, (w, h), factor)?;
+        Ok((requested, size))
+    }
+
+    /// Generates with the default generator seeded by `req.common.seed`.
+    pub fn generate(&mut self, req: &PixArtRequest<B>) -> Result<PipelineOutput<B>> {
+        let mut generator = TorchCpuGenerator::new(req.common.seed);
+        self.generate_with(req, &mut generator, |_| {})
+    }
+
+    /// Generates with the given noise source and a callback after every step.
+    pub fn generate_with(
+        &mut self,
+        req: &PixArtRequest<B>,
+        noise: &mut dyn NoiseSource<B>,
+        mut callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        let common = &req.common;
+        let (requested, (width, height)) = self.sizes(req)?;
+        let max_len = req
+            .max_sequence_length
+            .unwrap_or_else(|| self.variant.default_max_sequence_length());
+        if max_len == 0 {
+            return Err(PipelineError::InvalidInput(
+                "max_sequence_length must be at least 1".into(),
+            ));
+        }
+        let batch = common.prompts.len() * common.num_images_per_prompt;
+        let cfg = common.guidance_scale > 1.0;
+
+        let prompt = self.encode_prompts(&common.prompts, common.num_images_per_prompt, max_len)?;
+        let (caption, mask) = if cfg {
+            let negative = self.encode_prompts(
+                &negatives_for(common),
+                common.num_images_per_prompt,
+                max_len,
+            )?;
+            let mut mask = negative.mask;
+            mask.extend(prompt.mask);
+            (Tensor::cat(vec![negative.embeds, prompt.embeds], 0), mask)
+        } else {
+            (prompt.embeds, prompt.mask)
+        };
+        let caption = caption.to_device(&self.device);
+        let caption_bias = PixArtTransformer2DModel::<B>::caption_mask_bias(&mask, &self.device);
+        let model_batch = mask.len();
+
+        self.scheduler.set_timesteps(common.num_inference_steps)?;
+        self.scheduler.set_eta(common.eta);
+        let f = self.vae_scale_factor;
+        let channels = self.transformer.in_channels;
+        let shape = [batch, channels, height / f, width / f];
+        let mut latents = initial_latents(
+            common,
+            shape,
+            (width, height),
+            noise,
+            self.scheduler.init_noise_sigma(),
+            &self.device,
+        )?;
+
+        // Micro-conditions: the 1024px Alpha models, as diffusers passes them.
+        let conditions =
+            (self.variant == PixArtVariant::Alpha && self.sample_size == 128).then(|| {
+                let row = |values: Vec<f32>, n: usize| {
+                    let per = values.len();
+                    let all: Vec<f32> = (0..n).flat_map(|_| values.clone()).collect();
+                    Tensor::<B, 2>::from_data(TensorData::new(all, [n, per]), &self.device)
+                };
+                MicroConditions {
+                    resolution: row(vec![height as f32, width as f32], model_batch),
+                    aspect_ratio: row(vec![(height as f64 / width as f64) as f32], model_batch),
+                }
+            });
+
+        let timesteps = self.scheduler.timesteps().to_vec();
+        for (step, &t) in timesteps.iter().enumerate() {
+            let model_input = if cfg {
+                Tensor::cat(vec![latents.clone(), latents.clone()], 0)
+            } else {
+                latents.clone()
+            };
+            let model_input = self.scheduler.scale_model_input(model_input, t)?;
+            let timestep = Tensor::<B, 1>::from_data(
+                TensorData::new(vec![t as f32; model_batch], [model_batch]),
+                &self.device,
+            );
+            let prediction = match &self.compiled {
+                Some(denoiser) => {
+                    self.transformer.check_inputs(
+                        model_input.dims(),
+                        model_batch,
+                        caption.dims(),
+                        conditions.is_some(),
+                    )?;
+                    denoiser.denoise(
+                        model_input,
+                        timestep,
+                        caption.clone(),
+                        caption_bias.clone(),
+                        conditions.as_ref(),
+                    )?
+                }
+                None => self.transformer.forward(
+                    model_input,
+                    timestep,
+                    caption.clone(),
+                    Some(caption_bias.clone()),
+                    conditions.as_ref(),
+                )?,
+            };
+            let prediction = if cfg {
+                guide(prediction, batch, common.guidance_scale)
+            } else {
+                prediction
+            };
+            // Learned sigma: the second half of the channels is the variance.
+            let prediction = if self.transformer.out_channels / 2 == channels {
+                prediction.narrow(1, 0, channels)
+            } else {
+                prediction
+            };
+            let checked = prediction.clone();
+            latents = self.scheduler.step(prediction, t, latents, noise)?;
+            let scheduler = self.scheduler.kind().class_name();
+            guard::check_step(&latents, &checked, step, t, scheduler)?;
+            callback(StepInfo {
+                step,
+                num_steps: timesteps.len(),
+                timestep: t,
+                latents: &latents,
+            });
+            if let Some(cancel) = &common.cancel {
+                cancel.check(step + 1, timesteps.len())?;
+            }
+        }
+
+        let images = match common.output {
+            OutputType::Latents => None,
+            OutputType::Images => {
+                let on_vae = latents.clone().to_device(&self.vae_device());
+                let decoded = self.vae.decode(on_vae.div_scalar(self.vae.scaling_factor));
+                guard::ensure_finite(&decoded, guard::Stage::VaeDecode)?;
+                let decoded = if req.resolution_binning {
+                    resize_and_crop(decoded, requested.0, requested.1)?
+                } else {
+                    decoded
+                };
+                Some(postprocess(decoded)?)
+            }
+        };
+        Ok(PipelineOutput { latents, images })
+    }
+}
+
+impl<B: Backend> ToDevice<B> for PixArtPipeline<B> {
+    /// Moves every component to `device`.
+    fn to(self, device: &B::Device) -> Self {
+        self.to_components(device, device, device)
+    }
+}
+
+/// Latents, timesteps, caption, caption bias.
+type PlainInputs = (
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 1>,
+    Tensor<Oxi, 3>,
+    Tensor<Oxi, 4>,
+);
+/// The same plus the micro-conditions (resolution, aspect ratio).
+type ConditionedInputs = (
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 1>,
+    Tensor<Oxi, 3>,
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 2>,
+    Tensor<Oxi, 2>,
+);
+type StepFn<I> = Box<dyn Fn(I) -> Tensor<Oxi, 4>>;
+
+/// The compiled call of a transformer without micro-conditions.
+struct PlainStep(CompiledFn<PlainInputs, Tensor<Oxi, 4>, StepFn<PlainInputs>>);
+/// The compiled call of a 1024px Alpha transformer, with micro-conditions.
+struct ConditionedStep(CompiledFn<ConditionedInputs, Tensor<Oxi, 4>, StepFn<ConditionedInputs>>);
+
+fn compile_error(e: impl std::fmt::Display) -> PipelineError {
+    PipelineError::Compile(e.to_string())
+}
+
+impl PixArtDenoiser<Oxi> for PlainStep {
+    fn denoise(
+        &self,
+        latents: Tensor<Oxi, 4>,
+        timestep: Tensor<Oxi, 1>,
+        caption: Tensor<Oxi, 3>,
+        caption_bias: Tensor<Oxi, 4>,
+        _conditions: Option<&MicroConditions<Oxi>>,
+    ) -> Result<Tensor<Oxi, 4>> {
+        self.0
+            .call((latents, timestep, caption, caption_bias))
+            .map_err(compile_error)
+    }
+
+    fn compiles(&self) -> u64 {
+        self.0.compiles()
+    }
+}
+
+impl PixArtDenoiser<Oxi> for ConditionedStep {
+    fn denoise(
+        &self,
+        latents: Tensor<Oxi, 4>,
+        timestep: Tensor<Oxi, 1>,
+        caption: Tensor<Oxi, 3>,
+        caption_bias: Tensor<Oxi, 4>,
+        conditions: Option<&MicroConditions<Oxi>>,
+    ) -> Result<Tensor<Oxi, 4>> {
+        let c = conditions.ok_or_else(|| {
+            compile_error("this transformer was compiled with micro-conditions; pass them")
+        })?;
+        self.0
+            .call((
+                latents,
+                timestep,
+                caption,
+                caption_bias,
+                c.resolution.clone(),
+                c.aspect_ratio.clone(),
+            ))
+            .map_err(compile_error)
+    }
+
+    fn compiles(&self) -> u64 {
+        self.0.compiles()
+    }
+}
+
+impl PixArtPipeline<Oxi> {
+    /// Compiled mode: from the next generation on, each transformer call (both halves of
+    /// classifier-free guidance, batched) is one XLA program, traced on first use and cached
+    /// by input shapes. Timesteps, caption, mask and micro-conditions are runtime inputs, so a
+    /// new prompt, seed, guidance scale or step count reuses the program; a new size, batch or
+    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; T5,
+    /// scheduler and VAE stay eager.
+    pub fn compile(&mut self) -> Result<()> {
+        let device = self.transformer.device();
+        if !device.is_pjrt() {
+            return Err(PipelineError::Compile(format!(
+                "the transformer is on {device}; compiled mode needs a PJRT device \
+                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
+            )));
+        }
+        let transformer = self.transformer.clone();
+        self.compiled = Some(if transformer.uses_micro_conditions() {
+            let step: StepFn<ConditionedInputs> = Box::new(
+                move |(latents, t, caption, bias, resolution, aspect_ratio)| {
+                    let conditions = MicroConditions {
+                        resolution,
+                        aspect_ratio,
+                    };
+                    transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
+                },
+            );
+            Box::new(ConditionedStep(CompiledFn::new("pixart_transformer", step)))
+        } else {
+            let step: StepFn<PlainInputs> = Box::new(move |(latents, t, caption, bias)| {
+                transformer.forward_checked(latents, t, caption, Some(bias), None)
+            });
+            Box::new(PlainStep(CompiledFn::new("pixart_transformer", step)))
+        });
+        Ok(())
+    }
+
+    /// Programs compiled so far in compiled mode (`None` when eager).
+    pub fn compiles(&self) -> Option<u64> {
+        self.compiled.as_ref().map(|c| c.compiles())
+    }
+}
