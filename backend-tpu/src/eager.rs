@@ -83,6 +83,14 @@ struct State {
     seed: u64,
     draws: u64,
     stats: Stats,
+    /// A failure to report instead of running an op (see [`PjrtClient::inject_fault`]).
+    fault: Option<InjectedFault>,
+}
+
+/// A device fault scheduled by a test: op number `after` (counted from the call) fails.
+struct InjectedFault {
+    after: u64,
+    message: String,
 }
 
 /// Counters of what eager mode did, for benchmarks and tests.
@@ -148,6 +156,17 @@ impl PjrtClient {
             buffers: state.buffers.len(),
             ..state.stats
         }
+    }
+
+    /// Test hook for error handling: the `after`-th op executed from now on this device fails
+    /// with `message`, the way a PJRT error mid-run does (out of device memory, a plugin
+    /// fault): the op's outputs are never made, later ops that need them are skipped, and the
+    /// next read or sync returns the error. Only eager ops count (compiled programs do not).
+    pub fn inject_fault(&self, after: u64, message: impl Into<String>) {
+        self.state().fault = Some(InjectedFault {
+            after: after.max(1),
+            message: message.into(),
+        });
     }
 
     pub fn create_empty_handle(&self) -> TensorId {
@@ -218,6 +237,17 @@ impl PjrtClient {
                         input.id
                     )
                 }));
+            }
+        }
+        if let Some(fault) = &mut state.fault {
+            fault.after -= 1;
+            if fault.after == 0 {
+                let message = state.fault.take().map(|f| f.message).unwrap_or_default();
+                return Err(format!(
+                    "op {} on {}: execution failed: {message}",
+                    name(),
+                    self.device()
+                ));
             }
         }
         let function = lowering::lower_op(op).map_err(|e| format!("on {}: {e}", self.device()))?;

@@ -114,3 +114,12 @@ pub use device::{DeviceError, OxiDevice, PjrtPlatform};
 /// The Burn backend of oxidiff: CPU and PJRT devices, picked per tensor by
 /// [`OxiDevice`].
 pub type Oxi = burn_router::BackendRouter<OxiChannel>;
+
+/// The eager client of a PJRT device (for its [`eager::Stats`] and test hooks such as
+/// [`eager::PjrtClient::inject_fault`]); `None` for the CPU device.
+pub fn pjrt_client(device: &OxiDevice) -> Option<eager::PjrtClient> {
+    match burn_router::get_client::<OxiChannel>(device) {
+        OxiClient::Pjrt(client) => Some(client),
+        OxiClient::Cpu(_) => None,
+    }
+}

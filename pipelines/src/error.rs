@@ -31,6 +31,11 @@ pub enum PipelineError {
     InvalidInput(String),
     #[error("interrupted after {done} of {total} steps; nothing was written")]
     Cancelled { done: usize, total: usize },
+    #[error(
+        "the device failed: {0}; the run stopped and its tensors were freed (files already \
+         written are untouched)"
+    )]
+    Device(String),
     #[error("NaN or Inf in {stage}: {hint}")]
     NonFinite { stage: String, hint: String },
     #[error("cannot write {path}: {source}")]

@@ -76,11 +76,7 @@ impl std::fmt::Display for Stage {
 /// Whether every value of `t` is finite: the sum of a tensor with a NaN or Inf is not finite.
 /// (A sum of huge finite values can overflow too, which is as unusable.)
 pub fn is_finite<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Result<bool> {
-    let sum = t.clone().sum().into_data();
-    let value = sum
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .map_err(|e| PipelineError::InvalidInput(format!("reading a check value back: {e:?}")))?;
+    let value = crate::host::read_f32(t.clone().sum())?;
     Ok(value.first().is_some_and(|v| v.is_finite()))
 }
 

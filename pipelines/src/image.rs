@@ -32,11 +32,7 @@ pub fn postprocess<B: Backend>(decoded: Tensor<B, 4>) -> Result<Images> {
         .add_scalar(0.5)
         .clamp(0.0, 1.0)
         .permute([0, 2, 3, 1]);
-    let data = nhwc
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .map_err(|e| PipelineError::InvalidInput(format!("reading the image back: {e:?}")))?;
+    let data = crate::host::read_f32(nhwc)?;
     Ok(Images {
         count,
         height,
@@ -125,11 +121,7 @@ pub fn resize_and_crop<B: Backend>(
         return Ok(images);
     }
     let device = images.device();
-    let data = images
-        .into_data()
-        .convert::<f32>()
-        .to_vec::<f32>()
-        .map_err(|e| PipelineError::InvalidInput(format!("reading the image back: {e:?}")))?;
+    let data = crate::host::read_f32(images)?;
     let ratio = (height as f64 / in_h as f64).max(width as f64 / in_w as f64);
     let (out_w, out_h) = (
         (in_w as f64 * ratio) as usize,

@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod guard;
+pub mod host;
 pub mod hub;
 pub mod image;
 pub mod loading;
