@@ -11,7 +11,8 @@
 //! in a value that has one (for example `oxidiff::pipelines::Images`).
 //!
 //! The generated `notebooks.rs` in `OUT_DIR` holds one module per notebook and the table
-//! `NOTEBOOKS` of `(name, main)` that the `notebook` binary runs from.
+//! `NOTEBOOKS` of `(name, main)` that the `notebook` binary runs from; before each cell it stores
+//! the cell's number in the binary's `CELL`, so that a failure names its cell.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -46,6 +47,12 @@ fn main() {
         .unwrap();
         for (i, cell) in cells.iter().enumerate() {
             writeln!(out, "// {name}.ipynb, code cell {}", i + 1).unwrap();
+            writeln!(
+                out,
+                "crate::CELL.store({}, std::sync::atomic::Ordering::Relaxed);",
+                i + 1
+            )
+            .unwrap();
             writeln!(out, "{}", cell_program(cell)).unwrap();
         }
         writeln!(out, "Ok(())\n}}\n}}\n").unwrap();

@@ -4,6 +4,9 @@
 
 include!(concat!(env!("OUT_DIR"), "/notebooks.rs"));
 
+/// The code cell (from 1) running now, set by the generated code, for error messages.
+static CELL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 type Main = fn() -> Result<(), Box<dyn std::error::Error>>;
 
 fn main() -> std::process::ExitCode {
@@ -27,7 +30,8 @@ fn main() -> std::process::ExitCode {
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("notebook {name} failed: {e}");
+            let cell = CELL.load(std::sync::atomic::Ordering::Relaxed);
+            eprintln!("notebook {name} failed in code cell {cell}: {e}");
             std::process::ExitCode::FAILURE
         }
     }
