@@ -78,6 +78,101 @@ impl Images {
         let encoded = encode_png(&rgb, &text)?;
         write_atomic(path, &encoded)
     }
+
+    /// Image `i` encoded as PNG bytes (no metadata).
+    pub fn to_png(&self, i: usize) -> Result<Vec<u8>> {
+        let rgb = self
+            .to_rgb8(i)
+            .ok_or_else(|| PipelineError::InvalidInput(format!("no image {i}")))?;
+        encode_png(&rgb, &[])
+    }
+
+    /// The images of several batches as one batch, in order; all must have the same size.
+    pub fn concat(batches: &[Images]) -> Result<Images> {
+        let first = batches
+            .first()
+            .ok_or_else(|| PipelineError::InvalidInput("no images to concatenate".into()))?;
+        let mut out = Images {
+            count: 0,
+            height: first.height,
+            width: first.width,
+            data: Vec::new(),
+        };
+        for (i, batch) in batches.iter().enumerate() {
+            if (batch.height, batch.width) != (first.height, first.width) {
+                return Err(PipelineError::InvalidInput(format!(
+                    "batch {i} is {}x{}, batch 0 is {}x{}: concatenated images need one size",
+                    batch.width, batch.height, first.width, first.height
+                )));
+            }
+            out.count += batch.count;
+            out.data.extend_from_slice(&batch.data);
+        }
+        Ok(out)
+    }
+
+    /// All images tiled row by row into one image, `columns` wide (at least 1); cells left
+    /// over in the last row are black.
+    pub fn grid(&self, columns: usize) -> Images {
+        let columns = columns.clamp(1, self.count.max(1));
+        let rows = self.count.div_ceil(columns);
+        let (h, w) = (self.height, self.width);
+        let grid_width = columns * w;
+        let mut data = vec![0.0; rows * h * grid_width * 3];
+        let size = h * w * 3;
+        for i in 0..self.count {
+            let (row, col) = (i / columns, i % columns);
+            let image = &self.data[i * size..(i + 1) * size];
+            for y in 0..h {
+                let from = y * w * 3;
+                let to = ((row * h + y) * grid_width + col * w) * 3;
+                data[to..to + w * 3].copy_from_slice(&image[from..from + w * 3]);
+            }
+        }
+        Images {
+            count: 1,
+            height: rows * h,
+            width: grid_width,
+            data,
+        }
+    }
+
+    /// Shows the images inline in a Jupyter notebook run by the evcxr kernel: evcxr calls this
+    /// method on a cell's final value and reads each `EVCXR_BEGIN_CONTENT image/png` block it
+    /// prints (base64 PNG) as an image. Elsewhere it just prints those blocks to stdout.
+    pub fn evcxr_display(&self) {
+        for i in 0..self.count {
+            match self.to_png(i) {
+                Ok(png) => println!(
+                    "EVCXR_BEGIN_CONTENT image/png\n{}\nEVCXR_END_CONTENT",
+                    base64(&png)
+                ),
+                Err(e) => println!("image {i}: {e}"),
+            }
+        }
+    }
+}
+
+/// Standard base64 (RFC 4648, with `=` padding), as evcxr's image content expects.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for k in 0..4 {
+            if k <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * k)) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 /// Writes `bytes` to a temporary file beside `path`, then renames it over `path`.
@@ -156,4 +251,57 @@ pub fn resize_and_crop<B: Backend>(
         burn::tensor::TensorData::new(out, [n, c, height, width]),
         &device,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_rfc_4648_test_vectors() {
+        let cases = [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(base64(input.as_bytes()), expected, "{input:?}");
+        }
+        assert_eq!(base64(&[0xfb, 0xff, 0xfe]), "+//+");
+    }
+
+    fn solid(count: usize, value: f32) -> Images {
+        Images {
+            count,
+            height: 2,
+            width: 3,
+            data: vec![value; count * 2 * 3 * 3],
+        }
+    }
+
+    #[test]
+    fn grid_tiles_images_row_by_row_and_pads_with_black() {
+        let batch = Images::concat(&[solid(1, 0.25), solid(2, 0.5)]).unwrap();
+        let grid = batch.grid(2);
+        assert_eq!((grid.count, grid.height, grid.width), (1, 4, 6));
+        let pixel = |x: usize, y: usize| grid.data[(y * 6 + x) * 3];
+        assert_eq!(pixel(0, 0), 0.25);
+        assert_eq!(pixel(3, 1), 0.5);
+        assert_eq!(pixel(0, 2), 0.5);
+        assert_eq!(pixel(5, 3), 0.0, "the empty cell is black");
+    }
+
+    #[test]
+    fn concat_refuses_mixed_sizes() {
+        let mut other = solid(1, 0.0);
+        other.width = 2;
+        other.data.truncate(2 * 2 * 3);
+        let err = Images::concat(&[solid(1, 0.0), other]).unwrap_err();
+        assert!(err.to_string().contains("one size"), "{err}");
+        assert!(Images::concat(&[]).is_err());
+    }
 }
