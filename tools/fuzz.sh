@@ -15,6 +15,11 @@ fi
 export RUSTC_BOOTSTRAP=1
 cd "$root/fuzz"
 mkdir -p artifacts
+if ! cargo fuzz build >artifacts/build.log 2>&1; then
+    tail -n 40 artifacts/build.log
+    echo "fuzz: building the fuzz targets failed (log: fuzz/artifacts/build.log)"
+    exit 1
+fi
 for target in safetensors_header config_json tokenizer_files png_parameters; do
     mkdir -p "corpus/$target"
     log="artifacts/$target.log"
