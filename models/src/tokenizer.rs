@@ -175,14 +175,7 @@ impl ClipTokenizer {
 
     /// Token ids of `text` without start/end tokens or padding.
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| ModelError::Tokenizer {
-                path: self.dir.clone(),
-                reason: e.to_string(),
-            })?;
-        Ok(encoding.get_ids().to_vec())
+        plain_ids(&self.tokenizer, &self.dir, text)
     }
 
     /// `[bos] tokens [eos]`, truncated to `max_length` (keeping the end token) and padded.
@@ -293,14 +286,7 @@ impl T5Tokenizer {
 
     /// Token ids of `text` without the end token or padding.
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| ModelError::Tokenizer {
-                path: self.dir.clone(),
-                reason: e.to_string(),
-            })?;
-        Ok(encoding.get_ids().to_vec())
+        plain_ids(&self.tokenizer, &self.dir, text)
     }
 
     /// `tokens </s>`, truncated to `max_length` (keeping `</s>`) and padded with `<pad>`, as
@@ -334,4 +320,15 @@ impl T5Tokenizer {
                 reason: e.to_string(),
             })
     }
+}
+
+/// Token ids of `text` as the tokenizer's model splits it, without special tokens.
+fn plain_ids(tokenizer: &Tokenizer, dir: &Path, text: &str) -> Result<Vec<u32>> {
+    let encoding = tokenizer
+        .encode(text, false)
+        .map_err(|e| ModelError::Tokenizer {
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    Ok(encoding.get_ids().to_vec())
 }
