@@ -26,5 +26,5 @@ pub use clip::{ClipTextConfig, ClipTextModel, ClipTextOutput};
 pub use device::ToDevice;
 pub use error::{ModelError, Result};
 pub use tokenizer::{ClipTokenizer, Encoded};
-pub use unet_2d_condition::{UNet2DConditionConfig, UNet2DConditionModel};
+pub use unet_2d_condition::{AddedCondition, UNet2DConditionConfig, UNet2DConditionModel};
 pub use weights::{VarBuilder, Weights};

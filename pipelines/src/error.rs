@@ -15,7 +15,8 @@ pub enum PipelineError {
     ModelNotFound { spec: String, hint: String },
     #[error(
         "{dir} has no `{component}` folder; a diffusers Stable Diffusion folder has \
-         model_index.json plus text_encoder/, tokenizer/, unet/, vae/ and scheduler/"
+         model_index.json plus text_encoder/, tokenizer/, unet/, vae/ and scheduler/ \
+         (SDXL also text_encoder_2/ and tokenizer_2/)"
     )]
     MissingComponent { dir: PathBuf, component: String },
     #[error("{path}: pipeline class `{class}` is not supported ({supported})")]

@@ -20,3 +20,5 @@ pub use stable_diffusion::{
     Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
     StepInfo,
 };
+pub mod stable_diffusion_xl;
+pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds};

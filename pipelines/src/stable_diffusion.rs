@@ -190,6 +190,13 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let unet_dir = component("unet")?;
         let unet_config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
         let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
+        if unet.needs_added_condition() {
+            return Err(PipelineError::UnsupportedPipeline {
+                path: unet_dir.join("config.json"),
+                class: "UNet2DConditionModel with `addition_embed_type: text_time`".into(),
+                supported: "an SDXL UNet: load the folder with StableDiffusionXLPipeline".into(),
+            });
+        }
         let vae_dir = component("vae")?;
         let vae_config =
             oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
@@ -292,39 +299,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     }
 
     fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
-        if req.prompts.is_empty() {
-            return Err(PipelineError::InvalidInput(
-                "the prompt list is empty".into(),
-            ));
-        }
-        let n = req.negative_prompts.len();
-        if n > 1 && n != req.prompts.len() {
-            return Err(PipelineError::InvalidInput(format!(
-                "{n} negative prompts for {} prompts: give one, or one per prompt",
-                req.prompts.len()
-            )));
-        }
-        if req.num_inference_steps == 0 {
-            return Err(PipelineError::InvalidInput(
-                "the number of steps must be at least 1".into(),
-            ));
-        }
-        if req.num_images_per_prompt == 0 {
-            return Err(PipelineError::InvalidInput(
-                "images per prompt must be at least 1".into(),
-            ));
-        }
-        let default = self.default_size();
-        let (w, h) = (req.width.unwrap_or(default), req.height.unwrap_or(default));
-        let f = self.vae_scale_factor;
-        if w == 0 || h == 0 || w % f != 0 || h % f != 0 {
-            return Err(PipelineError::InvalidInput(format!(
-                "width and height must be positive multiples of {f}, got {w}x{h}; try {}x{}",
-                (w.max(f) / f) * f,
-                (h.max(f) / f) * f
-            )));
-        }
-        Ok((w, h))
+        validate_request(req, self.default_size(), self.vae_scale_factor)
     }
 
     /// Generates with the default generator seeded by `req.seed`.
@@ -361,83 +336,176 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let context = context.to_device(&self.device);
         self.scheduler.set_timesteps(req.num_inference_steps)?;
         self.scheduler.set_eta(req.eta);
-        let shape = [
+        let latents = initial_latents(
+            req,
             batch,
-            4,
-            height / self.vae_scale_factor,
-            width / self.vae_scale_factor,
-        ];
-        let latents = match &req.latents {
-            Some(l) => {
-                if l.dims() != shape {
-                    return Err(PipelineError::InvalidInput(format!(
-                        "initial latents have shape {:?}, expected {shape:?} for {batch} image(s) \
-                         of {width}x{height}",
-                        l.dims()
-                    )));
-                }
-                l.clone().to_device(&self.device)
-            }
-            None => noise.randn(shape, &self.device)?,
-        };
-        let mut latents = latents.mul_scalar(self.scheduler.init_noise_sigma());
-
+            (width, height),
+            self.vae_scale_factor,
+            &self.device,
+            noise,
+        )?;
+        let latents = latents.mul_scalar(self.scheduler.init_noise_sigma());
         let timesteps = self.scheduler.timesteps().to_vec();
-        for (step, &t) in timesteps.iter().enumerate() {
-            let model_input = if cfg {
-                Tensor::cat(vec![latents.clone(), latents.clone()], 0)
-            } else {
-                latents.clone()
-            };
-            let model_input = self.scheduler.scale_model_input(model_input, t)?;
-            let timestep =
-                Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), &self.device);
-            let noise_pred = match &self.compiled {
-                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone())?,
-                None => self.unet.forward(model_input, timestep, context.clone()),
-            };
-            let noise_pred = if cfg {
-                let uncond = noise_pred.clone().narrow(0, 0, batch);
-                let text = noise_pred.narrow(0, batch, batch);
-                uncond.clone() + (text - uncond).mul_scalar(req.guidance_scale)
-            } else {
-                noise_pred
-            };
-            let prediction = noise_pred.clone();
-            latents = self.scheduler.step(noise_pred, t, latents, noise)?;
-            if !guard::is_finite(&latents)? {
-                let stage = if guard::is_finite(&prediction)? {
-                    Stage::Scheduler {
-                        step,
-                        timestep: t,
-                        scheduler: self.scheduler.kind().to_string(),
-                    }
-                } else {
-                    Stage::Denoiser { step, timestep: t }
-                };
-                return Err(guard::fault(stage));
-            }
-            callback(StepInfo {
-                step,
-                num_steps: timesteps.len(),
-                timestep: t,
-                latents: &latents,
-            });
-            if let Some(cancel) = &req.cancel {
-                cancel.check(step + 1, timesteps.len())?;
-            }
-        }
-
-        let images = match req.output {
-            OutputType::Latents => None,
-            OutputType::Images => {
-                let on_vae = latents.clone().to_device(&self.vae_device());
-                let decoded = self.vae.decode(on_vae.div_scalar(self.vae.scaling_factor));
-                guard::ensure_finite(&decoded, Stage::VaeDecode)?;
-                Some(postprocess(decoded)?)
-            }
-        };
+        let (unet, compiled) = (&self.unet, &self.compiled);
+        let latents = denoising_loop(
+            &mut *self.scheduler,
+            &timesteps,
+            latents,
+            req,
+            &self.device,
+            noise,
+            |model_input, timestep| match compiled {
+                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone()),
+                None => Ok(unet.forward(model_input, timestep, context.clone())),
+            },
+            &mut callback,
+        )?;
+        let images = decode_latents(&self.vae, &latents, req.output)?;
         Ok(PipelineOutput { latents, images })
+    }
+}
+
+/// Checks a request's prompts, counts and size; returns `(width, height)`.
+pub(crate) fn validate_request<B: Backend>(
+    req: &GenerateRequest<B>,
+    default: usize,
+    f: usize,
+) -> Result<(usize, usize)> {
+    if req.prompts.is_empty() {
+        return Err(PipelineError::InvalidInput(
+            "the prompt list is empty".into(),
+        ));
+    }
+    let n = req.negative_prompts.len();
+    if n > 1 && n != req.prompts.len() {
+        return Err(PipelineError::InvalidInput(format!(
+            "{n} negative prompts for {} prompts: give one, or one per prompt",
+            req.prompts.len()
+        )));
+    }
+    if req.num_inference_steps == 0 {
+        return Err(PipelineError::InvalidInput(
+            "the number of steps must be at least 1".into(),
+        ));
+    }
+    if req.num_images_per_prompt == 0 {
+        return Err(PipelineError::InvalidInput(
+            "images per prompt must be at least 1".into(),
+        ));
+    }
+    let (w, h) = (req.width.unwrap_or(default), req.height.unwrap_or(default));
+    if w == 0 || h == 0 || w % f != 0 || h % f != 0 {
+        return Err(PipelineError::InvalidInput(format!(
+            "width and height must be positive multiples of {f}, got {w}x{h}; try {}x{}",
+            (w.max(f) / f) * f,
+            (h.max(f) / f) * f
+        )));
+    }
+    Ok((w, h))
+}
+
+/// Initial latents `[batch, 4, h/f, w/f]`: the request's, checked, or drawn from `noise`
+/// (not yet scaled by `init_noise_sigma`).
+pub(crate) fn initial_latents<B: Backend>(
+    req: &GenerateRequest<B>,
+    batch: usize,
+    (width, height): (usize, usize),
+    f: usize,
+    device: &B::Device,
+    noise: &mut dyn NoiseSource<B>,
+) -> Result<Tensor<B, 4>> {
+    let shape = [batch, 4, height / f, width / f];
+    match &req.latents {
+        Some(l) => {
+            if l.dims() != shape {
+                return Err(PipelineError::InvalidInput(format!(
+                    "initial latents have shape {:?}, expected {shape:?} for {batch} image(s) \
+                     of {width}x{height}",
+                    l.dims()
+                )));
+            }
+            Ok(l.clone().to_device(device))
+        }
+        None => Ok(noise.randn(shape, device)?),
+    }
+}
+
+/// The scheduler loop shared by the SD-family pipelines: classifier-free guidance batched in
+/// one `denoise(model_input, timestep)` call (uncond half first), the scheduler step, the NaN
+/// guard, the callback and cancellation, over `timesteps` (possibly a prefix of the
+/// scheduler's, for `denoising_end`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn denoising_loop<B: Backend>(
+    scheduler: &mut dyn Scheduler<B>,
+    timesteps: &[f64],
+    mut latents: Tensor<B, 4>,
+    req: &GenerateRequest<B>,
+    device: &B::Device,
+    noise: &mut dyn NoiseSource<B>,
+    mut denoise: impl FnMut(Tensor<B, 4>, Tensor<B, 1>) -> Result<Tensor<B, 4>>,
+    callback: &mut impl FnMut(StepInfo<'_, B>),
+) -> Result<Tensor<B, 4>> {
+    let cfg = req.guidance_scale > 1.0;
+    let batch = latents.dims()[0];
+    for (step, &t) in timesteps.iter().enumerate() {
+        let model_input = if cfg {
+            Tensor::cat(vec![latents.clone(), latents.clone()], 0)
+        } else {
+            latents.clone()
+        };
+        let model_input = scheduler.scale_model_input(model_input, t)?;
+        let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), device);
+        let noise_pred = denoise(model_input, timestep)?;
+        let noise_pred = if cfg {
+            let uncond = noise_pred.clone().narrow(0, 0, batch);
+            let text = noise_pred.narrow(0, batch, batch);
+            uncond.clone() + (text - uncond).mul_scalar(req.guidance_scale)
+        } else {
+            noise_pred
+        };
+        let prediction = noise_pred.clone();
+        latents = scheduler.step(noise_pred, t, latents, noise)?;
+        if !guard::is_finite(&latents)? {
+            let stage = if guard::is_finite(&prediction)? {
+                Stage::Scheduler {
+                    step,
+                    timestep: t,
+                    scheduler: scheduler.kind().to_string(),
+                }
+            } else {
+                Stage::Denoiser { step, timestep: t }
+            };
+            return Err(guard::fault(stage));
+        }
+        callback(StepInfo {
+            step,
+            num_steps: timesteps.len(),
+            timestep: t,
+            latents: &latents,
+        });
+        if let Some(cancel) = &req.cancel {
+            cancel.check(step + 1, timesteps.len())?;
+        }
+    }
+    Ok(latents)
+}
+
+/// Undoes the VAE scaling, decodes on the VAE's device and post-processes (unless only
+/// latents were asked for).
+pub(crate) fn decode_latents<B: Backend>(
+    vae: &AutoencoderKL<B>,
+    latents: &Tensor<B, 4>,
+    output: OutputType,
+) -> Result<Option<Images>> {
+    match output {
+        OutputType::Latents => Ok(None),
+        OutputType::Images => {
+            let device = vae.decoder.conv_in.weight.device();
+            let on_vae = latents.clone().to_device(&device);
+            let decoded = vae.decode(on_vae.div_scalar(vae.scaling_factor));
+            guard::ensure_finite(&decoded, Stage::VaeDecode)?;
+            Ok(Some(postprocess(decoded)?))
+        }
     }
 }
 
