@@ -475,3 +475,67 @@ fn ctrl_c_stops_after_the_current_step_writes_nothing_and_exits_130() {
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn sdxl_folder_is_dispatched_to_the_sdxl_pipeline() {
+    use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionXLPipeline, XlOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = Golden::load("tiny-sdxl");
+    let (values, shape) = golden.host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    write_npy(&latents, &values, &shape);
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-sdxl");
+    let prompt = "a photo of an astronaut riding a horse";
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--negative-prompt",
+            "blurry",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            prompt,
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    assert_eq!(
+        ours.dimensions(),
+        (64, 64),
+        "SDXL's default size from the tiny UNet"
+    );
+
+    // The same request through the library (diffusers' SDXL default guidance 5).
+    let device = Default::default();
+    let mut pipe =
+        StableDiffusionXLPipeline::<common::B>::from_dir(&model, &LoadOptions::default(), &device)
+            .unwrap();
+    let request = GenerateRequest {
+        prompts: vec![prompt.into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 4,
+        guidance_scale: 5.0,
+        latents: Some(golden.tensor("pipe.latents")),
+        ..Default::default()
+    };
+    let expected = pipe.generate(&request, &XlOptions::default()).unwrap();
+    let expected = expected.images.unwrap().to_rgb8(0).unwrap();
+    let max_diff = ours
+        .as_raw()
+        .iter()
+        .zip(expected.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    assert!(max_diff <= 1, "CLI and library differ by {max_diff} levels");
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&out).unwrap();
+    assert_eq!(params.sampler, "EulerDiscreteScheduler");
+    assert_eq!(params.guidance_scale, 5.0);
+}

@@ -10,8 +10,8 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
 use oxidiff::pipelines::{
-    CancelToken, GenerateRequest, GenerationParameters, LoadOptions, PipelineError,
-    StableDiffusionPipeline,
+    CancelToken, GenerateRequest, GenerationParameters, LoadOptions, PipelineError, PipelineOutput,
+    StableDiffusionPipeline, StableDiffusionXLPipeline, StepInfo, XlOptions,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
@@ -25,7 +25,7 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL)"
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -155,7 +155,6 @@ fn run(mut args: Args) -> Result<()> {
     }
     let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
     let steps = args.steps.unwrap_or(if turbo { 1 } else { 50 });
-    let guidance = args.guidance.unwrap_or(if turbo { 0.0 } else { 7.5 });
     let seed = args.seed.unwrap_or_else(random_seed);
 
     let device: OxiDevice = args
@@ -167,12 +166,19 @@ fn run(mut args: Args) -> Result<()> {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
     };
-    let mut pipe = StableDiffusionPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
+    let mut pipe = Pipeline::load(&args.model, &options, &device)
         .with_context(|| format!("loading {}", args.model))?;
     if args.compile {
         pipe.compile()?;
     }
     let loaded = started.elapsed();
+    // diffusers' defaults: 7.5 for SD 1.x/2.x, 5 for SDXL.
+    let default_guidance = match (&pipe, turbo) {
+        (_, true) => 0.0,
+        (Pipeline::Xl(_), false) => 5.0,
+        (Pipeline::Sd(_), false) => 7.5,
+    };
+    let guidance = args.guidance.unwrap_or(default_guidance);
 
     let latents = match &args.latents {
         Some(path) => {
@@ -245,7 +251,7 @@ fn run(mut args: Args) -> Result<()> {
         sampler: args
             .scheduler
             .clone()
-            .unwrap_or_else(|| pipe.scheduler.kind().class_name().to_string()),
+            .unwrap_or_else(|| pipe.scheduler_class().to_string()),
         guidance_scale: guidance,
         seed,
         width: images.width,
@@ -270,6 +276,65 @@ fn run(mut args: Args) -> Result<()> {
         generated.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The pipeline `model_index.json`'s `_class_name` names.
+enum Pipeline {
+    Sd(Box<StableDiffusionPipeline<Oxi>>),
+    Xl(Box<StableDiffusionXLPipeline<Oxi>>),
+}
+
+impl Pipeline {
+    fn load(model: &str, options: &LoadOptions, device: &OxiDevice) -> Result<Self> {
+        let dir = oxidiff::pipelines::resolve_model(model, options.variant.as_deref())?;
+        let index = std::fs::read_to_string(dir.join("model_index.json")).unwrap_or_default();
+        let class = serde_json::from_str::<serde_json::Value>(&index)
+            .ok()
+            .and_then(|v| v["_class_name"].as_str().map(str::to_string));
+        Ok(match class.as_deref() {
+            Some(oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS) => Self::Xl(Box::new(
+                StableDiffusionXLPipeline::from_dir(&dir, options, device)?,
+            )),
+            _ => Self::Sd(Box::new(StableDiffusionPipeline::from_dir(
+                &dir, options, device,
+            )?)),
+        })
+    }
+
+    fn compile(&mut self) -> Result<()> {
+        match self {
+            Self::Sd(pipe) => Ok(pipe.compile()?),
+            Self::Xl(_) => bail!("--compile is not implemented for SDXL yet; run it eagerly"),
+        }
+    }
+
+    fn compiles(&self) -> Option<u64> {
+        match self {
+            Self::Sd(pipe) => pipe.compiles(),
+            Self::Xl(_) => None,
+        }
+    }
+
+    fn scheduler_class(&self) -> &'static str {
+        match self {
+            Self::Sd(pipe) => pipe.scheduler.kind().class_name(),
+            Self::Xl(pipe) => pipe.scheduler.kind().class_name(),
+        }
+    }
+
+    fn generate_with(
+        &mut self,
+        request: &GenerateRequest<Oxi>,
+        generator: &mut TorchCpuGenerator,
+        callback: impl FnMut(StepInfo<'_, Oxi>),
+    ) -> Result<PipelineOutput<Oxi>, PipelineError> {
+        match self {
+            Self::Sd(pipe) => pipe.generate_with(request, generator, callback),
+            Self::Xl(pipe) => {
+                pipe.generate_with(request, &XlOptions::default(), generator, callback)
+            }
+        }
+    }
 }
 
 fn display(path: &Path) -> String {
