@@ -22,3 +22,5 @@ pub use stable_diffusion::{
 };
 pub mod stable_diffusion_xl;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds};
+pub mod stable_diffusion_img2img;
+pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;

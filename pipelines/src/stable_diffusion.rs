@@ -24,7 +24,8 @@ use crate::guard::{self, CancelToken, Stage};
 use crate::image::{postprocess, Images};
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
-pub const SUPPORTED_CLASSES: [&str; 1] = ["StableDiffusionPipeline"];
+pub const SUPPORTED_CLASSES: [&str; 2] =
+    ["StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"];
 
 /// How a pipeline is loaded.
 #[derive(Debug, Clone, Default)]
@@ -298,6 +299,22 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         Ok(self.text_encoder.forward(&rows, false)?.last_hidden_state)
     }
 
+    /// The UNet's text context for a request: the prompts' embeddings, preceded (with
+    /// guidance) by the negative prompts' (an empty string when none is given).
+    pub fn encode_context(&self, req: &GenerateRequest<B>) -> Result<Tensor<B, 3>> {
+        let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
+        if req.guidance_scale <= 1.0 {
+            return Ok(prompt_embeds);
+        }
+        let negatives: Vec<String> = match req.negative_prompts.len() {
+            0 => vec![String::new(); req.prompts.len()],
+            1 => vec![req.negative_prompts[0].clone(); req.prompts.len()],
+            _ => req.negative_prompts.clone(),
+        };
+        let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
+        Ok(Tensor::cat(vec![negative_embeds, prompt_embeds], 0))
+    }
+
     fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
         validate_request(req, self.default_size(), self.vae_scale_factor)
     }
@@ -318,22 +335,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     ) -> Result<PipelineOutput<B>> {
         let (width, height) = self.validate(req)?;
         let batch = req.prompts.len() * req.num_images_per_prompt;
-        let cfg = req.guidance_scale > 1.0;
-
-        let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
-        let context = if cfg {
-            let negatives: Vec<String> = match req.negative_prompts.len() {
-                0 => vec![String::new(); req.prompts.len()],
-                1 => vec![req.negative_prompts[0].clone(); req.prompts.len()],
-                _ => req.negative_prompts.clone(),
-            };
-            let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
-            Tensor::cat(vec![negative_embeds, prompt_embeds], 0)
-        } else {
-            prompt_embeds
-        };
-
-        let context = context.to_device(&self.device);
+        let context = self.encode_context(req)?.to_device(&self.device);
         self.scheduler.set_timesteps(req.num_inference_steps)?;
         self.scheduler.set_eta(req.eta);
         let latents = initial_latents(
