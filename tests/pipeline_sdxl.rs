@@ -295,3 +295,48 @@ fn bad_sizes_and_a_missing_second_text_encoder_are_clear_errors() {
     };
     assert!(err.contains("StableDiffusionXLPipeline"), "{err}");
 }
+
+#[test]
+fn a_unet_that_does_not_fit_text_encoder_2_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = |from: &std::path::Path, to: &std::path::Path| {
+        for entry in walk(from) {
+            let target = to.join(entry.strip_prefix(from).unwrap());
+            std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+            std::fs::copy(&entry, target).unwrap();
+        }
+    };
+    fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                files.extend(walk(&path));
+            } else {
+                files.push(path);
+            }
+        }
+        files
+    }
+    copy(&model_dir(NAME), dir.path());
+    let config = dir.path().join("unet/config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let edited = text.replace(
+        "\"projection_class_embeddings_input_dim\": 32",
+        "\"projection_class_embeddings_input_dim\": 40",
+    );
+    assert_ne!(text, edited, "the fixture's config has the field");
+    std::fs::write(&config, edited).unwrap();
+    let err = match StableDiffusionXLPipeline::<B>::from_dir(
+        dir.path(),
+        &LoadOptions::default(),
+        &Default::default(),
+    ) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("loaded a mismatched UNet"),
+    };
+    assert!(
+        err.contains("projection_class_embeddings_input_dim") && err.contains("unet/config.json"),
+        "{err}"
+    );
+}
