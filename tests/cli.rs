@@ -539,3 +539,50 @@ fn sdxl_folder_is_dispatched_to_the_sdxl_pipeline() {
     assert_eq!(params.sampler, "EulerDiscreteScheduler");
     assert_eq!(params.guidance_scale, 5.0);
 }
+
+#[test]
+fn img2img_binary_matches_diffusers_png_and_refuses_bad_strength() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let input = common::fixtures().join("golden/img2img-input.png");
+    let out = tmp.path().join("out.png");
+    let args = |strength: &'static str| {
+        vec![
+            "--model".to_string(),
+            model.to_str().unwrap().into(),
+            "--image".into(),
+            input.to_str().unwrap().into(),
+            "--strength".into(),
+            strength.into(),
+            "--steps".into(),
+            "4".into(),
+            "--seed".into(),
+            "42".into(),
+            "--negative-prompt".into(),
+            "blurry".into(),
+            "-o".into(),
+            out.to_str().unwrap().into(),
+            "a photo of an astronaut riding a horse".into(),
+        ]
+    };
+    let run = |args: Vec<String>| {
+        Command::new(env!("CARGO_BIN_EXE_img2img"))
+            .args(args)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .expect("img2img runs")
+    };
+    let bad = run(args("1.5"));
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("strength must be in (0, 1]"),
+        "{}",
+        stderr(&bad)
+    );
+    assert!(!out.exists(), "nothing is written on bad input");
+
+    let result = run(args("0.75"));
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, "img2img-pndm.png", 2);
+}
