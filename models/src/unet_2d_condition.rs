@@ -594,8 +594,49 @@ impl<B: Backend> UNet2DConditionModel<B> {
         self.forward_inner(sample, timestep, encoder_hidden_states, None)
     }
 
+    /// Checks SDXL's added condition against this UNet and a latents batch, from shapes
+    /// alone (so a compiled step can check before tracing): required by `text_time` UNets,
+    /// refused by others, as diffusers does.
+    pub fn check_added_condition(
+        &self,
+        batch: usize,
+        added: Option<&AddedCondition<B>>,
+    ) -> Result<()> {
+        match (&self.add_time_proj, &self.add_embedding, added) {
+            (Some(proj), Some(embedding), Some(cond)) => {
+                let [b, n] = cond.time_ids.dims();
+                let [tb, tw] = cond.text_embeds.dims();
+                if b != batch || tb != batch {
+                    return Err(ModelError::Input(format!(
+                        "added condition for batch {b} (text_embeds {:?}), latents batch {batch}",
+                        cond.text_embeds.dims()
+                    )));
+                }
+                let width = tw + n * proj.freqs.dims()[1] * 2;
+                let want = embedding.linear_1.weight.dims()[0];
+                if width != want {
+                    return Err(ModelError::Input(format!(
+                        "the added condition is {width} wide ({tw} text_embeds + {n} time ids), \
+                         `add_embedding` expects {want} (`projection_class_embeddings_input_dim`)"
+                    )));
+                }
+                Ok(())
+            }
+            (Some(_), _, None) => Err(ModelError::Input(
+                "this UNet has `addition_embed_type: text_time` (SDXL) and needs \
+                 `text_embeds` and `time_ids`"
+                    .into(),
+            )),
+            (None, _, Some(_)) => Err(ModelError::Input(
+                "this UNet has no addition embedding; `text_embeds`/`time_ids` are for SDXL UNets"
+                    .into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// [`forward`](Self::forward) with SDXL's added conditioning, which an SDXL UNet requires
-    /// and other UNets refuse (as diffusers does).
+    /// and other UNets refuse (see [`check_added_condition`](Self::check_added_condition)).
     pub fn forward_with_condition(
         &self,
         sample: Tensor<B, 4>,
@@ -603,46 +644,18 @@ impl<B: Backend> UNet2DConditionModel<B> {
         encoder_hidden_states: Tensor<B, 3>,
         added: Option<&AddedCondition<B>>,
     ) -> Result<Tensor<B, 4>> {
-        let batch = sample.dims()[0];
-        let aug =
-            match (&self.add_time_proj, &self.add_embedding, added) {
-                (Some(proj), Some(embedding), Some(cond)) => {
-                    let [b, n] = cond.time_ids.dims();
-                    if b != batch || cond.text_embeds.dims()[0] != batch {
-                        return Err(ModelError::Input(format!(
-                        "added condition for batch {b} (text_embeds {:?}), latents batch {batch}",
-                        cond.text_embeds.dims()
-                    )));
-                    }
-                    let time_embeds = proj
-                        .forward(cond.time_ids.clone().reshape([b * n]))
-                        .reshape([b as i32, -1]);
-                    let input = Tensor::cat(vec![cond.text_embeds.clone(), time_embeds], 1);
-                    let want = embedding.linear_1.weight.dims()[0];
-                    if input.dims()[1] != want {
-                        return Err(ModelError::Input(format!(
-                            "the added condition is {} wide ({} text_embeds + {n} time ids), \
-                         `add_embedding` expects {want} (`projection_class_embeddings_input_dim`)",
-                            input.dims()[1],
-                            cond.text_embeds.dims()[1]
-                        )));
-                    }
-                    Some(embedding.forward(input))
-                }
-                (Some(_), _, None) => {
-                    return Err(ModelError::Input(
-                        "this UNet has `addition_embed_type: text_time` (SDXL) and needs \
-                     `text_embeds` and `time_ids`"
-                            .into(),
-                    ))
-                }
-                (None, _, Some(_)) => return Err(ModelError::Input(
-                    "this UNet has no addition embedding; `text_embeds`/`time_ids` are for SDXL \
-                     UNets"
-                        .into(),
-                )),
-                _ => None,
-            };
+        self.check_added_condition(sample.dims()[0], added)?;
+        let aug = match (&self.add_time_proj, &self.add_embedding, added) {
+            (Some(proj), Some(embedding), Some(cond)) => {
+                let [b, n] = cond.time_ids.dims();
+                let time_embeds = proj
+                    .forward(cond.time_ids.clone().reshape([b * n]))
+                    .reshape([b as i32, -1]);
+                let input = Tensor::cat(vec![cond.text_embeds.clone(), time_embeds], 1);
+                Some(embedding.forward(input))
+            }
+            _ => None,
+        };
         Ok(self.forward_inner(sample, timestep, encoder_hidden_states, aug))
     }
 

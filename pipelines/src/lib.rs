@@ -21,6 +21,6 @@ pub use stable_diffusion::{
     StepInfo,
 };
 pub mod stable_diffusion_xl;
-pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds};
+pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlDenoiser, XlOptions, XlPromptEmbeds};
 pub mod stable_diffusion_img2img;
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::config::{load_json, PerBlock};
 use oxidiff_models::{
     AddedCondition, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel,
@@ -96,6 +97,23 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
     /// The UNet's device, where the loop runs.
     pub device: B::Device,
     pub source: PathBuf,
+    /// The compiled denoiser, when [`compile`](StableDiffusionXLPipeline::compile) was called.
+    pub compiled: Option<Box<dyn XlDenoiser<B>>>,
+}
+
+/// SDXL's UNet call `unet(sample, timestep, context, added)` run some other way than eagerly
+/// (one compiled XLA program).
+pub trait XlDenoiser<B: Backend> {
+    fn denoise(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        context: Tensor<B, 3>,
+        added: &AddedCondition<B>,
+    ) -> Result<Tensor<B, 4>>;
+
+    /// Programs compiled so far (one per input shape).
+    fn compiles(&self) -> u64;
 }
 
 impl<B: Backend> StableDiffusionXLPipeline<B> {
@@ -210,6 +228,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt,
             device: device.clone(),
             source: dir.to_path_buf(),
+            compiled: None,
         })
     }
 
@@ -239,6 +258,8 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.unet = self.unet.to(unet);
         self.vae = self.vae.to(vae);
         self.device = unet.clone();
+        // A compiled denoiser holds the UNet of its device: compile again after moving.
+        self.compiled = None;
         self
     }
 
@@ -445,7 +466,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             let keep = timesteps.iter().filter(|&&t| t >= cutoff).count();
             timesteps.truncate(keep);
         }
-        let unet = &self.unet;
+        let (unet, compiled) = (&self.unet, &self.compiled);
         let latents = denoising_loop(
             &mut *self.scheduler,
             &timesteps,
@@ -453,13 +474,14 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             req,
             &self.device,
             noise,
-            |model_input, timestep| {
-                Ok(unet.forward_with_condition(
+            |model_input, timestep| match compiled {
+                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone(), &added),
+                None => Ok(unet.forward_with_condition(
                     model_input,
                     timestep,
                     context.clone(),
                     Some(&added),
-                )?)
+                )?),
             },
             &mut callback,
         )?;
@@ -472,5 +494,82 @@ impl<B: Backend> ToDevice<B> for StableDiffusionXLPipeline<B> {
     /// Moves every component to `device`.
     fn to(self, device: &B::Device) -> Self {
         self.to_components(device, device, device)
+    }
+}
+
+/// The SDXL UNet's inputs: latents, timestep, text context, pooled text embeds, time ids.
+type XlUNetInputs = (
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 1>,
+    Tensor<Oxi, 3>,
+    Tensor<Oxi, 2>,
+    Tensor<Oxi, 2>,
+);
+type XlUNetFn = Box<dyn Fn(XlUNetInputs) -> Tensor<Oxi, 4>>;
+
+/// The compiled SDXL UNet call, with the UNet kept to check inputs before tracing.
+struct XlUNetStep {
+    unet: UNet2DConditionModel<Oxi>,
+    step: CompiledFn<XlUNetInputs, Tensor<Oxi, 4>, XlUNetFn>,
+}
+
+impl XlDenoiser<Oxi> for XlUNetStep {
+    fn denoise(
+        &self,
+        sample: Tensor<Oxi, 4>,
+        timestep: Tensor<Oxi, 1>,
+        context: Tensor<Oxi, 3>,
+        added: &AddedCondition<Oxi>,
+    ) -> Result<Tensor<Oxi, 4>> {
+        self.unet
+            .check_added_condition(sample.dims()[0], Some(added))?;
+        self.step
+            .call((
+                sample,
+                timestep,
+                context,
+                added.text_embeds.clone(),
+                added.time_ids.clone(),
+            ))
+            .map_err(|e| PipelineError::Compile(e.to_string()))
+    }
+
+    fn compiles(&self) -> u64 {
+        self.step.compiles()
+    }
+}
+
+impl StableDiffusionXLPipeline<Oxi> {
+    /// Compiled mode, as [`StableDiffusionPipeline::compile`](crate::StableDiffusionPipeline::compile):
+    /// each UNet call (both guidance halves, with the added condition as runtime inputs) is one
+    /// XLA program per input shape. Needs the UNet on a PJRT device.
+    pub fn compile(&mut self) -> Result<()> {
+        let device = self.unet.conv_in.weight.device();
+        if !device.is_pjrt() {
+            return Err(PipelineError::Compile(format!(
+                "the UNet is on {device}; compiled mode needs a PJRT device \
+                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
+            )));
+        }
+        let unet = self.unet.clone();
+        let step: XlUNetFn = Box::new(move |(sample, timestep, context, text_embeds, time_ids)| {
+            let added = AddedCondition {
+                text_embeds,
+                time_ids,
+            };
+            // The shapes were checked by `check_added_condition` before the call.
+            unet.forward_with_condition(sample, timestep, context, Some(&added))
+                .expect("added condition checked before tracing")
+        });
+        self.compiled = Some(Box::new(XlUNetStep {
+            unet: self.unet.clone(),
+            step: CompiledFn::new("sdxl-unet", step),
+        }));
+        Ok(())
+    }
+
+    /// Programs compiled so far in compiled mode (`None` when eager).
+    pub fn compiles(&self) -> Option<u64> {
+        self.compiled.as_ref().map(|c| c.compiles())
     }
 }

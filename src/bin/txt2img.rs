@@ -304,14 +304,14 @@ impl Pipeline {
     fn compile(&mut self) -> Result<()> {
         match self {
             Self::Sd(pipe) => Ok(pipe.compile()?),
-            Self::Xl(_) => bail!("--compile is not implemented for SDXL yet; run it eagerly"),
+            Self::Xl(pipe) => Ok(pipe.compile()?),
         }
     }
 
     fn compiles(&self) -> Option<u64> {
         match self {
             Self::Sd(pipe) => pipe.compiles(),
-            Self::Xl(_) => None,
+            Self::Xl(pipe) => pipe.compiles(),
         }
     }
 
