@@ -600,3 +600,114 @@ fn pixart_options_on_a_stable_diffusion_model_are_refused() {
         stderr(&result)
     );
 }
+
+#[test]
+fn sdxl_folder_is_dispatched_to_the_sdxl_pipeline() {
+    use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionXLPipeline, XlOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = Golden::load("tiny-sdxl");
+    let (values, shape) = golden.host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    write_npy(&latents, &values, &shape);
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-sdxl");
+    let prompt = "a photo of an astronaut riding a horse";
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--negative-prompt",
+            "blurry",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            prompt,
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    assert_eq!(
+        ours.dimensions(),
+        (64, 64),
+        "SDXL's default size from the tiny UNet"
+    );
+
+    // The same request through the library (diffusers' SDXL default guidance 5).
+    let device = Default::default();
+    let mut pipe =
+        StableDiffusionXLPipeline::<common::B>::from_dir(&model, &LoadOptions::default(), &device)
+            .unwrap();
+    let request = GenerateRequest {
+        prompts: vec![prompt.into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 4,
+        guidance_scale: 5.0,
+        latents: Some(golden.tensor("pipe.latents")),
+        ..Default::default()
+    };
+    let expected = pipe.generate(&request, &XlOptions::default()).unwrap();
+    let expected = expected.images.unwrap().to_rgb8(0).unwrap();
+    let max_diff = ours
+        .as_raw()
+        .iter()
+        .zip(expected.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    assert!(max_diff <= 1, "CLI and library differ by {max_diff} levels");
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&out).unwrap();
+    assert_eq!(params.sampler, "EulerDiscreteScheduler");
+    assert_eq!(params.guidance_scale, 5.0);
+}
+
+#[test]
+fn img2img_binary_matches_diffusers_png_and_refuses_bad_strength() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let input = common::fixtures().join("golden/img2img-input.png");
+    let out = tmp.path().join("out.png");
+    let args = |strength: &'static str| {
+        vec![
+            "--model".to_string(),
+            model.to_str().unwrap().into(),
+            "--image".into(),
+            input.to_str().unwrap().into(),
+            "--strength".into(),
+            strength.into(),
+            "--steps".into(),
+            "4".into(),
+            "--seed".into(),
+            "42".into(),
+            "--negative-prompt".into(),
+            "blurry".into(),
+            "-o".into(),
+            out.to_str().unwrap().into(),
+            "a photo of an astronaut riding a horse".into(),
+        ]
+    };
+    let run = |args: Vec<String>| {
+        Command::new(env!("CARGO_BIN_EXE_img2img"))
+            .args(args)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .expect("img2img runs")
+    };
+    let bad = run(args("1.5"));
+    assert!(!bad.status.success());
+    assert!(
+        stderr(&bad).contains("strength must be in (0, 1]"),
+        "{}",
+        stderr(&bad)
+    );
+    assert!(!out.exists(), "nothing is written on bad input");
+
+    let result = run(args("0.75"));
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, "img2img-pndm.png", 2);
+}

@@ -144,3 +144,66 @@ fn compiled_unet_matches_and_does_not_recompile() {
     assert_eq!(out.images.unwrap().width, 72);
     assert_eq!(pipe.compiles(), Some(2), "a new size compiles once");
 }
+
+/// SDXL on XLA's CPU plugin, eager and compiled (the added condition as runtime inputs), matches
+/// the CPU; new size/crop conditioning and guidance reuse the compiled program.
+#[test]
+fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
+    use oxidiff::pipelines::{StableDiffusionXLPipeline, XlOptions};
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let golden = Golden::load("tiny-sdxl");
+    let cpu = OxiDevice::Cpu;
+    let mut pipe = StableDiffusionXLPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &LoadOptions::default(),
+        &cpu,
+    )
+    .unwrap();
+    assert!(pipe
+        .compile()
+        .unwrap_err()
+        .to_string()
+        .contains("PJRT device"));
+    let xl = XlOptions {
+        original_size: Some((96, 80)),
+        crops_coords_top_left: (8, 4),
+        ..Default::default()
+    };
+    let expected = pipe
+        .generate_with(&request(&golden, &cpu), &xl, &mut NoNoise, |_| {})
+        .unwrap()
+        .images
+        .unwrap()
+        .data;
+
+    let mut pipe = pipe.to(&xla(0));
+    let eager = pipe
+        .generate_with(&request(&golden, &cpu), &xl, &mut NoNoise, |_| {})
+        .unwrap();
+    let err = relative_error(&eager.images.unwrap().data, &expected);
+    assert!(
+        err <= 1e-4,
+        "SDXL xla:cpu eager vs cpu: relative error {err:e}"
+    );
+    eprintln!("SDXL xla:cpu eager vs cpu: relative error {err:e}");
+
+    pipe.compile().unwrap();
+    let compiled = pipe
+        .generate_with(&request(&golden, &cpu), &xl, &mut NoNoise, |_| {})
+        .unwrap();
+    let err = relative_error(&compiled.images.unwrap().data, &expected);
+    assert!(err <= 1e-4, "SDXL compiled vs cpu: relative error {err:e}");
+    eprintln!("SDXL compiled vs cpu: relative error {err:e}");
+    assert_eq!(pipe.compiles(), Some(1));
+    let other = XlOptions {
+        original_size: Some((1024, 1024)),
+        ..Default::default()
+    };
+    let mut req = request(&golden, &cpu);
+    req.guidance_scale = 3.0;
+    pipe.generate_with(&req, &other, &mut NoNoise, |_| {})
+        .unwrap();
+    assert_eq!(pipe.compiles(), Some(1), "time ids or guidance recompiled");
+}

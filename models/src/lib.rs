@@ -31,5 +31,5 @@ pub use error::{ModelError, Result};
 pub use pixart_transformer_2d::{PixArtTransformer2DConfig, PixArtTransformer2DModel};
 pub use t5::{T5Config, T5EncoderModel};
 pub use tokenizer::{ClipTokenizer, Encoded, MaskedTokens, T5Tokenizer};
-pub use unet_2d_condition::{UNet2DConditionConfig, UNet2DConditionModel};
+pub use unet_2d_condition::{AddedCondition, UNet2DConditionConfig, UNet2DConditionModel};
 pub use weights::{VarBuilder, Weights};

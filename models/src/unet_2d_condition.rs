@@ -54,6 +54,12 @@ pub struct UNet2DConditionConfig {
     pub addition_embed_type: Option<String>,
     pub encoder_hid_dim_type: Option<String>,
     pub time_cond_proj_dim: Option<usize>,
+    /// SDXL (`addition_embed_type: "text_time"`): the sinusoidal width of each `time_ids` entry.
+    pub addition_time_embed_dim: Option<usize>,
+    /// SDXL: the input width of `add_embedding` (pooled text embeds + 6 time-id embeddings).
+    pub projection_class_embeddings_input_dim: Option<usize>,
+    /// A list that replaces the reversed `transformer_layers_per_block` of the up blocks.
+    pub reverse_transformer_layers_per_block: Option<serde_json::Value>,
     pub resnet_time_scale_shift: String,
     pub time_embedding_type: String,
     pub conv_in_kernel: usize,
@@ -101,6 +107,9 @@ impl Default for UNet2DConditionConfig {
             addition_embed_type: None,
             encoder_hid_dim_type: None,
             time_cond_proj_dim: None,
+            addition_time_embed_dim: None,
+            projection_class_embeddings_input_dim: None,
+            reverse_transformer_layers_per_block: None,
             resnet_time_scale_shift: "default".into(),
             time_embedding_type: "positional".into(),
             conv_in_kernel: 3,
@@ -158,13 +167,46 @@ impl UNet2DConditionConfig {
         }
         let optional = [
             ("class_embed_type", &self.class_embed_type),
-            ("addition_embed_type", &self.addition_embed_type),
             ("encoder_hid_dim_type", &self.encoder_hid_dim_type),
         ];
         for (field, value) in optional {
             if let Some(v) = value {
-                return unsupported(format!("`{field}: {v}` (SD 1.x/2.x UNets have none)"));
+                return unsupported(format!(
+                    "`{field}: {v}` (SD 1.x/2.x and SDXL UNets have none)"
+                ));
             }
+        }
+        match self.addition_embed_type.as_deref() {
+            None => {}
+            Some("text_time")
+                if self
+                    .addition_time_embed_dim
+                    .is_none_or(|d| d == 0 || d % 2 == 1)
+                    || self
+                        .projection_class_embeddings_input_dim
+                        .is_none_or(|d| d == 0) =>
+            {
+                return Err(ModelError::Config {
+                    path: path.to_path_buf(),
+                    reason: "`addition_embed_type: text_time` needs an even \
+                             `addition_time_embed_dim` and a positive \
+                             `projection_class_embeddings_input_dim`"
+                        .into(),
+                });
+            }
+            Some("text_time") => {}
+            Some(v) => {
+                return unsupported(format!(
+                    "`addition_embed_type: {v}` (only SDXL's `text_time` is implemented)"
+                ))
+            }
+        }
+        if self
+            .reverse_transformer_layers_per_block
+            .as_ref()
+            .is_some_and(|v| !v.is_null())
+        {
+            return unsupported("`reverse_transformer_layers_per_block`".into());
         }
         if self.time_cond_proj_dim.is_some() {
             return unsupported("`time_cond_proj_dim` (guidance-distilled UNets)".into());
@@ -287,11 +329,25 @@ impl<B: Backend> MidBlock<B> {
     }
 }
 
+/// SDXL's extra conditioning (`added_cond_kwargs` in diffusers): the pooled projection of the
+/// second text encoder and the six size/crop numbers per image.
+#[derive(Debug, Clone)]
+pub struct AddedCondition<B: Backend> {
+    /// `[batch, projection_dim]`.
+    pub text_embeds: Tensor<B, 2>,
+    /// `[batch, 6]`: original (h, w), crop top-left (top, left), target (h, w).
+    pub time_ids: Tensor<B, 2>,
+}
+
 /// The conditional UNet of Stable Diffusion.
 #[derive(Module, Debug)]
 pub struct UNet2DConditionModel<B: Backend> {
     pub time_proj: Timesteps<B>,
     pub time_embedding: TimestepEmbedding<B>,
+    /// SDXL (`text_time`): sinusoidal embedding of each `time_ids` entry.
+    pub add_time_proj: Option<Timesteps<B>>,
+    /// SDXL: `TimestepEmbedding` over `[text_embeds, time_ids embeddings]`, added to `temb`.
+    pub add_embedding: Option<TimestepEmbedding<B>>,
     pub conv_in: Conv2d<B>,
     pub down_blocks: Vec<DownBlock<B>>,
     pub mid_block: Option<MidBlock<B>>,
@@ -364,6 +420,28 @@ impl<B: Backend> UNet2DConditionModel<B> {
         let time_proj = Timesteps::new(channels[0], cfg.flip_sin_to_cos, cfg.freq_shift, &device);
         let time_embedding =
             TimestepEmbedding::load(&vb.pp("time_embedding"), channels[0], temb_dim, act)?;
+        let (add_time_proj, add_embedding) = match (
+            cfg.addition_embed_type.as_deref(),
+            cfg.addition_time_embed_dim,
+            cfg.projection_class_embeddings_input_dim,
+        ) {
+            (Some("text_time"), Some(dim), Some(c_in)) => (
+                Some(Timesteps::new(
+                    dim,
+                    cfg.flip_sin_to_cos,
+                    cfg.freq_shift,
+                    &device,
+                )),
+                // diffusers builds it with TimestepEmbedding's default activation, not `act_fn`.
+                Some(TimestepEmbedding::load(
+                    &vb.pp("add_embedding"),
+                    c_in,
+                    temb_dim,
+                    Activation::Silu,
+                )?),
+            ),
+            _ => (None, None),
+        };
         let conv_in = Conv2d::load(
             &vb.pp("conv_in"),
             ConvSpec::same(cfg.in_channels, channels[0], cfg.conv_in_kernel),
@@ -477,6 +555,8 @@ impl<B: Backend> UNet2DConditionModel<B> {
         Ok(Self {
             time_proj,
             time_embedding,
+            add_time_proj,
+            add_embedding,
             conv_in,
             down_blocks,
             mid_block,
@@ -496,13 +576,95 @@ impl<B: Backend> UNet2DConditionModel<B> {
         })
     }
 
+    /// Whether the UNet needs [`AddedCondition`] (SDXL's `text_time`).
+    pub fn needs_added_condition(&self) -> bool {
+        self.add_embedding.is_some()
+    }
+
     /// Predicts noise (or v, or the sample) for latents `[batch, c, h, w]` at `timestep`
     /// (`[batch]` or `[1]`), conditioned on `encoder_hidden_states` `[batch, seq, dim]`.
+    /// For UNets without an addition embedding (SD 1.x/2.x); an SDXL UNet called this way
+    /// skips its `add_embedding` (use [`forward_with_condition`](Self::forward_with_condition)).
     pub fn forward(
         &self,
         sample: Tensor<B, 4>,
         timestep: Tensor<B, 1>,
         encoder_hidden_states: Tensor<B, 3>,
+    ) -> Tensor<B, 4> {
+        self.forward_inner(sample, timestep, encoder_hidden_states, None)
+    }
+
+    /// Checks SDXL's added condition against this UNet and a latents batch, from shapes
+    /// alone (so a compiled step can check before tracing): required by `text_time` UNets,
+    /// refused by others, as diffusers does.
+    pub fn check_added_condition(
+        &self,
+        batch: usize,
+        added: Option<&AddedCondition<B>>,
+    ) -> Result<()> {
+        match (&self.add_time_proj, &self.add_embedding, added) {
+            (Some(proj), Some(embedding), Some(cond)) => {
+                let [b, n] = cond.time_ids.dims();
+                let [tb, tw] = cond.text_embeds.dims();
+                if b != batch || tb != batch {
+                    return Err(ModelError::Input(format!(
+                        "added condition for batch {b} (text_embeds {:?}), latents batch {batch}",
+                        cond.text_embeds.dims()
+                    )));
+                }
+                let width = tw + n * proj.freqs.dims()[1] * 2;
+                let want = embedding.linear_1.weight.dims()[0];
+                if width != want {
+                    return Err(ModelError::Input(format!(
+                        "the added condition is {width} wide ({tw} text_embeds + {n} time ids), \
+                         `add_embedding` expects {want} (`projection_class_embeddings_input_dim`)"
+                    )));
+                }
+                Ok(())
+            }
+            (Some(_), _, None) => Err(ModelError::Input(
+                "this UNet has `addition_embed_type: text_time` (SDXL) and needs \
+                 `text_embeds` and `time_ids`"
+                    .into(),
+            )),
+            (None, _, Some(_)) => Err(ModelError::Input(
+                "this UNet has no addition embedding; `text_embeds`/`time_ids` are for SDXL UNets"
+                    .into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// [`forward`](Self::forward) with SDXL's added conditioning, which an SDXL UNet requires
+    /// and other UNets refuse (see [`check_added_condition`](Self::check_added_condition)).
+    pub fn forward_with_condition(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        added: Option<&AddedCondition<B>>,
+    ) -> Result<Tensor<B, 4>> {
+        self.check_added_condition(sample.dims()[0], added)?;
+        let aug = match (&self.add_time_proj, &self.add_embedding, added) {
+            (Some(proj), Some(embedding), Some(cond)) => {
+                let [b, n] = cond.time_ids.dims();
+                let time_embeds = proj
+                    .forward(cond.time_ids.clone().reshape([b * n]))
+                    .reshape([b as i32, -1]);
+                let input = Tensor::cat(vec![cond.text_embeds.clone(), time_embeds], 1);
+                Some(embedding.forward(input))
+            }
+            _ => None,
+        };
+        Ok(self.forward_inner(sample, timestep, encoder_hidden_states, aug))
+    }
+
+    fn forward_inner(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        aug: Option<Tensor<B, 2>>,
     ) -> Tensor<B, 4> {
         let batch = sample.dims()[0];
         let timestep = if timestep.dims()[0] == batch {
@@ -513,6 +675,10 @@ impl<B: Backend> UNet2DConditionModel<B> {
         let temb = self
             .time_embedding
             .forward(self.time_proj.forward(timestep));
+        let temb = match aug {
+            Some(aug) => temb + aug,
+            None => temb,
+        };
         let ctx = encoder_hidden_states;
 
         let sample = if self.center_input_sample {

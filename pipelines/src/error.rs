@@ -16,7 +16,8 @@ pub enum PipelineError {
     #[error(
         "{dir} has no `{component}` folder; a diffusers pipeline folder has \
          model_index.json plus one folder per component it lists (for Stable Diffusion \
-         text_encoder/, tokenizer/, unet/, vae/ and scheduler/)"
+         text_encoder/, tokenizer/, unet/, vae/ and scheduler/; SDXL also text_encoder_2/ and \
+         tokenizer_2/)"
     )]
     MissingComponent { dir: PathBuf, component: String },
     #[error("{path}: pipeline class `{class}` is not supported ({supported})")]

@@ -253,6 +253,58 @@ pub fn resize_and_crop<B: Backend>(
     ))
 }
 
+/// Reads an input image (PNG, JPEG, WebP) for img2img, naming the file on failure.
+pub fn load_image(path: &Path) -> Result<image::DynamicImage> {
+    image::open(path).map_err(|e| {
+        PipelineError::InvalidInput(format!(
+            "cannot read the input image {}: {e} (PNG, JPEG and WebP are supported)",
+            path.display()
+        ))
+    })
+}
+
+/// diffusers' `VaeImageProcessor.preprocess` for one image: RGB, the size rounded down to a
+/// multiple of `multiple` (the VAE factor) unless `width`/`height` are given, resized when it
+/// differs (Lanczos3 here; PIL's Lanczos gives slightly different pixels, so parity holds for
+/// images already at the target size), scaled to `[-1, 1]`, `[1, 3, h, w]`.
+pub fn preprocess<B: Backend>(
+    image: &image::DynamicImage,
+    width: Option<usize>,
+    height: Option<usize>,
+    multiple: usize,
+    device: &B::Device,
+) -> Result<Tensor<B, 4>> {
+    let rgb = image.to_rgb8();
+    let round = |v: usize| v - v % multiple.max(1);
+    let w = round(width.unwrap_or(rgb.width() as usize));
+    let h = round(height.unwrap_or(rgb.height() as usize));
+    if w == 0 || h == 0 {
+        return Err(PipelineError::InvalidInput(format!(
+            "the input image is {}x{}; it must be at least {multiple}x{multiple}",
+            rgb.width(),
+            rgb.height()
+        )));
+    }
+    let rgb = if (w, h) == (rgb.width() as usize, rgb.height() as usize) {
+        rgb
+    } else {
+        image::imageops::resize(
+            &rgb,
+            w as u32,
+            h as u32,
+            image::imageops::FilterType::Lanczos3,
+        )
+    };
+    // diffusers: `np.array(image).astype(np.float32) / 255.0`, then `2 * x - 1`.
+    let values: Vec<f32> = rgb
+        .as_raw()
+        .iter()
+        .map(|&v| 2.0 * (f32::from(v) / 255.0) - 1.0)
+        .collect();
+    let hwc = Tensor::<B, 3>::from_data(burn::tensor::TensorData::new(values, [h, w, 3]), device);
+    Ok(hwc.permute([2, 0, 1]).unsqueeze::<4>())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

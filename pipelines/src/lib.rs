@@ -29,3 +29,7 @@ pub use stable_diffusion::{
     Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
     StepInfo,
 };
+pub mod stable_diffusion_xl;
+pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlDenoiser, XlOptions, XlPromptEmbeds};
+pub mod stable_diffusion_img2img;
+pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;

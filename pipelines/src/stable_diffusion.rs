@@ -22,7 +22,8 @@ use crate::guard::{self, CancelToken, Stage};
 use crate::image::{postprocess, Images};
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
-pub const SUPPORTED_CLASSES: [&str; 1] = ["StableDiffusionPipeline"];
+pub const SUPPORTED_CLASSES: [&str; 2] =
+    ["StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"];
 
 /// How a pipeline is loaded.
 #[derive(Debug, Clone, Default)]
@@ -156,6 +157,13 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let unet_dir = component("unet")?;
         let unet_config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
         let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
+        if unet.needs_added_condition() {
+            return Err(PipelineError::UnsupportedPipeline {
+                path: unet_dir.join("config.json"),
+                class: "UNet2DConditionModel with `addition_embed_type: text_time`".into(),
+                supported: "an SDXL UNet: load the folder with StableDiffusionXLPipeline".into(),
+            });
+        }
         let vae_dir = component("vae")?;
         let vae_config =
             oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
@@ -252,6 +260,18 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         Ok(self.text_encoder.forward(&rows, false)?.last_hidden_state)
     }
 
+    /// The UNet's text context for a request: the prompts' embeddings, preceded (with
+    /// guidance) by the negative prompts' (an empty string when none is given).
+    pub fn encode_context(&self, req: &GenerateRequest<B>) -> Result<Tensor<B, 3>> {
+        let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
+        if req.guidance_scale <= 1.0 {
+            return Ok(prompt_embeds);
+        }
+        let negatives = crate::loading::negatives_for(req);
+        let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
+        Ok(Tensor::cat(vec![negative_embeds, prompt_embeds], 0))
+    }
+
     fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
         let default = self.default_size();
         crate::loading::check_request(req, (default, default), self.vae_scale_factor)
@@ -273,79 +293,102 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     ) -> Result<PipelineOutput<B>> {
         let (width, height) = self.validate(req)?;
         let batch = req.prompts.len() * req.num_images_per_prompt;
-        let cfg = req.guidance_scale > 1.0;
-
-        let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
-        let context = if cfg {
-            let negatives = crate::loading::negatives_for(req);
-            let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
-            Tensor::cat(vec![negative_embeds, prompt_embeds], 0)
-        } else {
-            prompt_embeds
-        };
-
-        let context = context.to_device(&self.device);
+        let context = self.encode_context(req)?.to_device(&self.device);
         self.scheduler.set_timesteps(req.num_inference_steps)?;
         self.scheduler.set_eta(req.eta);
-        let shape = [
-            batch,
-            4,
-            height / self.vae_scale_factor,
-            width / self.vae_scale_factor,
-        ];
-        let mut latents = crate::loading::initial_latents(
+        let f = self.vae_scale_factor;
+        let latents = crate::loading::initial_latents(
             req,
-            shape,
+            [batch, 4, height / f, width / f],
             (width, height),
             noise,
             self.scheduler.init_noise_sigma(),
             &self.device,
         )?;
-
         let timesteps = self.scheduler.timesteps().to_vec();
-        for (step, &t) in timesteps.iter().enumerate() {
-            let model_input = if cfg {
-                Tensor::cat(vec![latents.clone(), latents.clone()], 0)
-            } else {
-                latents.clone()
-            };
-            let model_input = self.scheduler.scale_model_input(model_input, t)?;
-            let timestep =
-                Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), &self.device);
-            let noise_pred = match &self.compiled {
-                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone())?,
-                None => self.unet.forward(model_input, timestep, context.clone()),
-            };
-            let noise_pred = if cfg {
-                crate::loading::guide(noise_pred, batch, req.guidance_scale)
-            } else {
-                noise_pred
-            };
-            let prediction = noise_pred.clone();
-            latents = self.scheduler.step(noise_pred, t, latents, noise)?;
-            let scheduler = self.scheduler.kind().class_name();
-            guard::check_step(&latents, &prediction, step, t, scheduler)?;
-            callback(StepInfo {
-                step,
-                num_steps: timesteps.len(),
-                timestep: t,
-                latents: &latents,
-            });
-            if let Some(cancel) = &req.cancel {
-                cancel.check(step + 1, timesteps.len())?;
-            }
-        }
-
-        let images = match req.output {
-            OutputType::Latents => None,
-            OutputType::Images => {
-                let on_vae = latents.clone().to_device(&self.vae_device());
-                let decoded = self.vae.decode(on_vae.div_scalar(self.vae.scaling_factor));
-                guard::ensure_finite(&decoded, Stage::VaeDecode)?;
-                Some(postprocess(decoded)?)
-            }
-        };
+        let (unet, compiled) = (&self.unet, &self.compiled);
+        let latents = denoising_loop(
+            &mut *self.scheduler,
+            &timesteps,
+            latents,
+            req,
+            &self.device,
+            noise,
+            |model_input, timestep| match compiled {
+                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone()),
+                None => Ok(unet.forward(model_input, timestep, context.clone())),
+            },
+            &mut callback,
+        )?;
+        let images = decode_latents(&self.vae, &latents, req.output)?;
         Ok(PipelineOutput { latents, images })
+    }
+}
+
+/// The scheduler loop shared by the SD-family pipelines: classifier-free guidance batched in
+/// one `denoise(model_input, timestep)` call (uncond half first), the scheduler step, the NaN
+/// guard, the callback and cancellation, over `timesteps` (possibly a prefix of the
+/// scheduler's, for `denoising_end`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn denoising_loop<B: Backend>(
+    scheduler: &mut dyn Scheduler<B>,
+    timesteps: &[f64],
+    mut latents: Tensor<B, 4>,
+    req: &GenerateRequest<B>,
+    device: &B::Device,
+    noise: &mut dyn NoiseSource<B>,
+    mut denoise: impl FnMut(Tensor<B, 4>, Tensor<B, 1>) -> Result<Tensor<B, 4>>,
+    callback: &mut impl FnMut(StepInfo<'_, B>),
+) -> Result<Tensor<B, 4>> {
+    let cfg = req.guidance_scale > 1.0;
+    let batch = latents.dims()[0];
+    for (step, &t) in timesteps.iter().enumerate() {
+        let model_input = if cfg {
+            Tensor::cat(vec![latents.clone(), latents.clone()], 0)
+        } else {
+            latents.clone()
+        };
+        let model_input = scheduler.scale_model_input(model_input, t)?;
+        let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), device);
+        let noise_pred = denoise(model_input, timestep)?;
+        let noise_pred = if cfg {
+            crate::loading::guide(noise_pred, batch, req.guidance_scale)
+        } else {
+            noise_pred
+        };
+        let prediction = noise_pred.clone();
+        latents = scheduler.step(noise_pred, t, latents, noise)?;
+        let class = scheduler.kind().class_name();
+        guard::check_step(&latents, &prediction, step, t, class)?;
+        callback(StepInfo {
+            step,
+            num_steps: timesteps.len(),
+            timestep: t,
+            latents: &latents,
+        });
+        if let Some(cancel) = &req.cancel {
+            cancel.check(step + 1, timesteps.len())?;
+        }
+    }
+    Ok(latents)
+}
+
+/// Undoes the VAE scaling, decodes on the VAE's device and post-processes (unless only
+/// latents were asked for).
+pub(crate) fn decode_latents<B: Backend>(
+    vae: &AutoencoderKL<B>,
+    latents: &Tensor<B, 4>,
+    output: OutputType,
+) -> Result<Option<Images>> {
+    match output {
+        OutputType::Latents => Ok(None),
+        OutputType::Images => {
+            let device = vae.decoder.conv_in.weight.device();
+            let on_vae = latents.clone().to_device(&device);
+            let decoded = vae.decode(on_vae.div_scalar(vae.scaling_factor));
+            guard::ensure_finite(&decoded, Stage::VaeDecode)?;
+            Ok(Some(postprocess(decoded)?))
+        }
     }
 }
 

@@ -10,10 +10,11 @@ use burn::tensor::{Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
+use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::{
-    pipeline_class, resolve_model, CancelToken, GenerateRequest, GenerationParameters, Images,
-    LoadOptions, PipelineError, PixArtPipeline, PixArtRequest, StableDiffusionPipeline, StepInfo,
-    PIXART_CLASSES,
+    pipeline_class, resolve_model, CancelToken, GenerateRequest, GenerationParameters, LoadOptions,
+    PipelineError, PipelineOutput, PixArtPipeline, PixArtRequest, StableDiffusionPipeline,
+    StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
@@ -27,7 +28,7 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, PixArt-Alpha/Sigma)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, PixArt-Alpha/Sigma)"
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -188,10 +189,13 @@ fn run(mut args: Args) -> Result<()> {
     } else {
         50
     });
+    // diffusers' defaults: 7.5 for SD 1.x/2.x, 5 for SDXL, 4.5 for PixArt.
     let guidance = args.guidance.unwrap_or(if turbo {
         0.0
     } else if pixart {
         4.5
+    } else if class == SDXL_CLASS {
+        5.0
     } else {
         7.5
     });
@@ -243,44 +247,21 @@ fn run(mut args: Args) -> Result<()> {
         bar.set_position(info.step as u64 + 1);
     };
     let mut generator = TorchCpuGenerator::new(seed);
-    let (images, loaded, generated, mode, sampler): (Images, _, _, String, String) = if pixart {
-        let mut pipe = PixArtPipeline::<Oxi>::from_dir(&dir, &options, &device)
-            .with_context(|| format!("loading {}", args.model))?;
-        if args.compile {
-            pipe.compile()?;
-        }
-        let loaded = started.elapsed();
-        let request = PixArtRequest {
-            common: request,
-            max_sequence_length: args.max_sequence_length,
-            resolution_binning: !args.no_resolution_binning,
-        };
-        let generated = Instant::now();
-        let output = pipe.generate_with(&request, &mut generator, progress)?;
-        let images = output.images.context("the pipeline returned no images")?;
-        let mode = match pipe.compiles() {
-            Some(n) => format!("compiled, {n} program(s)"),
-            None => "eager".into(),
-        };
-        let sampler = pipe.scheduler.kind().class_name().to_string();
-        (images, loaded, generated, mode, sampler)
-    } else {
-        let mut pipe = StableDiffusionPipeline::<Oxi>::from_dir(&dir, &options, &device)
-            .with_context(|| format!("loading {}", args.model))?;
-        if args.compile {
-            pipe.compile()?;
-        }
-        let loaded = started.elapsed();
-        let generated = Instant::now();
-        let output = pipe.generate_with(&request, &mut generator, progress)?;
-        let images = output.images.context("the pipeline returned no images")?;
-        let mode = match pipe.compiles() {
-            Some(n) => format!("compiled, {n} program(s)"),
-            None => "eager".into(),
-        };
-        let sampler = pipe.scheduler.kind().class_name().to_string();
-        (images, loaded, generated, mode, sampler)
+    let mut pipe = Pipeline::load(&dir, &class, &options, &device)
+        .with_context(|| format!("loading {}", args.model))?;
+    if args.compile {
+        pipe.compile()?;
+    }
+    let loaded = started.elapsed();
+    let generated = Instant::now();
+    let pixart_options = (args.max_sequence_length, !args.no_resolution_binning);
+    let output = pipe.generate_with(request, pixart_options, &mut generator, progress)?;
+    let images = output.images.context("the pipeline returned no images")?;
+    let mode = match pipe.compiles() {
+        Some(n) => format!("compiled, {n} program(s)"),
+        None => "eager".into(),
     };
+    let sampler = pipe.scheduler_class().to_string();
     bar.finish_and_clear();
     let parameters = GenerationParameters {
         prompt,
@@ -307,6 +288,77 @@ fn run(mut args: Args) -> Result<()> {
         generated.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The pipeline `model_index.json`'s `_class_name` names.
+enum Pipeline {
+    Sd(Box<StableDiffusionPipeline<Oxi>>),
+    Xl(Box<StableDiffusionXLPipeline<Oxi>>),
+    PixArt(Box<PixArtPipeline<Oxi>>),
+}
+
+impl Pipeline {
+    fn load(dir: &Path, class: &str, options: &LoadOptions, device: &OxiDevice) -> Result<Self> {
+        Ok(if PIXART_CLASSES.contains(&class) {
+            Self::PixArt(Box::new(PixArtPipeline::from_dir(dir, options, device)?))
+        } else if class == SDXL_CLASS {
+            Self::Xl(Box::new(StableDiffusionXLPipeline::from_dir(
+                dir, options, device,
+            )?))
+        } else {
+            Self::Sd(Box::new(StableDiffusionPipeline::from_dir(
+                dir, options, device,
+            )?))
+        })
+    }
+
+    fn compile(&mut self) -> Result<()> {
+        match self {
+            Self::Sd(pipe) => Ok(pipe.compile()?),
+            Self::Xl(pipe) => Ok(pipe.compile()?),
+            Self::PixArt(pipe) => Ok(pipe.compile()?),
+        }
+    }
+
+    fn compiles(&self) -> Option<u64> {
+        match self {
+            Self::Sd(pipe) => pipe.compiles(),
+            Self::Xl(pipe) => pipe.compiles(),
+            Self::PixArt(pipe) => pipe.compiles(),
+        }
+    }
+
+    fn scheduler_class(&self) -> &'static str {
+        match self {
+            Self::Sd(pipe) => pipe.scheduler.kind().class_name(),
+            Self::Xl(pipe) => pipe.scheduler.kind().class_name(),
+            Self::PixArt(pipe) => pipe.scheduler.kind().class_name(),
+        }
+    }
+
+    /// `(max_sequence_length, resolution_binning)` only matter to PixArt.
+    fn generate_with(
+        &mut self,
+        request: GenerateRequest<Oxi>,
+        (max_sequence_length, resolution_binning): (Option<usize>, bool),
+        generator: &mut TorchCpuGenerator,
+        callback: impl FnMut(StepInfo<'_, Oxi>),
+    ) -> Result<PipelineOutput<Oxi>, PipelineError> {
+        match self {
+            Self::Sd(pipe) => pipe.generate_with(&request, generator, callback),
+            Self::Xl(pipe) => {
+                pipe.generate_with(&request, &XlOptions::default(), generator, callback)
+            }
+            Self::PixArt(pipe) => {
+                let request = PixArtRequest {
+                    common: request,
+                    max_sequence_length,
+                    resolution_binning,
+                };
+                pipe.generate_with(&request, generator, callback)
+            }
+        }
+    }
 }
 
 /// A token that Ctrl-C cancels: the pipeline stops after the current step and nothing is

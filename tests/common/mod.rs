@@ -112,4 +112,5 @@ pub fn assert_png_close(ours: &image::RgbImage, name: &str, levels: u8) {
         .max()
         .unwrap_or(0);
     assert!(max_diff <= levels, "{name}: differs by {max_diff} levels");
+    eprintln!("{name}: max difference {max_diff} levels");
 }

@@ -1,0 +1,576 @@
+//! `StableDiffusionXLPipeline`: SDXL text to image, step for step as diffusers'
+//! `pipeline_stable_diffusion_xl.py`.
+//!
+//! Two CLIP encoders (`text_encoder`: penultimate hidden state; `text_encoder_2`, with
+//! projection: penultimate hidden state and the pooled `text_embeds`), concatenated on the
+//! feature axis; the UNet's added condition (pooled embeds and `add_time_ids` from the original
+//! size, crop and target size); the scheduler loop and VAE decode shared with
+//! [`StableDiffusionPipeline`](crate::StableDiffusionPipeline). No invisible watermark is applied
+//! (diffusers applies one only when the `invisible-watermark` package is installed).
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_models::config::{load_json, PerBlock};
+use oxidiff_models::{
+    AddedCondition, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel,
+    ClipTokenizer, ToDevice, UNet2DConditionConfig, UNet2DConditionModel,
+};
+use oxidiff_schedulers::{
+    scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator,
+};
+use serde::Deserialize;
+
+use crate::error::{PipelineError, Result};
+use crate::stable_diffusion::{
+    decode_latents, denoising_loop, GenerateRequest, LoadOptions, PipelineOutput, StepInfo,
+};
+
+/// The pipeline class this type loads (`_class_name` in `model_index.json`).
+pub const SDXL_CLASS: &str = "StableDiffusionXLPipeline";
+
+/// SDXL's extra request fields; `Default` is diffusers' (sizes from the output size, no crop,
+/// the prompts reused for the second encoder, the whole schedule).
+#[derive(Debug, Clone, Default)]
+pub struct XlOptions {
+    /// Prompts for `tokenizer_2`/`text_encoder_2` (diffusers' `prompt_2`); empty: the prompts.
+    pub prompts_2: Vec<String>,
+    /// `negative_prompt_2`; empty: the negative prompts.
+    pub negative_prompts_2: Vec<String>,
+    /// `(height, width)` the image is said to come from; default the output size.
+    pub original_size: Option<(usize, usize)>,
+    /// `(top, left)` of the crop; default `(0, 0)`.
+    pub crops_coords_top_left: (usize, usize),
+    /// `(height, width)`; default the output size.
+    pub target_size: Option<(usize, usize)>,
+    /// The negative (uncond) time ids; used only when both sizes are given, as in diffusers.
+    pub negative_original_size: Option<(usize, usize)>,
+    pub negative_crops_coords_top_left: (usize, usize),
+    pub negative_target_size: Option<(usize, usize)>,
+    /// Stop after this fraction of the schedule (in (0, 1)), leaving noisy latents for a
+    /// refiner, as diffusers' `denoising_end`.
+    pub denoising_end: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct XlModelIndex {
+    #[serde(rename = "_class_name")]
+    class_name: String,
+    /// diffusers' default is true: no negative prompt means all-zero negative embeddings.
+    #[serde(default = "default_true")]
+    force_zeros_for_empty_prompt: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// Prompt embeddings for the UNet: `[n, seq, dim_1 + dim_2]` and pooled `[n, projection_dim]`.
+#[derive(Debug, Clone)]
+pub struct XlPromptEmbeds<B: Backend> {
+    pub prompt_embeds: Tensor<B, 3>,
+    pub pooled_prompt_embeds: Tensor<B, 2>,
+}
+
+/// Stable Diffusion XL text-to-image.
+pub struct StableDiffusionXLPipeline<B: Backend> {
+    pub tokenizer: ClipTokenizer,
+    pub tokenizer_2: ClipTokenizer,
+    pub text_encoder: ClipTextModel<B>,
+    pub text_encoder_2: ClipTextModel<B>,
+    pub unet: UNet2DConditionModel<B>,
+    pub vae: AutoencoderKL<B>,
+    pub scheduler_config: SchedulerConfig,
+    pub scheduler: Box<dyn Scheduler<B>>,
+    pub vae_scale_factor: usize,
+    pub sample_size: usize,
+    /// `text_encoder_2`'s `projection_dim`, for the `add_time_ids` width check.
+    pub projection_dim: usize,
+    /// `addition_time_embed_dim` of the UNet.
+    pub addition_time_embed_dim: usize,
+    /// `projection_class_embeddings_input_dim` of the UNet.
+    pub add_embedding_dim: usize,
+    pub force_zeros_for_empty_prompt: bool,
+    /// The UNet's device, where the loop runs.
+    pub device: B::Device,
+    pub source: PathBuf,
+    /// The compiled denoiser, when [`compile`](StableDiffusionXLPipeline::compile) was called.
+    pub compiled: Option<Box<dyn XlDenoiser<B>>>,
+}
+
+/// SDXL's UNet call `unet(sample, timestep, context, added)` run some other way than eagerly
+/// (one compiled XLA program).
+pub trait XlDenoiser<B: Backend> {
+    fn denoise(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        context: Tensor<B, 3>,
+        added: &AddedCondition<B>,
+    ) -> Result<Tensor<B, 4>>;
+
+    /// Programs compiled so far (one per input shape).
+    fn compiles(&self) -> u64;
+}
+
+impl<B: Backend> StableDiffusionXLPipeline<B> {
+    /// Loads a diffusers-format folder, or a Hub id from the local cache.
+    pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;
+        Self::from_dir(&dir, options, device)
+    }
+
+    /// Loads a diffusers-format SDXL pipeline folder.
+    pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let index_path = dir.join("model_index.json");
+        if !index_path.is_file() {
+            return Err(PipelineError::ModelNotFound {
+                spec: dir.display().to_string(),
+                hint: "the folder has no model_index.json; point at the root of a diffusers \
+                       pipeline folder"
+                    .into(),
+            });
+        }
+        let index: XlModelIndex = load_json(&index_path)?;
+        if index.class_name != SDXL_CLASS {
+            return Err(PipelineError::UnsupportedPipeline {
+                path: index_path,
+                class: index.class_name,
+                supported: SDXL_CLASS.into(),
+            });
+        }
+        let component = |name: &str| -> Result<PathBuf> {
+            let path = dir.join(name);
+            if path.is_dir() {
+                Ok(path)
+            } else {
+                Err(PipelineError::MissingComponent {
+                    dir: dir.to_path_buf(),
+                    component: name.to_string(),
+                })
+            }
+        };
+        let variant = options.variant.as_deref();
+        // Every folder is checked before any weight is read.
+        let dirs = [
+            "tokenizer",
+            "tokenizer_2",
+            "text_encoder",
+            "text_encoder_2",
+            "unet",
+            "vae",
+            "scheduler",
+        ]
+        .map(component);
+        let [tok_dir, tok2_dir, te_dir, te2_dir, unet_dir, vae_dir, sched_dir] = dirs;
+        let (tok_dir, tok2_dir, te_dir, te2_dir) = (tok_dir?, tok2_dir?, te_dir?, te2_dir?);
+        let (unet_dir, vae_dir, sched_dir) = (unet_dir?, vae_dir?, sched_dir?);
+
+        let tokenizer = ClipTokenizer::from_dir(&tok_dir)?;
+        let tokenizer_2 = ClipTokenizer::from_dir(&tok2_dir)?;
+        let text_encoder = ClipTextModel::from_dir(&te_dir, false, variant, device)?;
+        let te2_config = ClipTextConfig::from_file(&te2_dir.join("config.json"))?;
+        let text_encoder_2 = ClipTextModel::from_dir(&te2_dir, true, variant, device)?;
+        let unet_config_path = unet_dir.join("config.json");
+        let unet_config = UNet2DConditionConfig::from_file(&unet_config_path)?;
+        let (Some(addition_time_embed_dim), Some(add_embedding_dim)) = (
+            unet_config.addition_time_embed_dim,
+            unet_config.projection_class_embeddings_input_dim,
+        ) else {
+            return Err(PipelineError::UnsupportedPipeline {
+                path: unet_config_path,
+                class: "a UNet without `addition_embed_type: text_time`".into(),
+                supported: "SDXL UNets (`addition_embed_type: text_time`)".into(),
+            });
+        };
+        if add_embedding_dim != te2_config.projection_dim + 6 * addition_time_embed_dim {
+            return Err(PipelineError::InvalidInput(format!(
+                "{}: `projection_class_embeddings_input_dim` is {add_embedding_dim}, but \
+                 text_encoder_2's `projection_dim` {} plus 6 time ids of \
+                 `addition_time_embed_dim` {addition_time_embed_dim} make {}; the UNet and \
+                 text_encoder_2 do not belong together",
+                unet_config_path.display(),
+                te2_config.projection_dim,
+                te2_config.projection_dim + 6 * addition_time_embed_dim
+            )));
+        }
+        let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
+        let vae_config = AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
+        let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
+        let mut scheduler_config =
+            SchedulerConfig::from_file(sched_dir.join("scheduler_config.json"))?;
+        if let Some(name) = &options.scheduler {
+            scheduler_config = scheduler_config.switched_to_named(name)?;
+        }
+        let scheduler = scheduler_from_config(&scheduler_config)?;
+        let sample_size = match &unet_config.sample_size {
+            Some(PerBlock::One(s)) => *s,
+            Some(PerBlock::Each(v)) => v.first().copied().unwrap_or(128),
+            None => 128,
+        };
+        Ok(Self {
+            tokenizer,
+            tokenizer_2,
+            text_encoder,
+            text_encoder_2,
+            unet,
+            vae,
+            scheduler_config,
+            scheduler,
+            vae_scale_factor: vae_config.scale_factor(),
+            sample_size,
+            projection_dim: te2_config.projection_dim,
+            addition_time_embed_dim,
+            add_embedding_dim,
+            force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt,
+            device: device.clone(),
+            source: dir.to_path_buf(),
+            compiled: None,
+        })
+    }
+
+    /// The default image size: `sample_size` times the VAE factor (1024 for SDXL).
+    pub fn default_size(&self) -> usize {
+        self.sample_size * self.vae_scale_factor
+    }
+
+    /// Swaps the scheduler, keeping the checkpoint's betas config.
+    pub fn set_scheduler(&mut self, name: &str) -> Result<()> {
+        let config = self.scheduler_config.switched_to_named(name)?;
+        self.scheduler = scheduler_from_config(&config)?;
+        self.scheduler_config = config;
+        Ok(())
+    }
+
+    /// Places the text encoders, the UNet and the VAE on their devices.
+    #[must_use]
+    pub fn to_components(
+        mut self,
+        text_encoders: &B::Device,
+        unet: &B::Device,
+        vae: &B::Device,
+    ) -> Self {
+        self.text_encoder = self.text_encoder.to(text_encoders);
+        self.text_encoder_2 = self.text_encoder_2.to(text_encoders);
+        self.unet = self.unet.to(unet);
+        self.vae = self.vae.to(vae);
+        self.device = unet.clone();
+        // A compiled denoiser holds the UNet of its device: compile again after moving.
+        self.compiled = None;
+        self
+    }
+
+    /// diffusers' `encode_prompt` for one side (positive or negative): each prompt through
+    /// both encoders (`prompts_2[i]` for the second), penultimate hidden states concatenated
+    /// on the feature axis, the second encoder's `text_embeds` as the pooled embedding; each
+    /// row repeated `images_per_prompt` times.
+    pub fn encode_prompts(
+        &self,
+        prompts: &[String],
+        prompts_2: &[String],
+        images_per_prompt: usize,
+    ) -> Result<XlPromptEmbeds<B>> {
+        if prompts.len() != prompts_2.len() {
+            return Err(PipelineError::InvalidInput(format!(
+                "{} prompts for the second text encoder, {} for the first: give one per prompt",
+                prompts_2.len(),
+                prompts.len()
+            )));
+        }
+        let ids = |tokenizer: &ClipTokenizer, texts: &[String]| -> Result<Vec<Vec<u32>>> {
+            let mut rows = Vec::with_capacity(texts.len() * images_per_prompt);
+            for text in texts {
+                let encoded = tokenizer.encode(text)?;
+                if encoded.truncated {
+                    let kept = tokenizer.decode(&encoded.ids).unwrap_or_default();
+                    tracing::warn!(
+                        "the prompt is longer than CLIP's {} tokens and was cut; only this part is used: {kept:?}",
+                        tokenizer.max_length()
+                    );
+                }
+                for _ in 0..images_per_prompt {
+                    rows.push(encoded.ids.clone());
+                }
+            }
+            Ok(rows)
+        };
+        let penultimate = |out: &oxidiff_models::ClipTextOutput<B>, which: &str| {
+            let n = out.hidden_states.len();
+            if n < 2 {
+                return Err(PipelineError::InvalidInput(format!(
+                    "{which} has {n} layer(s); SDXL takes the penultimate layer's output, so it \
+                     needs at least 2"
+                )));
+            }
+            Ok(out.hidden_states[n - 2].clone())
+        };
+        let out_1 = self
+            .text_encoder
+            .forward(&ids(&self.tokenizer, prompts)?, true)?;
+        let out_2 = self
+            .text_encoder_2
+            .forward(&ids(&self.tokenizer_2, prompts_2)?, true)?;
+        let h1 = penultimate(&out_1, "text_encoder")?;
+        let h2 = penultimate(&out_2, "text_encoder_2")?;
+        let h1 = h1.to_device(&h2.device());
+        let pooled = out_2.text_embeds.clone().ok_or_else(|| {
+            PipelineError::InvalidInput("text_encoder_2 has no text_projection".into())
+        })?;
+        Ok(XlPromptEmbeds {
+            prompt_embeds: Tensor::cat(vec![h1, h2], 2),
+            pooled_prompt_embeds: pooled,
+        })
+    }
+
+    /// `add_time_ids`: `[original (h, w), crop (top, left), target (h, w)]`.
+    fn time_ids(
+        &self,
+        original: (usize, usize),
+        crop: (usize, usize),
+        target: (usize, usize),
+    ) -> Vec<f32> {
+        [original.0, original.1, crop.0, crop.1, target.0, target.1]
+            .iter()
+            .map(|&v| v as f32)
+            .collect()
+    }
+
+    /// Generates with the default generator seeded by `req.seed`.
+    pub fn generate(
+        &mut self,
+        req: &GenerateRequest<B>,
+        xl: &XlOptions,
+    ) -> Result<PipelineOutput<B>> {
+        let mut generator = TorchCpuGenerator::new(req.seed);
+        self.generate_with(req, xl, &mut generator, |_| {})
+    }
+
+    /// Generates with the given noise source and a callback after every step.
+    pub fn generate_with(
+        &mut self,
+        req: &GenerateRequest<B>,
+        xl: &XlOptions,
+        noise: &mut dyn NoiseSource<B>,
+        mut callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        let default = self.default_size();
+        let (width, height) =
+            crate::loading::check_request(req, (default, default), self.vae_scale_factor)?;
+        let n = req.prompts.len();
+        for (what, got) in [
+            ("second prompts", xl.prompts_2.len()),
+            ("second negative prompts", xl.negative_prompts_2.len()),
+        ] {
+            if got > 1 && got != n {
+                return Err(PipelineError::InvalidInput(format!(
+                    "{got} {what} for {n} prompts: give one, or one per prompt"
+                )));
+            }
+        }
+        if let Some(end) = xl.denoising_end {
+            if !(end > 0.0 && end <= 1.0) {
+                return Err(PipelineError::InvalidInput(format!(
+                    "denoising_end must be in (0, 1], got {end}"
+                )));
+            }
+        }
+        let per_prompt = |v: &[String], fallback: &[String]| -> Vec<String> {
+            match v.len() {
+                0 => fallback.to_vec(),
+                1 => vec![v[0].clone(); n],
+                _ => v.to_vec(),
+            }
+        };
+        let images_per_prompt = req.num_images_per_prompt;
+        let batch = n * images_per_prompt;
+        let cfg = req.guidance_scale > 1.0;
+
+        let prompts_2 = per_prompt(&xl.prompts_2, &req.prompts);
+        let positive = self.encode_prompts(&req.prompts, &prompts_2, images_per_prompt)?;
+        let zero_negative = req.negative_prompts.is_empty() && self.force_zeros_for_empty_prompt;
+        let (context, pooled) = if !cfg {
+            (positive.prompt_embeds, positive.pooled_prompt_embeds)
+        } else if zero_negative {
+            let XlPromptEmbeds {
+                prompt_embeds,
+                pooled_prompt_embeds,
+            } = positive;
+            (
+                Tensor::cat(vec![prompt_embeds.zeros_like(), prompt_embeds], 0),
+                Tensor::cat(
+                    vec![pooled_prompt_embeds.zeros_like(), pooled_prompt_embeds],
+                    0,
+                ),
+            )
+        } else {
+            let negatives = per_prompt(&req.negative_prompts, &vec![String::new(); n]);
+            let negatives_2 = per_prompt(&xl.negative_prompts_2, &negatives);
+            let negative = self.encode_prompts(&negatives, &negatives_2, images_per_prompt)?;
+            (
+                Tensor::cat(vec![negative.prompt_embeds, positive.prompt_embeds], 0),
+                Tensor::cat(
+                    vec![negative.pooled_prompt_embeds, positive.pooled_prompt_embeds],
+                    0,
+                ),
+            )
+        };
+
+        let size = (height, width);
+        let positive_ids = self.time_ids(
+            xl.original_size.unwrap_or(size),
+            xl.crops_coords_top_left,
+            xl.target_size.unwrap_or(size),
+        );
+        let negative_ids = match (xl.negative_original_size, xl.negative_target_size) {
+            (Some(original), Some(target)) => {
+                self.time_ids(original, xl.negative_crops_coords_top_left, target)
+            }
+            _ => positive_ids.clone(),
+        };
+        // Rows in the order of `context`: all negatives, then all positives. (diffusers repeats
+        // the [negative, positive] pair per image, which is the same whenever the two are equal
+        // or there is one image.)
+        let mut ids = Vec::new();
+        if cfg {
+            for _ in 0..batch {
+                ids.extend_from_slice(&negative_ids);
+            }
+        }
+        for _ in 0..batch {
+            ids.extend_from_slice(&positive_ids);
+        }
+        let rows = ids.len() / 6;
+        let time_ids = Tensor::<B, 2>::from_data(TensorData::new(ids, [rows, 6]), &self.device);
+        let added = AddedCondition {
+            text_embeds: pooled.to_device(&self.device),
+            time_ids,
+        };
+        let context = context.to_device(&self.device);
+
+        self.scheduler.set_timesteps(req.num_inference_steps)?;
+        self.scheduler.set_eta(req.eta);
+        let f = self.vae_scale_factor;
+        let latents = crate::loading::initial_latents(
+            req,
+            [batch, 4, height / f, width / f],
+            (width, height),
+            noise,
+            self.scheduler.init_noise_sigma(),
+            &self.device,
+        )?;
+        let mut timesteps = self.scheduler.timesteps().to_vec();
+        if let Some(end) = xl.denoising_end.filter(|&e| e < 1.0) {
+            let train = self.scheduler_config.num_train_timesteps as f64;
+            let cutoff = (train - end * train).round();
+            let keep = timesteps.iter().filter(|&&t| t >= cutoff).count();
+            timesteps.truncate(keep);
+        }
+        let (unet, compiled) = (&self.unet, &self.compiled);
+        let latents = denoising_loop(
+            &mut *self.scheduler,
+            &timesteps,
+            latents,
+            req,
+            &self.device,
+            noise,
+            |model_input, timestep| match compiled {
+                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone(), &added),
+                None => Ok(unet.forward_with_condition(
+                    model_input,
+                    timestep,
+                    context.clone(),
+                    Some(&added),
+                )?),
+            },
+            &mut callback,
+        )?;
+        let images = decode_latents(&self.vae, &latents, req.output)?;
+        Ok(PipelineOutput { latents, images })
+    }
+}
+
+impl<B: Backend> ToDevice<B> for StableDiffusionXLPipeline<B> {
+    /// Moves every component to `device`.
+    fn to(self, device: &B::Device) -> Self {
+        self.to_components(device, device, device)
+    }
+}
+
+/// The SDXL UNet's inputs: latents, timestep, text context, pooled text embeds, time ids.
+type XlUNetInputs = (
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 1>,
+    Tensor<Oxi, 3>,
+    Tensor<Oxi, 2>,
+    Tensor<Oxi, 2>,
+);
+type XlUNetFn = Box<dyn Fn(XlUNetInputs) -> Tensor<Oxi, 4>>;
+
+/// The compiled SDXL UNet call, with the UNet kept to check inputs before tracing.
+struct XlUNetStep {
+    unet: UNet2DConditionModel<Oxi>,
+    step: CompiledFn<XlUNetInputs, Tensor<Oxi, 4>, XlUNetFn>,
+}
+
+impl XlDenoiser<Oxi> for XlUNetStep {
+    fn denoise(
+        &self,
+        sample: Tensor<Oxi, 4>,
+        timestep: Tensor<Oxi, 1>,
+        context: Tensor<Oxi, 3>,
+        added: &AddedCondition<Oxi>,
+    ) -> Result<Tensor<Oxi, 4>> {
+        self.unet
+            .check_added_condition(sample.dims()[0], Some(added))?;
+        self.step
+            .call((
+                sample,
+                timestep,
+                context,
+                added.text_embeds.clone(),
+                added.time_ids.clone(),
+            ))
+            .map_err(|e| PipelineError::Compile(e.to_string()))
+    }
+
+    fn compiles(&self) -> u64 {
+        self.step.compiles()
+    }
+}
+
+impl StableDiffusionXLPipeline<Oxi> {
+    /// Compiled mode, as [`StableDiffusionPipeline::compile`](crate::StableDiffusionPipeline::compile):
+    /// each UNet call (both guidance halves, with the added condition as runtime inputs) is one
+    /// XLA program per input shape. Needs the UNet on a PJRT device.
+    pub fn compile(&mut self) -> Result<()> {
+        let device = self.unet.conv_in.weight.device();
+        if !device.is_pjrt() {
+            return Err(PipelineError::Compile(format!(
+                "the UNet is on {device}; compiled mode needs a PJRT device \
+                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
+            )));
+        }
+        let unet = self.unet.clone();
+        let step: XlUNetFn = Box::new(move |(sample, timestep, context, text_embeds, time_ids)| {
+            let added = AddedCondition {
+                text_embeds,
+                time_ids,
+            };
+            // The shapes were checked by `check_added_condition` before the call.
+            unet.forward_with_condition(sample, timestep, context, Some(&added))
+                .expect("added condition checked before tracing")
+        });
+        self.compiled = Some(Box::new(XlUNetStep {
+            unet: self.unet.clone(),
+            step: CompiledFn::new("sdxl-unet", step),
+        }));
+        Ok(())
+    }
+
+    /// Programs compiled so far in compiled mode (`None` when eager).
+    pub fn compiles(&self) -> Option<u64> {
+        self.compiled.as_ref().map(|c| c.compiles())
+    }
+}
