@@ -27,14 +27,15 @@ use crate::error::{PipelineError, Result};
 use crate::guard;
 use crate::image::{postprocess, resize_and_crop};
 use crate::loading::{
-    check_pipeline_class, check_request, component, guide, initial_latents, load_scheduler,
-    negatives_for,
+    check_pipeline_class, check_request, component, initial_latents, load_scheduler, negatives_for,
 };
 use crate::pixart_bins::{
     classify_height_width_bin, ASPECT_RATIO_1024_BIN, ASPECT_RATIO_2048_BIN, ASPECT_RATIO_256_BIN,
     ASPECT_RATIO_512_BIN,
 };
-use crate::stable_diffusion::{GenerateRequest, LoadOptions, OutputType, PipelineOutput, StepInfo};
+use crate::stable_diffusion::{
+    denoising_loop, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StepInfo,
+};
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
 pub const PIXART_CLASSES: [&str; 2] = ["PixArtAlphaPipeline", "PixArtSigmaPipeline"];
@@ -338,7 +339,7 @@ impl<B: Backend> PixArtPipeline<B> {
         let f = self.vae_scale_factor;
         let channels = self.transformer.in_channels;
         let shape = [batch, channels, height / f, width / f];
-        let mut latents = initial_latents(
+        let latents = initial_latents(
             common,
             shape,
             (width, height),
@@ -362,66 +363,52 @@ impl<B: Backend> PixArtPipeline<B> {
             });
 
         let timesteps = self.scheduler.timesteps().to_vec();
-        for (step, &t) in timesteps.iter().enumerate() {
-            let model_input = if cfg {
-                Tensor::cat(vec![latents.clone(), latents.clone()], 0)
-            } else {
-                latents.clone()
-            };
-            let model_input = self.scheduler.scale_model_input(model_input, t)?;
-            let timestep = Tensor::<B, 1>::from_data(
-                TensorData::new(vec![t as f32; model_batch], [model_batch]),
-                &self.device,
-            );
-            let prediction = match &self.compiled {
-                Some(denoiser) => {
-                    self.transformer.check_inputs(
-                        model_input.dims(),
-                        model_batch,
-                        caption.dims(),
-                        conditions.is_some(),
-                    )?;
-                    denoiser.denoise(
+        let (transformer, compiled) = (&self.transformer, &self.compiled);
+        // Learned sigma: the second half of the output channels is the variance, dropped
+        // (before guidance, which is the same per channel).
+        let learned_sigma = transformer.out_channels / 2 == channels;
+        let latents = denoising_loop(
+            &mut *self.scheduler,
+            &timesteps,
+            latents,
+            common,
+            &self.device,
+            noise,
+            |model_input, timestep| {
+                // One timestep per row of the (guidance-doubled) batch.
+                let timestep = timestep.expand([model_batch]);
+                let prediction = match compiled {
+                    Some(denoiser) => {
+                        transformer.check_inputs(
+                            model_input.dims(),
+                            model_batch,
+                            caption.dims(),
+                            conditions.is_some(),
+                        )?;
+                        denoiser.denoise(
+                            model_input,
+                            timestep,
+                            caption.clone(),
+                            caption_bias.clone(),
+                            conditions.as_ref(),
+                        )?
+                    }
+                    None => transformer.forward(
                         model_input,
                         timestep,
                         caption.clone(),
-                        caption_bias.clone(),
+                        Some(caption_bias.clone()),
                         conditions.as_ref(),
-                    )?
-                }
-                None => self.transformer.forward(
-                    model_input,
-                    timestep,
-                    caption.clone(),
-                    Some(caption_bias.clone()),
-                    conditions.as_ref(),
-                )?,
-            };
-            let prediction = if cfg {
-                guide(prediction, batch, common.guidance_scale)
-            } else {
-                prediction
-            };
-            // Learned sigma: the second half of the channels is the variance.
-            let prediction = if self.transformer.out_channels / 2 == channels {
-                prediction.narrow(1, 0, channels)
-            } else {
-                prediction
-            };
-            let checked = prediction.clone();
-            latents = self.scheduler.step(prediction, t, latents, noise)?;
-            let scheduler = self.scheduler.kind().class_name();
-            guard::check_step(&latents, &checked, step, t, scheduler)?;
-            callback(StepInfo {
-                step,
-                num_steps: timesteps.len(),
-                timestep: t,
-                latents: &latents,
-            });
-            if let Some(cancel) = &common.cancel {
-                cancel.check(step + 1, timesteps.len())?;
-            }
-        }
+                    )?,
+                };
+                Ok(if learned_sigma {
+                    prediction.narrow(1, 0, channels)
+                } else {
+                    prediction
+                })
+            },
+            &mut callback,
+        )?;
 
         let images = match common.output {
             OutputType::Latents => None,
