@@ -4,6 +4,7 @@
 //! calls the denoiser and the VAE from `oxidiff-models`, and post-processes the images. It knows
 //! nothing of the device beyond the Burn backend it is generic over.
 
+pub mod aot;
 pub mod error;
 pub mod hub;
 pub mod image;
@@ -13,6 +14,6 @@ pub use error::{PipelineError, Result};
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
 pub use stable_diffusion::{
-    Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
-    StepInfo,
+    guided_noise, CompileStats, Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput,
+    StableDiffusionPipeline, StepInfo,
 };

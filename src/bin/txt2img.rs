@@ -67,8 +67,10 @@ struct Args {
     /// path. PJRT devices run in eager mode (each op compiled once, then cached).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Compiled mode: each UNet call is one XLA program, compiled once per image size and then
-    /// reused (needs a PJRT --device).
+    /// Compiled mode: each step's UNet call with classifier-free guidance is one XLA program,
+    /// compiled once per image size and then reused (needs a PJRT --device). With
+    /// OXIDIFF_COMPILE_CACHE=DIR executables are kept on disk for later runs;
+    /// OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     compile: bool,
     /// No progress bar.
@@ -179,8 +181,11 @@ fn run(args: Args) -> Result<()> {
     bar.finish_and_clear();
     let images = output.images.context("the pipeline returned no images")?;
     images.save_png(0, &args.output)?;
-    let mode = match pipe.compiles() {
-        Some(n) => format!("compiled, {n} program(s)"),
+    let mode = match pipe.compile_stats() {
+        Some(stats) => format!(
+            "compiled: {} program(s), {} XLA compile(s), {} from the disk cache",
+            stats.programs, stats.xla_compiles, stats.disk_loads
+        ),
         None => "eager".into(),
     };
     eprintln!(
