@@ -44,8 +44,14 @@ fn tiny_compiled_unet_step_compiles_ahead_of_time_for_tpu_v5e_and_v6e() {
         let topology = plugin
             .topology(topology_name, &[])
             .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
+        // The unguided step once (each compile takes tens of seconds here).
+        let steps: &[&_] = if topology_name.starts_with("v5e") {
+            &[&guided, &plain]
+        } else {
+            &[&guided]
+        };
         let mut flops = Vec::new();
-        for step in [&guided, &plain] {
+        for step in steps {
             let started = std::time::Instant::now();
             let exe = topology
                 .compile(&step.module, &CompileOptions::default())
@@ -76,10 +82,12 @@ fn tiny_compiled_unet_step_compiles_ahead_of_time_for_tpu_v5e_and_v6e() {
             flops.push(f);
         }
         // Guidance runs the UNet on twice the batch: about twice the flops.
-        let ratio = flops[0] / flops[1];
-        assert!(
-            (1.8..=2.2).contains(&ratio),
-            "{topology_name}: guided/plain flops {ratio}"
-        );
+        if let [guided, plain] = flops[..] {
+            let ratio = guided / plain;
+            assert!(
+                (1.8..=2.2).contains(&ratio),
+                "{topology_name}: guided/plain flops {ratio}"
+            );
+        }
     }
 }
