@@ -62,12 +62,26 @@
 //!   [`COMPILE_CACHE_ENV`]): executables are serialized under a hash of the
 //!   module text and of the plugin's platform, version and device; a later
 //!   process still traces and lowers (milliseconds) but loads instead of
-//!   compiling.
+//!   compiling. Each entry carries its key, its length and a checksum, which
+//!   are checked before the plugin sees the bytes: a stale, truncated or
+//!   corrupted entry (or one the plugin refuses) is deleted, compiled again
+//!   and rewritten, and the reason is kept in
+//!   [`CompileInfo::rejected_cache_entry`].
+//! - **Structure**: the program cache is keyed by the input signature only,
+//!   so the closure's traced ops must be a function of its inputs' shapes
+//!   and dtypes (branching on `dims()` is fine, branching on a captured Rust
+//!   value that changes between calls is not: the first trace would be
+//!   reused silently). Make such a value a tensor input, or build one
+//!   [`CompiledFn`] per variant.
+//! - [`lower_recorded`] is the lowering of a whole recording; ahead-of-time
+//!   compilation for hardware that is not here lowers a recording of the
+//!   [`Traced`](crate::trace::Traced) backend with it.
 //!
-//! Every compile increments [`CompiledFn::compiles`] and the process-wide
-//! [`compile_count`], is recorded in [`CompiledFn::compile_log`], and is
-//! printed to stderr with its reason and timings when [`LOG_COMPILES_ENV`]
-//! is set.
+//! Every program built increments [`CompiledFn::compiles`] and is recorded
+//! in [`CompiledFn::compile_log`]; XLA compiles (not loads from disk) also
+//! count in [`CompiledFn::xla_compiles`] and the process-wide
+//! [`compile_count`]. Each is printed to stderr with its reason and timings
+//! when [`LOG_COMPILES_ENV`] is set.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -85,7 +99,7 @@ use burn_tensor::{Bool, Int, Tensor, TensorPrimitive};
 use crate::channel::OxiClient;
 use crate::device::OxiDevice;
 use crate::eager::{scalar_bytes, PjrtClient};
-use crate::lowering::{Argument, LowerError, Lowerer};
+use crate::lowering::{Argument, LowerError, LoweredFunction, Lowerer};
 use crate::pjrt::{self, Buffer, CompileOptions, ElementType, LoadedExecutable};
 use crate::Oxi;
 
@@ -432,6 +446,9 @@ pub struct CompileInfo {
     /// Whether the executable came from the on-disk cache instead of a
     /// compile.
     pub from_disk: bool,
+    /// A cache entry that was found but refused (stale, truncated, corrupt,
+    /// or not loadable by the plugin), and why; it was replaced.
+    pub rejected_cache_entry: Option<String>,
     /// Running the closure while recording.
     pub trace: Duration,
     /// Lowering the recording to StableHLO.
@@ -462,7 +479,11 @@ impl std::fmt::Display for CompileInfo {
                 "compiled"
             },
             self.compile
-        )
+        )?;
+        if let Some(rejected) = &self.rejected_cache_entry {
+            write!(f, " (the disk cache entry {rejected})")?;
+        }
+        Ok(())
     }
 }
 
@@ -530,6 +551,18 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     /// lowered, and compiled or loaded from the disk cache).
     pub fn compiles(&self) -> u64 {
         lock(&self.log).len() as u64
+    }
+
+    /// XLA compiles this function ran (programs not loaded from the disk
+    /// cache).
+    pub fn xla_compiles(&self) -> u64 {
+        lock(&self.log).iter().filter(|i| !i.from_disk).count() as u64
+    }
+
+    /// Programs this function loaded from the disk cache instead of
+    /// compiling.
+    pub fn disk_loads(&self) -> u64 {
+        lock(&self.log).iter().filter(|i| i.from_disk).count() as u64
     }
 
     /// What each compile did, in order.
@@ -684,22 +717,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         // Lower: inputs first, then the ops; an output nothing computed (a
         // captured tensor returned as is) becomes an argument too.
         let started = Instant::now();
-        let lowered = (|| {
-            let mut lowerer = Lowerer::new();
-            for ir in &irs {
-                lowerer.declare_input(ir)?;
-            }
-            for op in &recording.ops {
-                lowerer.lower(op)?;
-            }
-            for ir in &out_irs {
-                if !lowerer.has_value(ir.id) {
-                    lowerer.declare_input(ir)?;
-                }
-            }
-            let ids: Vec<TensorId> = out_irs.iter().map(|t| t.id).collect();
-            lowerer.finish(&ids)
-        })();
+        let lowered = lower_recorded(&irs, &recording.ops, &out_irs);
         let function = match lowered {
             Ok(f) => f,
             Err(e) => {
@@ -816,24 +834,25 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
 
         // Compile, or load the executable an earlier process compiled.
         let started = Instant::now();
-        let disk = self.disk_cache.as_ref().map(|dir| {
-            dir.join(format!(
-                "{}.pjrt",
-                disk_key(&module, pjrt_client, pjrt_device.id())
-            ))
-        });
+        let key = disk_key(&module, pjrt_client, pjrt_device.id());
+        let disk = self
+            .disk_cache
+            .as_ref()
+            .map(|dir| dir.join(format!("{key}.pjrt")));
+        let mut rejected = None;
         let loaded = disk.as_ref().and_then(|path| {
-            let bytes = std::fs::read(path).ok()?;
-            match pjrt_client.deserialize_and_load(&bytes) {
-                Ok(exe) if exe.num_outputs() == out_irs.len() => Some(exe),
-                Ok(_) => None,
-                Err(e) => {
+            match load_executable(path, &key, pjrt_client, out_irs.len()) {
+                Ok(exe) => exe,
+                Err(why) => {
+                    // Detected before the plugin sees the bytes (header,
+                    // length, checksum) or refused by it: drop the entry and
+                    // compile; the fresh executable replaces it.
+                    let _ = std::fs::remove_file(path);
+                    let message = format!("{}: {why}; rebuilt", path.display());
                     if log_compiles() {
-                        eprintln!(
-                            "oxidiff: `{name}`: the cached executable {} did not load ({e}); compiling",
-                            path.display()
-                        );
+                        eprintln!("oxidiff: `{name}`: the cached executable {message}");
                     }
+                    rejected = Some(message);
                     None
                 }
             }
@@ -845,7 +864,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             None => pjrt_client.compile(&module, &options).inspect(|exe| {
                 COMPILES.fetch_add(1, Ordering::Relaxed);
                 if let Some(path) = &disk {
-                    store_executable(path, exe);
+                    store_executable(path, &key, exe);
                 }
             }),
         };
@@ -890,6 +909,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             random,
             donated: donated.len(),
             from_disk,
+            rejected_cache_entry: rejected,
             trace,
             lower,
             compile,
@@ -1035,6 +1055,37 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     }
 }
 
+/// Lowers a recorded program into one StableHLO function: `inputs` become
+/// `%arg0..` in order, then `ops` are lowered; every tensor an op reads that
+/// is neither an input nor produced by an op (a captured weight) becomes a
+/// further argument ([`Argument::Tensor`]), and so does an output nothing
+/// computed. Compiled mode lowers its traces with this, and ahead-of-time
+/// compilation can lower a recording of the [`Traced`](crate::trace::Traced)
+/// backend the same way.
+pub fn lower_recorded(
+    inputs: &[TensorIr],
+    ops: &[OperationIr],
+    outputs: &[TensorIr],
+) -> Result<LoweredFunction, LowerError> {
+    let mut lowerer = Lowerer::new();
+    for ir in inputs {
+        lowerer.declare_input(ir)?;
+    }
+    for op in ops {
+        if matches!(op, OperationIr::Init(_) | OperationIr::Drop(_)) {
+            continue;
+        }
+        lowerer.lower(op)?;
+    }
+    for ir in outputs {
+        if !lowerer.has_value(ir.id) {
+            lowerer.declare_input(ir)?;
+        }
+    }
+    let ids: Vec<TensorId> = outputs.iter().map(|t| t.id).collect();
+    lowerer.finish(&ids)
+}
+
 /// Adds `tf.aliasing_output = output` to argument `argument` (of type `ty`)
 /// of `@main` in `module`.
 fn mark_donation(
@@ -1081,11 +1132,92 @@ fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> String {
     format!("{:016x}-{target:016x}", fnv1a(&[module.as_bytes()]))
 }
 
+/// The first bytes of an on-disk cache entry; the number is the format's
+/// version.
+const CACHE_MAGIC: &[u8; 16] = b"oxidiff-pjrt-v1\n";
+
+/// An on-disk cache entry: [`CACHE_MAGIC`], the key (u32 length, bytes),
+/// the payload's length (u64) and FNV-1a hash (u64), then the plugin's
+/// serialized executable. The plugin never sees bytes whose length or hash
+/// do not match (a truncated or corrupted file could crash it).
+fn encode_entry(key: &str, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(payload.len() + key.len() + 40);
+    bytes.extend_from_slice(CACHE_MAGIC);
+    bytes.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(key.as_bytes());
+    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&fnv1a(&[payload]).to_le_bytes());
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+/// The payload of an entry written by [`encode_entry`] for `key`, or why it
+/// is not one.
+fn decode_entry<'a>(bytes: &'a [u8], key: &str) -> Result<&'a [u8], String> {
+    fn take<'b>(bytes: &mut &'b [u8], n: usize) -> Result<&'b [u8], String> {
+        if bytes.len() < n {
+            return Err("truncated header".to_string());
+        }
+        let (head, rest) = bytes.split_at(n);
+        *bytes = rest;
+        Ok(head)
+    }
+    fn word<const N: usize>(bytes: &mut &[u8]) -> Result<[u8; N], String> {
+        take(bytes, N).map(|b| b.try_into().expect("N bytes"))
+    }
+    let mut rest = bytes;
+    if take(&mut rest, CACHE_MAGIC.len())? != CACHE_MAGIC {
+        return Err("not an oxidiff cache entry of this version".to_string());
+    }
+    let key_len = u32::from_le_bytes(word(&mut rest)?) as usize;
+    if take(&mut rest, key_len)? != key.as_bytes() {
+        return Err("written for another module or plugin (stale)".to_string());
+    }
+    let len = u64::from_le_bytes(word(&mut rest)?);
+    let hash = u64::from_le_bytes(word(&mut rest)?);
+    if rest.len() as u64 != len {
+        return Err(format!(
+            "truncated or padded: {} payload bytes, the header says {len}",
+            rest.len()
+        ));
+    }
+    if fnv1a(&[rest]) != hash {
+        return Err("corrupt: the payload's checksum does not match".to_string());
+    }
+    Ok(rest)
+}
+
+/// The executable cached at `path`: `Ok(None)` when there is no entry,
+/// `Err(why)` when there is one that cannot be used.
+fn load_executable(
+    path: &Path,
+    key: &str,
+    client: &pjrt::Client,
+    outputs: usize,
+) -> Result<Option<LoadedExecutable>, String> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("unreadable ({e})")),
+    };
+    let payload = decode_entry(&bytes, key)?;
+    let exe = client
+        .deserialize_and_load(payload)
+        .map_err(|e| format!("the plugin did not load it ({e})"))?;
+    if exe.num_outputs() != outputs {
+        return Err(format!(
+            "it has {} outputs, the program {outputs}",
+            exe.num_outputs()
+        ));
+    }
+    Ok(Some(exe))
+}
+
 /// Writes `exe` to `path` (through a temporary file, so a reader never sees
 /// half a file). Failures only cost a compile later, so they are logged.
-fn store_executable(path: &Path, exe: &LoadedExecutable) {
+fn store_executable(path: &Path, key: &str, exe: &LoadedExecutable) {
     let result = (|| -> Result<(), String> {
-        let bytes = exe.serialize().map_err(|e| e.to_string())?;
+        let bytes = encode_entry(key, &exe.serialize().map_err(|e| e.to_string())?);
         let dir = path.parent().ok_or("no directory")?;
         std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -1099,5 +1231,28 @@ fn store_executable(path: &Path, exe: &LoadedExecutable) {
                 path.display()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_entries_round_trip_and_damage_is_detected() {
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let entry = encode_entry("k1", &payload);
+        assert_eq!(decode_entry(&entry, "k1").unwrap(), &payload[..]);
+        assert!(decode_entry(&entry, "k2").unwrap_err().contains("stale"));
+        assert!(decode_entry(&entry[..entry.len() - 1], "k1")
+            .unwrap_err()
+            .contains("truncated"));
+        assert!(decode_entry(&entry[..10], "k1").is_err());
+        let mut flipped = entry.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert!(decode_entry(&flipped, "k1")
+            .unwrap_err()
+            .contains("corrupt"));
+        assert!(decode_entry(b"garbage", "k1").is_err());
     }
 }

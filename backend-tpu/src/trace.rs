@@ -41,6 +41,18 @@ impl TraceClient {
     }
 }
 
+/// The IR of a traced float tensor (its id, shape and dtype), to declare it
+/// as an input of [`lower_recorded`](crate::compiled::lower_recorded).
+pub fn float_ir<const D: usize>(tensor: &burn_tensor::Tensor<Traced, D>) -> TensorIr {
+    match tensor.clone().into_primitive() {
+        // The clone keeps the tensor referenced, so this reads its metadata
+        // without consuming or dropping it.
+        burn_tensor::TensorPrimitive::Float(t) | burn_tensor::TensorPrimitive::QFloat(t) => {
+            t.into_ir()
+        }
+    }
+}
+
 /// Takes the ops recorded on `device` so far.
 pub fn take_ops(device: &OxiDevice) -> Vec<OperationIr> {
     get_client::<TraceChannel>(device).take_ops()

@@ -4,6 +4,7 @@
 //! calls the denoiser and the VAE from `oxidiff-models`, and post-processes the images. It knows
 //! nothing of the device beyond the Burn backend it is generic over.
 
+pub mod aot;
 pub mod error;
 pub mod guard;
 pub mod host;
@@ -26,8 +27,8 @@ pub use pixart::{
     PixArtVariant, PIXART_CLASSES,
 };
 pub use stable_diffusion::{
-    Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StableDiffusionPipeline,
-    StepInfo,
+    guided_noise, CompileStats, Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput,
+    StableDiffusionPipeline, StepInfo,
 };
 pub mod stable_diffusion_xl;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlDenoiser, XlOptions, XlPromptEmbeds};

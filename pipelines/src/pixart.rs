@@ -34,7 +34,8 @@ use crate::pixart_bins::{
     ASPECT_RATIO_512_BIN,
 };
 use crate::stable_diffusion::{
-    denoising_loop, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StepInfo,
+    denoising_loop, with_guidance, GenerateRequest, LoadOptions, OutputType, PipelineOutput,
+    StepInfo,
 };
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
@@ -374,37 +375,39 @@ impl<B: Backend> PixArtPipeline<B> {
             common,
             &self.device,
             noise,
-            |model_input, timestep| {
-                // One timestep per row of the (guidance-doubled) batch.
-                let timestep = timestep.expand([model_batch]);
-                let prediction = match compiled {
-                    Some(denoiser) => {
-                        transformer.check_inputs(
-                            model_input.dims(),
-                            model_batch,
-                            caption.dims(),
-                            conditions.is_some(),
-                        )?;
-                        denoiser.denoise(
+            |model_input, timestep, _| {
+                with_guidance(model_input, common.guidance_scale, |model_input| {
+                    // One timestep per row of the (guidance-doubled) batch.
+                    let timestep = timestep.expand([model_batch]);
+                    let prediction = match compiled {
+                        Some(denoiser) => {
+                            transformer.check_inputs(
+                                model_input.dims(),
+                                model_batch,
+                                caption.dims(),
+                                conditions.is_some(),
+                            )?;
+                            denoiser.denoise(
+                                model_input,
+                                timestep,
+                                caption.clone(),
+                                caption_bias.clone(),
+                                conditions.as_ref(),
+                            )?
+                        }
+                        None => transformer.forward(
                             model_input,
                             timestep,
                             caption.clone(),
-                            caption_bias.clone(),
+                            Some(caption_bias.clone()),
                             conditions.as_ref(),
-                        )?
-                    }
-                    None => transformer.forward(
-                        model_input,
-                        timestep,
-                        caption.clone(),
-                        Some(caption_bias.clone()),
-                        conditions.as_ref(),
-                    )?,
-                };
-                Ok(if learned_sigma {
-                    prediction.narrow(1, 0, channels)
-                } else {
-                    prediction
+                        )?,
+                    };
+                    Ok(if learned_sigma {
+                        prediction.narrow(1, 0, channels)
+                    } else {
+                        prediction
+                    })
                 })
             },
             &mut callback,

@@ -106,18 +106,58 @@ pub struct PipelineOutput<B: Backend> {
     pub images: Option<Images>,
 }
 
-/// The denoiser call `unet(sample, timestep, context)` run some other way than eagerly, e.g. as
-/// one compiled XLA program ([`StableDiffusionPipeline::compile`]).
+/// One denoiser evaluation with classifier-free guidance, as diffusers' loop does it: when
+/// `context` holds twice as many rows as `sample` (negative prompts first), the UNet runs once
+/// on the batch `[sample; sample]` and the two halves are combined as
+/// `uncond + guidance * (text - uncond)`; otherwise it is the plain UNet call and `guidance` is
+/// unused. `sample` is already scaled by the scheduler (`scale_model_input`); `guidance` is a
+/// `[1]` tensor, so in compiled mode it is a runtime input, not a constant. The eager loop and
+/// the compiled step both run this function.
+pub fn guided_noise<B: Backend>(
+    unet: &UNet2DConditionModel<B>,
+    sample: Tensor<B, 4>,
+    timestep: Tensor<B, 1>,
+    context: Tensor<B, 3>,
+    guidance: Tensor<B, 1>,
+) -> Tensor<B, 4> {
+    let batch = sample.dims()[0];
+    if context.dims()[0] != 2 * batch {
+        return unet.forward(sample, timestep, context);
+    }
+    let noise_pred = unet.forward(
+        Tensor::cat(vec![sample.clone(), sample], 0),
+        timestep,
+        context,
+    );
+    let uncond = noise_pred.clone().narrow(0, 0, batch);
+    let text = noise_pred.narrow(0, batch, batch);
+    uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
+}
+
+/// The guided denoiser call ([`guided_noise`]) run some other way than eagerly, e.g. as one
+/// compiled XLA program ([`StableDiffusionPipeline::compile`]).
 pub trait Denoiser<B: Backend> {
-    fn denoise(
+    /// [`guided_noise`] of the pipeline's UNet.
+    fn guided_noise(
         &self,
         sample: Tensor<B, 4>,
         timestep: Tensor<B, 1>,
         context: Tensor<B, 3>,
+        guidance: Tensor<B, 1>,
     ) -> Result<Tensor<B, 4>>;
 
-    /// How many programs were compiled so far (one per input shape).
-    fn compiles(&self) -> u64;
+    /// What was compiled so far.
+    fn compile_stats(&self) -> CompileStats;
+}
+
+/// Counts of compiled mode ([`StableDiffusionPipeline::compile_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompileStats {
+    /// Programs built, one per input signature (image size, batch, guidance on or off).
+    pub programs: u64,
+    /// Of those, how many XLA compiled; the others were loaded from the on-disk cache.
+    pub xla_compiles: u64,
+    pub disk_loads: u64,
 }
 
 /// Stable Diffusion 1.x/2.x text-to-image.
@@ -314,9 +354,17 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             req,
             &self.device,
             noise,
-            |model_input, timestep| match compiled {
-                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone()),
-                None => Ok(unet.forward(model_input, timestep, context.clone())),
+            |model_input, timestep, guidance| match compiled {
+                Some(denoiser) => {
+                    denoiser.guided_noise(model_input, timestep, context.clone(), guidance)
+                }
+                None => Ok(guided_noise(
+                    unet,
+                    model_input,
+                    timestep,
+                    context.clone(),
+                    guidance,
+                )),
             },
             &mut callback,
         )?;
@@ -325,8 +373,9 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     }
 }
 
-/// The scheduler loop shared by the SD-family pipelines: classifier-free guidance batched in
-/// one `denoise(model_input, timestep)` call (uncond half first), the scheduler step, the NaN
+/// The scheduler loop shared by the pipelines: the scaled model input, the guided denoiser
+/// call `denoise(sample, timestep, guidance)` (classifier-free guidance is the denoiser's:
+/// [`guided_noise`], or [`with_guidance`] around another call), the scheduler step, the NaN
 /// guard, the callback and cancellation, over `timesteps` (possibly a prefix of the
 /// scheduler's, for `denoising_end`).
 #[allow(clippy::too_many_arguments)]
@@ -337,25 +386,18 @@ pub(crate) fn denoising_loop<B: Backend>(
     req: &GenerateRequest<B>,
     device: &B::Device,
     noise: &mut dyn NoiseSource<B>,
-    mut denoise: impl FnMut(Tensor<B, 4>, Tensor<B, 1>) -> Result<Tensor<B, 4>>,
+    mut denoise: impl FnMut(Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) -> Result<Tensor<B, 4>>,
     callback: &mut impl FnMut(StepInfo<'_, B>),
 ) -> Result<Tensor<B, 4>> {
-    let cfg = req.guidance_scale > 1.0;
-    let batch = latents.dims()[0];
+    // A runtime input of compiled steps, so a new guidance scale does not recompile.
+    let guidance = Tensor::<B, 1>::from_data(
+        TensorData::new(vec![req.guidance_scale as f32], [1]),
+        device,
+    );
     for (step, &t) in timesteps.iter().enumerate() {
-        let model_input = if cfg {
-            Tensor::cat(vec![latents.clone(), latents.clone()], 0)
-        } else {
-            latents.clone()
-        };
-        let model_input = scheduler.scale_model_input(model_input, t)?;
+        let model_input = scheduler.scale_model_input(latents.clone(), t)?;
         let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), device);
-        let noise_pred = denoise(model_input, timestep)?;
-        let noise_pred = if cfg {
-            crate::loading::guide(noise_pred, batch, req.guidance_scale)
-        } else {
-            noise_pred
-        };
+        let noise_pred = denoise(model_input, timestep, guidance.clone())?;
         let prediction = noise_pred.clone();
         latents = scheduler.step(noise_pred, t, latents, noise)?;
         let class = scheduler.kind().class_name();
@@ -371,6 +413,23 @@ pub(crate) fn denoising_loop<B: Backend>(
         }
     }
     Ok(latents)
+}
+
+/// Classifier-free guidance around a denoiser `f` that sees the doubled batch
+/// `[sample; sample]` (its context holds the negative prompts first), for pipelines whose
+/// denoiser call is not [`guided_noise`]: `uncond + scale * (text - uncond)`, or the plain call
+/// when `scale <= 1`.
+pub(crate) fn with_guidance<B: Backend>(
+    sample: Tensor<B, 4>,
+    scale: f64,
+    f: impl FnOnce(Tensor<B, 4>) -> Result<Tensor<B, 4>>,
+) -> Result<Tensor<B, 4>> {
+    if scale <= 1.0 {
+        return f(sample);
+    }
+    let batch = sample.dims()[0];
+    let prediction = f(Tensor::cat(vec![sample.clone(), sample], 0))?;
+    Ok(crate::loading::guide(prediction, batch, scale))
 }
 
 /// Undoes the VAE scaling, decodes on the VAE's device and post-processes (unless only
@@ -399,34 +458,47 @@ impl<B: Backend> ToDevice<B> for StableDiffusionPipeline<B> {
     }
 }
 
-/// The UNet's inputs: latents, timestep, text context.
-type UNetInputs = (Tensor<Oxi, 4>, Tensor<Oxi, 1>, Tensor<Oxi, 3>);
-type UNetFn = Box<dyn Fn(UNetInputs) -> Tensor<Oxi, 4>>;
-type UNetStep = CompiledFn<UNetInputs, Tensor<Oxi, 4>, UNetFn>;
+/// The compiled step's inputs: scaled latents, timestep, text context, guidance scale.
+type StepInputs = (
+    Tensor<Oxi, 4>,
+    Tensor<Oxi, 1>,
+    Tensor<Oxi, 3>,
+    Tensor<Oxi, 1>,
+);
+type StepFn = Box<dyn Fn(StepInputs) -> Tensor<Oxi, 4>>;
+type GuidedStep = CompiledFn<StepInputs, Tensor<Oxi, 4>, StepFn>;
 
-impl Denoiser<Oxi> for UNetStep {
-    fn denoise(
+impl Denoiser<Oxi> for GuidedStep {
+    fn guided_noise(
         &self,
         sample: Tensor<Oxi, 4>,
         timestep: Tensor<Oxi, 1>,
         context: Tensor<Oxi, 3>,
+        guidance: Tensor<Oxi, 1>,
     ) -> Result<Tensor<Oxi, 4>> {
-        self.call((sample, timestep, context))
+        self.call((sample, timestep, context, guidance))
             .map_err(|e| PipelineError::Compile(e.to_string()))
     }
 
-    fn compiles(&self) -> u64 {
-        CompiledFn::compiles(self)
+    fn compile_stats(&self) -> CompileStats {
+        CompileStats {
+            programs: self.compiles(),
+            xla_compiles: self.xla_compiles(),
+            disk_loads: self.disk_loads(),
+        }
     }
 }
 
 impl StableDiffusionPipeline<Oxi> {
-    /// Compiled mode: from the next generation on, each UNet call (both halves of
-    /// classifier-free guidance, batched) is one XLA program, traced and compiled on first use
-    /// and cached by input shapes. The timestep is a runtime input and the weights are device
-    /// buffers passed in, so a new prompt, seed, guidance scale, scheduler or step count reuses
-    /// the program; a new size or batch compiles once more. Needs the UNet on a PJRT device
-    /// (`xla:cpu`, `tpu`, `cuda`); scheduler and VAE stay eager.
+    /// Compiled mode: from the next generation on, each denoising step's UNet call and
+    /// classifier-free guidance ([`guided_noise`]: both halves batched, then combined) are one
+    /// XLA program, traced and compiled on first use and cached by input shapes. Timestep and
+    /// guidance scale are runtime inputs and the weights are device buffers passed in, so a new
+    /// prompt, seed, guidance scale, scheduler or step count reuses the program; a new size or
+    /// batch, or switching guidance on or off (the context's batch changes), compiles once
+    /// more. With `OXIDIFF_COMPILE_CACHE=DIR` executables are also kept on disk for later
+    /// processes. Needs the UNet on a PJRT device (`xla:cpu`, `tpu`, `cuda`); the scheduler
+    /// step and the VAE stay eager.
     pub fn compile(&mut self) -> Result<()> {
         let device = self.unet_device();
         if !device.is_pjrt() {
@@ -436,15 +508,23 @@ impl StableDiffusionPipeline<Oxi> {
             )));
         }
         let unet = self.unet.clone();
-        let step: UNetFn =
-            Box::new(move |(sample, timestep, context)| unet.forward(sample, timestep, context));
-        let compiled: UNetStep = CompiledFn::new("unet", step);
+        // The traced structure depends only on the input shapes (guidance on or off is the
+        // context's batch), which key the program cache, so a cached program always matches.
+        let step: StepFn = Box::new(move |(sample, timestep, context, guidance)| {
+            guided_noise(&unet, sample, timestep, context, guidance)
+        });
+        let compiled: GuidedStep = CompiledFn::new("unet+cfg", step);
         self.compiled = Some(Box::new(compiled));
         Ok(())
     }
 
     /// Programs compiled so far in compiled mode (`None` when eager).
     pub fn compiles(&self) -> Option<u64> {
-        self.compiled.as_ref().map(|c| c.compiles())
+        self.compiled.as_ref().map(|c| c.compile_stats().programs)
+    }
+
+    /// Compiled mode's counts (`None` when eager).
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        self.compiled.as_ref().map(|c| c.compile_stats())
     }
 }

@@ -15,7 +15,7 @@ use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
 use crate::stable_diffusion::{
-    decode_latents, denoising_loop, GenerateRequest, LoadOptions, PipelineOutput,
+    decode_latents, denoising_loop, guided_noise, GenerateRequest, LoadOptions, PipelineOutput,
     StableDiffusionPipeline, StepInfo,
 };
 
@@ -131,9 +131,17 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
             req,
             &pipe.device,
             noise,
-            |model_input, timestep| match compiled {
-                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone()),
-                None => Ok(unet.forward(model_input, timestep, context.clone())),
+            |model_input, timestep, guidance| match compiled {
+                Some(denoiser) => {
+                    denoiser.guided_noise(model_input, timestep, context.clone(), guidance)
+                }
+                None => Ok(guided_noise(
+                    unet,
+                    model_input,
+                    timestep,
+                    context.clone(),
+                    guidance,
+                )),
             },
             &mut callback,
         )?;

@@ -25,7 +25,8 @@ use serde::Deserialize;
 
 use crate::error::{PipelineError, Result};
 use crate::stable_diffusion::{
-    decode_latents, denoising_loop, GenerateRequest, LoadOptions, PipelineOutput, StepInfo,
+    decode_latents, denoising_loop, with_guidance, GenerateRequest, LoadOptions, PipelineOutput,
+    StepInfo,
 };
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
@@ -475,14 +476,16 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             req,
             &self.device,
             noise,
-            |model_input, timestep| match compiled {
-                Some(denoiser) => denoiser.denoise(model_input, timestep, context.clone(), &added),
-                None => Ok(unet.forward_with_condition(
-                    model_input,
-                    timestep,
-                    context.clone(),
-                    Some(&added),
-                )?),
+            |model_input, timestep, _| {
+                with_guidance(model_input, req.guidance_scale, |x| match compiled {
+                    Some(denoiser) => denoiser.denoise(x, timestep, context.clone(), &added),
+                    None => Ok(unet.forward_with_condition(
+                        x,
+                        timestep,
+                        context.clone(),
+                        Some(&added),
+                    )?),
+                })
             },
             &mut callback,
         )?;

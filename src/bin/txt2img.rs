@@ -81,8 +81,10 @@ struct Args {
     /// path. PJRT devices run in eager mode (each op compiled once, then cached).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Compiled mode: each UNet (or PixArt transformer) call is one XLA program, compiled once
-    /// per image size and then reused (needs a PJRT --device).
+    /// Compiled mode: each denoiser call (for Stable Diffusion with classifier-free guidance;
+    /// the PixArt transformer) is one XLA program, compiled once per image size and then reused
+    /// (needs a PJRT --device). With OXIDIFF_COMPILE_CACHE=DIR executables are kept on disk for
+    /// later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     compile: bool,
     /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma); longer
@@ -257,10 +259,7 @@ fn run(mut args: Args) -> Result<()> {
     let pixart_options = (args.max_sequence_length, !args.no_resolution_binning);
     let output = pipe.generate_with(request, pixart_options, &mut generator, progress)?;
     let images = output.images.context("the pipeline returned no images")?;
-    let mode = match pipe.compiles() {
-        Some(n) => format!("compiled, {n} program(s)"),
-        None => "eager".into(),
-    };
+    let mode = pipe.mode();
     let sampler = pipe.scheduler_class().to_string();
     bar.finish_and_clear();
     let parameters = GenerationParameters {
@@ -320,11 +319,24 @@ impl Pipeline {
         }
     }
 
-    fn compiles(&self) -> Option<u64> {
-        match self {
-            Self::Sd(pipe) => pipe.compiles(),
+    /// "eager", or what compiled mode built.
+    fn mode(&self) -> String {
+        let programs = match self {
+            Self::Sd(pipe) => {
+                return match pipe.compile_stats() {
+                    Some(stats) => format!(
+                        "compiled: {} program(s), {} XLA compile(s), {} from the disk cache",
+                        stats.programs, stats.xla_compiles, stats.disk_loads
+                    ),
+                    None => "eager".into(),
+                }
+            }
             Self::Xl(pipe) => pipe.compiles(),
             Self::PixArt(pipe) => pipe.compiles(),
+        };
+        match programs {
+            Some(n) => format!("compiled: {n} program(s)"),
+            None => "eager".into(),
         }
     }
 

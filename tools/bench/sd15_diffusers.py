@@ -49,14 +49,26 @@ def make(dir_, fixture):
     shutil.copytree(os.path.join(fixture, "tokenizer"), os.path.join(dir_, "tokenizer"), dirs_exist_ok=True)
 
 
-def timed(fn, repeat):
-    fn()  # warm-up
+def timed_all(fn, repeat):
+    """Times of `repeat` runs after a warm-up run, sorted; and the warm-up's time."""
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
     times = []
-    for _ in range(repeat):
+    for _ in range(max(repeat, 1)):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return sorted(times), first
+
+
+def timed(fn, repeat):
+    return timed_all(fn, repeat)[0][0]
+
+
+def stats(times, first):
+    return {"first_s": first, "min_s": times[0], "median_s": times[len(times) // 2],
+            "max_s": times[-1], "repeats": len(times)}
 
 
 def main():
@@ -66,7 +78,8 @@ def main():
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--unet-only", action="store_true")
     ap.add_argument("--make-only", action="store_true")
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.dir, "model_index.json")):
@@ -84,21 +97,22 @@ def main():
     with torch.no_grad():
         ids = pipe.tokenizer([prompt, ""], padding="max_length", max_length=77, return_tensors="pt").input_ids
         ctx = pipe.text_encoder(ids)[0]
-        text_s = timed(lambda: pipe.text_encoder(ids), args.repeat)
         sample = torch.randn(2, 4, lat, lat, generator=torch.Generator().manual_seed(0))
         t = torch.tensor([501])
-        unet_s = timed(lambda: pipe.unet(sample, t, encoder_hidden_states=ctx), args.repeat)
-        latents = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(1))
-        vae_s = timed(lambda: pipe.vae.decode(latents / 0.18215), args.repeat)
-        start = time.perf_counter()
-        pipe(prompt, num_inference_steps=args.steps, guidance_scale=7.5, height=args.size,
-             width=args.size, generator=torch.Generator().manual_seed(0), output_type="np")
-        e2e = time.perf_counter() - start
+        unet_times, unet_first = timed_all(lambda: pipe.unet(sample, t, encoder_hidden_states=ctx), args.repeat)
+        result = {"unet_step_s": unet_times[0], "unet_step": stats(unet_times, unet_first)}
+        if not args.unet_only:
+            result["text_encode_s"] = timed(lambda: pipe.text_encoder(ids), args.repeat)
+            latents = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(1))
+            result["vae_decode_s"] = timed(lambda: pipe.vae.decode(latents / 0.18215), args.repeat)
+            start = time.perf_counter()
+            pipe(prompt, num_inference_steps=args.steps, guidance_scale=7.5, height=args.size,
+                 width=args.size, generator=torch.Generator().manual_seed(0), output_type="np")
+            result["end_to_end_s"] = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     json.dump({
         "impl": "diffusers", "torch": torch.__version__, "threads": args.threads,
-        "size": args.size, "steps": args.steps, "load_s": load, "text_encode_s": text_s,
-        "unet_step_s": unet_s, "vae_decode_s": vae_s, "end_to_end_s": e2e, "peak_rss_bytes": peak,
+        "size": args.size, "steps": args.steps, "load_s": load, **result, "peak_rss_bytes": peak,
     }, sys.stdout)
     print()
 

@@ -5,7 +5,7 @@
 use std::ptr;
 use std::sync::Arc;
 
-use super::api::{copy_slice, pjrt_call, Api};
+use super::api::{copy_slice, pjrt_call, read_named_values, Api, NamedValue};
 use super::buffer::Buffer;
 use super::client::{ClientInner, Device};
 use super::error::{Error, Result};
@@ -190,6 +190,55 @@ impl LoadedExecutable {
     pub fn serialize(&self) -> Result<Vec<u8>> {
         self.executable()?.serialize()
     }
+
+    /// XLA's cost analysis of the compiled code ([`Executable::cost_analysis`]).
+    pub fn cost_analysis(&self) -> Result<CostAnalysis> {
+        self.executable()?.cost_analysis()
+    }
+
+    /// Bytes of generated code ([`Executable::generated_code_size`]).
+    pub fn generated_code_size(&self) -> Result<i64> {
+        self.executable()?.generated_code_size()
+    }
+}
+
+/// XLA's static cost analysis of a compiled program
+/// (`PJRT_Executable_GetCostAnalysis`): what a roofline estimate needs. The
+/// properties are the plugin's (XLA's `HloCostAnalysis` names, for example
+/// `flops`, `transcendentals`, `bytes accessed`, `bytes accessed0{}` per
+/// operand, `optimal_seconds` on TPU); values are per device.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CostAnalysis {
+    pub properties: Vec<(String, NamedValue)>,
+}
+
+impl CostAnalysis {
+    /// The property `name` as a number, if the plugin reported it.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.properties
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, value)| match value {
+                NamedValue::Float(v) => Some(f64::from(*v)),
+                NamedValue::Int64(v) => Some(*v as f64),
+                _ => None,
+            })
+    }
+
+    /// Floating-point operations (a multiply-add counts two).
+    pub fn flops(&self) -> Option<f64> {
+        self.get("flops")
+    }
+
+    /// Transcendental operations (exp, log, tanh, ...).
+    pub fn transcendentals(&self) -> Option<f64> {
+        self.get("transcendentals")
+    }
+
+    /// Bytes read and written from memory (HBM on accelerators), after fusion.
+    pub fn bytes_accessed(&self) -> Option<f64> {
+        self.get("bytes accessed")
+    }
 }
 
 /// Compiled code not loaded on any client.
@@ -226,6 +275,40 @@ impl Executable {
         // SAFETY: a live executable; out-parameters only.
         unsafe { pjrt_call!(self.plugin.api(), PJRT_Executable_NumOutputs, &mut args) }?;
         Ok(args.num_outputs)
+    }
+
+    /// XLA's cost analysis of the compiled code (see [`CostAnalysis`]).
+    pub fn cost_analysis(&self) -> Result<CostAnalysis> {
+        let mut args = Padded::<ffi::PJRT_Executable_GetCostAnalysis_Args>::new();
+        args.executable = self.raw;
+        // SAFETY: a live executable; out-parameters only.
+        unsafe {
+            pjrt_call!(
+                self.plugin.api(),
+                PJRT_Executable_GetCostAnalysis,
+                &mut args
+            )
+        }?;
+        // SAFETY: the properties live as long as the executable, which
+        // outlives this copy.
+        let properties = unsafe { read_named_values(args.properties, args.num_properties) };
+        Ok(CostAnalysis { properties })
+    }
+
+    /// Bytes of generated code (`PJRT_Executable_SizeOfGeneratedCodeInBytes`):
+    /// the program's size in device (or host) instruction memory.
+    pub fn generated_code_size(&self) -> Result<i64> {
+        let mut args = Padded::<ffi::PJRT_Executable_SizeOfGeneratedCodeInBytes_Args>::new();
+        args.executable = self.raw;
+        // SAFETY: a live executable; out-parameters only.
+        unsafe {
+            pjrt_call!(
+                self.plugin.api(),
+                PJRT_Executable_SizeOfGeneratedCodeInBytes,
+                &mut args
+            )
+        }?;
+        Ok(args.size_in_bytes)
     }
 
     /// The plugin's serialization of the compiled code (not stable across

@@ -317,6 +317,15 @@ args_struct! {
         pub executable: *mut PJRT_Executable,
         pub num_outputs: usize,
     }
+    pub struct PJRT_Executable_SizeOfGeneratedCodeInBytes_Args {
+        pub executable: *mut PJRT_Executable,
+        pub size_in_bytes: i64,
+    }
+    pub struct PJRT_Executable_GetCostAnalysis_Args {
+        pub executable: *mut PJRT_Executable,
+        pub num_properties: usize,
+        pub properties: *const PJRT_NamedValue,
+    }
     pub struct PJRT_Executable_Serialize_Args {
         pub executable: *const PJRT_Executable,
         pub serialized_bytes: *const c_char,
@@ -495,8 +504,9 @@ pub struct PJRT_Api {
     pub PJRT_Executable_NumReplicas: Unused,
     pub PJRT_Executable_NumPartitions: Unused,
     pub PJRT_Executable_NumOutputs: Option<ErrFn<PJRT_Executable_NumOutputs_Args>>,
-    pub PJRT_Executable_SizeOfGeneratedCodeInBytes: Unused,
-    pub PJRT_Executable_GetCostAnalysis: Unused,
+    pub PJRT_Executable_SizeOfGeneratedCodeInBytes:
+        Option<ErrFn<PJRT_Executable_SizeOfGeneratedCodeInBytes_Args>>,
+    pub PJRT_Executable_GetCostAnalysis: Option<ErrFn<PJRT_Executable_GetCostAnalysis_Args>>,
     pub PJRT_Executable_OutputMemoryKinds: Unused,
     pub PJRT_Executable_OptimizedProgram: Unused,
     pub PJRT_Executable_Serialize: Option<ErrFn<PJRT_Executable_Serialize_Args>>,
@@ -567,6 +577,15 @@ const _: () = assert!(std::mem::size_of::<PJRT_TopologyDescription_Create_Args>(
 const _: () = assert!(std::mem::size_of::<PJRT_Compile_Args>() == 64);
 const _: () = assert!(std::mem::size_of::<PJRT_Executable_DeserializeAndLoad_Args>() == 64);
 const _: () = assert!(std::mem::size_of::<PJRT_Api_Version>() == 24);
+// Both follow `PJRT_Executable_NumOutputs` in the header's table (checked
+// against pjrt_c_api.h: Destroy, Name, NumReplicas, NumPartitions,
+// NumOutputs, SizeOfGeneratedCodeInBytes, GetCostAnalysis, ...).
+const _: () = assert!(std::mem::size_of::<PJRT_Executable_SizeOfGeneratedCodeInBytes_Args>() == 32);
+const _: () = assert!(std::mem::size_of::<PJRT_Executable_GetCostAnalysis_Args>() == 40);
+const _: () = assert!(
+    std::mem::offset_of!(PJRT_Api, PJRT_Executable_GetCostAnalysis)
+        == std::mem::offset_of!(PJRT_Api, PJRT_Executable_NumOutputs) + 16
+);
 const _: () = assert!(std::mem::offset_of!(PJRT_Api, PJRT_Error_Destroy) == 40);
 // 90 slots after the 40-byte head, one pointer each.
 const _: () = assert!(std::mem::size_of::<PJRT_Api>() == 40 + 90 * 8);

@@ -31,6 +31,6 @@ pub use client::{Client, Device};
 pub use compile_options::CompileOptions;
 pub use discovery::{PluginKind, PluginSearch};
 pub use error::{Error, ErrorCode, Result};
-pub use executable::{Executable, LoadedExecutable};
+pub use executable::{CostAnalysis, Executable, LoadedExecutable};
 pub use plugin::{tpu_device_present, Plugin, MIN_API_MINOR};
 pub use topology::{Topology, TopologyDevice};

@@ -1,0 +1,98 @@
+//! The compiled denoising step for hardware that is not here: the same step that
+//! [`StableDiffusionPipeline::compile`](crate::StableDiffusionPipeline::compile) runs
+//! ([`guided_noise`]: UNet plus classifier-free guidance), recorded on the `Traced` backend
+//! (shapes without values, weights without loading them onto a device) and lowered by the same
+//! [`lower_recorded`] as compiled mode, into one StableHLO module that a TPU topology can
+//! compile ahead of time (`Topology::compile`, libtpu without a TPU).
+
+use std::path::Path;
+
+use burn::tensor::{Tensor, TensorData};
+use oxidiff_backend_tpu::compiled::lower_recorded;
+use oxidiff_backend_tpu::lowering::Argument;
+use oxidiff_backend_tpu::trace::{float_ir, take_ops, Traced};
+use oxidiff_backend_tpu::OxiDevice;
+use oxidiff_models::config::PerBlock;
+use oxidiff_models::{UNet2DConditionConfig, UNet2DConditionModel};
+
+use crate::error::{PipelineError, Result};
+use crate::stable_diffusion::guided_noise;
+
+/// CLIP's sequence length, the context rows of SD 1.x/2.x.
+const CONTEXT_LEN: usize = 77;
+
+/// One traced denoising step as a StableHLO module.
+#[derive(Debug, Clone)]
+pub struct TracedStep {
+    /// The module text: `@main(sample, timestep, context, guidance, weights...)`.
+    pub module: String,
+    /// Ops recorded.
+    pub ops: usize,
+    /// Arguments after the four inputs: the UNet's weights (and the ops' scalars).
+    pub weights: usize,
+    /// Bytes of those weight arguments.
+    pub weight_bytes: usize,
+    /// The latents' shape `[batch, channels, height/8, width/8]`.
+    pub latents: [usize; 4],
+    /// Whether classifier-free guidance is in the step (the UNet then sees batch `2 * batch`).
+    pub guidance: bool,
+}
+
+/// Traces [`guided_noise`] for the UNet in `unet_dir` (a diffusers `unet/` folder) on latents
+/// of `batch` x `latent_height` x `latent_width`, with classifier-free guidance when
+/// `guidance` is set, and lowers it to one module.
+pub fn trace_guided_step(
+    unet_dir: &Path,
+    variant: Option<&str>,
+    batch: usize,
+    latent_height: usize,
+    latent_width: usize,
+    guidance: bool,
+) -> Result<TracedStep> {
+    let config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
+    let context_dim = match &config.cross_attention_dim {
+        PerBlock::One(d) => *d,
+        PerBlock::Each(dims) => dims.first().copied().unwrap_or(768),
+    };
+    // A device of its own, so recordings of other threads or callers stay apart.
+    let device = OxiDevice::Cpu;
+    let unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, variant, &device)?;
+    let _loading = take_ops(&device);
+
+    let latents = [batch, config.in_channels, latent_height, latent_width];
+    let rows = if guidance { 2 * batch } else { batch };
+    let zeros = |shape: Vec<usize>| TensorData::new(vec![0f32; shape.iter().product()], shape);
+    let sample = Tensor::<Traced, 4>::from_data(zeros(latents.to_vec()), &device);
+    let timestep = Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
+    let context =
+        Tensor::<Traced, 3>::from_data(zeros(vec![rows, CONTEXT_LEN, context_dim]), &device);
+    let scale = Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
+    let inputs = vec![
+        float_ir(&sample),
+        float_ir(&timestep),
+        float_ir(&context),
+        float_ir(&scale),
+    ];
+    let noise = guided_noise(&unet, sample, timestep, context, scale);
+    let outputs = vec![float_ir(&noise)];
+    let ops = take_ops(&device);
+    let function = lower_recorded(&inputs, &ops, &outputs)
+        .map_err(|e| PipelineError::Compile(format!("lowering the traced UNet step: {e}")))?;
+    let weight_args: Vec<_> = function
+        .arguments
+        .iter()
+        .skip(inputs.len())
+        .filter(|(argument, _)| matches!(argument, Argument::Tensor(_)))
+        .collect();
+    Ok(TracedStep {
+        ops: ops.len(),
+        weights: weight_args.len(),
+        weight_bytes: weight_args
+            .iter()
+            .map(|(_, ty)| ty.dims.iter().product::<usize>() * ty.elem.byte_size())
+            .sum(),
+        module: function.module,
+        latents,
+        guidance,
+    })
+}

@@ -1,0 +1,358 @@
+//! Compiled mode of the tiny SD pipeline on XLA's CPU plugin: the denoising step (UNet and
+//! classifier-free guidance, guidance scale a runtime input) is one XLA program; it matches
+//! eager mode and the CPU backend, is not recompiled for new prompts, seeds, guidance scales,
+//! schedulers or step counts, compiles once per new resolution, and a second process loads it
+//! from the on-disk cache (a damaged cache entry is rebuilt).
+//!
+//! Tolerances: compiled vs eager on the same plugin 1e-5 relative (the same f32 ops, fused and
+//! reordered by XLA in one program; observed about 1e-7); against the CPU backend 1e-4
+//! (burn-flex orders reductions differently, as in `pipeline_pjrt.rs`).
+
+mod common;
+
+use std::hash::{Hash, Hasher};
+use std::path::Path;
+use std::process::Command;
+
+use burn::tensor::{Tensor, TensorData};
+use common::{model_dir, relative_error, to_vec, Golden};
+use oxidiff::pipelines::{GenerateRequest, LoadOptions, OutputType, StableDiffusionPipeline};
+use oxidiff::schedulers::NoNoise;
+use oxidiff::{Oxi, OxiDevice, ToDevice};
+
+fn skip() -> bool {
+    std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1")
+}
+
+fn xla() -> OxiDevice {
+    "xla:cpu:0"
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"))
+}
+
+fn load(scheduler: &str) -> StableDiffusionPipeline<Oxi> {
+    let options = LoadOptions {
+        scheduler: Some(scheduler.into()),
+        ..Default::default()
+    };
+    StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &OxiDevice::Cpu)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The golden initial latents, two DDIM steps.
+fn request(golden: &Golden, guidance_scale: f64) -> GenerateRequest<Oxi> {
+    let (values, shape) = golden.host("pipe.latents");
+    let shape: [usize; 4] = shape.try_into().unwrap();
+    GenerateRequest {
+        prompts: vec!["a photo of an astronaut riding a horse".into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 2,
+        guidance_scale,
+        latents: Some(Tensor::from_data(
+            TensorData::new(values, shape),
+            &OxiDevice::Cpu,
+        )),
+        ..Default::default()
+    }
+}
+
+/// Final latents and image of one generation.
+fn run(
+    pipe: &mut StableDiffusionPipeline<Oxi>,
+    req: &GenerateRequest<Oxi>,
+) -> (Vec<f32>, Vec<f32>) {
+    let out = pipe
+        .generate_with(req, &mut NoNoise, |_| {})
+        .unwrap_or_else(|e| panic!("{e}"));
+    let image = out.images.expect("images").data;
+    (to_vec(out.latents.to_device(&OxiDevice::Cpu)), image)
+}
+
+fn assert_within(what: &str, actual: &[f32], expected: &[f32], tol: f32) {
+    let err = relative_error(actual, expected);
+    eprintln!("{what}: relative error {err:e}");
+    assert!(err <= tol, "{what}: relative error {err:e} exceeds {tol:e}");
+}
+
+#[test]
+fn compiled_guided_step_matches_eager_xla_and_the_cpu_backend() {
+    if skip() {
+        return;
+    }
+    let golden = Golden::load("tiny-sd1");
+    let mut pipe = load("ddim");
+    let cpu = run(&mut pipe, &request(&golden, 7.5));
+    let mut pipe = pipe.to(&xla());
+    let eager = run(&mut pipe, &request(&golden, 7.5));
+    let eager_low = run(&mut pipe, &request(&golden, 3.0));
+    let eager_plain = run(&mut pipe, &request(&golden, 1.0));
+
+    pipe.compile().unwrap();
+    let compiled = run(&mut pipe, &request(&golden, 7.5));
+    let log = pipe_log(&pipe);
+    assert_eq!(log.programs, 1);
+    assert_within("compiled vs eager xla latents", &compiled.0, &eager.0, 1e-5);
+    assert_within("compiled vs eager xla image", &compiled.1, &eager.1, 1e-5);
+    assert_within("compiled vs cpu latents", &compiled.0, &cpu.0, 1e-4);
+    assert_within("compiled vs cpu image", &compiled.1, &cpu.1, 1e-4);
+
+    // The guidance scale is a runtime input of the same program, not a frozen constant.
+    let low = run(&mut pipe, &request(&golden, 3.0));
+    assert_eq!(
+        pipe_log(&pipe).programs,
+        1,
+        "a new guidance scale recompiled"
+    );
+    assert_within("guidance 3 compiled vs eager", &low.0, &eager_low.0, 1e-5);
+    assert!(
+        relative_error(&low.0, &compiled.0) > 1e-3,
+        "guidance 3 and 7.5 gave the same latents: the scale was frozen at trace time"
+    );
+
+    // Without guidance the UNet sees the batch alone: another signature, another program.
+    let plain = run(&mut pipe, &request(&golden, 1.0));
+    assert_eq!(pipe_log(&pipe).programs, 2);
+    assert_within(
+        "no guidance compiled vs eager",
+        &plain.0,
+        &eager_plain.0,
+        1e-5,
+    );
+}
+
+fn pipe_log(pipe: &StableDiffusionPipeline<Oxi>) -> oxidiff::pipelines::CompileStats {
+    pipe.compile_stats().expect("compiled mode")
+}
+
+/// The "done when": 10 steps, two prompts, two seeds, two guidance scales and two
+/// schedulers on one program; exactly one more for a new resolution.
+#[test]
+fn no_recompiles_across_prompts_seeds_guidance_schedulers_and_one_per_resolution() {
+    if skip() {
+        return;
+    }
+    let device = xla();
+    // Text encoder on the CPU (its eager ops are not what this test is about); UNet and VAE
+    // on the XLA device.
+    let mut pipe = load("ddim").to_components(&OxiDevice::Cpu, &device, &device);
+    pipe.compile().unwrap();
+    let mut seen = Vec::new();
+    for scheduler in ["ddim", "euler_a"] {
+        pipe.set_scheduler(scheduler).unwrap();
+        for prompt in [
+            "a photo of an astronaut riding a horse",
+            "a red apple on a table",
+        ] {
+            for seed in [1, 2] {
+                for guidance_scale in [7.5, 3.0] {
+                    let mut steps = 0;
+                    let out = pipe
+                        .generate_with(
+                            &GenerateRequest {
+                                prompts: vec![prompt.into()],
+                                num_inference_steps: 10,
+                                guidance_scale,
+                                seed,
+                                output: OutputType::Latents,
+                                ..Default::default()
+                            },
+                            &mut oxidiff::schedulers::TorchCpuGenerator::new(seed),
+                            |_| steps += 1,
+                        )
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    assert_eq!(steps, 10);
+                    let stats = pipe_log(&pipe);
+                    assert_eq!(
+                        stats.programs, 1,
+                        "recompiled for {scheduler}, {prompt:?}, seed {seed}, guidance {guidance_scale}"
+                    );
+                    seen.push(to_vec(out.latents.to_device(&OxiDevice::Cpu)));
+                }
+            }
+        }
+    }
+    assert_eq!(seen.len(), 16);
+    // Every combination gave its own result: the program's inputs are live, not frozen.
+    for (i, a) in seen.iter().enumerate() {
+        for b in &seen[..i] {
+            assert!(
+                relative_error(a, b) > 1e-4,
+                "two combinations gave the same latents"
+            );
+        }
+    }
+    let stats = pipe_log(&pipe);
+    assert_eq!(stats.xla_compiles + stats.disk_loads, 1, "{stats:?}");
+
+    let out = pipe
+        .generate(&GenerateRequest {
+            prompts: vec!["a red apple on a table".into()],
+            num_inference_steps: 2,
+            width: Some(72),
+            height: Some(56),
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(out.images.unwrap().width, 72);
+    assert_eq!(
+        pipe_log(&pipe).programs,
+        2,
+        "a new resolution compiles exactly once"
+    );
+    pipe.generate(&GenerateRequest {
+        prompts: vec!["again".into()],
+        num_inference_steps: 3,
+        width: Some(72),
+        height: Some(56),
+        output: OutputType::Latents,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(pipe_log(&pipe).programs, 2);
+}
+
+const CHILD_ENV: &str = "OXIDIFF_COMPILED_MODE_CHILD";
+const CHILD_TEST: &str = "cache_child_generation";
+
+/// Runs in a child process (see `a_second_process_...`): one compiled generation, then its
+/// counts and a hash of the latents on one line.
+#[test]
+#[ignore = "run by a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt"]
+fn cache_child_generation() {
+    assert!(
+        std::env::var_os(CHILD_ENV).is_some(),
+        "a helper of another test; run that one instead"
+    );
+    let device = xla();
+    let mut pipe = load("ddim").to_components(&OxiDevice::Cpu, &device, &device);
+    pipe.compile().unwrap();
+    let out = pipe
+        .generate(&GenerateRequest {
+            prompts: vec!["a photo of an astronaut riding a horse".into()],
+            num_inference_steps: 2,
+            seed: 5,
+            output: OutputType::Latents,
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for v in to_vec(out.latents.to_device(&OxiDevice::Cpu)) {
+        v.to_bits().hash(&mut hasher);
+    }
+    let stats = pipe_log(&pipe);
+    println!(
+        "CHILD programs={} xla_compiles={} disk_loads={} process_compiles={} latents={:016x}",
+        stats.programs,
+        stats.xla_compiles,
+        stats.disk_loads,
+        oxidiff::backend::compiled::compile_count(),
+        hasher.finish()
+    );
+}
+
+/// `(xla_compiles, disk_loads, process_compiles, latents hash)` of a child run.
+fn child(cache: &Path) -> (u64, u64, u64, String) {
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            CHILD_TEST,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .env("OXIDIFF_COMPILE_CACHE", cache)
+        .env("OXIDIFF_LOG_COMPILES", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+    eprintln!(
+        "child: {}",
+        stderr
+            .lines()
+            .filter(|l| l.contains("oxidiff:"))
+            .collect::<Vec<_>>()
+            .join("\n       ")
+    );
+    // libtest prints `test NAME ... ` before the captured line.
+    let line = stdout
+        .lines()
+        .find_map(|l| l.find("CHILD ").map(|at| &l[at..]))
+        .unwrap_or_else(|| panic!("no result line:\n{stdout}\n{stderr}"));
+    let field = |name: &str| -> String {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .unwrap_or_else(|| panic!("{name} missing in {line}"))
+            .to_string()
+    };
+    assert_eq!(field("programs"), "1", "{line}");
+    let number = |name: &str| field(name).parse::<u64>().unwrap();
+    (
+        number("xla_compiles"),
+        number("disk_loads"),
+        number("process_compiles"),
+        field("latents"),
+    )
+}
+
+fn cache_entries(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+        .unwrap_or_default();
+    entries.retain(|p| p.extension().is_some_and(|e| e == "pjrt"));
+    entries
+}
+
+#[test]
+fn a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt() {
+    if skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+
+    let (compiles, loads, process, first) = child(&cache);
+    assert_eq!(
+        (compiles, loads, process),
+        (1, 0, 1),
+        "first process compiles"
+    );
+    let entries = cache_entries(&cache);
+    assert_eq!(entries.len(), 1, "{entries:?}");
+
+    let (compiles, loads, process, second) = child(&cache);
+    assert_eq!(
+        (compiles, loads, process),
+        (0, 1, 0),
+        "a second process loads the executable instead of compiling"
+    );
+    assert_eq!(
+        second, first,
+        "the loaded executable gives the same latents, bit for bit"
+    );
+
+    // A flipped byte in the middle of the executable: detected by the checksum, rebuilt.
+    let entry = &entries[0];
+    let mut bytes = std::fs::read(entry).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x5a;
+    std::fs::write(entry, &bytes).unwrap();
+    let (compiles, loads, _, third) = child(&cache);
+    assert_eq!((compiles, loads), (1, 0), "a corrupt entry is recompiled");
+    assert_eq!(third, first);
+
+    // A truncated entry (a crash while another process wrote it): rebuilt too.
+    let bytes = std::fs::read(entry).unwrap();
+    std::fs::write(entry, &bytes[..bytes.len() / 3]).unwrap();
+    let (compiles, loads, _, fourth) = child(&cache);
+    assert_eq!((compiles, loads), (1, 0), "a truncated entry is recompiled");
+    assert_eq!(fourth, first);
+
+    // The rebuilt entry is whole again.
+    let (compiles, loads, _, fifth) = child(&cache);
+    assert_eq!((compiles, loads), (0, 1));
+    assert_eq!(fifth, first);
+    assert_eq!(cache_entries(&cache).len(), 1);
+}
