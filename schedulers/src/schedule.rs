@@ -433,6 +433,19 @@ pub(crate) fn checked_integer_timesteps(
     steps_offset: usize,
 ) -> Result<Vec<i64>> {
     let ts = integer_timesteps(spacing, num_train, n, steps_offset);
+    check_first_timestep(class, &ts, num_train, n, steps_offset)?;
+    Ok(ts)
+}
+
+/// A `steps_offset` that pushes the first (highest) timestep of `ts` past the training range
+/// is an error.
+fn check_first_timestep(
+    class: &'static str,
+    ts: &[i64],
+    num_train: usize,
+    n: usize,
+    steps_offset: usize,
+) -> Result<()> {
     if let Some(&top) = ts.iter().max() {
         if top >= num_train as i64 {
             return Err(SchedulerError::InvalidSteps {
@@ -444,7 +457,60 @@ pub(crate) fn checked_integer_timesteps(
             });
         }
     }
+    Ok(())
+}
+
+/// [`multistep_timesteps`] checked (DPM-Solver, DEIS, UniPC): `last_timestep` (cut by
+/// DPM-Solver's `lambda_min_clipped`) must leave `n` training timesteps, and a `steps_offset`
+/// must not push the first timestep past the training range.
+pub(crate) fn checked_multistep_timesteps(
+    class: &'static str,
+    spacing: TimestepSpacing,
+    num_train: usize,
+    last_timestep: usize,
+    n: usize,
+    steps_offset: usize,
+) -> Result<Vec<i64>> {
+    if last_timestep < n {
+        return Err(SchedulerError::InvalidSteps {
+            class,
+            got: n,
+            reason: format!("lambda_min_clipped leaves only {last_timestep} training timesteps"),
+        });
+    }
+    let ts = multistep_timesteps(spacing, num_train, last_timestep, n, steps_offset);
+    check_first_timestep(class, &ts, num_train, n, steps_offset)?;
     Ok(ts)
+}
+
+/// The Karras (or exponential, or beta) sigmas from `sigma_min` to `sigma_max` of the
+/// multistep solvers, highest first, and their timesteps mapped back through the training
+/// log-sigmas, Karras ones rounded when `round_karras`, all truncated as diffusers' int64 cast.
+pub(crate) fn special_sigma_timesteps(
+    log_sigmas: &[f32],
+    karras: bool,
+    beta: bool,
+    round_karras: bool,
+    (sigma_min, sigma_max): (f64, f64),
+    n: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let sigmas = if karras {
+        karras_sigmas(sigma_min, sigma_max, n)
+    } else {
+        exponential_or_beta_sigmas(beta, sigma_min, sigma_max, n)
+    };
+    let timesteps = sigmas
+        .iter()
+        .map(|&s| {
+            let t = sigma_to_t(s, log_sigmas);
+            if karras && round_karras {
+                t.round_ties_even().trunc()
+            } else {
+                t.trunc()
+            }
+        })
+        .collect();
+    (timesteps, sigmas)
 }
 
 /// The timesteps and sigmas of the k-diffusion schedulers without `sigma_min`/`sigma_max`
