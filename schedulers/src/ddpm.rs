@@ -11,7 +11,7 @@ use burn::tensor::Tensor;
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing, VarianceType};
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
-use crate::ops::{alpha_add_noise, check_add_noise, dynamic_threshold};
+use crate::ops::dynamic_threshold;
 use crate::schedule::{check_steps, checked_integer_timesteps, integer_timestep, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
@@ -184,11 +184,7 @@ impl<B: Backend> Scheduler<B> for DdpmScheduler {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let alphas = timesteps
-            .iter()
-            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(alpha_add_noise(original, noise, &alphas))
+        self.schedule
+            .add_noise_at(CLASS, original, noise, timesteps)
     }
 }

@@ -6,6 +6,9 @@
 
 use crate::config::{BetaSchedule, SchedulerConfig, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
+use crate::ops::{alpha_add_noise, check_add_noise};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
 
 /// `torch.linspace(start, end, steps, dtype=float32)` on the CPU: the step is rounded to
 /// f32, then each value is `start + step * i` (first half) or `end - step * (steps - 1 - i)`
@@ -196,6 +199,23 @@ impl NoiseSchedule {
                 timestep: t as f64,
                 reason: format!("is outside the training range 0..{}", self.len()),
             })
+    }
+
+    /// `add_noise` of the schedulers indexed by whole timesteps (DDIM, DDPM, PNDM, LCM, TCD):
+    /// `sqrt(a_t) original + sqrt(1 - a_t) noise` per batch item.
+    pub(crate) fn add_noise_at<B: Backend>(
+        &self,
+        class: &'static str,
+        original: Tensor<B, 4>,
+        noise: Tensor<B, 4>,
+        timesteps: &[f64],
+    ) -> Result<Tensor<B, 4>> {
+        check_add_noise(class, &original, &noise, timesteps)?;
+        let alphas = timesteps
+            .iter()
+            .map(|&t| self.alpha_at(class, integer_timestep(class, t)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(alpha_add_noise(original, noise, &alphas))
     }
 
     /// The training sigmas `sqrt((1 - a) / a)`, in torch's f32 arithmetic (ascending in t).
