@@ -8,9 +8,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
+use crate::ddpm::ddpm_x0;
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
-use crate::ops::{alpha_add_noise, check_add_noise, dynamic_threshold};
+use crate::ops::threshold_or_clip;
 use crate::schedule::{check_steps, checked_integer_timesteps, integer_timestep, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
@@ -133,27 +134,28 @@ impl<B: Backend> Scheduler<B> for DdimScheduler {
         let b_t = 1.0 - a_t;
         let (sa, sb) = (a_t.sqrt(), b_t.sqrt());
 
-        let (x0, eps) = match self.prediction_type {
-            PredictionType::Epsilon => (
-                sample.clone().mul_scalar(1.0 / sa) - model_output.clone().mul_scalar(sb / sa),
-                model_output.clone(),
-            ),
-            PredictionType::Sample => (
-                model_output.clone(),
-                sample.clone().mul_scalar(1.0 / sb) - model_output.clone().mul_scalar(sa / sb),
-            ),
-            PredictionType::VPrediction => (
-                sample.clone().mul_scalar(sa) - model_output.clone().mul_scalar(sb),
-                model_output.clone().mul_scalar(sa) + sample.clone().mul_scalar(sb),
-            ),
+        let x0 = ddpm_x0(
+            self.prediction_type,
+            sa,
+            sb,
+            model_output.clone(),
+            sample.clone(),
+        );
+        let eps = match self.prediction_type {
+            PredictionType::Epsilon => model_output.clone(),
+            PredictionType::Sample => {
+                sample.clone().mul_scalar(1.0 / sb) - model_output.clone().mul_scalar(sa / sb)
+            }
+            PredictionType::VPrediction => {
+                model_output.clone().mul_scalar(sa) + sample.clone().mul_scalar(sb)
+            }
         };
-        let x0 = if self.thresholding {
-            dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
-        } else if self.clip_sample {
-            x0.clamp(-self.clip_sample_range, self.clip_sample_range)
-        } else {
-            x0
-        };
+        let x0 = threshold_or_clip(
+            x0,
+            self.thresholding
+                .then_some((self.dynamic_thresholding_ratio, self.sample_max_value)),
+            self.clip_sample.then_some(self.clip_sample_range),
+        );
 
         let b_prev = 1.0 - a_prev;
         let variance = b_prev / b_t * (1.0 - a_t / a_prev);
@@ -173,12 +175,8 @@ impl<B: Backend> Scheduler<B> for DdimScheduler {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let alphas = timesteps
-            .iter()
-            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(alpha_add_noise(original, noise, &alphas))
+        self.schedule
+            .add_noise_at(CLASS, original, noise, timesteps)
     }
 
     fn set_eta(&mut self, eta: f64) {

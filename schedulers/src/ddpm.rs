@@ -11,7 +11,7 @@ use burn::tensor::Tensor;
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing, VarianceType};
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
-use crate::ops::{alpha_add_noise, check_add_noise, dynamic_threshold};
+use crate::ops::threshold_or_clip;
 use crate::schedule::{check_steps, checked_integer_timesteps, integer_timestep, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
@@ -147,22 +147,19 @@ impl<B: Backend> Scheduler<B> for DdpmScheduler {
         let current_beta = 1.0 - current_alpha;
 
         let (sa, sb) = (a_t.sqrt(), b_t.sqrt());
-        let x0 = match self.prediction_type {
-            PredictionType::Epsilon => {
-                sample.clone().mul_scalar(1.0 / sa) - model_output.clone().mul_scalar(sb / sa)
-            }
-            PredictionType::Sample => model_output.clone(),
-            PredictionType::VPrediction => {
-                sample.clone().mul_scalar(sa) - model_output.clone().mul_scalar(sb)
-            }
-        };
-        let x0 = if self.thresholding {
-            dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
-        } else if self.clip_sample {
-            x0.clamp(-self.clip_sample_range, self.clip_sample_range)
-        } else {
-            x0
-        };
+        let x0 = ddpm_x0(
+            self.prediction_type,
+            sa,
+            sb,
+            model_output.clone(),
+            sample.clone(),
+        );
+        let x0 = threshold_or_clip(
+            x0,
+            self.thresholding
+                .then_some((self.dynamic_thresholding_ratio, self.sample_max_value)),
+            self.clip_sample.then_some(self.clip_sample_range),
+        );
         let x0_coeff = a_prev.sqrt() * current_beta / b_t;
         let sample_coeff = current_alpha.sqrt() * b_prev / b_t;
         let mean = x0.mul_scalar(x0_coeff) + sample.mul_scalar(sample_coeff);
@@ -184,11 +181,23 @@ impl<B: Backend> Scheduler<B> for DdpmScheduler {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let alphas = timesteps
-            .iter()
-            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(alpha_add_noise(original, noise, &alphas))
+        self.schedule
+            .add_noise_at(CLASS, original, noise, timesteps)
+    }
+}
+
+/// The predicted `x0` of DDPM and DDIM from the model output, for `sqrt(alpha_prod_t) = sa`
+/// and `sqrt(1 - alpha_prod_t) = sb`.
+pub(crate) fn ddpm_x0<B: Backend>(
+    prediction: PredictionType,
+    sa: f64,
+    sb: f64,
+    model_output: Tensor<B, 4>,
+    sample: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    match prediction {
+        PredictionType::Epsilon => sample.mul_scalar(1.0 / sa) - model_output.mul_scalar(sb / sa),
+        PredictionType::Sample => model_output,
+        PredictionType::VPrediction => sample.mul_scalar(sa) - model_output.mul_scalar(sb),
     }
 }

@@ -10,14 +10,13 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::config::{AlgorithmType, PredictionType, SchedulerConfig, TimestepSpacing};
-use crate::dpmsolver_multistep::{vp_add_noise, vp_alpha_sigma, vp_lambda, x0_coefficients};
+use crate::dpmsolver_multistep::{vp_add_noise, vp_alpha_sigma, vp_lambda, vp_x0};
 use crate::error::{Result, SchedulerError};
 use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
-use crate::ops::{dynamic_threshold, lincomb};
+use crate::ops::lincomb;
 use crate::schedule::{
-    check_steps, exponential_or_beta_sigmas, karras_sigmas, multistep_timesteps, numpy_interp,
-    sigma_to_t, NoiseSchedule,
+    check_steps, checked_multistep_timesteps, numpy_interp, special_sigma_timesteps, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -165,47 +164,25 @@ impl<B: Backend> Scheduler<B> for DeisMultistepScheduler<B> {
 
     fn set_timesteps(&mut self, n: usize) -> Result<()> {
         check_steps(CLASS, n, self.num_train_timesteps)?;
-        let ints = multistep_timesteps(
+        let ints = checked_multistep_timesteps(
+            CLASS,
             self.timestep_spacing,
             self.num_train_timesteps,
             self.num_train_timesteps,
             n,
             self.steps_offset,
-        );
-        if let Some(&top) = ints.iter().max() {
-            if top >= self.num_train_timesteps as i64 {
-                return Err(SchedulerError::InvalidSteps {
-                    class: CLASS,
-                    got: n,
-                    reason: format!(
-                        "with steps_offset {} the first timestep {top} is past num_train_timesteps ({})",
-                        self.steps_offset, self.num_train_timesteps
-                    ),
-                });
-            }
-        }
+        )?;
         let train = self.schedule.train_sigmas();
         let special = self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas;
         let (timesteps, sigmas): (Vec<f64>, Vec<f32>) = if special {
-            let (lo, hi) = (train[0] as f64, train[train.len() - 1] as f64);
-            let sigmas = if self.use_karras_sigmas {
-                karras_sigmas(lo, hi, n)
-            } else {
-                exponential_or_beta_sigmas(self.use_beta_sigmas, lo, hi, n)
-            };
-            let log_sigmas = self.schedule.log_train_sigmas();
-            // Karras timesteps are rounded; all are then cast to int64 (truncated).
-            let timesteps = sigmas
-                .iter()
-                .map(|&s| {
-                    let t = sigma_to_t(s, &log_sigmas);
-                    if self.use_karras_sigmas {
-                        t.round_ties_even().trunc()
-                    } else {
-                        t.trunc()
-                    }
-                })
-                .collect();
+            let (timesteps, sigmas) = special_sigma_timesteps(
+                &self.schedule.log_train_sigmas(),
+                self.use_karras_sigmas,
+                self.use_beta_sigmas,
+                true,
+                (train[0] as f64, train[train.len() - 1] as f64),
+                n,
+            );
             // The last sigma is repeated (a final step of length zero).
             let mut sigmas: Vec<f32> = sigmas.iter().map(|&s| s as f32).collect();
             sigmas.push(sigmas[sigmas.len() - 1]);
@@ -251,11 +228,14 @@ impl<B: Backend> Scheduler<B> for DeisMultistepScheduler<B> {
 
         // x0 as the prediction type defines it (thresholded), then eps = (x - alpha x0) / sigma.
         let sigma = self.steps.sigmas[i];
-        let (a, b) = x0_coefficients(self.prediction_type, sigma);
-        let mut x0 = lincomb((sample.clone(), a), [(model_output, b)]);
-        if self.thresholding {
-            x0 = dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value);
-        }
+        let x0 = vp_x0(
+            self.prediction_type,
+            sigma,
+            model_output,
+            sample.clone(),
+            self.thresholding
+                .then_some((self.dynamic_thresholding_ratio, self.sample_max_value)),
+        );
         let (alpha_t, sigma_t) = vp_alpha_sigma(sigma);
         let eps = lincomb((sample.clone(), 1.0 / sigma_t), [(x0, -alpha_t / sigma_t)]);
         if self.model_outputs.len() == self.solver_order {

@@ -19,8 +19,7 @@ use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::{check_add_noise, dynamic_threshold, lincomb, scale_per_item};
 use crate::schedule::{
-    check_steps, exponential_or_beta_sigmas, karras_sigmas, multistep_timesteps, numpy_interp,
-    sigma_to_t, NoiseSchedule,
+    check_steps, checked_multistep_timesteps, numpy_interp, special_sigma_timesteps, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -100,6 +99,24 @@ pub(crate) fn x0_coefficients(prediction: PredictionType, sigma: f64) -> (f64, f
         PredictionType::Epsilon => (1.0 / alpha_t, -sigma_t / alpha_t),
         PredictionType::VPrediction => (alpha_t, -sigma_t),
         PredictionType::Sample => (0.0, 1.0),
+    }
+}
+
+/// diffusers' `convert_model_output` to `x0` (DPM-Solver, DEIS, UniPC): `a sample + b
+/// model_output` by [`x0_coefficients`], then dynamically thresholded when `thresholding`
+/// is `Some((dynamic_thresholding_ratio, sample_max_value))`.
+pub(crate) fn vp_x0<B: Backend>(
+    prediction: PredictionType,
+    sigma: f64,
+    model_output: Tensor<B, 4>,
+    sample: Tensor<B, 4>,
+    thresholding: Option<(f64, f64)>,
+) -> Tensor<B, 4> {
+    let (a, b) = x0_coefficients(prediction, sigma);
+    let x0 = lincomb((model_output, b), [(sample, a)]);
+    match thresholding {
+        Some((ratio, max)) => dynamic_threshold(x0, ratio, max),
+        None => x0,
     }
 }
 
@@ -291,60 +308,30 @@ impl<B: Backend> Scheduler<B> for DpmSolverMultistepScheduler<B> {
     fn set_timesteps(&mut self, n: usize) -> Result<()> {
         check_steps(CLASS, n, self.num_train_timesteps)?;
         let last_timestep = self.num_train_timesteps - self.clipped_count();
-        if last_timestep < n {
-            return Err(SchedulerError::InvalidSteps {
-                class: CLASS,
-                got: n,
-                reason: format!(
-                    "lambda_min_clipped leaves only {last_timestep} training timesteps"
-                ),
-            });
-        }
-        let ints = multistep_timesteps(
+        let ints = checked_multistep_timesteps(
+            CLASS,
             self.timestep_spacing,
             self.num_train_timesteps,
             last_timestep,
             n,
             self.steps_offset,
-        );
-        if let Some(&top) = ints.iter().max() {
-            if top >= self.num_train_timesteps as i64 {
-                return Err(SchedulerError::InvalidSteps {
-                    class: CLASS,
-                    got: n,
-                    reason: format!(
-                        "with steps_offset {} the first timestep {top} is past num_train_timesteps ({})",
-                        self.steps_offset, self.num_train_timesteps
-                    ),
-                });
-            }
-        }
+        )?;
         let train = self.schedule.train_sigmas();
         let (timesteps, sigmas): (Vec<f64>, Vec<f64>) =
             if self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas {
-                let sigma_min = self.sigma_min.unwrap_or(train[0] as f64);
-                let sigma_max = self.sigma_max.unwrap_or(train[train.len() - 1] as f64);
-                let sigmas = if self.use_karras_sigmas {
-                    karras_sigmas(sigma_min, sigma_max, n)
-                } else {
-                    exponential_or_beta_sigmas(self.use_beta_sigmas, sigma_min, sigma_max, n)
-                };
-                let log_sigmas = self.schedule.log_train_sigmas();
                 // diffusers rounds Karras timesteps (except for the cosine schedule) but
                 // not exponential ones.
-                let round = self.use_karras_sigmas && self.round_special_timesteps;
-                let timesteps = sigmas
-                    .iter()
-                    .map(|&s| {
-                        let t = sigma_to_t(s, &log_sigmas);
-                        if round {
-                            t.round_ties_even()
-                        } else {
-                            t
-                        }
-                    })
-                    .collect();
-                (timesteps, sigmas)
+                special_sigma_timesteps(
+                    &self.schedule.log_train_sigmas(),
+                    self.use_karras_sigmas,
+                    self.use_beta_sigmas,
+                    self.round_special_timesteps,
+                    (
+                        self.sigma_min.unwrap_or(train[0] as f64),
+                        self.sigma_max.unwrap_or(train[train.len() - 1] as f64),
+                    ),
+                    n,
+                )
             } else {
                 let sigmas = ints
                     .iter()
@@ -393,11 +380,14 @@ impl<B: Backend> Scheduler<B> for DpmSolverMultistepScheduler<B> {
             && (self.euler_at_final || short || self.final_sigmas_type == FinalSigmasType::Zero);
         let lower_order_second = i + 2 == n && short;
 
-        let (a, b) = x0_coefficients(self.prediction_type, self.steps.sigmas[i]);
-        let mut x0 = lincomb((sample.clone(), a), [(model_output.clone(), b)]);
-        if self.thresholding {
-            x0 = dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value);
-        }
+        let x0 = vp_x0(
+            self.prediction_type,
+            self.steps.sigmas[i],
+            model_output.clone(),
+            sample.clone(),
+            self.thresholding
+                .then_some((self.dynamic_thresholding_ratio, self.sample_max_value)),
+        );
         if self.model_outputs.len() == self.solver_order {
             self.model_outputs.remove(0);
         }

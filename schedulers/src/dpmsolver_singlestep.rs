@@ -11,15 +11,14 @@ use burn::tensor::Tensor;
 
 use crate::config::{AlgorithmType, FinalSigmasType, PredictionType, SchedulerConfig, SolverType};
 use crate::dpmsolver_multistep::{
-    lambda_clipped_count, vp_add_noise, vp_alpha_sigma, vp_lambda, x0_coefficients,
+    lambda_clipped_count, vp_add_noise, vp_alpha_sigma, vp_lambda, vp_x0,
 };
 use crate::error::{Result, SchedulerError};
 use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
-use crate::ops::{dynamic_threshold, lincomb};
+use crate::ops::lincomb;
 use crate::schedule::{
-    check_steps, exponential_or_beta_sigmas, karras_sigmas, multistep_timesteps, numpy_interp,
-    sigma_to_t, NoiseSchedule,
+    check_steps, checked_multistep_timesteps, numpy_interp, special_sigma_timesteps, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -232,47 +231,26 @@ impl<B: Backend> Scheduler<B> for DpmSolverSinglestepScheduler<B> {
         check_steps(CLASS, n, self.num_train_timesteps)?;
         let last_timestep = self.num_train_timesteps
             - lambda_clipped_count(&self.schedule, self.lambda_min_clipped);
-        if last_timestep < n {
-            return Err(SchedulerError::InvalidSteps {
-                class: CLASS,
-                got: n,
-                reason: format!(
-                    "lambda_min_clipped leaves only {last_timestep} training timesteps"
-                ),
-            });
-        }
         // linspace(0, last - 1, n + 1).round()[::-1][:-1], whatever timestep_spacing says.
-        let ints = multistep_timesteps(
+        let ints = checked_multistep_timesteps(
+            CLASS,
             crate::config::TimestepSpacing::Linspace,
             self.num_train_timesteps,
             last_timestep,
             n,
             0,
-        );
+        )?;
         let train = self.schedule.train_sigmas();
         let (timesteps, sigmas): (Vec<f64>, Vec<f64>) =
             if self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas {
-                let (lo, hi) = (train[0] as f64, train[train.len() - 1] as f64);
-                let sigmas = if self.use_karras_sigmas {
-                    karras_sigmas(lo, hi, n)
-                } else {
-                    exponential_or_beta_sigmas(self.use_beta_sigmas, lo, hi, n)
-                };
-                let log_sigmas = self.schedule.log_train_sigmas();
-                // Karras timesteps are rounded; all are then cast to int64 (truncated).
-                let timesteps = sigmas
-                    .iter()
-                    .map(|&s| {
-                        let t = sigma_to_t(s, &log_sigmas);
-                        let t = if self.use_karras_sigmas {
-                            t.round_ties_even()
-                        } else {
-                            t
-                        };
-                        t.trunc()
-                    })
-                    .collect();
-                (timesteps, sigmas)
+                special_sigma_timesteps(
+                    &self.schedule.log_train_sigmas(),
+                    self.use_karras_sigmas,
+                    self.use_beta_sigmas,
+                    true,
+                    (train[0] as f64, train[train.len() - 1] as f64),
+                    n,
+                )
             } else {
                 let ts: Vec<f64> = ints.iter().map(|&t| t as f64).collect();
                 let sigmas = ts.iter().map(|&t| numpy_interp(t, &train)).collect();
@@ -317,11 +295,14 @@ impl<B: Backend> Scheduler<B> for DpmSolverSinglestepScheduler<B> {
         noise: &mut dyn NoiseSource<B>,
     ) -> Result<Tensor<B, 4>> {
         let i = self.steps.index("step", timestep)?;
-        let (a, b) = x0_coefficients(self.prediction_type, self.steps.sigmas[i]);
-        let mut x0 = lincomb((sample.clone(), a), [(model_output.clone(), b)]);
-        if self.thresholding {
-            x0 = dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value);
-        }
+        let x0 = vp_x0(
+            self.prediction_type,
+            self.steps.sigmas[i],
+            model_output.clone(),
+            sample.clone(),
+            self.thresholding
+                .then_some((self.dynamic_thresholding_ratio, self.sample_max_value)),
+        );
         self.model_outputs.remove(0);
         self.model_outputs.push(Some(x0));
         let z = if self.sde {

@@ -77,6 +77,19 @@ impl SigmaSteps {
         })
     }
 
+    /// [`index`](Self::index), also checked against the number of timesteps: the
+    /// two-evaluation schedulers (KDPM2, KDPM2 ancestral) list each sigma twice.
+    pub(crate) fn index_within_timesteps(&self, op: &'static str, t: f64) -> Result<usize> {
+        let i = self.index(op, t)?;
+        if i >= self.timesteps.len() {
+            return Err(SchedulerError::ScheduleExhausted {
+                class: self.class,
+                steps: self.timesteps.len(),
+            });
+        }
+        Ok(i)
+    }
+
     /// The step index in force for `t`: the running index, else `begin_index`, else looked up.
     pub fn index(&self, op: &'static str, t: f64) -> Result<usize> {
         if !self.initialized {

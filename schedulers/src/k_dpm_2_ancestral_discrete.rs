@@ -11,9 +11,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
 use crate::config::SchedulerConfig;
-use crate::error::{Result, SchedulerError};
+use crate::error::Result;
 use crate::euler::SigmaSteps;
-use crate::k_dpm_2_discrete::{doubled, scale_by_sigma, Kdpm2Options};
+use crate::k_dpm_2_discrete::{doubled, log_midpoint, scale_by_sigma, Kdpm2Options};
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
 use crate::schedule::{check_steps, NoiseSchedule};
@@ -57,14 +57,7 @@ impl<B: Backend> KDpm2AncestralDiscreteScheduler<B> {
     }
 
     fn index(&self, op: &'static str, t: f64) -> Result<usize> {
-        let i = self.steps.index(op, t)?;
-        if i >= self.steps.timesteps.len() {
-            return Err(SchedulerError::ScheduleExhausted {
-                class: CLASS,
-                steps: self.steps.timesteps.len(),
-            });
-        }
-        Ok(i)
+        self.steps.index_within_timesteps(op, t)
     }
 }
 
@@ -88,18 +81,13 @@ impl<B: Backend> Scheduler<B> for KDpm2AncestralDiscreteScheduler<B> {
         }
         // exp(lerp(ln s, ln sigma_down, 1/2)); diffusers zeroes the last two.
         for k in 0..len.saturating_sub(2) {
-            let (start, end) = (sigmas[k].ln(), down[k].ln());
-            interpol[k] = (end - (end - start) * 0.5).exp();
+            interpol[k] = log_midpoint(sigmas[k], down[k]);
         }
-        let log_sigmas = self.schedule.log_train_sigmas();
-        let mut all = vec![timesteps[0]];
-        for k in 1..n {
-            all.push(
-                self.options
-                    .interpolated_timestep(interpol[k - 1], &log_sigmas),
-            );
-            all.push(timesteps[k]);
-        }
+        let all = self.options.interleaved_timesteps(
+            &timesteps,
+            &interpol,
+            &self.schedule.log_train_sigmas(),
+        );
         let wide = |x: &[f32]| doubled(x).into_iter().map(f64::from).collect::<Vec<_>>();
         self.sigmas_interpol = wide(&interpol);
         self.sigmas_up = wide(&up);

@@ -123,6 +123,23 @@ impl Kdpm2Options {
         self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas
     }
 
+    /// diffusers' interleaved timesteps of the two-evaluation schedulers:
+    /// `[t_0, mid_1, t_1, mid_2, t_2, ..]`, `mid_k` the timestep of the midpoint sigma
+    /// `mids[k - 1]`.
+    pub(crate) fn interleaved_timesteps(
+        &self,
+        timesteps: &[f64],
+        mids: &[f32],
+        log_sigmas: &[f32],
+    ) -> Vec<f64> {
+        let mut all = vec![timesteps[0]];
+        for (&t, &mid) in timesteps[1..].iter().zip(mids) {
+            all.push(self.interpolated_timestep(mid, log_sigmas));
+            all.push(t);
+        }
+        all
+    }
+
     /// The timestep of a midpoint sigma, in the dtype of the step timesteps (f32 unless
     /// the sigmas are Karras/exponential/beta).
     pub fn interpolated_timestep(&self, sigma: f32, log_sigmas: &[f32]) -> f64 {
@@ -183,6 +200,13 @@ fn sigma_to_t_f32(sigma: f32, log_sigmas: &[f32]) -> f64 {
     (1.0 - w) as f64 * low as f64 + w as f64 * (low + 1) as f64
 }
 
+/// `exp(lerp(ln start, ln end, 1/2))` in f32, as torch computes it: `end - (end - start) / 2`
+/// in log space.
+pub(crate) fn log_midpoint(start: f32, end: f32) -> f32 {
+    let (start, end) = (start.ln(), end.ln());
+    (end - (end - start) * 0.5).exp()
+}
+
 /// `[x0, x1, x1, .., x_last, x_last, x_last]`: diffusers' `cat([x[:1], x[1:].repeat_interleave(2), x[-1:]])`.
 pub(crate) fn doubled(x: &[f32]) -> Vec<f32> {
     let mut out = vec![x[0]];
@@ -234,14 +258,7 @@ impl<B: Backend> KDpm2DiscreteScheduler<B> {
 
     /// The step index, checked against the number of evaluations.
     fn index(&self, op: &'static str, t: f64) -> Result<usize> {
-        let i = self.steps.index(op, t)?;
-        if i >= self.steps.timesteps.len() {
-            return Err(SchedulerError::ScheduleExhausted {
-                class: CLASS,
-                steps: self.steps.timesteps.len(),
-            });
-        }
-        Ok(i)
+        self.steps.index_within_timesteps(op, t)
     }
 }
 
@@ -257,15 +274,13 @@ impl<B: Backend> Scheduler<B> for KDpm2DiscreteScheduler<B> {
         // first entry (NaN in diffusers, never read) is 0 here, the last is 0.
         let mut interpol = vec![0.0f32; sigmas.len()];
         for k in 1..sigmas.len() {
-            let (start, end) = (sigmas[k].ln(), sigmas[k - 1].ln());
-            interpol[k] = (end - (end - start) * 0.5).exp();
+            interpol[k] = log_midpoint(sigmas[k], sigmas[k - 1]);
         }
-        let log_sigmas = self.schedule.log_train_sigmas();
-        let mut all = vec![timesteps[0]];
-        for k in 1..n {
-            all.push(self.options.interpolated_timestep(interpol[k], &log_sigmas));
-            all.push(timesteps[k]);
-        }
+        let all = self.options.interleaved_timesteps(
+            &timesteps,
+            &interpol[1..],
+            &self.schedule.log_train_sigmas(),
+        );
         self.sigmas_interpol = doubled(&interpol).into_iter().map(f64::from).collect();
         self.steps.set(
             Vec::new(),

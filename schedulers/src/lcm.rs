@@ -13,7 +13,7 @@ use burn::tensor::Tensor;
 use crate::config::{PredictionType, SchedulerConfig};
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
-use crate::ops::{alpha_add_noise, check_add_noise, dynamic_threshold, lincomb};
+use crate::ops::{lincomb, threshold_or_clip};
 use crate::schedule::{integer_timestep, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
@@ -208,13 +208,12 @@ impl<B: Backend> Scheduler<B> for LcmScheduler {
         let [(xa, xb), _] = x0_eps_coefficients(self.prediction_type, a_t);
         let (c_skip, c_out) = self.scalings(t);
         let x0 = lincomb((sample.clone(), xa), [(model_output.clone(), xb)]);
-        let x0 = if self.thresholding {
-            dynamic_threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
-        } else if self.clip_sample {
-            x0.clamp(-self.clip_sample_range, self.clip_sample_range)
-        } else {
-            x0
-        };
+        let x0 = threshold_or_clip(
+            x0,
+            self.thresholding
+                .then_some((self.dynamic_thresholding_ratio, self.sample_max_value)),
+            self.clip_sample.then_some(self.clip_sample_range),
+        );
         let denoised = lincomb((x0, c_out), [(sample, c_skip)]);
         let prev = if last {
             denoised
@@ -233,12 +232,8 @@ impl<B: Backend> Scheduler<B> for LcmScheduler {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let alphas = timesteps
-            .iter()
-            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(alpha_add_noise(original, noise, &alphas))
+        self.schedule
+            .add_noise_at(CLASS, original, noise, timesteps)
     }
 
     fn set_begin_index(&mut self, begin_index: usize) {

@@ -99,6 +99,21 @@ pub(crate) fn dynamic_threshold<B: Backend>(
         .reshape([b, c, h, w])
 }
 
+/// The `x0` clean-up of DDIM, DDPM and LCM: [`dynamic_threshold`] when `thresholding` is
+/// `Some((dynamic_thresholding_ratio, sample_max_value))`, else a clamp to `[-r, r]` when
+/// `clip_sample_range` is `Some(r)`, else `x0` as it is.
+pub(crate) fn threshold_or_clip<B: Backend>(
+    x0: Tensor<B, 4>,
+    thresholding: Option<(f64, f64)>,
+    clip_sample_range: Option<f64>,
+) -> Tensor<B, 4> {
+    match (thresholding, clip_sample_range) {
+        (Some((ratio, max)), _) => dynamic_threshold(x0, ratio, max),
+        (None, Some(r)) => x0.clamp(-r, r),
+        (None, None) => x0,
+    }
+}
+
 /// `x * a`, skipping the multiplication when `a` is 1.
 pub(crate) fn scaled<B: Backend>(x: Tensor<B, 4>, a: f64) -> Tensor<B, 4> {
     if a == 1.0 {

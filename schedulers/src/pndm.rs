@@ -10,7 +10,6 @@ use burn::tensor::Tensor;
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
 use crate::noise::NoiseSource;
-use crate::ops::{alpha_add_noise, check_add_noise};
 use crate::schedule::{check_steps, integer_timestep, integer_timesteps, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
@@ -295,11 +294,7 @@ impl<B: Backend> Scheduler<B> for PndmScheduler<B> {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let alphas = timesteps
-            .iter()
-            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(alpha_add_noise(original, noise, &alphas))
+        self.schedule
+            .add_noise_at(CLASS, original, noise, timesteps)
     }
 }

@@ -6,6 +6,9 @@
 
 use crate::config::{BetaSchedule, SchedulerConfig, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
+use crate::ops::{alpha_add_noise, check_add_noise};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
 
 /// `torch.linspace(start, end, steps, dtype=float32)` on the CPU: the step is rounded to
 /// f32, then each value is `start + step * i` (first half) or `end - step * (steps - 1 - i)`
@@ -196,6 +199,23 @@ impl NoiseSchedule {
                 timestep: t as f64,
                 reason: format!("is outside the training range 0..{}", self.len()),
             })
+    }
+
+    /// `add_noise` of the schedulers indexed by whole timesteps (DDIM, DDPM, PNDM, LCM, TCD):
+    /// `sqrt(a_t) original + sqrt(1 - a_t) noise` per batch item.
+    pub(crate) fn add_noise_at<B: Backend>(
+        &self,
+        class: &'static str,
+        original: Tensor<B, 4>,
+        noise: Tensor<B, 4>,
+        timesteps: &[f64],
+    ) -> Result<Tensor<B, 4>> {
+        check_add_noise(class, &original, &noise, timesteps)?;
+        let alphas = timesteps
+            .iter()
+            .map(|&t| self.alpha_at(class, integer_timestep(class, t)?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(alpha_add_noise(original, noise, &alphas))
     }
 
     /// The training sigmas `sqrt((1 - a) / a)`, in torch's f32 arithmetic (ascending in t).
@@ -433,6 +453,19 @@ pub(crate) fn checked_integer_timesteps(
     steps_offset: usize,
 ) -> Result<Vec<i64>> {
     let ts = integer_timesteps(spacing, num_train, n, steps_offset);
+    check_first_timestep(class, &ts, num_train, n, steps_offset)?;
+    Ok(ts)
+}
+
+/// A `steps_offset` that pushes the first (highest) timestep of `ts` past the training range
+/// is an error.
+fn check_first_timestep(
+    class: &'static str,
+    ts: &[i64],
+    num_train: usize,
+    n: usize,
+    steps_offset: usize,
+) -> Result<()> {
     if let Some(&top) = ts.iter().max() {
         if top >= num_train as i64 {
             return Err(SchedulerError::InvalidSteps {
@@ -444,7 +477,60 @@ pub(crate) fn checked_integer_timesteps(
             });
         }
     }
+    Ok(())
+}
+
+/// [`multistep_timesteps`] checked (DPM-Solver, DEIS, UniPC): `last_timestep` (cut by
+/// DPM-Solver's `lambda_min_clipped`) must leave `n` training timesteps, and a `steps_offset`
+/// must not push the first timestep past the training range.
+pub(crate) fn checked_multistep_timesteps(
+    class: &'static str,
+    spacing: TimestepSpacing,
+    num_train: usize,
+    last_timestep: usize,
+    n: usize,
+    steps_offset: usize,
+) -> Result<Vec<i64>> {
+    if last_timestep < n {
+        return Err(SchedulerError::InvalidSteps {
+            class,
+            got: n,
+            reason: format!("lambda_min_clipped leaves only {last_timestep} training timesteps"),
+        });
+    }
+    let ts = multistep_timesteps(spacing, num_train, last_timestep, n, steps_offset);
+    check_first_timestep(class, &ts, num_train, n, steps_offset)?;
     Ok(ts)
+}
+
+/// The Karras (or exponential, or beta) sigmas from `sigma_min` to `sigma_max` of the
+/// multistep solvers, highest first, and their timesteps mapped back through the training
+/// log-sigmas, Karras ones rounded when `round_karras`, all truncated as diffusers' int64 cast.
+pub(crate) fn special_sigma_timesteps(
+    log_sigmas: &[f32],
+    karras: bool,
+    beta: bool,
+    round_karras: bool,
+    (sigma_min, sigma_max): (f64, f64),
+    n: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let sigmas = if karras {
+        karras_sigmas(sigma_min, sigma_max, n)
+    } else {
+        exponential_or_beta_sigmas(beta, sigma_min, sigma_max, n)
+    };
+    let timesteps = sigmas
+        .iter()
+        .map(|&s| {
+            let t = sigma_to_t(s, log_sigmas);
+            if karras && round_karras {
+                t.round_ties_even().trunc()
+            } else {
+                t.trunc()
+            }
+        })
+        .collect();
+    (timesteps, sigmas)
 }
 
 /// The timesteps and sigmas of the k-diffusion schedulers without `sigma_min`/`sigma_max`

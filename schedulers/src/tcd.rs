@@ -14,7 +14,7 @@ use crate::config::{PredictionType, SchedulerConfig};
 use crate::error::{Result, SchedulerError};
 use crate::lcm::{distilled_timesteps, x0_eps_coefficients, DistilledSteps};
 use crate::noise::NoiseSource;
-use crate::ops::{alpha_add_noise, check_add_noise, lincomb};
+use crate::ops::lincomb;
 use crate::schedule::{integer_timestep, NoiseSchedule};
 use crate::{Scheduler, SchedulerKind};
 
@@ -121,12 +121,8 @@ impl<B: Backend> Scheduler<B> for TcdScheduler {
         noise: Tensor<B, 4>,
         timesteps: &[f64],
     ) -> Result<Tensor<B, 4>> {
-        check_add_noise(CLASS, &original, &noise, timesteps)?;
-        let alphas = timesteps
-            .iter()
-            .map(|&t| self.schedule.alpha_at(CLASS, integer_timestep(CLASS, t)?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(alpha_add_noise(original, noise, &alphas))
+        self.schedule
+            .add_noise_at(CLASS, original, noise, timesteps)
     }
 
     fn set_begin_index(&mut self, begin_index: usize) {

@@ -12,14 +12,13 @@ use burn::tensor::Tensor;
 use crate::config::{
     FinalSigmasType, PredictionType, SchedulerConfig, SolverType, TimestepSpacing,
 };
-use crate::dpmsolver_multistep::{vp_add_noise, vp_alpha_sigma, vp_lambda, x0_coefficients};
+use crate::dpmsolver_multistep::{vp_add_noise, vp_alpha_sigma, vp_lambda, vp_x0};
 use crate::error::{Result, SchedulerError};
 use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
-use crate::ops::{dynamic_threshold, lincomb};
+use crate::ops::lincomb;
 use crate::schedule::{
-    check_steps, exponential_or_beta_sigmas, karras_sigmas, multistep_timesteps, numpy_interp,
-    sigma_to_t, NoiseSchedule,
+    check_steps, checked_multistep_timesteps, numpy_interp, special_sigma_timesteps, NoiseSchedule,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -194,16 +193,14 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
         sigma: f64,
     ) -> Tensor<B, 4> {
         if self.predict_x0 {
-            let (a, b) = x0_coefficients(self.prediction_type, sigma);
-            let x0 = lincomb((model_output, b), [(sample, a)]);
-            if self.thresholding {
-                return dynamic_threshold(
-                    x0,
-                    self.dynamic_thresholding_ratio,
-                    self.sample_max_value,
-                );
-            }
-            return x0;
+            return vp_x0(
+                self.prediction_type,
+                sigma,
+                model_output,
+                sample,
+                self.thresholding
+                    .then_some((self.dynamic_thresholding_ratio, self.sample_max_value)),
+            );
         }
         let (alpha_t, sigma_t) = vp_alpha_sigma(sigma);
         let (a, b) = match self.prediction_type {
@@ -313,48 +310,28 @@ impl<B: Backend> Scheduler<B> for UniPcMultistepScheduler<B> {
 
     fn set_timesteps(&mut self, n: usize) -> Result<()> {
         check_steps(CLASS, n, self.num_train_timesteps)?;
-        let ints = multistep_timesteps(
+        let ints = checked_multistep_timesteps(
+            CLASS,
             self.timestep_spacing,
             self.num_train_timesteps,
             self.num_train_timesteps,
             n,
             self.steps_offset,
-        );
-        if let Some(&top) = ints.iter().max() {
-            if top >= self.num_train_timesteps as i64 {
-                return Err(SchedulerError::InvalidSteps {
-                    class: CLASS,
-                    got: n,
-                    reason: format!(
-                        "with steps_offset {} the first timestep {top} is past num_train_timesteps ({})",
-                        self.steps_offset, self.num_train_timesteps
-                    ),
-                });
-            }
-        }
+        )?;
         let train = self.schedule.train_sigmas();
         let (timesteps, sigmas, sigma_min): (Vec<f64>, Vec<f64>, f64) =
             if self.use_karras_sigmas || self.use_exponential_sigmas || self.use_beta_sigmas {
-                let sigma_min = self.sigma_min.unwrap_or(train[0] as f64);
-                let sigma_max = self.sigma_max.unwrap_or(train[train.len() - 1] as f64);
-                let sigmas = if self.use_karras_sigmas {
-                    karras_sigmas(sigma_min, sigma_max, n)
-                } else {
-                    exponential_or_beta_sigmas(self.use_beta_sigmas, sigma_min, sigma_max, n)
-                };
-                let log_sigmas = self.schedule.log_train_sigmas();
-                // Karras timesteps are rounded, exponential ones truncated (below).
-                let timesteps = sigmas
-                    .iter()
-                    .map(|&s| {
-                        let t = sigma_to_t(s, &log_sigmas);
-                        if self.use_karras_sigmas {
-                            t.round_ties_even()
-                        } else {
-                            t
-                        }
-                    })
-                    .collect();
+                let (timesteps, sigmas) = special_sigma_timesteps(
+                    &self.schedule.log_train_sigmas(),
+                    self.use_karras_sigmas,
+                    self.use_beta_sigmas,
+                    true,
+                    (
+                        self.sigma_min.unwrap_or(train[0] as f64),
+                        self.sigma_max.unwrap_or(train[train.len() - 1] as f64),
+                    ),
+                    n,
+                );
                 // Here sigma_min means the last of these sigmas.
                 let last = sigmas[sigmas.len() - 1];
                 (timesteps, sigmas, last)
