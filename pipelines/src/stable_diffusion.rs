@@ -346,10 +346,24 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             &self.device,
         )?;
         let timesteps = self.scheduler.timesteps().to_vec();
+        self.denoise_and_decode(&timesteps, latents, &context, req, noise, &mut callback)
+    }
+
+    /// The denoising loop over `timesteps` from `latents` with the UNet (compiled or eager) and
+    /// the text `context`, then the VAE decode; text-to-image and image-to-image share it.
+    pub(crate) fn denoise_and_decode(
+        &mut self,
+        timesteps: &[f64],
+        latents: Tensor<B, 4>,
+        context: &Tensor<B, 3>,
+        req: &GenerateRequest<B>,
+        noise: &mut dyn NoiseSource<B>,
+        callback: &mut impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
         let (unet, compiled) = (&self.unet, &self.compiled);
         let latents = denoising_loop(
             &mut *self.scheduler,
-            &timesteps,
+            timesteps,
             latents,
             req,
             &self.device,
@@ -366,7 +380,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
                     guidance,
                 )),
             },
-            &mut callback,
+            callback,
         )?;
         let images = decode_latents(&self.vae, &latents, req.output)?;
         Ok(PipelineOutput { latents, images })

@@ -15,8 +15,7 @@ use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
 use crate::stable_diffusion::{
-    decode_latents, denoising_loop, guided_noise, GenerateRequest, LoadOptions, PipelineOutput,
-    StableDiffusionPipeline, StepInfo,
+    GenerateRequest, LoadOptions, PipelineOutput, StableDiffusionPipeline, StepInfo,
 };
 
 /// SD 1.x/2.x image-to-image over a [`StableDiffusionPipeline`]'s components (diffusers'
@@ -123,30 +122,7 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
             .scheduler
             .add_noise(init, first_noise, &timesteps[..1])?;
 
-        let (unet, compiled) = (&pipe.unet, &pipe.compiled);
-        let latents = denoising_loop(
-            &mut *pipe.scheduler,
-            &timesteps,
-            latents,
-            req,
-            &pipe.device,
-            noise,
-            |model_input, timestep, guidance| match compiled {
-                Some(denoiser) => {
-                    denoiser.guided_noise(model_input, timestep, context.clone(), guidance)
-                }
-                None => Ok(guided_noise(
-                    unet,
-                    model_input,
-                    timestep,
-                    context.clone(),
-                    guidance,
-                )),
-            },
-            &mut callback,
-        )?;
-        let images = decode_latents(&pipe.vae, &latents, req.output)?;
-        Ok(PipelineOutput { latents, images })
+        pipe.denoise_and_decode(&timesteps, latents, &context, req, noise, &mut callback)
     }
 }
 
