@@ -711,3 +711,141 @@ fn img2img_binary_matches_diffusers_png_and_refuses_bad_strength() {
     let ours = image::open(&out).unwrap().to_rgb8();
     common::assert_png_close(&ours, "img2img-pndm.png", 2);
 }
+
+#[test]
+fn num_images_into_a_folder_are_numbered_seeded_and_summarised_as_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    let folder = tmp.path().join("out");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::write(folder.join("00004.png"), b"an earlier image").unwrap();
+    let result = txt2img(
+        &[
+            "--model",
+            m,
+            "--steps",
+            "2",
+            "--seed",
+            "10",
+            "--num-images",
+            "3",
+            "--json",
+            "--quiet",
+            "-o",
+            folder.to_str().unwrap(),
+            "a red apple",
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let summary: serde_json::Value =
+        serde_json::from_slice(&result.stdout).expect("--json prints one JSON object");
+    let files: Vec<String> = summary["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap().to_string())
+        .collect();
+    let expected: Vec<String> = ["00005.png", "00006.png", "00007.png"]
+        .iter()
+        .map(|n| folder.join(n).display().to_string())
+        .collect();
+    assert_eq!(files, expected);
+    assert_eq!(summary["seeds"], serde_json::json!([10, 11, 12]));
+    assert_eq!(summary["steps"], 2);
+    assert_eq!(summary["pipeline"], "StableDiffusionPipeline");
+    assert_eq!(summary["generate_seconds"].as_array().unwrap().len(), 3);
+    // The earlier file is untouched, and each image is the one its own seed makes alone.
+    assert_eq!(
+        std::fs::read(folder.join("00004.png")).unwrap(),
+        b"an earlier image"
+    );
+    let params =
+        oxidiff::pipelines::GenerationParameters::from_png(&folder.join("00006.png")).unwrap();
+    assert_eq!(params.seed, 11);
+    let alone = tmp.path().join("alone.png");
+    let result = txt2img(
+        &[
+            "--model",
+            m,
+            "--steps",
+            "2",
+            "--seed",
+            "11",
+            "--quiet",
+            "-o",
+            alone.to_str().unwrap(),
+            "a red apple",
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    assert_eq!(
+        std::fs::read(&alone).unwrap(),
+        std::fs::read(folder.join("00006.png")).unwrap()
+    );
+}
+
+#[test]
+fn num_images_beside_a_file_name_never_overwrite_without_force() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    let out = tmp.path().join("pic.png");
+    let args = |force: bool| {
+        let mut a = vec![
+            "--model",
+            m,
+            "--steps",
+            "1",
+            "--seed",
+            "3",
+            "--num-images",
+            "2",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "x",
+        ];
+        if force {
+            a.insert(0, "--force");
+        }
+        a
+    };
+    let result = txt2img(&args(false), &[]);
+    assert!(result.status.success(), "{}", stderr(&result));
+    let first = tmp.path().join("pic-0.png");
+    assert!(first.is_file() && tmp.path().join("pic-1.png").is_file());
+    assert!(!out.exists());
+    let before = std::fs::read(&first).unwrap();
+    let again = txt2img(&args(false), &[]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr(&again).contains(&format!("{} already exists", first.display())),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(std::fs::read(&first).unwrap(), before);
+    let forced = txt2img(&args(true), &[]);
+    assert!(forced.status.success(), "{}", stderr(&forced));
+
+    let latents = tmp.path().join("l.npy");
+    write_npy(&latents, &[0.0; 4 * 8 * 8], &[1, 4, 8, 8]);
+    let o = tmp.path().join("other.png");
+    fails_with(
+        &[
+            "--model",
+            m,
+            "--latents",
+            latents.to_str().unwrap(),
+            "--num-images",
+            "2",
+            "-o",
+            o.to_str().unwrap(),
+            "x",
+        ],
+        "use it with --num-images 1",
+        &o,
+    );
+}

@@ -71,12 +71,21 @@ struct Args {
     /// Initial latents from a .npy or .safetensors file, shape [1, 4, height/8, width/8].
     #[arg(long)]
     latents: Option<PathBuf>,
-    /// Output PNG file.
+    /// Output PNG file, or a folder (an existing one, or a path ending in `/`) for numbered
+    /// files 00000.png, 00001.png, ... after the highest number already there. With
+    /// --num-images N > 1 a file name gets -0, -1, ... before `.png`.
     #[arg(short, long, default_value = "txt2img.png")]
     output: PathBuf,
-    /// Overwrite the output file if it exists.
+    /// Overwrite output files that exist (numbered files in a folder never overwrite).
     #[arg(long)]
     force: bool,
+    /// How many images to make, one after another; image i uses seed + i (as A1111 numbers
+    /// them), so its PNG's parameters make it again alone.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    num_images: u64,
+    /// Print a machine-readable summary on stdout: files, seeds, size, device, mode, timings.
+    #[arg(long)]
+    json: bool,
     /// Where to run: cpu, xla:cpu[:N] (XLA's CPU plugin), tpu[:N], cuda[:N], or a PJRT plugin
     /// path. PJRT devices run in eager mode (each op compiled once, then cached).
     #[arg(long, default_value = "cpu")]
@@ -154,17 +163,9 @@ fn run(mut args: Args) -> Result<()> {
     apply_from_png(&mut args)?;
     let prompt = args.prompt.clone().unwrap_or_default();
     let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
-    if args.output.exists() && !args.force {
-        bail!(
-            "{} already exists; pass --force to overwrite it or choose another --output",
-            args.output.display()
-        );
-    }
-    if args.output.extension().and_then(|e| e.to_str()) != Some("png") {
-        bail!(
-            "--output must name a .png file, got {}",
-            args.output.display()
-        );
+    let outputs = output_paths(&args.output, args.num_images as usize, args.force)?;
+    if args.latents.is_some() && outputs.len() > 1 {
+        bail!("--latents gives the initial latents of one image; use it with --num-images 1");
     }
     let seed = args.seed.unwrap_or_else(random_seed);
     let device: OxiDevice = args
@@ -248,44 +249,80 @@ fn run(mut args: Args) -> Result<()> {
         bar.set_length(info.num_steps as u64);
         bar.set_position(info.step as u64 + 1);
     };
-    let mut generator = TorchCpuGenerator::new(seed);
     let mut pipe = Pipeline::load(&dir, &class, &options, &device)
         .with_context(|| format!("loading {}", args.model))?;
     if args.compile {
         pipe.compile()?;
     }
     let loaded = started.elapsed();
-    let generated = Instant::now();
     let pixart_options = (args.max_sequence_length, !args.no_resolution_binning);
-    let output = pipe.generate_with(request, pixart_options, &mut generator, progress)?;
-    let images = output.images.context("the pipeline returned no images")?;
-    let mode = pipe.mode();
-    let sampler = pipe.scheduler_class().to_string();
+    let sampler = args
+        .scheduler
+        .clone()
+        .unwrap_or_else(|| pipe.scheduler_class().to_string());
+    let mut made = Vec::with_capacity(outputs.len());
+    for (i, path) in outputs.iter().enumerate() {
+        let image_seed = seed + i as u64;
+        let request = GenerateRequest {
+            seed: image_seed,
+            ..request.clone()
+        };
+        let mut generator = TorchCpuGenerator::new(image_seed);
+        let generated = Instant::now();
+        let output = pipe.generate_with(request, pixart_options, &mut generator, &progress)?;
+        let images = output.images.context("the pipeline returned no images")?;
+        let parameters = GenerationParameters {
+            prompt: prompt.clone(),
+            negative_prompt: negative_prompt.clone(),
+            steps,
+            sampler: sampler.clone(),
+            guidance_scale: guidance,
+            seed: image_seed,
+            width: images.width,
+            height: images.height,
+            model: args.model.clone(),
+            extra: vec![(
+                "Version".into(),
+                format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
+            )],
+        };
+        images.save_png_with_parameters(0, path, Some(&parameters))?;
+        made.push((
+            path,
+            image_seed,
+            images.width,
+            images.height,
+            generated.elapsed(),
+        ));
+    }
     bar.finish_and_clear();
-    let parameters = GenerationParameters {
-        prompt,
-        negative_prompt,
-        steps,
-        sampler: args.scheduler.clone().unwrap_or(sampler),
-        guidance_scale: guidance,
-        seed,
-        width: images.width,
-        height: images.height,
-        model: args.model.clone(),
-        extra: vec![(
-            "Version".into(),
-            format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-        )],
-    };
-    images.save_png_with_parameters(0, &args.output, Some(&parameters))?;
-    eprintln!(
-        "wrote {} (seed {seed}, {steps} steps, guidance {guidance}, {}x{}, {device} {mode}; load {:.2}s, generate {:.2}s)",
-        display(&args.output),
-        images.width,
-        images.height,
-        loaded.as_secs_f64(),
-        generated.elapsed().as_secs_f64()
-    );
+    let mode = pipe.mode();
+    for (path, image_seed, width, height, took) in &made {
+        eprintln!(
+            "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device} {mode}; load {:.2}s, generate {:.2}s)",
+            display(path),
+            loaded.as_secs_f64(),
+            took.as_secs_f64()
+        );
+    }
+    if args.json {
+        let summary = serde_json::json!({
+            "files": made.iter().map(|m| display(m.0)).collect::<Vec<_>>(),
+            "seeds": made.iter().map(|m| m.1).collect::<Vec<_>>(),
+            "width": made.first().map(|m| m.2),
+            "height": made.first().map(|m| m.3),
+            "steps": steps,
+            "guidance": guidance,
+            "sampler": sampler,
+            "model": args.model,
+            "pipeline": class,
+            "device": device.to_string(),
+            "mode": mode,
+            "load_seconds": loaded.as_secs_f64(),
+            "generate_seconds": made.iter().map(|m| m.4.as_secs_f64()).collect::<Vec<_>>(),
+        });
+        println!("{summary}");
+    }
     Ok(())
 }
 
@@ -386,6 +423,55 @@ fn interrupt_token() -> Result<CancelToken> {
     })
     .context("installing the Ctrl-C handler")?;
     Ok(cancel)
+}
+
+/// Where the images go: `output` itself, `stem-i.png` beside it for several images, or numbered
+/// files in a folder after the highest number already there. Existing files are refused unless
+/// `force`, before anything is generated.
+fn output_paths(output: &Path, count: usize, force: bool) -> Result<Vec<PathBuf>> {
+    let is_dir = output.is_dir() || output.as_os_str().to_string_lossy().ends_with('/');
+    let paths: Vec<PathBuf> = if is_dir {
+        std::fs::create_dir_all(output)
+            .with_context(|| format!("creating the output folder {}", output.display()))?;
+        let next = std::fs::read_dir(output)
+            .with_context(|| format!("reading the output folder {}", output.display()))?
+            .filter_map(|entry| {
+                let name = entry.ok()?.file_name().into_string().ok()?;
+                name.strip_suffix(".png")?.parse::<u64>().ok()
+            })
+            .max()
+            .map_or(0, |n| n + 1);
+        (0..count as u64)
+            .map(|i| output.join(format!("{:05}.png", next + i)))
+            .collect()
+    } else {
+        if output.extension().and_then(|e| e.to_str()) != Some("png") {
+            bail!(
+                "--output must name a .png file or a folder, got {}",
+                output.display()
+            );
+        }
+        if count == 1 {
+            vec![output.to_path_buf()]
+        } else {
+            let stem = output
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            (0..count)
+                .map(|i| output.with_file_name(format!("{stem}-{i}.png")))
+                .collect()
+        }
+    };
+    if !force {
+        if let Some(existing) = paths.iter().find(|p| p.exists()) {
+            bail!(
+                "{} already exists; pass --force to overwrite it or choose another --output",
+                existing.display()
+            );
+        }
+    }
+    Ok(paths)
 }
 
 fn display(path: &Path) -> String {
