@@ -19,13 +19,13 @@ pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// Checks the header of the safetensors file `bytes` (the whole file); returns what is wrong.
 pub fn check_header(bytes: &[u8]) -> Result<(), String> {
     let file_len = bytes.len() as u64;
-    let Some(len_bytes) = bytes.get(..8) else {
+    let Some(len_bytes) = bytes.first_chunk::<8>() else {
         return Err(format!(
             "the file is {file_len} bytes long, shorter than the 8-byte header length that \
              starts every safetensors file"
         ));
     };
-    let header_len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
+    let header_len = u64::from_le_bytes(*len_bytes);
     if header_len > file_len - 8 {
         return Err(format!(
             "the header length field says {header_len} bytes, but only {} bytes follow it",

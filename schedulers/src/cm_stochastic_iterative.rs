@@ -216,10 +216,12 @@ impl<B: Backend> Scheduler<B> for CmStochasticIterativeScheduler {
         }
         let i = self.steps.index("step", timestep)?;
         let sigma = self.steps.sigmas[i];
+        // diffusers: the next sigma, or the last one past the training schedule's end.
+        let last = self.steps.sigmas.last().copied().unwrap_or(sigma);
         let sigma_next = if i + 1 < self.num_train_timesteps {
-            self.steps.sigmas[i + 1]
+            self.steps.sigmas.get(i + 1).copied().unwrap_or(last)
         } else {
-            *self.steps.sigmas.last().expect("initialized")
+            last
         };
         let (c_skip, c_out) = self.scalings_for_boundary_condition(sigma);
         let mut denoised = model_output.clone().mul_scalar(c_out) + sample.mul_scalar(c_skip);

@@ -58,15 +58,16 @@ pub const SCHEDULER_CONFIG: &str = r#"{
 
 /// Runs `f` on a thread with a 256 MiB stack. The generated module's `new` and `forward`
 /// are single functions over ~2000 ONNX nodes; unoptimised (debug and test builds) their
-/// frames overflow the default 2 MiB (8 MiB main thread) stack.
-pub fn with_large_stack<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+/// frames overflow the default 2 MiB (8 MiB main thread) stack. Fails only when the system
+/// cannot make the thread (out of memory or threads).
+pub fn with_large_stack<T: Send>(f: impl FnOnce() -> T + Send) -> std::io::Result<T> {
     std::thread::scope(|scope| {
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .stack_size(256 << 20)
-            .spawn_scoped(scope, f)
-            .expect("spawning the model thread")
+            .spawn_scoped(scope, f)?;
+        Ok(thread
             .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
     })
 }
 

@@ -61,6 +61,7 @@ fn main() -> anyhow::Result<()> {
         bail!("--count must be at least 1");
     }
     oxidiff_terrain::with_large_stack(|| run(&args))
+        .map_err(|e| anyhow::anyhow!("starting the model thread (256 MiB stack): {e}"))?
 }
 
 #[cfg(not(terrain_model))]
@@ -130,7 +131,9 @@ fn generate<B: Backend>(
         &mut noise,
         device,
     )?;
-    let last = samples.last().expect("at least one step").clone();
+    let Some(last) = samples.last().cloned() else {
+        bail!("the schedule has no step");
+    };
     let values = last
         .into_data()
         .convert::<f32>()

@@ -156,6 +156,7 @@ fn terrain_model_matches_onnxruntime_on_cpu() {
         let net = load::<Cpu>(WEIGHTS.as_ref(), &device).unwrap();
         check::<Cpu>("cpu", &mut |x, t, d| Ok(net.forward(x, t, d)), &device);
     })
+    .expect("the model thread starts");
 }
 
 /// XLA's CPU plugin, or `None` (test skipped) when it is missing and
@@ -196,4 +197,5 @@ fn terrain_model_matches_onnxruntime_on_xla_cpu_eager_and_compiled() {
         // Two timesteps (1 and 2 steps), one program.
         assert_eq!(step.compiles(), 1, "a new timestep must not recompile");
     })
+    .expect("the model thread starts");
 }
