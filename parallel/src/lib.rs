@@ -1,5 +1,9 @@
-//! Tensor and data parallelism across chips (`TensorParallelConfig`): not started yet.
+//! Tensor and data parallelism across chips.
 //!
-//! Where this will sit: models declare their tensor-parallel plans next to their definitions,
-//! and the PJRT backend applies them as GSPMD/Shardy annotations in compiled mode. Nothing here
-//! is implemented today; the crate exists so the workspace has the agreed layout.
+//! Where this sits: models declare their tensor-parallel plans ([`TensorParallelPlan`]) next to
+//! their definitions; the PJRT backend applies them as sharding annotations in compiled mode.
+//! This crate only describes, so models can depend on it without depending on a backend.
+
+pub mod plan;
+
+pub use plan::{ShardRule, ShardStyle, TensorParallel, TensorParallelPlan};
