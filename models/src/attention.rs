@@ -360,3 +360,26 @@ impl<B: Backend> Transformer2DModel<B> {
         out + residual
     }
 }
+
+/// Scaled dot-product attention on heads already split, `[batch, heads, seq, head_dim]`
+/// (Burn's fused op, scale `1 / sqrt(head_dim)`), for models that normalise or rotate q and k
+/// per head before attending (Flux, SD3.5).
+pub fn scaled_dot_product_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let head_dim = q.dims()[3];
+    attention(
+        q,
+        k,
+        v,
+        None,
+        None,
+        AttentionModuleOptions {
+            scale: Some(1.0 / (head_dim as f64).sqrt()),
+            softcap: None,
+            is_causal: false,
+        },
+    )
+}

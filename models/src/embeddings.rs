@@ -1,4 +1,6 @@
-//! Timestep embeddings (diffusers' `Timesteps` and `TimestepEmbedding`).
+//! Timestep, text and position embeddings (diffusers' `embeddings.py`: `Timesteps`,
+//! `TimestepEmbedding`, PixArt's patch and caption embeddings, the combined timestep / guidance
+//! / pooled-text embedding of Flux, and Flux's rotary position embedding).
 //!
 //! The frequency table is computed once on the host, exactly as diffusers computes it in f32;
 //! the timestep itself stays a runtime tensor, so a compiled step never bakes it in.
@@ -154,23 +156,38 @@ impl<B: Backend> PatchEmbed<B> {
     }
 }
 
-/// diffusers' `PixArtAlphaTextProjection`: `linear_1`, tanh GELU, `linear_2`.
+/// diffusers' `PixArtAlphaTextProjection`: `linear_1`, an activation (tanh GELU for PixArt's
+/// caption, SiLU for the pooled text of Flux and SD3), `linear_2`.
 #[derive(Module, Debug)]
 pub struct PixArtAlphaTextProjection<B: Backend> {
     pub linear_1: Linear<B>,
     pub linear_2: Linear<B>,
+    #[module(skip)]
+    pub act: Activation,
 }
 
 impl<B: Backend> PixArtAlphaTextProjection<B> {
+    /// The caption projection of PixArt (`act_fn="gelu_tanh"`).
     pub fn load(vb: &VarBuilder<B>, in_features: usize, hidden: usize) -> Result<Self> {
+        Self::load_with(vb, in_features, hidden, Activation::GeluTanh)
+    }
+
+    /// With another activation (`act_fn="silu"` in `CombinedTimestepTextProjEmbeddings`).
+    pub fn load_with(
+        vb: &VarBuilder<B>,
+        in_features: usize,
+        hidden: usize,
+        act: Activation,
+    ) -> Result<Self> {
         Ok(Self {
             linear_1: Linear::load(&vb.pp("linear_1"), in_features, hidden, true)?,
             linear_2: Linear::load(&vb.pp("linear_2"), hidden, hidden, true)?,
+            act,
         })
     }
 
-    pub fn forward(&self, caption: Tensor<B, 3>) -> Tensor<B, 3> {
-        let h = burn::tensor::activation::gelu_approximate(self.linear_1.forward(caption));
+    pub fn forward<const D: usize>(&self, caption: Tensor<B, D>) -> Tensor<B, D> {
+        let h = self.act.forward(self.linear_1.forward(caption));
         self.linear_2.forward(h)
     }
 }
@@ -264,4 +281,156 @@ impl<B: Backend> PixArtAlphaCombinedTimestepSizeEmbeddings<B> {
     pub fn needs_conditions(&self) -> bool {
         self.sizes.is_some()
     }
+}
+
+/// diffusers' `CombinedTimestepTextProjEmbeddings` and, with `guidance_embedder`,
+/// `CombinedTimestepGuidanceTextProjEmbeddings` (Flux dev): the embedded timestep, plus the
+/// embedded guidance scale when the model is guidance-distilled, plus the projected pooled
+/// text embedding. One type for both, since the guidance embedder is their only difference.
+#[derive(Module, Debug)]
+pub struct CombinedTimestepTextProjEmbeddings<B: Backend> {
+    pub time_proj: Timesteps<B>,
+    pub timestep_embedder: TimestepEmbedding<B>,
+    pub guidance_embedder: Option<TimestepEmbedding<B>>,
+    pub text_embedder: PixArtAlphaTextProjection<B>,
+}
+
+/// diffusers' name for the guidance-embedding variant: the same type.
+pub type CombinedTimestepGuidanceTextProjEmbeddings<B> = CombinedTimestepTextProjEmbeddings<B>;
+
+impl<B: Backend> CombinedTimestepTextProjEmbeddings<B> {
+    /// `guidance`: whether the checkpoint has a `guidance_embedder` (`guidance_embeds`).
+    pub fn load(
+        vb: &VarBuilder<B>,
+        embedding_dim: usize,
+        pooled_projection_dim: usize,
+        guidance: bool,
+    ) -> Result<Self> {
+        let embedder = |name: &str| {
+            TimestepEmbedding::load(&vb.pp(name), 256, embedding_dim, Activation::Silu)
+        };
+        Ok(Self {
+            time_proj: Timesteps::new(256, true, 0.0, vb.device()),
+            timestep_embedder: embedder("timestep_embedder")?,
+            guidance_embedder: if guidance {
+                Some(embedder("guidance_embedder")?)
+            } else {
+                None
+            },
+            text_embedder: PixArtAlphaTextProjection::load_with(
+                &vb.pp("text_embedder"),
+                pooled_projection_dim,
+                embedding_dim,
+                Activation::Silu,
+            )?,
+        })
+    }
+
+    /// `timestep` `[batch]`, `guidance` `[batch]` (used only with a guidance embedder) and
+    /// `pooled_projection` `[batch, pooled_projection_dim]` to the conditioning `[batch, dim]`.
+    pub fn forward(
+        &self,
+        timestep: Tensor<B, 1>,
+        guidance: Option<Tensor<B, 1>>,
+        pooled_projection: Tensor<B, 2>,
+    ) -> Tensor<B, 2> {
+        let mut emb = self
+            .timestep_embedder
+            .forward(self.time_proj.forward(timestep));
+        if let (Some(embedder), Some(guidance)) = (&self.guidance_embedder, guidance) {
+            emb = emb + embedder.forward(self.time_proj.forward(guidance));
+        }
+        emb + self.text_embedder.forward(pooled_projection)
+    }
+}
+
+/// diffusers' `get_1d_rotary_pos_embed` as Flux calls it (`use_real`,
+/// `repeat_interleave_real`, f64 frequencies): cos and sin `[positions.len() * dim]`, row-major
+/// `[position, dim]`, each frequency `theta^(-2i/dim)` repeated for both halves of its pair.
+pub fn get_1d_rotary_pos_embed(dim: usize, positions: &[f32], theta: f64) -> (Vec<f32>, Vec<f32>) {
+    let freqs: Vec<f64> = (0..dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / dim as f64))
+        .collect();
+    let mut cos = Vec::with_capacity(positions.len() * dim);
+    let mut sin = Vec::with_capacity(positions.len() * dim);
+    for &pos in positions {
+        for &f in &freqs {
+            let angle = f64::from(pos) * f;
+            let (s, c) = (angle.sin() as f32, angle.cos() as f32);
+            cos.extend([c, c]);
+            sin.extend([s, s]);
+        }
+    }
+    (cos, sin)
+}
+
+/// Rotary position embedding tables `[seq, head_dim]` (cos and sin), as [`FluxPosEmbed`]
+/// makes them; a runtime input of a compiled step (they depend only on the image size).
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding<B: Backend> {
+    pub cos: Tensor<B, 2>,
+    pub sin: Tensor<B, 2>,
+}
+
+impl<B: Backend> RotaryEmbedding<B> {
+    /// The tables on `device`.
+    pub fn to_device(self, device: &B::Device) -> Self {
+        Self {
+            cos: self.cos.to_device(device),
+            sin: self.sin.to_device(device),
+        }
+    }
+}
+
+/// diffusers' `FluxPosEmbed`: multi-axis RoPE. Each position id has one coordinate per axis
+/// (Flux: 0, row, column); axis `i` gets `axes_dim[i]` of the head's channels.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FluxPosEmbed {
+    pub theta: f64,
+    pub axes_dim: Vec<usize>,
+}
+
+impl FluxPosEmbed {
+    /// The tables for position `ids` (`[seq][axes]`), computed on the host in f64 as diffusers
+    /// does, then placed on `device`.
+    pub fn forward<B: Backend>(&self, ids: &[Vec<f32>], device: &B::Device) -> RotaryEmbedding<B> {
+        let dim: usize = self.axes_dim.iter().sum();
+        let seq = ids.len();
+        let tables: Vec<(Vec<f32>, Vec<f32>)> = self
+            .axes_dim
+            .iter()
+            .enumerate()
+            .map(|(axis, &d)| {
+                let pos: Vec<f32> = ids
+                    .iter()
+                    .map(|id| id.get(axis).copied().unwrap_or(0.0))
+                    .collect();
+                get_1d_rotary_pos_embed(d, &pos, self.theta)
+            })
+            .collect();
+        // Concatenate the axes along the channel dimension, position by position.
+        let mut cos = Vec::with_capacity(seq * dim);
+        let mut sin = Vec::with_capacity(seq * dim);
+        for row in 0..seq {
+            for ((c, s), &d) in tables.iter().zip(&self.axes_dim) {
+                cos.extend_from_slice(&c[row * d..(row + 1) * d]);
+                sin.extend_from_slice(&s[row * d..(row + 1) * d]);
+            }
+        }
+        RotaryEmbedding {
+            cos: Tensor::from_data(TensorData::new(cos, [seq, dim]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [seq, dim]), device),
+        }
+    }
+}
+
+/// diffusers' `apply_rotary_emb` (`use_real`, `use_real_unbind_dim=-1`: channel pairs
+/// `(2i, 2i + 1)` rotate together) on `x` `[batch, heads, seq, head_dim]`.
+pub fn apply_rotary_emb<B: Backend>(x: Tensor<B, 4>, rope: &RotaryEmbedding<B>) -> Tensor<B, 4> {
+    let [b, h, s, d] = x.dims();
+    let pairs: Tensor<B, 5> = x.clone().reshape([b, h, s, d / 2, 2]);
+    let real = pairs.clone().narrow(4, 0, 1);
+    let imag = pairs.narrow(4, 1, 1);
+    let rotated: Tensor<B, 4> = Tensor::cat(vec![imag.neg(), real], 4).reshape([b, h, s, d]);
+    x * rope.cos.clone().unsqueeze::<4>() + rotated * rope.sin.clone().unsqueeze::<4>()
 }

@@ -1,0 +1,611 @@
+//! `FluxTransformer2DModel`: the rectified-flow transformer of Flux.1 (dev and schnell), as
+//! diffusers' `transformer_flux.py`.
+//!
+//! Packed latent tokens (`x_embedder`) and T5 tokens (`context_embedder`) go through
+//! double-stream blocks (each stream its own adaLN-Zero, projections and feed-forward, one
+//! joint attention with RMS-normed q/k), then single-stream blocks over the joined sequence
+//! (attention and MLP in parallel from one modulated input); the conditioning is the embedded
+//! timestep plus the pooled CLIP embedding, plus the embedded guidance scale for the
+//! guidance-distilled dev model. Positions enter only through 3-axis rotary embeddings of q
+//! and k. The output is the velocity of every latent token, `[batch, seq, out_channels]`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::activation::gelu_approximate;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use oxidiff_parallel::{ShardRule, TensorParallel, TensorParallelPlan};
+use serde::Deserialize;
+
+use crate::attention::{scaled_dot_product_attention, FeedForward, FeedForwardActivation};
+use crate::config::load_json;
+use crate::embeddings::{
+    apply_rotary_emb, CombinedTimestepTextProjEmbeddings, FluxPosEmbed, RotaryEmbedding,
+};
+use crate::error::{ModelError, Result};
+use crate::nn::{layer_norm, Linear};
+use crate::normalization::{
+    modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle, RMSNorm,
+};
+use crate::weights::{VarBuilder, Weights};
+
+/// `transformer/config.json`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct FluxTransformer2DConfig {
+    pub patch_size: usize,
+    pub in_channels: usize,
+    pub out_channels: Option<usize>,
+    pub num_layers: usize,
+    pub num_single_layers: usize,
+    pub attention_head_dim: usize,
+    pub num_attention_heads: usize,
+    pub joint_attention_dim: usize,
+    pub pooled_projection_dim: usize,
+    pub guidance_embeds: bool,
+    pub axes_dims_rope: Vec<usize>,
+}
+
+impl Default for FluxTransformer2DConfig {
+    fn default() -> Self {
+        // diffusers' defaults (FLUX.1 schnell; dev sets `guidance_embeds`).
+        Self {
+            patch_size: 1,
+            in_channels: 64,
+            out_channels: None,
+            num_layers: 19,
+            num_single_layers: 38,
+            attention_head_dim: 128,
+            num_attention_heads: 24,
+            joint_attention_dim: 4096,
+            pooled_projection_dim: 768,
+            guidance_embeds: false,
+            axes_dims_rope: vec![16, 56, 56],
+        }
+    }
+}
+
+impl FluxTransformer2DConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let config: Self = load_json(path)?;
+        let bad = |reason: String| ModelError::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if config.patch_size != 1 {
+            // The pipelines pack 2x2 latent patches themselves; diffusers' model only scales
+            // its output width by patch_size^2 and nothing un-patches it.
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "`patch_size: {}` (Flux packs latents in the pipeline; the model uses 1)",
+                    config.patch_size
+                ),
+            });
+        }
+        if config.num_attention_heads == 0 || config.attention_head_dim == 0 {
+            return Err(bad(
+                "`num_attention_heads` and `attention_head_dim` must be positive".into(),
+            ));
+        }
+        let rope: usize = config.axes_dims_rope.iter().sum();
+        if rope != config.attention_head_dim || config.axes_dims_rope.iter().any(|d| d % 2 != 0) {
+            return Err(bad(format!(
+                "`axes_dims_rope` {:?} must be even numbers that add up to `attention_head_dim` {}",
+                config.axes_dims_rope, config.attention_head_dim
+            )));
+        }
+        Ok(config)
+    }
+
+    /// The model width, `num_attention_heads * attention_head_dim`.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+}
+
+/// diffusers' `FluxAttention`: q/k/v of the image stream with per-head RMS norms
+/// (`norm_q`, `norm_k`), and in double-stream blocks the text stream's own projections
+/// (`add_*_proj`, `norm_added_*`) and output (`to_add_out`). Single-stream blocks have no
+/// output projection (`pre_only`): their `proj_out` takes the attention output.
+#[derive(Module, Debug)]
+pub struct FluxAttention<B: Backend> {
+    pub to_q: Linear<B>,
+    pub to_k: Linear<B>,
+    pub to_v: Linear<B>,
+    pub norm_q: RMSNorm<B>,
+    pub norm_k: RMSNorm<B>,
+    pub to_out: Option<Linear<B>>,
+    pub add_q_proj: Option<Linear<B>>,
+    pub add_k_proj: Option<Linear<B>>,
+    pub add_v_proj: Option<Linear<B>>,
+    pub norm_added_q: Option<RMSNorm<B>>,
+    pub norm_added_k: Option<RMSNorm<B>>,
+    pub to_add_out: Option<Linear<B>>,
+    pub heads: usize,
+}
+
+impl<B: Backend> FluxAttention<B> {
+    /// `joint`: a double-stream block's attention (text projections and both outputs).
+    fn load(
+        vb: &VarBuilder<B>,
+        dim: usize,
+        heads: usize,
+        head_dim: usize,
+        joint: bool,
+    ) -> Result<Self> {
+        let inner = heads * head_dim;
+        let linear = |name: &str, d_in, d_out| Linear::load(&vb.pp(name), d_in, d_out, true);
+        let norm = |name: &str| RMSNorm::load(&vb.pp(name), head_dim, 1e-6, true);
+        let opt_linear = |name: &str, d_in, d_out| -> Result<Option<Linear<B>>> {
+            joint.then(|| linear(name, d_in, d_out)).transpose()
+        };
+        let opt_norm =
+            |name: &str| -> Result<Option<RMSNorm<B>>> { joint.then(|| norm(name)).transpose() };
+        Ok(Self {
+            to_q: linear("to_q", dim, inner)?,
+            to_k: linear("to_k", dim, inner)?,
+            to_v: linear("to_v", dim, inner)?,
+            norm_q: norm("norm_q")?,
+            norm_k: norm("norm_k")?,
+            to_out: opt_linear("to_out.0", inner, dim)?,
+            add_q_proj: opt_linear("add_q_proj", dim, inner)?,
+            add_k_proj: opt_linear("add_k_proj", dim, inner)?,
+            add_v_proj: opt_linear("add_v_proj", dim, inner)?,
+            norm_added_q: opt_norm("norm_added_q")?,
+            norm_added_k: opt_norm("norm_added_k")?,
+            to_add_out: opt_linear("to_add_out", inner, dim)?,
+            heads,
+        })
+    }
+
+    /// `[batch, seq, inner]` to `[batch, heads, seq, head_dim]`.
+    fn split_heads(&self, x: Tensor<B, 3>) -> Tensor<B, 4> {
+        let [b, s, inner] = x.dims();
+        x.reshape([b, s, self.heads, inner / self.heads])
+            .swap_dims(1, 2)
+    }
+
+    /// q, k, v of one stream, heads split, q and k RMS-normed.
+    fn qkv(
+        &self,
+        x: Tensor<B, 3>,
+        (q, k, v): (&Linear<B>, &Linear<B>, &Linear<B>),
+        (norm_q, norm_k): (&RMSNorm<B>, &RMSNorm<B>),
+    ) -> [Tensor<B, 4>; 3] {
+        [
+            norm_q.forward(self.split_heads(q.forward(x.clone()))),
+            norm_k.forward(self.split_heads(k.forward(x.clone()))),
+            self.split_heads(v.forward(x)),
+        ]
+    }
+
+    /// Rotates q and k, attends, merges heads: `[batch, seq, inner]`.
+    fn attend(&self, [q, k, v]: [Tensor<B, 4>; 3], rope: &RotaryEmbedding<B>) -> Tensor<B, 3> {
+        let q = apply_rotary_emb(q, rope);
+        let k = apply_rotary_emb(k, rope);
+        let out = scaled_dot_product_attention(q, k, v);
+        let [b, h, s, d] = out.dims();
+        out.swap_dims(1, 2).reshape([b, s, h * d])
+    }
+
+    /// Self-attention of a single-stream block over the joined sequence (no output
+    /// projection).
+    fn forward_single(&self, x: Tensor<B, 3>, rope: &RotaryEmbedding<B>) -> Tensor<B, 3> {
+        let qkv = self.qkv(
+            x,
+            (&self.to_q, &self.to_k, &self.to_v),
+            (&self.norm_q, &self.norm_k),
+        );
+        self.attend(qkv, rope)
+    }
+
+    /// Joint attention of a double-stream block: the text tokens first, then the image tokens,
+    /// as one sequence; returns `(image, text)` after their output projections.
+    fn forward_joint(
+        &self,
+        image: Tensor<B, 3>,
+        text: Tensor<B, 3>,
+        rope: &RotaryEmbedding<B>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let text_len = text.dims()[1];
+        let image_len = image.dims()[1];
+        let img = self.qkv(
+            image,
+            (&self.to_q, &self.to_k, &self.to_v),
+            (&self.norm_q, &self.norm_k),
+        );
+        let joint_parts = (
+            &self.add_q_proj,
+            &self.add_k_proj,
+            &self.add_v_proj,
+            &self.norm_added_q,
+            &self.norm_added_k,
+            &self.to_out,
+            &self.to_add_out,
+        );
+        let (Some(aq), Some(ak), Some(av), Some(nq), Some(nk), Some(out), Some(add_out)) =
+            joint_parts
+        else {
+            unreachable!("double-stream attention is loaded with its text projections")
+        };
+        let txt = self.qkv(text, (aq, ak, av), (nq, nk));
+        let [iq, ik, iv] = img;
+        let [tq, tk, tv] = txt;
+        let joined = [
+            Tensor::cat(vec![tq, iq], 2),
+            Tensor::cat(vec![tk, ik], 2),
+            Tensor::cat(vec![tv, iv], 2),
+        ];
+        let attended = self.attend(joined, rope);
+        let text_out = attended.clone().narrow(1, 0, text_len);
+        let image_out = attended.narrow(1, text_len, image_len);
+        (out.forward(image_out), add_out.forward(text_out))
+    }
+}
+
+/// diffusers' `FluxTransformerBlock` (double stream): image and text streams with their own
+/// adaLN-Zero modulation, joint attention, and their own feed-forwards.
+#[derive(Module, Debug)]
+pub struct FluxTransformerBlock<B: Backend> {
+    pub norm1: AdaLayerNormZero<B>,
+    pub norm1_context: AdaLayerNormZero<B>,
+    pub attn: FluxAttention<B>,
+    pub ff: FeedForward<B>,
+    pub ff_context: FeedForward<B>,
+}
+
+impl<B: Backend> FluxTransformerBlock<B> {
+    fn load(vb: &VarBuilder<B>, cfg: &FluxTransformer2DConfig) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let ff = |name: &str| {
+            FeedForward::load_with(&vb.pp(name), dim, 4 * dim, FeedForwardActivation::GeluTanh)
+        };
+        Ok(Self {
+            norm1: AdaLayerNormZero::load(&vb.pp("norm1"), dim)?,
+            norm1_context: AdaLayerNormZero::load(&vb.pp("norm1_context"), dim)?,
+            attn: FluxAttention::load(
+                &vb.pp("attn"),
+                dim,
+                cfg.num_attention_heads,
+                cfg.attention_head_dim,
+                true,
+            )?,
+            ff: ff("ff")?,
+            ff_context: ff("ff_context")?,
+        })
+    }
+
+    /// Returns `(text, image)` hidden states.
+    fn forward(
+        &self,
+        image: Tensor<B, 3>,
+        text: Tensor<B, 3>,
+        temb: Tensor<B, 2>,
+        rope: &RotaryEmbedding<B>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let img = self.norm1.forward(image.clone(), temb.clone());
+        let txt = self.norm1_context.forward(text.clone(), temb);
+        let (attn_out, context_attn_out) = self.attn.forward_joint(img.x, txt.x, rope);
+
+        let image = image + img.gate_msa * attn_out;
+        let normed = modulate(
+            layer_norm(image.clone(), 1e-6),
+            img.shift_mlp,
+            img.scale_mlp,
+        );
+        let image = image.clone() + img.gate_mlp * self.ff.forward(normed);
+
+        let text = text + txt.gate_msa * context_attn_out;
+        let normed = modulate(layer_norm(text.clone(), 1e-6), txt.shift_mlp, txt.scale_mlp);
+        let text = text.clone() + txt.gate_mlp * self.ff_context.forward(normed);
+        (text, image)
+    }
+}
+
+/// diffusers' `FluxSingleTransformerBlock` (single stream, over text and image tokens joined):
+/// one modulated input feeds attention and an MLP in parallel; `proj_out` maps their
+/// concatenation back to the width, gated, with a residual.
+#[derive(Module, Debug)]
+pub struct FluxSingleTransformerBlock<B: Backend> {
+    pub norm: AdaLayerNormZeroSingle<B>,
+    pub proj_mlp: Linear<B>,
+    pub proj_out: Linear<B>,
+    pub attn: FluxAttention<B>,
+}
+
+impl<B: Backend> FluxSingleTransformerBlock<B> {
+    fn load(vb: &VarBuilder<B>, cfg: &FluxTransformer2DConfig) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let mlp_hidden = 4 * dim;
+        Ok(Self {
+            norm: AdaLayerNormZeroSingle::load(&vb.pp("norm"), dim)?,
+            proj_mlp: Linear::load(&vb.pp("proj_mlp"), dim, mlp_hidden, true)?,
+            proj_out: Linear::load(&vb.pp("proj_out"), dim + mlp_hidden, dim, true)?,
+            attn: FluxAttention::load(
+                &vb.pp("attn"),
+                dim,
+                cfg.num_attention_heads,
+                cfg.attention_head_dim,
+                false,
+            )?,
+        })
+    }
+
+    /// `x` is the joined sequence `[batch, text + image, dim]`.
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        temb: Tensor<B, 2>,
+        rope: &RotaryEmbedding<B>,
+    ) -> Tensor<B, 3> {
+        let (normed, gate) = self.norm.forward(x.clone(), temb);
+        let mlp = gelu_approximate(self.proj_mlp.forward(normed.clone()));
+        let attn = self.attn.forward_single(normed, rope);
+        let joined = Tensor::cat(vec![attn, mlp], 2);
+        x + gate * self.proj_out.forward(joined)
+    }
+}
+
+/// diffusers' `FluxTransformer2DModel`.
+#[derive(Module, Debug)]
+pub struct FluxTransformer2DModel<B: Backend> {
+    pub time_text_embed: CombinedTimestepTextProjEmbeddings<B>,
+    pub context_embedder: Linear<B>,
+    pub x_embedder: Linear<B>,
+    pub transformer_blocks: Vec<FluxTransformerBlock<B>>,
+    pub single_transformer_blocks: Vec<FluxSingleTransformerBlock<B>>,
+    pub norm_out: AdaLayerNormContinuous<B>,
+    pub proj_out: Linear<B>,
+    #[module(skip)]
+    pub pos_embed: FluxPosEmbed,
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub joint_attention_dim: usize,
+    pub pooled_projection_dim: usize,
+}
+
+impl<B: Backend> FluxTransformer2DModel<B> {
+    /// Loads a `transformer` folder.
+    pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
+        let config = FluxTransformer2DConfig::from_file(&dir.join("config.json"))?;
+        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
+        Self::load(&config, VarBuilder::new(Arc::new(weights), device))
+    }
+
+    pub fn load(cfg: &FluxTransformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let transformer_blocks = (0..cfg.num_layers)
+            .map(|i| FluxTransformerBlock::load(&vb.pp("transformer_blocks").pp(i), cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let single_transformer_blocks = (0..cfg.num_single_layers)
+            .map(|i| {
+                FluxSingleTransformerBlock::load(&vb.pp("single_transformer_blocks").pp(i), cfg)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out_channels = cfg.out_channels();
+        Ok(Self {
+            time_text_embed: CombinedTimestepTextProjEmbeddings::load(
+                &vb.pp("time_text_embed"),
+                dim,
+                cfg.pooled_projection_dim,
+                cfg.guidance_embeds,
+            )?,
+            context_embedder: Linear::load(
+                &vb.pp("context_embedder"),
+                cfg.joint_attention_dim,
+                dim,
+                true,
+            )?,
+            x_embedder: Linear::load(&vb.pp("x_embedder"), cfg.in_channels, dim, true)?,
+            transformer_blocks,
+            single_transformer_blocks,
+            norm_out: AdaLayerNormContinuous::load(&vb.pp("norm_out"), dim, dim, 1e-6)?,
+            proj_out: Linear::load(
+                &vb.pp("proj_out"),
+                dim,
+                cfg.patch_size.pow(2) * out_channels,
+                true,
+            )?,
+            pos_embed: FluxPosEmbed {
+                theta: 10000.0,
+                axes_dim: cfg.axes_dims_rope.clone(),
+            },
+            in_channels: cfg.in_channels,
+            out_channels,
+            joint_attention_dim: cfg.joint_attention_dim,
+            pooled_projection_dim: cfg.pooled_projection_dim,
+        })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> B::Device {
+        self.proj_out.weight.device()
+    }
+
+    /// Whether this is a guidance-distilled model (dev) that takes the guidance scale as an
+    /// input (`guidance_embeds`).
+    pub fn guidance_embeds(&self) -> bool {
+        self.time_text_embed.guidance_embedder.is_some()
+    }
+
+    /// The rotary tables for text ids then image ids (each `[seq][3]`), as diffusers'
+    /// forward computes them from `torch.cat((txt_ids, img_ids))`.
+    pub fn rotary_embedding(
+        &self,
+        txt_ids: &[Vec<f32>],
+        img_ids: &[Vec<f32>],
+        device: &B::Device,
+    ) -> RotaryEmbedding<B> {
+        let ids: Vec<Vec<f32>> = txt_ids.iter().chain(img_ids).cloned().collect();
+        self.pos_embed.forward(&ids, device)
+    }
+
+    /// Checks the shapes of a call: image tokens `[batch, seq, in_channels]`, text
+    /// `[batch, text_seq, joint_attention_dim]`, pooled `[batch, pooled_projection_dim]`,
+    /// `batch` timesteps, a guidance scale exactly when the model embeds one, and rotary
+    /// tables for `text_seq + seq` positions.
+    pub fn check_inputs(
+        &self,
+        hidden_states: [usize; 3],
+        encoder_hidden_states: [usize; 3],
+        pooled: [usize; 2],
+        timesteps: usize,
+        guidance: Option<usize>,
+        rope_positions: usize,
+    ) -> Result<()> {
+        let [b, seq, c] = hidden_states;
+        let err = |m: String| Err(ModelError::Input(m));
+        if c != self.in_channels {
+            return err(format!(
+                "the transformer takes packed latents [batch, seq, {}], got {hidden_states:?}",
+                self.in_channels
+            ));
+        }
+        if encoder_hidden_states[2] != self.joint_attention_dim
+            || pooled[1] != self.pooled_projection_dim
+        {
+            return err(format!(
+                "text embeddings must be [batch, seq, {}] and pooled [batch, {}], got {:?} and \
+                 {:?}: the text encoders do not match this transformer",
+                self.joint_attention_dim, self.pooled_projection_dim, encoder_hidden_states, pooled
+            ));
+        }
+        if encoder_hidden_states[0] != b || pooled[0] != b || timesteps != b {
+            return err(format!(
+                "batch sizes differ: latents {b}, text {}, pooled {}, timesteps {timesteps}",
+                encoder_hidden_states[0], pooled[0]
+            ));
+        }
+        match (self.guidance_embeds(), guidance) {
+            (true, None) => return err(
+                "this transformer embeds the guidance scale (guidance_embeds, Flux dev); pass it"
+                    .into(),
+            ),
+            (true, Some(g)) if g != b => {
+                return err(format!("{g} guidance values for a batch of {b}"));
+            }
+            _ => {}
+        }
+        if rope_positions != seq + encoder_hidden_states[1] {
+            return err(format!(
+                "rotary tables for {rope_positions} positions, but the sequence has {} text and \
+                 {seq} image tokens",
+                encoder_hidden_states[1]
+            ));
+        }
+        Ok(())
+    }
+
+    /// One denoiser call, as diffusers' forward: `hidden_states` packed latents
+    /// `[batch, seq, in_channels]`, `encoder_hidden_states` T5 `[batch, text_seq, dim]`,
+    /// `pooled_projections` CLIP `[batch, pooled_dim]`, `timestep` `[batch]` in the pipeline's
+    /// `t / 1000` scale, `guidance` `[batch]` for dev models (ignored without a guidance
+    /// embedder, as schnell), and the rotary tables of the text and image ids
+    /// ([`rotary_embedding`](Self::rotary_embedding)). Returns `[batch, seq, out_channels]`.
+    pub fn forward(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        timestep: Tensor<B, 1>,
+        guidance: Option<Tensor<B, 1>>,
+        image_rotary_emb: &RotaryEmbedding<B>,
+    ) -> Result<Tensor<B, 3>> {
+        self.check_inputs(
+            hidden_states.dims(),
+            encoder_hidden_states.dims(),
+            pooled_projections.dims(),
+            timestep.dims()[0],
+            guidance.as_ref().map(|g| g.dims()[0]),
+            image_rotary_emb.cos.dims()[0],
+        )?;
+        Ok(self.forward_checked(
+            hidden_states,
+            encoder_hidden_states,
+            pooled_projections,
+            timestep,
+            guidance,
+            image_rotary_emb,
+        ))
+    }
+
+    /// [`forward`](Self::forward) for inputs already passed through
+    /// [`check_inputs`](Self::check_inputs) (a compiled step cannot return errors).
+    pub fn forward_checked(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        timestep: Tensor<B, 1>,
+        guidance: Option<Tensor<B, 1>>,
+        image_rotary_emb: &RotaryEmbedding<B>,
+    ) -> Tensor<B, 3> {
+        let mut image = self.x_embedder.forward(hidden_states);
+        let timestep = timestep.mul_scalar(1000.0);
+        let guidance = guidance
+            .filter(|_| self.guidance_embeds())
+            .map(|g| g.mul_scalar(1000.0));
+        let temb = self
+            .time_text_embed
+            .forward(timestep, guidance, pooled_projections);
+        let mut text = self.context_embedder.forward(encoder_hidden_states);
+        for block in &self.transformer_blocks {
+            (text, image) = block.forward(image, text, temb.clone(), image_rotary_emb);
+        }
+        // diffusers joins and splits the streams in every single block; joining once is the
+        // same computation.
+        let text_len = text.dims()[1];
+        let image_len = image.dims()[1];
+        let mut joined = Tensor::cat(vec![text, image], 1);
+        for block in &self.single_transformer_blocks {
+            joined = block.forward(joined, temb.clone(), image_rotary_emb);
+        }
+        let image = joined.narrow(1, text_len, image_len);
+        self.proj_out.forward(self.norm_out.forward(image, temb))
+    }
+}
+
+/// The tensor-parallel plan, as diffusers' `_tp_plan`: attention q/k/v (both streams), the
+/// single blocks' `proj_mlp` and the feed-forwards' first projections split by output
+/// features; the double blocks' attention outputs and the feed-forwards' second projections
+/// by input features. Split heads keep the per-head RMS norms and rotary embeddings local.
+///
+/// The single blocks' `proj_out` stays replicated: its input is the concatenation
+/// `[attention (dim), mlp (4 dim)]`, and a device holds a slice of each half, not a contiguous
+/// slice of the whole, so a plain row-wise split would pair the wrong rows (diffusers needs a
+/// special `PackedRowwiseParallel` for it). The modulation linears and embedders are
+/// replicated too.
+pub const FLUX_TENSOR_PARALLEL_PLAN: TensorParallelPlan = TensorParallelPlan {
+    model: "FluxTransformer2DModel",
+    rules: &[
+        ShardRule::column("transformer_blocks.*.attn.to_q"),
+        ShardRule::column("transformer_blocks.*.attn.to_k"),
+        ShardRule::column("transformer_blocks.*.attn.to_v"),
+        ShardRule::row("transformer_blocks.*.attn.to_out.0"),
+        ShardRule::column("transformer_blocks.*.attn.add_q_proj"),
+        ShardRule::column("transformer_blocks.*.attn.add_k_proj"),
+        ShardRule::column("transformer_blocks.*.attn.add_v_proj"),
+        ShardRule::row("transformer_blocks.*.attn.to_add_out"),
+        ShardRule::column("transformer_blocks.*.ff.net.0.proj"),
+        ShardRule::row("transformer_blocks.*.ff.net.2"),
+        ShardRule::column("transformer_blocks.*.ff_context.net.0.proj"),
+        ShardRule::row("transformer_blocks.*.ff_context.net.2"),
+        ShardRule::column("single_transformer_blocks.*.attn.to_q"),
+        ShardRule::column("single_transformer_blocks.*.attn.to_k"),
+        ShardRule::column("single_transformer_blocks.*.attn.to_v"),
+        ShardRule::column("single_transformer_blocks.*.proj_mlp"),
+    ],
+};
+
+impl<B: Backend> TensorParallel for FluxTransformer2DModel<B> {
+    fn tensor_parallel_plan() -> TensorParallelPlan {
+        FLUX_TENSOR_PARALLEL_PLAN
+    }
+}

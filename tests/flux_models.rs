@@ -1,0 +1,176 @@
+//! The Flux models against diffusers and transformers: the rotary tables, the CLIP pooled and
+//! T5 prompt embeddings, and one call of the dev (guidance-embedding) and schnell transformers,
+//! on the fixtures of `tools/golden/make_tiny_flux.py`.
+//!
+//! Tolerance 1e-4 relative (to the tensor's largest magnitude): f32 on both sides, but PyTorch
+//! and burn-flex sum in different orders.
+
+mod common;
+
+use burn::tensor::Tensor;
+use common::{assert_close, model_dir, Golden, B};
+use oxidiff::models::embeddings::FluxPosEmbed;
+use oxidiff::models::{
+    ClipTextModel, FluxTransformer2DConfig, FluxTransformer2DModel, T5EncoderModel,
+};
+use oxidiff_parallel::{ShardStyle, TensorParallel};
+
+const TOL: f32 = 1e-4;
+const NAME: &str = "tiny-flux";
+
+/// `[rows, 3]` position ids from the golden tensor `key`.
+fn id_rows(golden: &Golden, key: &str) -> Vec<Vec<f32>> {
+    let (values, shape) = golden.host(key);
+    values.chunks(shape[1]).map(<[f32]>::to_vec).collect()
+}
+
+#[test]
+fn rotary_tables_match_flux_pos_embed() {
+    let golden = Golden::load(NAME);
+    let pos = FluxPosEmbed {
+        theta: 10000.0,
+        axes_dim: vec![4, 6, 6],
+    };
+    let rope = pos.forward::<B>(&id_rows(&golden, "rope.ids"), &Default::default());
+    // Computed on the host in f64 and rounded, as diffusers: exact up to libm's last bit.
+    assert_close(&golden, "rope.cos", rope.cos, 1e-6);
+    assert_close(&golden, "rope.sin", rope.sin, 1e-6);
+}
+
+#[test]
+fn clip_pooled_and_t5_embeddings_match_transformers() {
+    let golden = Golden::load(NAME);
+    let device = Default::default();
+    let dir = model_dir("tiny-flux-dev");
+    let clip =
+        ClipTextModel::<B>::from_dir(&dir.join("text_encoder"), false, None, &device).unwrap();
+    let out = clip
+        .forward(&golden.token_rows("clip.input_ids"), false)
+        .unwrap();
+    assert_close(&golden, "pooled_prompt_embeds", out.pooler_output, TOL);
+    let t5 = T5EncoderModel::<B>::from_dir(&dir.join("text_encoder_2"), None, &device).unwrap();
+    let out = t5
+        .forward(&golden.token_rows("t5.input_ids"), None)
+        .unwrap();
+    assert_close(&golden, "prompt_embeds", out, TOL);
+}
+
+fn transformer_call(variant: &str) -> (Golden, Tensor<B, 3>) {
+    let golden = Golden::load(NAME);
+    let device = Default::default();
+    let dir = model_dir(&format!("tiny-flux-{variant}")).join("transformer");
+    let model = FluxTransformer2DModel::<B>::from_dir(&dir, None, &device).unwrap();
+    assert_eq!(model.guidance_embeds(), variant == "dev");
+    let txt_ids = vec![vec![0.0; 3]; 7];
+    let rope = model.rotary_embedding(&txt_ids, &id_rows(&golden, "transformer.img_ids"), &device);
+    let out = model
+        .forward(
+            golden.tensor("transformer.hidden_states"),
+            golden.tensor("transformer.encoder_hidden_states"),
+            golden.tensor("transformer.pooled_projections"),
+            golden.tensor("transformer.timestep"),
+            Some(golden.tensor("transformer.guidance")),
+            &rope,
+        )
+        .unwrap();
+    (golden, out)
+}
+
+#[test]
+fn dev_transformer_with_guidance_embedding_matches_diffusers() {
+    let (golden, out) = transformer_call("dev");
+    assert_close(&golden, "transformer.dev.out", out, TOL);
+}
+
+#[test]
+fn schnell_transformer_without_guidance_embedding_matches_diffusers() {
+    // schnell has no guidance embedder: a guidance value is ignored, as diffusers passes none.
+    let (golden, out) = transformer_call("schnell");
+    assert_close(&golden, "transformer.schnell.out", out, TOL);
+}
+
+#[test]
+fn dev_transformer_without_guidance_is_an_error() {
+    let golden = Golden::load(NAME);
+    let device = Default::default();
+    let dir = model_dir("tiny-flux-dev").join("transformer");
+    let model = FluxTransformer2DModel::<B>::from_dir(&dir, None, &device).unwrap();
+    let rope = model.rotary_embedding(
+        &vec![vec![0.0; 3]; 7],
+        &id_rows(&golden, "transformer.img_ids"),
+        &device,
+    );
+    let err = model
+        .forward(
+            golden.tensor("transformer.hidden_states"),
+            golden.tensor("transformer.encoder_hidden_states"),
+            golden.tensor("transformer.pooled_projections"),
+            golden.tensor("transformer.timestep"),
+            None,
+            &rope,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("guidance"), "{err}");
+    // Rotary tables for the wrong number of positions.
+    let short = model.rotary_embedding(&[], &id_rows(&golden, "transformer.img_ids"), &device);
+    let err = model
+        .forward(
+            golden.tensor("transformer.hidden_states"),
+            golden.tensor("transformer.encoder_hidden_states"),
+            golden.tensor("transformer.pooled_projections"),
+            golden.tensor("transformer.timestep"),
+            Some(golden.tensor("transformer.guidance")),
+            &short,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("rotary"), "{err}");
+}
+
+#[test]
+fn config_with_rope_axes_not_matching_head_dim_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    let text = std::fs::read_to_string(model_dir("tiny-flux-dev").join("transformer/config.json"))
+        .unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    config["axes_dims_rope"] = serde_json::json!([4, 6, 4]);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let err = FluxTransformer2DConfig::from_file(&path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("axes_dims_rope") && err.contains("config.json"),
+        "{err}"
+    );
+}
+
+#[test]
+fn tensor_parallel_plan_splits_attention_and_mlp_but_not_packed_proj_out() {
+    let plan = FluxTransformer2DModel::<B>::tensor_parallel_plan();
+    let style = |path: &str| plan.style_of(path);
+    assert_eq!(
+        style("transformer_blocks.0.attn.to_q"),
+        Some(ShardStyle::ColumnWise)
+    );
+    assert_eq!(
+        style("transformer_blocks.18.attn.add_v_proj"),
+        Some(ShardStyle::ColumnWise)
+    );
+    assert_eq!(
+        style("transformer_blocks.3.attn.to_out.0"),
+        Some(ShardStyle::RowWise)
+    );
+    assert_eq!(
+        style("transformer_blocks.3.ff_context.net.2"),
+        Some(ShardStyle::RowWise)
+    );
+    assert_eq!(
+        style("single_transformer_blocks.37.proj_mlp"),
+        Some(ShardStyle::ColumnWise)
+    );
+    assert_eq!(style("single_transformer_blocks.37.proj_out"), None);
+    assert_eq!(style("transformer_blocks.0.norm1.linear"), None);
+    assert_eq!(style("proj_out"), None);
+}
