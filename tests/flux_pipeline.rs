@@ -341,3 +341,40 @@ fn bad_requests_are_clear_errors() {
     let err = pipe.generate(&req).unwrap_err().to_string();
     assert!(err.contains("[1, 16, 8, 12]"), "{err}");
 }
+
+#[test]
+fn txt2img_picks_flux_by_class_name_and_makes_diffusers_png() {
+    let golden = Golden::load(NAME);
+    let s = &golden.json["dev"];
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("flux.png");
+    let text = |k: &str| s[k].to_string().trim_matches('"').to_string();
+    let run = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+            .args(["--model", model_dir("tiny-flux-dev").to_str().unwrap()])
+            .args(["--steps", &text("num_inference_steps")])
+            .args(["--seed", &text("seed")])
+            .args(["--width", &text("width"), "--height", &text("height")])
+            .args(["--max-sequence-length", &text("max_sequence_length")])
+            .args(["--quiet", "-o", out.to_str().unwrap()])
+            .args(extra)
+            .arg(text("prompt"))
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap()
+    };
+    let result = run(&[]);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(result.status.success(), "{stderr}");
+    // Default guidance 3.5, diffusers' FluxPipeline default, is the golden run's.
+    assert!(stderr.contains("guidance 3.5"), "{stderr}");
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, &format!("{NAME}-dev.png"), 2);
+    // PixArt's switch is refused for Flux.
+    let result = run(&["--force", "--no-resolution-binning"]);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        !result.status.success() && stderr.contains("PixArt"),
+        "{stderr}"
+    );
+}

@@ -1,5 +1,5 @@
 //! `txt2img`: generate images from a prompt with a diffusers-format model: Stable Diffusion
-//! 1.x/2.x or PixArt-Alpha/Sigma, picked by `model_index.json`'s `_class_name`.
+//! 1.x/2.x, SDXL, PixArt-Alpha/Sigma or Flux.1, picked by `model_index.json`'s `_class_name`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -16,6 +16,7 @@ use oxidiff::pipelines::{
     PipelineError, PipelineOutput, PixArtPipeline, PixArtRequest, StableDiffusionPipeline,
     StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
 };
+use oxidiff::pipelines::{FluxPipeline, FluxRequest, FLUX_CLASSES};
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
 
@@ -28,7 +29,7 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, PixArt-Alpha/Sigma)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, PixArt-Alpha/Sigma, Flux.1)"
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -47,11 +48,11 @@ struct Args {
     variant: Option<String>,
     #[arg(long)]
     negative_prompt: Option<String>,
-    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, else 50).
+    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, 28 for Flux, else 50).
     #[arg(long)]
     steps: Option<usize>,
     /// Classifier-free guidance scale; 1 or less disables guidance (default: 0 for sd-turbo,
-    /// 4.5 for PixArt, else 7.5).
+    /// 4.5 for PixArt, 3.5 for Flux dev's guidance embedding (schnell ignores it), else 7.5).
     #[arg(long)]
     guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
@@ -96,14 +97,18 @@ struct Args {
     /// later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     compile: bool,
-    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma); longer
-    /// prompts are cut with a warning.
+    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma) and Flux
+    /// (default and most: 512); longer prompts are cut with a warning.
     #[arg(long)]
     max_sequence_length: Option<usize>,
     /// PixArt: generate at exactly --width x --height instead of the nearest trained aspect
     /// ratio (diffusers' `use_resolution_binning=False`).
     #[arg(long)]
     no_resolution_binning: bool,
+    /// Flux: true classifier-free guidance with --negative-prompt when above 1 (diffusers'
+    /// `true_cfg_scale`; each step then runs the transformer twice). Default 1: off.
+    #[arg(long, default_value_t = 1.0)]
+    true_cfg_scale: f64,
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
@@ -181,7 +186,20 @@ fn run(mut args: Args) -> Result<()> {
         .with_context(|| format!("loading {}", args.model))?;
     let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
     let pixart = PIXART_CLASSES.contains(&class.as_str());
-    if !pixart && (args.max_sequence_length.is_some() || args.no_resolution_binning) {
+    let flux = FLUX_CLASSES.contains(&class.as_str());
+    if flux && args.no_resolution_binning {
+        bail!(
+            "--no-resolution-binning applies to PixArt models; {} is a {class}",
+            args.model
+        );
+    }
+    if !flux && args.true_cfg_scale != 1.0 {
+        bail!(
+            "--true-cfg-scale applies to Flux models; {} is a {class}",
+            args.model
+        );
+    }
+    if !pixart && !flux && (args.max_sequence_length.is_some() || args.no_resolution_binning) {
         bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models; {} is a {class}", args.model);
     }
     let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
@@ -189,6 +207,8 @@ fn run(mut args: Args) -> Result<()> {
         1
     } else if pixart {
         20
+    } else if flux {
+        28
     } else {
         50
     });
@@ -197,6 +217,8 @@ fn run(mut args: Args) -> Result<()> {
         0.0
     } else if pixart {
         4.5
+    } else if flux {
+        3.5
     } else if class == SDXL_CLASS {
         5.0
     } else {
@@ -255,7 +277,11 @@ fn run(mut args: Args) -> Result<()> {
         pipe.compile()?;
     }
     let loaded = started.elapsed();
-    let pixart_options = (args.max_sequence_length, !args.no_resolution_binning);
+    let pixart_options = (
+        args.max_sequence_length,
+        !args.no_resolution_binning,
+        args.true_cfg_scale,
+    );
     let sampler = args
         .scheduler
         .clone()
@@ -331,11 +357,14 @@ enum Pipeline {
     Sd(Box<StableDiffusionPipeline<Oxi>>),
     Xl(Box<StableDiffusionXLPipeline<Oxi>>),
     PixArt(Box<PixArtPipeline<Oxi>>),
+    Flux(Box<FluxPipeline<Oxi>>),
 }
 
 impl Pipeline {
     fn load(dir: &Path, class: &str, options: &LoadOptions, device: &OxiDevice) -> Result<Self> {
-        Ok(if PIXART_CLASSES.contains(&class) {
+        Ok(if FLUX_CLASSES.contains(&class) {
+            Self::Flux(Box::new(FluxPipeline::from_dir(dir, options, device)?))
+        } else if PIXART_CLASSES.contains(&class) {
             Self::PixArt(Box::new(PixArtPipeline::from_dir(dir, options, device)?))
         } else if class == SDXL_CLASS {
             Self::Xl(Box::new(StableDiffusionXLPipeline::from_dir(
@@ -353,6 +382,7 @@ impl Pipeline {
             Self::Sd(pipe) => Ok(pipe.compile()?),
             Self::Xl(pipe) => Ok(pipe.compile()?),
             Self::PixArt(pipe) => Ok(pipe.compile()?),
+            Self::Flux(pipe) => Ok(pipe.compile()?),
         }
     }
 
@@ -370,6 +400,7 @@ impl Pipeline {
             }
             Self::Xl(pipe) => pipe.compiles(),
             Self::PixArt(pipe) => pipe.compiles(),
+            Self::Flux(pipe) => pipe.compiles(),
         };
         match programs {
             Some(n) => format!("compiled: {n} program(s)"),
@@ -382,14 +413,16 @@ impl Pipeline {
             Self::Sd(pipe) => pipe.scheduler.kind().class_name(),
             Self::Xl(pipe) => pipe.scheduler.kind().class_name(),
             Self::PixArt(pipe) => pipe.scheduler.kind().class_name(),
+            Self::Flux(pipe) => pipe.scheduler.kind().class_name(),
         }
     }
 
-    /// `(max_sequence_length, resolution_binning)` only matter to PixArt.
+    /// `(max_sequence_length, resolution_binning, true_cfg_scale)` only matter to PixArt and
+    /// Flux.
     fn generate_with(
         &mut self,
         request: GenerateRequest<Oxi>,
-        (max_sequence_length, resolution_binning): (Option<usize>, bool),
+        (max_sequence_length, resolution_binning, true_cfg_scale): (Option<usize>, bool, f64),
         generator: &mut TorchCpuGenerator,
         callback: impl FnMut(StepInfo<'_, Oxi>),
     ) -> Result<PipelineOutput<Oxi>, PipelineError> {
@@ -403,6 +436,16 @@ impl Pipeline {
                     common: request,
                     max_sequence_length,
                     resolution_binning,
+                };
+                pipe.generate_with(&request, generator, callback)
+            }
+            Self::Flux(pipe) => {
+                let request = FluxRequest {
+                    common: request,
+                    max_sequence_length: max_sequence_length
+                        .unwrap_or(oxidiff::pipelines::flux::FLUX_MAX_SEQUENCE_LENGTH),
+                    true_cfg_scale,
+                    ..Default::default()
                 };
                 pipe.generate_with(&request, generator, callback)
             }
