@@ -157,7 +157,7 @@ impl<B: Backend> PatchEmbed<B> {
 }
 
 /// diffusers' `PixArtAlphaTextProjection`: `linear_1`, an activation (tanh GELU for PixArt's
-/// caption, SiLU for the pooled text of Flux and SD3), `linear_2`.
+/// caption, SiLU for SD3's pooled text), `linear_2`.
 #[derive(Module, Debug)]
 pub struct PixArtAlphaTextProjection<B: Backend> {
     pub linear_1: Linear<B>,
@@ -167,12 +167,12 @@ pub struct PixArtAlphaTextProjection<B: Backend> {
 }
 
 impl<B: Backend> PixArtAlphaTextProjection<B> {
-    /// The caption projection of PixArt (`act_fn="gelu_tanh"`).
+    /// The caption projection with tanh GELU (`act_fn="gelu_tanh"`).
     pub fn load(vb: &VarBuilder<B>, in_features: usize, hidden: usize) -> Result<Self> {
         Self::load_with(vb, in_features, hidden, Activation::GeluTanh)
     }
 
-    /// With another activation (`act_fn="silu"` in `CombinedTimestepTextProjEmbeddings`).
+    /// The projection with another activation (`act_fn="silu"` in SD3's time-text embedding).
     pub fn load_with(
         vb: &VarBuilder<B>,
         in_features: usize,
@@ -189,6 +189,43 @@ impl<B: Backend> PixArtAlphaTextProjection<B> {
     pub fn forward<const D: usize>(&self, caption: Tensor<B, D>) -> Tensor<B, D> {
         let h = self.act.forward(self.linear_1.forward(caption));
         self.linear_2.forward(h)
+    }
+}
+
+/// diffusers' `CombinedTimestepTextProjEmbeddings` (SD3): the sinusoidal timestep embedding
+/// plus the projected pooled text embedding, `[batch, dim]`.
+#[derive(Module, Debug)]
+pub struct CombinedTimestepTextProjEmbeddings<B: Backend> {
+    pub time_proj: Timesteps<B>,
+    pub timestep_embedder: TimestepEmbedding<B>,
+    pub text_embedder: PixArtAlphaTextProjection<B>,
+}
+
+impl<B: Backend> CombinedTimestepTextProjEmbeddings<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize, pooled_projection_dim: usize) -> Result<Self> {
+        Ok(Self {
+            time_proj: Timesteps::new(256, true, 0.0, vb.device()),
+            timestep_embedder: TimestepEmbedding::load(
+                &vb.pp("timestep_embedder"),
+                256,
+                dim,
+                Activation::Silu,
+            )?,
+            text_embedder: PixArtAlphaTextProjection::load_with(
+                &vb.pp("text_embedder"),
+                pooled_projection_dim,
+                dim,
+                Activation::Silu,
+            )?,
+        })
+    }
+
+    /// `timestep` `[batch]` and `pooled` `[batch, pooled_projection_dim]` to `[batch, dim]`.
+    pub fn forward(&self, timestep: Tensor<B, 1>, pooled: Tensor<B, 2>) -> Tensor<B, 2> {
+        let t = self
+            .timestep_embedder
+            .forward(self.time_proj.forward(timestep));
+        t + self.text_embedder.forward(pooled)
     }
 }
 
@@ -283,64 +320,49 @@ impl<B: Backend> PixArtAlphaCombinedTimestepSizeEmbeddings<B> {
     }
 }
 
-/// diffusers' `CombinedTimestepTextProjEmbeddings` and, with `guidance_embedder`,
-/// `CombinedTimestepGuidanceTextProjEmbeddings` (Flux dev): the embedded timestep, plus the
-/// embedded guidance scale when the model is guidance-distilled, plus the projected pooled
-/// text embedding. One type for both, since the guidance embedder is their only difference.
+/// diffusers' `CombinedTimestepGuidanceTextProjEmbeddings` (Flux dev, guidance-distilled):
+/// [`CombinedTimestepTextProjEmbeddings`] plus the guidance scale embedded like a timestep
+/// (`guidance_embedder`), `[batch, dim]`.
 #[derive(Module, Debug)]
-pub struct CombinedTimestepTextProjEmbeddings<B: Backend> {
+pub struct CombinedTimestepGuidanceTextProjEmbeddings<B: Backend> {
     pub time_proj: Timesteps<B>,
     pub timestep_embedder: TimestepEmbedding<B>,
-    pub guidance_embedder: Option<TimestepEmbedding<B>>,
+    pub guidance_embedder: TimestepEmbedding<B>,
     pub text_embedder: PixArtAlphaTextProjection<B>,
 }
 
-/// diffusers' name for the guidance-embedding variant: the same type.
-pub type CombinedTimestepGuidanceTextProjEmbeddings<B> = CombinedTimestepTextProjEmbeddings<B>;
-
-impl<B: Backend> CombinedTimestepTextProjEmbeddings<B> {
-    /// `guidance`: whether the checkpoint has a `guidance_embedder` (`guidance_embeds`).
-    pub fn load(
-        vb: &VarBuilder<B>,
-        embedding_dim: usize,
-        pooled_projection_dim: usize,
-        guidance: bool,
-    ) -> Result<Self> {
-        let embedder = |name: &str| {
-            TimestepEmbedding::load(&vb.pp(name), 256, embedding_dim, Activation::Silu)
-        };
+impl<B: Backend> CombinedTimestepGuidanceTextProjEmbeddings<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize, pooled_projection_dim: usize) -> Result<Self> {
+        let embedder =
+            |name: &str| TimestepEmbedding::load(&vb.pp(name), 256, dim, Activation::Silu);
         Ok(Self {
             time_proj: Timesteps::new(256, true, 0.0, vb.device()),
             timestep_embedder: embedder("timestep_embedder")?,
-            guidance_embedder: if guidance {
-                Some(embedder("guidance_embedder")?)
-            } else {
-                None
-            },
+            guidance_embedder: embedder("guidance_embedder")?,
             text_embedder: PixArtAlphaTextProjection::load_with(
                 &vb.pp("text_embedder"),
                 pooled_projection_dim,
-                embedding_dim,
+                dim,
                 Activation::Silu,
             )?,
         })
     }
 
-    /// `timestep` `[batch]`, `guidance` `[batch]` (used only with a guidance embedder) and
-    /// `pooled_projection` `[batch, pooled_projection_dim]` to the conditioning `[batch, dim]`.
+    /// `timestep` and `guidance` `[batch]`, `pooled` `[batch, pooled_projection_dim]` to
+    /// `[batch, dim]`.
     pub fn forward(
         &self,
         timestep: Tensor<B, 1>,
-        guidance: Option<Tensor<B, 1>>,
-        pooled_projection: Tensor<B, 2>,
+        guidance: Tensor<B, 1>,
+        pooled: Tensor<B, 2>,
     ) -> Tensor<B, 2> {
-        let mut emb = self
+        let t = self
             .timestep_embedder
             .forward(self.time_proj.forward(timestep));
-        if let (Some(embedder), Some(guidance)) = (&self.guidance_embedder, guidance) {
-            emb = emb + embedder.forward(self.time_proj.forward(guidance));
-        }
-        emb + self.text_embedder.forward(pooled_projection)
+        let g = self
+            .guidance_embedder
+            .forward(self.time_proj.forward(guidance));
+        t + g + self.text_embedder.forward(pooled)
     }
 }
 

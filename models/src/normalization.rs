@@ -3,16 +3,13 @@
 //! The modulation itself (`x * (1 + scale) + shift`) is applied by the blocks; here live the
 //! layers that produce the scales and shifts from the timestep (and conditions).
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-use burn::module::Param;
-use burn::tensor::activation::silu;
-
 use crate::embeddings::{MicroConditions, PixArtAlphaCombinedTimestepSizeEmbeddings};
 use crate::error::Result;
-use crate::nn::{layer_norm, Linear};
+use crate::nn::Linear;
 use crate::weights::VarBuilder;
 
 /// diffusers' `AdaLayerNormSingle` (adaLN-single of PixArt): one timestep embedding shared by
@@ -58,15 +55,8 @@ pub fn modulate<B: Backend>(
     x * scale.add_scalar(1.0) + shift
 }
 
-/// Column `i` of `n` equal chunks of a `[batch, n * dim]` modulation, as `[batch, 1, dim]`
-/// (torch's `emb.chunk(n, dim=1)[i][:, None]`).
-fn chunk<B: Backend>(emb: &Tensor<B, 2>, n: usize, i: usize) -> Tensor<B, 3> {
-    let dim = emb.dims()[1] / n;
-    emb.clone().narrow(1, i * dim, dim).unsqueeze_dim(1)
-}
-
-/// diffusers' `RMSNorm` (and `torch.nn.RMSNorm`) over the last dimension:
-/// `x / sqrt(mean(x^2) + eps)`, times `weight` when the layer has one (`elementwise_affine`).
+/// diffusers' `RMSNorm` over the last dimension: `x / sqrt(mean(x^2) + eps)`, times `weight`
+/// when it has one (`elementwise_affine`). The QK norm of SD3.5 and Flux (per head).
 #[derive(Module, Debug)]
 pub struct RMSNorm<B: Backend> {
     pub weight: Option<Param<Tensor<B, 1>>>,
@@ -90,17 +80,30 @@ impl<B: Backend> RMSNorm<B> {
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let variance = x.clone().powi_scalar(2).mean_dim(D - 1);
-        let normed = x / variance.add_scalar(self.eps).sqrt();
+        let normed = x * variance.add_scalar(self.eps).sqrt().recip();
         match &self.weight {
-            Some(w) => normed * w.val().unsqueeze(),
+            Some(weight) => normed * weight.val().unsqueeze(),
             None => normed,
         }
     }
 }
 
-/// What [`AdaLayerNormZero`] returns: the modulated input and the attention gate, then the
-/// feed-forward's shift, scale and gate (each `[batch, 1, dim]`).
-pub struct AdaLayerNormZeroOutput<B: Backend> {
+/// The `N` modulation vectors `[batch, 1, dim]` of `linear(silu(emb))`, in diffusers' chunk
+/// order.
+fn modulation_chunks<B: Backend, const N: usize>(
+    linear: &Linear<B>,
+    emb: Tensor<B, 2>,
+) -> [Tensor<B, 3>; N] {
+    let out = linear.forward(burn::tensor::activation::silu(emb));
+    let [b, width] = out.dims();
+    let out: Tensor<B, 3> = out.reshape([b, N, width / N]);
+    std::array::from_fn(|i| out.clone().narrow(1, i, 1))
+}
+
+/// What [`AdaLayerNormZero`] returns: the modulated input and the other four vectors, each
+/// `[batch, 1, dim]`.
+#[derive(Debug, Clone)]
+pub struct AdaLnZeroOutput<B: Backend> {
     pub x: Tensor<B, 3>,
     pub gate_msa: Tensor<B, 3>,
     pub shift_mlp: Tensor<B, 3>,
@@ -108,58 +111,37 @@ pub struct AdaLayerNormZeroOutput<B: Backend> {
     pub gate_mlp: Tensor<B, 3>,
 }
 
-/// diffusers' `AdaLayerNormZero` (adaLN-Zero of the MMDiT blocks, without its own
-/// embedding): `linear(silu(emb))` gives six modulations; the input is layer-normed (no
-/// affine, eps 1e-6) and modulated by the first two.
+/// diffusers' `AdaLayerNormZero` (adaLN-Zero, without its own embedding: `emb` is given):
+/// `linear(silu(emb))` in six chunks (shift, scale, gate of the attention, then of the MLP);
+/// the input is layer-normed (no affine, eps 1e-6) and modulated by the first two.
 #[derive(Module, Debug)]
 pub struct AdaLayerNormZero<B: Backend> {
     pub linear: Linear<B>,
 }
 
 impl<B: Backend> AdaLayerNormZero<B> {
-    pub fn load(vb: &VarBuilder<B>, embedding_dim: usize) -> Result<Self> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize) -> Result<Self> {
         Ok(Self {
-            linear: Linear::load(&vb.pp("linear"), embedding_dim, 6 * embedding_dim, true)?,
+            linear: Linear::load(&vb.pp("linear"), dim, 6 * dim, true)?,
         })
     }
 
-    /// `x` `[batch, seq, dim]`, `emb` `[batch, dim]`.
-    pub fn forward(&self, x: Tensor<B, 3>, emb: Tensor<B, 2>) -> AdaLayerNormZeroOutput<B> {
-        let emb = self.linear.forward(silu(emb));
-        let part = |i| chunk(&emb, 6, i);
-        AdaLayerNormZeroOutput {
-            x: modulate(layer_norm(x, 1e-6), part(0), part(1)),
-            gate_msa: part(2),
-            shift_mlp: part(3),
-            scale_mlp: part(4),
-            gate_mlp: part(5),
+    pub fn forward(&self, x: Tensor<B, 3>, emb: Tensor<B, 2>) -> AdaLnZeroOutput<B> {
+        let [shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp] =
+            modulation_chunks(&self.linear, emb);
+        AdaLnZeroOutput {
+            x: modulate(crate::nn::layer_norm(x, 1e-6), shift_msa, scale_msa),
+            gate_msa,
+            shift_mlp,
+            scale_mlp,
+            gate_mlp,
         }
     }
 }
 
-/// diffusers' `AdaLayerNormZeroSingle` (Flux's single-stream blocks): three modulations,
-/// returns the modulated input and the gate `[batch, 1, dim]`.
-#[derive(Module, Debug)]
-pub struct AdaLayerNormZeroSingle<B: Backend> {
-    pub linear: Linear<B>,
-}
-
-impl<B: Backend> AdaLayerNormZeroSingle<B> {
-    pub fn load(vb: &VarBuilder<B>, embedding_dim: usize) -> Result<Self> {
-        Ok(Self {
-            linear: Linear::load(&vb.pp("linear"), embedding_dim, 3 * embedding_dim, true)?,
-        })
-    }
-
-    pub fn forward(&self, x: Tensor<B, 3>, emb: Tensor<B, 2>) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let emb = self.linear.forward(silu(emb));
-        let part = |i| chunk(&emb, 3, i);
-        (modulate(layer_norm(x, 1e-6), part(0), part(1)), part(2))
-    }
-}
-
-/// diffusers' `AdaLayerNormContinuous` with a layer norm without affine parameters (as Flux
-/// and SD3 build their `norm_out`): `linear(silu(cond))` gives scale then shift.
+/// diffusers' `AdaLayerNormContinuous` with `elementwise_affine=False` and a layer norm (as
+/// SD3 and Flux use it): `linear(silu(cond))` gives scale then shift (that order), applied to
+/// the parameter-free layer norm of `x`.
 #[derive(Module, Debug)]
 pub struct AdaLayerNormContinuous<B: Backend> {
     pub linear: Linear<B>,
@@ -167,26 +149,39 @@ pub struct AdaLayerNormContinuous<B: Backend> {
 }
 
 impl<B: Backend> AdaLayerNormContinuous<B> {
-    pub fn load(
-        vb: &VarBuilder<B>,
-        embedding_dim: usize,
-        conditioning_embedding_dim: usize,
-        eps: f64,
-    ) -> Result<Self> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize, conditioning_dim: usize, eps: f64) -> Result<Self> {
         Ok(Self {
-            linear: Linear::load(
-                &vb.pp("linear"),
-                conditioning_embedding_dim,
-                2 * embedding_dim,
-                true,
-            )?,
+            linear: Linear::load(&vb.pp("linear"), conditioning_dim, 2 * dim, true)?,
             eps,
         })
     }
 
     pub fn forward(&self, x: Tensor<B, 3>, conditioning: Tensor<B, 2>) -> Tensor<B, 3> {
-        let emb = self.linear.forward(silu(conditioning));
-        let (scale, shift) = (chunk(&emb, 2, 0), chunk(&emb, 2, 1));
-        modulate(layer_norm(x, self.eps), shift, scale)
+        let [scale, shift] = modulation_chunks(&self.linear, conditioning);
+        modulate(crate::nn::layer_norm(x, self.eps), shift, scale)
+    }
+}
+
+/// diffusers' `AdaLayerNormZeroSingle` (Flux's single-stream blocks): three chunks (shift,
+/// scale, gate); returns the modulated parameter-free layer norm of `x` (eps 1e-6) and the
+/// gate `[batch, 1, dim]`.
+#[derive(Module, Debug)]
+pub struct AdaLayerNormZeroSingle<B: Backend> {
+    pub linear: Linear<B>,
+}
+
+impl<B: Backend> AdaLayerNormZeroSingle<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize) -> Result<Self> {
+        Ok(Self {
+            linear: Linear::load(&vb.pp("linear"), dim, 3 * dim, true)?,
+        })
+    }
+
+    pub fn forward(&self, x: Tensor<B, 3>, emb: Tensor<B, 2>) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let [shift_msa, scale_msa, gate_msa] = modulation_chunks(&self.linear, emb);
+        (
+            modulate(crate::nn::layer_norm(x, 1e-6), shift_msa, scale_msa),
+            gate_msa,
+        )
     }
 }

@@ -22,7 +22,8 @@ use serde::Deserialize;
 use crate::attention::{scaled_dot_product_attention, FeedForward, FeedForwardActivation};
 use crate::config::load_json;
 use crate::embeddings::{
-    apply_rotary_emb, CombinedTimestepTextProjEmbeddings, FluxPosEmbed, RotaryEmbedding,
+    apply_rotary_emb, CombinedTimestepGuidanceTextProjEmbeddings,
+    CombinedTimestepTextProjEmbeddings, FluxPosEmbed, RotaryEmbedding,
 };
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
@@ -353,10 +354,44 @@ impl<B: Backend> FluxSingleTransformerBlock<B> {
     }
 }
 
+/// The conditioning embedding of a Flux transformer: diffusers picks the class by
+/// `guidance_embeds`.
+// One per model: the variants' size difference (a few hundred bytes) does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum FluxTimeTextEmbed<B: Backend> {
+    /// schnell: timestep and pooled text.
+    TimestepText(CombinedTimestepTextProjEmbeddings<B>),
+    /// dev: timestep, guidance scale and pooled text.
+    TimestepGuidanceText(CombinedTimestepGuidanceTextProjEmbeddings<B>),
+}
+
+impl<B: Backend> FluxTimeTextEmbed<B> {
+    /// `guidance` is used only by the guidance embedding (callers check it is given).
+    pub fn forward(
+        &self,
+        timestep: Tensor<B, 1>,
+        guidance: Option<Tensor<B, 1>>,
+        pooled: Tensor<B, 2>,
+    ) -> Tensor<B, 2> {
+        match (self, guidance) {
+            (Self::TimestepGuidanceText(embed), Some(guidance)) => {
+                embed.forward(timestep, guidance, pooled)
+            }
+            (Self::TimestepGuidanceText(embed), None) => {
+                // Unreachable through `forward`, which checks; zero guidance keeps it total.
+                let guidance = timestep.zeros_like();
+                embed.forward(timestep, guidance, pooled)
+            }
+            (Self::TimestepText(embed), _) => embed.forward(timestep, pooled),
+        }
+    }
+}
+
 /// diffusers' `FluxTransformer2DModel`.
 #[derive(Module, Debug)]
 pub struct FluxTransformer2DModel<B: Backend> {
-    pub time_text_embed: CombinedTimestepTextProjEmbeddings<B>,
+    pub time_text_embed: FluxTimeTextEmbed<B>,
     pub context_embedder: Linear<B>,
     pub x_embedder: Linear<B>,
     pub transformer_blocks: Vec<FluxTransformerBlock<B>>,
@@ -391,12 +426,24 @@ impl<B: Backend> FluxTransformer2DModel<B> {
             .collect::<Result<Vec<_>>>()?;
         let out_channels = cfg.out_channels();
         Ok(Self {
-            time_text_embed: CombinedTimestepTextProjEmbeddings::load(
-                &vb.pp("time_text_embed"),
-                dim,
-                cfg.pooled_projection_dim,
-                cfg.guidance_embeds,
-            )?,
+            time_text_embed: {
+                let vb = vb.pp("time_text_embed");
+                if cfg.guidance_embeds {
+                    FluxTimeTextEmbed::TimestepGuidanceText(
+                        CombinedTimestepGuidanceTextProjEmbeddings::load(
+                            &vb,
+                            dim,
+                            cfg.pooled_projection_dim,
+                        )?,
+                    )
+                } else {
+                    FluxTimeTextEmbed::TimestepText(CombinedTimestepTextProjEmbeddings::load(
+                        &vb,
+                        dim,
+                        cfg.pooled_projection_dim,
+                    )?)
+                }
+            },
             context_embedder: Linear::load(
                 &vb.pp("context_embedder"),
                 cfg.joint_attention_dim,
@@ -432,7 +479,10 @@ impl<B: Backend> FluxTransformer2DModel<B> {
     /// Whether this is a guidance-distilled model (dev) that takes the guidance scale as an
     /// input (`guidance_embeds`).
     pub fn guidance_embeds(&self) -> bool {
-        self.time_text_embed.guidance_embedder.is_some()
+        matches!(
+            self.time_text_embed,
+            FluxTimeTextEmbed::TimestepGuidanceText(_)
+        )
     }
 
     /// The rotary tables for text ids then image ids (each `[seq][3]`), as diffusers'
