@@ -88,6 +88,17 @@ fn assert_matches_golden<Bk: Backend>(
         // diffusers' timesteps are f32 `sigma * 1000`.
         assert!((a - e).abs() <= 1e-3, "timesteps {ours:?} vs {expected:?}");
     }
+    let sigmas: Vec<f64> = golden.json[format!("{tag}.sigmas")]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let ours = pipe.scheduler.sigmas().expect("flow matching has sigmas");
+    assert_eq!(ours.len(), sigmas.len());
+    for (a, e) in ours.iter().zip(&sigmas) {
+        assert!((a - e).abs() <= 1e-6, "sigmas {ours:?} vs {sigmas:?}");
+    }
     let cpu = Default::default();
     for (i, (_, latents)) in steps.into_iter().enumerate() {
         let latents: Tensor<B, 3> = Tensor::from_data(latents.into_data(), &cpu);
@@ -149,6 +160,34 @@ fn seeded_latents_are_diffusers_draw() {
     let b = pipe.generate(&req).unwrap();
     assert_eq!(*steps.borrow(), 1);
     assert_eq!(to_vec(a.latents), to_vec(b.latents));
+}
+
+#[test]
+fn two_images_per_prompt_each_match_the_single_run() {
+    let golden = Golden::load(NAME);
+    let device = Default::default();
+    let mut pipe = load::<B>("dev", &device);
+    let mut req = request::<B>(&golden, "dev");
+    req.common.num_images_per_prompt = 2;
+    let initial: Tensor<B, 4> = golden.tensor("dev.initial_latents");
+    req.common.latents = Some(Tensor::cat(vec![initial.clone(), initial], 0));
+    req.common.output = oxidiff::pipelines::OutputType::Latents;
+    let steps = RefCell::new(Vec::new());
+    pipe.generate_with(&req, &mut TorchCpuGenerator::new(0), |info| {
+        steps.borrow_mut().push(pack_latents(info.latents.clone()))
+    })
+    .unwrap();
+    for (i, latents) in steps.into_inner().into_iter().enumerate() {
+        assert_eq!(latents.dims()[0], 2);
+        for row in 0..2 {
+            assert_close(
+                &golden,
+                &format!("dev.step{i}"),
+                latents.clone().narrow(0, row, 1),
+                TOL,
+            );
+        }
+    }
 }
 
 /// A `tracing` writer into a shared buffer, to see the pipeline's warnings.
