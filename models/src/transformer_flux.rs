@@ -587,7 +587,8 @@ impl<B: Backend> FluxTransformer2DModel<B> {
     }
 
     /// [`forward`](Self::forward) for inputs already passed through
-    /// [`check_inputs`](Self::check_inputs) (a compiled step cannot return errors).
+    /// [`check_inputs`](Self::check_inputs) (a compiled step cannot return errors; a dev
+    /// model called without guidance here embeds a guidance of 0).
     pub fn forward_checked(
         &self,
         hidden_states: Tensor<B, 3>,
