@@ -219,7 +219,24 @@ impl Sources {
         build: impl FnOnce(VarBuilder<B>) -> oxidiff_models::Result<M>,
     ) -> Result<M> {
         let weights = Arc::new(weights);
-        let model = build(VarBuilder::new(weights.clone(), device))?;
+        let model = build(VarBuilder::new(weights.clone(), device)).map_err(|e| {
+            match (&self.config, e) {
+                // The built-in config did not fit: say where it came from and what to do.
+                (
+                    None,
+                    e @ (oxidiff_models::ModelError::Config { .. }
+                    | oxidiff_models::ModelError::ShapeMismatch { .. }
+                    | oxidiff_models::ModelError::MissingKey { .. }),
+                ) => PipelineError::SingleFile {
+                    path: self.file.path.clone(),
+                    reason: format!(
+                        "the {component} does not fit the built-in config of the released {}                          model (sizes read from the tensors, the rest as released): {e}; pass                          the matching diffusers folder as `config`",
+                        arch_name(self.file.arch)
+                    ),
+                },
+                (_, e) => e.into(),
+            }
+        })?;
         let unused = weights.unused_keys();
         if !unused.is_empty() {
             return Err(PipelineError::SingleFile {

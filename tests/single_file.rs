@@ -1,0 +1,503 @@
+//! Single-file checkpoints (`from_single_file`) against diffusers, on the tiny SD 1, SD 2 and
+//! SDXL pipelines converted to the LDM / A1111 layout by `tools/golden/make_single_file.py`
+//! (float16 files, as real single files usually are).
+//!
+//! - Every weight read through the renaming views equals the diffusers folder's weight rounded
+//!   to float16 (bit for bit), so the key mapping, the q/k/v split of OpenCLIP's fused
+//!   projection, its transposed `text_projection` and the VAE's 1x1-convolution attention are
+//!   exact.
+//! - Text embeddings, one UNet call, a VAE decode and the final image of a 4-step run match
+//!   diffusers' `from_single_file(config=folder)` on the same file within 1e-4 relative (f32
+//!   compute on both sides; 1 vs 2 torch threads differ by about 1e-5), the PNG within 2 levels.
+//! - Pickles, corrupt files and unknown architectures are refused with errors that say why.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Tensor, TensorData};
+use common::{assert_close, fixtures, model_dir, relative_error, Golden, B};
+use oxidiff::models::{
+    AddedCondition, ModelError, SingleFile, SingleFileArch, UNet2DConditionConfig, Weights,
+};
+use oxidiff::pipelines::{
+    GenerateRequest, PipelineError, SingleFileOptions, StableDiffusionPipeline,
+    StableDiffusionXLPipeline, XlOptions,
+};
+use oxidiff::schedulers::NoNoise;
+
+const TOL: f32 = 1e-4;
+
+fn checkpoint(name: &str) -> PathBuf {
+    fixtures()
+        .join("single-file")
+        .join(format!("{name}.safetensors"))
+}
+
+fn options(name: &str) -> SingleFileOptions {
+    SingleFileOptions {
+        config: Some(model_dir(name)),
+        ..Default::default()
+    }
+}
+
+fn golden(name: &str) -> Golden {
+    Golden::load(&format!("single-file-{name}"))
+}
+
+fn timestep(golden: &Golden) -> Tensor<B, 1> {
+    let t = golden.json["unet_timestep"].as_f64().unwrap() as f32;
+    Tensor::from_data(TensorData::new(vec![t], [1]), &Default::default())
+}
+
+fn request(golden: &Golden) -> GenerateRequest<B> {
+    let s = &golden.json["pipeline"];
+    GenerateRequest {
+        prompts: vec![s["prompt"].as_str().unwrap().into()],
+        negative_prompts: vec![s["negative_prompt"].as_str().unwrap().into()],
+        num_inference_steps: s["num_inference_steps"].as_u64().unwrap() as usize,
+        guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+        width: Some(s["width"].as_u64().unwrap() as usize),
+        height: Some(s["height"].as_u64().unwrap() as usize),
+        latents: Some(golden.tensor("pipe.latents")),
+        ..Default::default()
+    }
+}
+
+fn assert_image(golden: &Golden, name: &str, images: &oxidiff::pipelines::Images) {
+    let (expected, _) = golden.host("pipe.image");
+    let err = relative_error(&images.data, &expected);
+    assert!(err <= TOL, "{name}: image relative error {err:e}");
+    common::assert_png_close(
+        &images.to_rgb8(0).unwrap(),
+        &format!("single-file-{name}.png"),
+        2,
+    );
+}
+
+/// SD 1.x/2.x: CLIP embeddings, UNet, VAE decode and the 4-step run with the folder's
+/// scheduler.
+fn sd_matches_diffusers(name: &str, scheduler_class: &str) {
+    let golden = golden(name);
+    let mut pipe = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint(name),
+        &options(name),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(golden.json["scheduler"], scheduler_class);
+    assert_eq!(pipe.scheduler.kind().class_name(), scheduler_class);
+    let ids = golden.token_rows("clip.input_ids");
+    let text = pipe.text_encoder.forward(&ids, false).unwrap();
+    assert_close(
+        &golden,
+        "clip.last_hidden_state",
+        text.last_hidden_state,
+        TOL,
+    );
+    let out = pipe.unet.forward(
+        golden.tensor("unet.sample"),
+        timestep(&golden),
+        golden.tensor("unet.encoder_hidden_states"),
+    );
+    assert_close(&golden, "unet.out", out, TOL);
+    let decoded = pipe.vae.decode(golden.tensor("vae.decode.in"));
+    assert_close(&golden, "vae.decode.out", decoded, TOL);
+    let out = pipe
+        .generate_with(&request(&golden), &mut NoNoise, |_| {})
+        .unwrap();
+    assert_image(&golden, name, &out.images.unwrap());
+}
+
+#[test]
+fn sd1_single_file_matches_diffusers_from_single_file() {
+    sd_matches_diffusers("tiny-sd1", "PNDMScheduler");
+}
+
+#[test]
+fn sd2_single_file_with_open_clip_matches_diffusers_from_single_file() {
+    sd_matches_diffusers("tiny-sd2", "DDIMScheduler");
+}
+
+#[test]
+fn sdxl_single_file_matches_diffusers_from_single_file() {
+    let name = "tiny-sdxl";
+    let golden = golden(name);
+    let mut pipe = StableDiffusionXLPipeline::<B>::from_single_file(
+        &checkpoint(name),
+        &options(name),
+        &Default::default(),
+    )
+    .unwrap();
+    for (key, encoder) in [("te1", &pipe.text_encoder), ("te2", &pipe.text_encoder_2)] {
+        let out = encoder
+            .forward(&golden.token_rows(&format!("{key}.input_ids")), true)
+            .unwrap();
+        let n = out.hidden_states.len();
+        assert_close(
+            &golden,
+            &format!("{key}.penultimate"),
+            out.hidden_states[n - 2].clone(),
+            TOL,
+        );
+        if key == "te2" {
+            assert_close(&golden, "te2.text_embeds", out.text_embeds.unwrap(), TOL);
+        }
+    }
+    let added = AddedCondition {
+        text_embeds: golden.tensor("unet.text_embeds"),
+        time_ids: golden.tensor("unet.time_ids"),
+    };
+    let out = pipe
+        .unet
+        .forward_with_condition(
+            golden.tensor("unet.sample"),
+            timestep(&golden),
+            golden.tensor("unet.encoder_hidden_states"),
+            Some(&added),
+        )
+        .unwrap();
+    assert_close(&golden, "unet.out", out, TOL);
+    let decoded = pipe.vae.decode(golden.tensor("vae.decode.in"));
+    assert_close(&golden, "vae.decode.out", decoded, TOL);
+    let out = pipe
+        .generate_with(
+            &request(&golden),
+            &XlOptions::default(),
+            &mut NoNoise,
+            |_| {},
+        )
+        .unwrap();
+    assert_image(&golden, name, &out.images.unwrap());
+}
+
+/// Every tensor of `folder` (a diffusers component) read from `view` is the same tensor
+/// rounded to float16; both hold the same names (`text_model.` added where transformers 5
+/// leaves it out).
+fn assert_same_weights(view: &Weights, folder: &Weights, what: &str) {
+    let mut names: Vec<&str> = folder
+        .keys()
+        .filter(|k| !k.ends_with("position_ids"))
+        .collect();
+    names.sort_unstable();
+    let mut view_names: Vec<String> = view.keys().map(str::to_string).collect();
+    view_names.sort();
+    let prefixed = |k: &str| {
+        if view.contains(k) {
+            k.to_string()
+        } else {
+            format!("text_model.{k}")
+        }
+    };
+    let mut expected: Vec<String> = names.iter().map(|k| prefixed(k)).collect();
+    expected.sort();
+    assert_eq!(view_names, expected, "{what}: tensor names");
+    for name in names {
+        let (theirs, their_shape) = folder.read_f32(name).unwrap();
+        let (ours, shape) = view.read_f32(&prefixed(name)).unwrap();
+        assert_eq!(shape, their_shape, "{what}: {name} shape");
+        let rounded: Vec<f32> = theirs
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_f32())
+            .collect();
+        assert!(
+            ours == rounded,
+            "{what}: {name} differs from the folder's weight"
+        );
+    }
+}
+
+fn component(name: &str, part: &str) -> Weights {
+    let base = if part.starts_with("text_encoder") {
+        "model"
+    } else {
+        "diffusion_pytorch_model"
+    };
+    Weights::from_component_dir(&model_dir(name).join(part), &[base], None).unwrap()
+}
+
+#[test]
+fn every_weight_maps_onto_the_diffusers_folders_weight() {
+    for name in ["tiny-sd1", "tiny-sd2", "tiny-sdxl"] {
+        let file = SingleFile::open(&checkpoint(name)).unwrap();
+        assert_same_weights(
+            &file.unet_weights().unwrap(),
+            &component(name, "unet"),
+            name,
+        );
+        assert_same_weights(&file.vae_weights().unwrap(), &component(name, "vae"), name);
+        assert_same_weights(
+            &file.text_encoder_weights(3).unwrap(),
+            &component(name, "text_encoder"),
+            name,
+        );
+        if name == "tiny-sdxl" {
+            assert_same_weights(
+                &file.text_encoder_2_weights(3).unwrap(),
+                &component(name, "text_encoder_2"),
+                name,
+            );
+        }
+        // Only the DDPM schedule buffer (and SD 2's unused text_projection) is left over.
+        assert!(file.unmapped_keys(3, 3).unwrap().is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn architecture_and_tensor_sizes_are_read_from_the_keys() {
+    let arch = |name: &str| SingleFile::open(&checkpoint(name)).unwrap().arch;
+    assert_eq!(arch("tiny-sd1"), SingleFileArch::Sd1);
+    assert_eq!(arch("tiny-sd2"), SingleFileArch::Sd2);
+    assert_eq!(arch("tiny-sdxl"), SingleFileArch::SdxlBase);
+
+    for name in ["tiny-sd1", "tiny-sd2", "tiny-sdxl"] {
+        let file = SingleFile::open(&checkpoint(name)).unwrap();
+        let v = file.predicts_v();
+        assert_eq!(v, name == "tiny-sd2", "{name}: v prediction");
+        let dir = model_dir(name);
+        let want = UNet2DConditionConfig::from_file(&dir.join("unet/config.json")).unwrap();
+        let got = file.unet_config(v).unwrap();
+        assert_eq!(got.block_out_channels, want.block_out_channels, "{name}");
+        assert_eq!(got.layers_per_block, want.layers_per_block, "{name}");
+        assert_eq!(got.down_block_types, want.down_block_types, "{name}");
+        assert_eq!(got.up_block_types, want.up_block_types, "{name}");
+        assert_eq!(got.mid_block_type, want.mid_block_type, "{name}");
+        assert_eq!(got.cross_attention_dim, want.cross_attention_dim, "{name}");
+        assert_eq!(
+            got.use_linear_projection, want.use_linear_projection,
+            "{name}"
+        );
+        let depth = |c: &UNet2DConditionConfig| {
+            c.transformer_layers_per_block
+                .expand(c.block_out_channels.len(), "", Path::new(""))
+                .unwrap()
+        };
+        assert_eq!(depth(&got), depth(&want), "{name}");
+        assert_eq!(
+            got.projection_class_embeddings_input_dim, want.projection_class_embeddings_input_dim,
+            "{name}"
+        );
+        let vae_want =
+            oxidiff::models::AutoencoderKLConfig::from_file(&dir.join("vae/config.json")).unwrap();
+        let vae = file.vae_config(v).unwrap();
+        assert_eq!(
+            vae.block_out_channels, vae_want.block_out_channels,
+            "{name}"
+        );
+        assert_eq!(vae.layers_per_block, vae_want.layers_per_block, "{name}");
+        assert_eq!(vae.latent_channels, vae_want.latent_channels, "{name}");
+        let te_want =
+            oxidiff::models::ClipTextConfig::from_file(&dir.join("text_encoder/config.json"))
+                .unwrap();
+        let te = file.text_encoder_config().unwrap();
+        assert_eq!(te.hidden_size, te_want.hidden_size, "{name}");
+        assert_eq!(te.intermediate_size, te_want.intermediate_size, "{name}");
+        assert_eq!(te.vocab_size, te_want.vocab_size, "{name}");
+        // SD 2 uses the penultimate OpenCLIP block: one layer fewer than the file holds (as
+        // diffusers drops block 23 of a real SD 2's 24); the tiny SD 2 file holds 3.
+        let layers = if name == "tiny-sd2" { 2 } else { 3 };
+        assert_eq!(te.num_hidden_layers, layers, "{name}");
+        assert_eq!(te.hidden_act, te_want.hidden_act, "{name}");
+    }
+    let file = SingleFile::open(&checkpoint("tiny-sdxl")).unwrap();
+    let te2 = file.text_encoder_2_config().unwrap();
+    assert_eq!(
+        (te2.hidden_size, te2.num_hidden_layers, te2.projection_dim),
+        (8, 3, 8)
+    );
+}
+
+fn open_err(path: &Path) -> String {
+    SingleFile::open(path).unwrap_err().to_string()
+}
+
+#[test]
+fn pickle_checkpoints_are_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    for ext in ["ckpt", "pt", "pth", "bin"] {
+        let path = dir.path().join(format!("model.{ext}"));
+        std::fs::write(&path, b"\x80\x02}q\x00.").unwrap();
+        let err = SingleFile::open(&path).unwrap_err();
+        assert!(matches!(err, ModelError::Pickle { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains("execute arbitrary code"), "{msg}");
+        assert!(msg.contains("safetensors"), "{msg}");
+    }
+    // A PyTorch zip archive renamed to .safetensors is still a pickle.
+    let path = dir.path().join("renamed.safetensors");
+    std::fs::write(&path, b"PK\x03\x04archive/data.pkl").unwrap();
+    let msg = open_err(&path);
+    assert!(
+        msg.contains("zip archive") && msg.contains("pickle"),
+        "{msg}"
+    );
+    // Through the pipeline too.
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &dir.path().join("model.ckpt"),
+        &SingleFileOptions::default(),
+        &Default::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(err, PipelineError::Model(ModelError::Pickle { .. })),
+        "{err}"
+    );
+}
+
+#[test]
+fn corrupt_and_truncated_files_name_the_file_and_the_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(checkpoint("tiny-sd1")).unwrap();
+    let truncated = dir.path().join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let msg = open_err(&truncated);
+    assert!(msg.contains("truncated.safetensors"), "{msg}");
+    assert!(msg.contains("truncated or corrupt"), "{msg}");
+    assert!(msg.contains("bytes"), "the fault is said: {msg}");
+
+    let garbage = dir.path().join("garbage.safetensors");
+    let mut header = bytes[..64].to_vec();
+    header[8..16].copy_from_slice(b"{{{{{{{{");
+    std::fs::write(&garbage, &header).unwrap();
+    let msg = open_err(&garbage);
+    assert!(
+        msg.contains("garbage.safetensors") && msg.contains("corrupt"),
+        "{msg}"
+    );
+
+    let empty = dir.path().join("empty.safetensors");
+    std::fs::write(&empty, b"").unwrap();
+    let msg = open_err(&empty);
+    assert!(
+        msg.contains("empty.safetensors") && msg.contains("8-byte"),
+        "{msg}"
+    );
+
+    let missing = dir.path().join("missing.safetensors");
+    assert!(open_err(&missing).contains("missing.safetensors"));
+}
+
+fn write_tensors(path: &Path, keys: &[&str]) {
+    let data = [0u8; 16];
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = keys
+        .iter()
+        .map(|k| {
+            (
+                k.to_string(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 2], &data)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+#[test]
+fn unknown_architectures_name_the_keys_looked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let flux = dir.path().join("flux.safetensors");
+    write_tensors(&flux, &["double_blocks.0.img_attn.norm.key_norm.scale"]);
+    let err = SingleFile::open(&flux).unwrap_err();
+    assert!(
+        matches!(err, ModelError::UnknownArchitecture { .. }),
+        "{err}"
+    );
+    let msg = err.to_string();
+    for key in [
+        "model.diffusion_model.input_blocks.0.0.weight",
+        "cond_stage_model.model.token_embedding.weight",
+        "conditioner.embedders.1.model.transformer.resblocks.9.mlp.c_proj.bias",
+        "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+        "double_blocks.0.img_attn.norm.key_norm.scale",
+    ] {
+        assert!(msg.contains(key), "{key} missing from: {msg}");
+    }
+
+    // A diffusers component file is not a single-file checkpoint, and the error says so.
+    let unet = model_dir("tiny-sd1").join("unet/diffusion_pytorch_model.safetensors");
+    let msg = open_err(&unet);
+    assert!(msg.contains("diffusers' own"), "{msg}");
+
+    // A UNet without any text encoder this loader knows.
+    let bare = dir.path().join("bare.safetensors");
+    write_tensors(&bare, &["model.diffusion_model.input_blocks.0.0.weight"]);
+    let msg = open_err(&bare);
+    assert!(msg.contains("no text encoder"), "{msg}");
+}
+
+#[test]
+fn wrong_pipeline_missing_tokenizer_and_mismatched_config_are_errors() {
+    let device = Default::default();
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sdxl"),
+        &options("tiny-sdxl"),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("StableDiffusionXLPipeline::from_single_file"),
+        "{err}"
+    );
+    let err = StableDiffusionXLPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &options("tiny-sd1"),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("StableDiffusionPipeline::from_single_file"),
+        "{err}"
+    );
+
+    // No config and no tokenizer folder: the error says a single file has none and where to
+    // get one (an empty Hub cache, so the default repository is not found there).
+    let cache = tempfile::tempdir().unwrap();
+    std::env::set_var("HF_HUB_CACHE", cache.path());
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &SingleFileOptions::default(),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("carries no tokenizer"), "{err}");
+    assert!(
+        err.contains("stable-diffusion-v1-5/stable-diffusion-v1-5"),
+        "{err}"
+    );
+
+    // A tokenizer but no config: the built-in configs assume the released models' 32
+    // group-norm groups, which the tiny UNet does not have; the error names the fix.
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &SingleFileOptions {
+            tokenizer: Some(model_dir("tiny-sd1").join("tokenizer")),
+            ..Default::default()
+        },
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("norm_num_groups"), "{err}");
+
+    // The SD 2 folder's configs do not fit the SD 1 file.
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &options("tiny-sd2"),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("tiny-sd1.safetensors") || err.contains("weight"),
+        "{err}"
+    );
+}
