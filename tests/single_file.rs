@@ -501,3 +501,82 @@ fn wrong_pipeline_missing_tokenizer_and_mismatched_config_are_errors() {
         "{err}"
     );
 }
+
+/// `txt2img --model FILE.safetensors`: dispatched to `from_single_file` (SD or SDXL by the
+/// keys), the PNG within 2 levels of diffusers'.
+fn txt2img(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .expect("txt2img runs")
+}
+
+#[test]
+fn txt2img_takes_a_single_file_model_and_matches_diffusers_png() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["tiny-sd1", "tiny-sdxl"] {
+        let golden = golden(name);
+        let (values, shape) = golden.host("pipe.latents");
+        let latents = tmp.path().join(format!("{name}.npy"));
+        std::fs::write(&latents, oxidiff::latents::encode_npy(&values, &shape)).unwrap();
+        let out = tmp.path().join(format!("{name}.png"));
+        let s = &golden.json["pipeline"];
+        let (model, config) = (checkpoint(name), model_dir(name));
+        let guidance = s["guidance_scale"].as_f64().unwrap().to_string();
+        let result = txt2img(&[
+            "--model",
+            model.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--guidance",
+            &guidance,
+            "--negative-prompt",
+            s["negative_prompt"].as_str().unwrap(),
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            s["prompt"].as_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert!(result.status.success(), "{name}: {err}");
+        let ours = image::open(&out).unwrap().to_rgb8();
+        common::assert_png_close(&ours, &format!("single-file-{name}.png"), 2);
+    }
+
+    // A pickle is refused with the reason, exit status 1, nothing written.
+    let ckpt = tmp.path().join("model.ckpt");
+    std::fs::write(&ckpt, b"\x80\x02}q\x00.").unwrap();
+    let out = tmp.path().join("never.png");
+    let result = txt2img(&[
+        "--model",
+        ckpt.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "a prompt",
+    ]);
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{err}");
+    assert!(err.contains("execute arbitrary code"), "{err}");
+    assert!(!out.exists());
+
+    // --config belongs to single files.
+    let folder = model_dir("tiny-sd1");
+    let result = txt2img(&[
+        "--model",
+        folder.to_str().unwrap(),
+        "--config",
+        folder.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "a prompt",
+    ]);
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert!(err.contains("single-file"), "{err}");
+    assert!(!out.exists());
+}

@@ -519,9 +519,24 @@ impl SingleFile {
         };
         if self.arch == SingleFileArch::SdxlBase {
             config.addition_embed_type = Some("text_time".into());
-            config.addition_time_embed_dim = Some(256);
-            config.projection_class_embeddings_input_dim =
-                Some(self.dim(&format!("{p}label_emb.0.0.weight"), 1)?);
+            // `add_embedding` takes the pooled text embeds and 6 sinusoidal time ids:
+            // 2816 = 1280 + 6 * 256 for SDXL base.
+            let input = self.dim(&format!("{p}label_emb.0.0.weight"), 1)?;
+            let pooled = self.dim(&format!("{OPEN_CLIP_SDXL_PREFIX}text_projection"), 1)?;
+            let per_id = input.saturating_sub(pooled) / 6;
+            if per_id == 0 || pooled + 6 * per_id != input {
+                return Err(ModelError::UnknownArchitecture {
+                    path: self.path.clone(),
+                    reason: format!(
+                        "the UNet's `label_emb.0.0.weight` takes {input} inputs, which is not \
+                         the pooled text width {pooled} plus 6 time-id embeddings"
+                    ),
+                    looked_for: format!("`{p}label_emb.0.0.weight`"),
+                    found: first_keys(&self.weights),
+                });
+            }
+            config.addition_time_embed_dim = Some(per_id);
+            config.projection_class_embeddings_input_dim = Some(input);
         }
         Ok(config)
     }

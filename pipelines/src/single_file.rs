@@ -49,11 +49,12 @@ pub fn is_single_file(path: &Path) -> bool {
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
-    path.is_file()
-        || matches!(
-            ext.as_deref(),
-            Some("safetensors" | "ckpt" | "pt" | "pth" | "bin")
-        )
+    !path.is_dir()
+        && (path.is_file()
+            || matches!(
+                ext.as_deref(),
+                Some("safetensors" | "ckpt" | "pt" | "pth" | "bin")
+            ))
 }
 
 /// Which pipeline type a single file needs: `StableDiffusionPipeline` or
