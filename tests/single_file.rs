@@ -580,3 +580,207 @@ fn txt2img_takes_a_single_file_model_and_matches_diffusers_png() {
     assert!(err.contains("single-file"), "{err}");
     assert!(!out.exists());
 }
+
+/// The released SD 1.5, SD 2.1 and SDXL base layouts (names and shapes only, from diffusers
+/// models built on the meta device by `make_single_file.py`, checked there by diffusers' own
+/// conversion): the architecture is detected as diffusers' `infer_diffusers_model_type` does,
+/// the renaming views give exactly the diffusers names and shapes, and the built-in configs
+/// with the sizes read from the tensors are the released models' configs.
+#[test]
+fn released_layouts_detect_rename_and_configure_as_the_released_models() {
+    let text =
+        std::fs::read_to_string(fixtures().join("single-file/released-layouts.json")).unwrap();
+    let layouts: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let shape_list = |v: &serde_json::Value| -> Vec<(String, Vec<usize>)> {
+        v.as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, s)| {
+                let shape = s
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap() as usize);
+                (k.clone(), shape.collect())
+            })
+            .collect()
+    };
+    // Only the differences, so a failure stays readable.
+    let assert_same =
+        |ours: Vec<(String, Vec<usize>)>, mut want: Vec<(String, Vec<usize>)>, what: &str| {
+            want.sort();
+            let extra: Vec<_> = ours.iter().filter(|e| !want.contains(e)).take(5).collect();
+            let missing: Vec<_> = want.iter().filter(|e| !ours.contains(e)).take(5).collect();
+            assert!(
+                extra.is_empty() && missing.is_empty() && ours.len() == want.len(),
+                "{what}: {} names against {}; not expected {extra:?}; missing {missing:?}",
+                ours.len(),
+                want.len()
+            );
+        };
+    let sorted_shapes = |w: &Weights| {
+        let mut v: Vec<(String, Vec<usize>)> = w
+            .keys()
+            .map(|k| (k.to_string(), w.shape(k).unwrap().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    for (name, arch, model_type) in [
+        ("sd15", SingleFileArch::Sd1, "v1"),
+        ("sd21", SingleFileArch::Sd2, "v2"),
+        ("sdxl_base", SingleFileArch::SdxlBase, "xl_base"),
+    ] {
+        let layout = &layouts[name];
+        assert_eq!(layout["diffusers_model_type"], model_type);
+        let label = PathBuf::from(format!("{name}.safetensors"));
+        let weights = Weights::shapes_only(&label, shape_list(&layout["shapes"])).unwrap();
+        let file = SingleFile::from_weights(&label, weights).unwrap();
+        assert_eq!(file.arch, arch, "{name}");
+        let v = file.predicts_v();
+        assert_eq!(v, arch == SingleFileArch::Sd2, "{name}");
+
+        // Configs.
+        let configs = &layout["configs"];
+        let path = Path::new(name);
+        let want: UNet2DConditionConfig = serde_json::from_value(configs["unet"].clone()).unwrap();
+        let got = file.unet_config(v).unwrap();
+        let n = want.block_out_channels.len();
+        let per_block = |c: &UNet2DConditionConfig| {
+            (
+                c.layers_per_block.expand(n, "", path).unwrap(),
+                c.transformer_layers_per_block.expand(n, "", path).unwrap(),
+                c.cross_attention_dim.expand(n, "", path).unwrap(),
+                c.heads(path).unwrap(),
+                c.only_cross_attention.expand(n, "", path).unwrap(),
+            )
+        };
+        assert_eq!(
+            per_block(&got),
+            per_block(&want),
+            "{name}: per-block UNet fields"
+        );
+        let unet_fields = |c: &UNet2DConditionConfig| {
+            format!(
+                "{:?}",
+                (
+                    (
+                        &c.sample_size,
+                        c.in_channels,
+                        c.out_channels,
+                        &c.down_block_types,
+                        &c.mid_block_type,
+                        &c.up_block_types,
+                        &c.block_out_channels,
+                    ),
+                    (
+                        c.norm_num_groups,
+                        c.norm_eps,
+                        c.use_linear_projection,
+                        c.upcast_attention,
+                        &c.addition_embed_type,
+                        c.addition_time_embed_dim,
+                        c.projection_class_embeddings_input_dim,
+                        (
+                            c.flip_sin_to_cos,
+                            c.freq_shift,
+                            &c.act_fn,
+                            c.downsample_padding
+                        ),
+                    ),
+                )
+            )
+        };
+        // `sample_size` is written as a plain number in both.
+        assert_eq!(unet_fields(&got), unet_fields(&want), "{name}: UNet config");
+
+        let want: oxidiff::models::AutoencoderKLConfig =
+            serde_json::from_value(configs["vae"].clone()).unwrap();
+        let got = file.vae_config(v).unwrap();
+        let vae_fields = |c: &oxidiff::models::AutoencoderKLConfig| {
+            format!(
+                "{:?}",
+                (
+                    c.in_channels,
+                    c.out_channels,
+                    &c.down_block_types,
+                    &c.up_block_types,
+                    &c.block_out_channels,
+                    c.layers_per_block,
+                    c.latent_channels,
+                    c.norm_num_groups,
+                    c.sample_size,
+                    c.scaling_factor,
+                    &c.act_fn,
+                )
+            )
+        };
+        assert_eq!(vae_fields(&got), vae_fields(&want), "{name}: VAE config");
+
+        let clip_fields = |c: &oxidiff::models::ClipTextConfig| {
+            format!(
+                "{:?}",
+                (
+                    c.vocab_size,
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.projection_dim,
+                    c.num_hidden_layers,
+                    c.num_attention_heads,
+                    c.max_position_embeddings,
+                    &c.hidden_act,
+                    c.eos_token_id,
+                )
+            )
+        };
+        let want: oxidiff::models::ClipTextConfig =
+            serde_json::from_value(configs["text_encoder"].clone()).unwrap();
+        let te = file.text_encoder_config().unwrap();
+        assert_eq!(
+            clip_fields(&te),
+            clip_fields(&want),
+            "{name}: text encoder config"
+        );
+        let mut te2_layers = 0;
+        if arch == SingleFileArch::SdxlBase {
+            let want: oxidiff::models::ClipTextConfig =
+                serde_json::from_value(configs["text_encoder_2"].clone()).unwrap();
+            let te2 = file.text_encoder_2_config().unwrap();
+            assert_eq!(
+                clip_fields(&te2),
+                clip_fields(&want),
+                "{name}: text encoder 2 config"
+            );
+            te2_layers = te2.num_hidden_layers;
+        }
+
+        // Names and shapes through the views.
+        let expected = &layout["diffusers_shapes"];
+        let unet = sorted_shapes(&file.unet_weights().unwrap());
+        assert_same(
+            unet,
+            shape_list(&expected["unet"]),
+            &format!("{name}: UNet"),
+        );
+        let vae = sorted_shapes(&file.vae_weights().unwrap());
+        assert_same(vae, shape_list(&expected["vae"]), &format!("{name}: VAE"));
+        let view = file.text_encoder_weights(te.num_hidden_layers).unwrap();
+        let want = shape_list(&expected["text_encoder"]);
+        assert_same(sorted_shapes(&view), want, &format!("{name}: text encoder"));
+        if arch == SingleFileArch::SdxlBase {
+            let view = file.text_encoder_2_weights(te2_layers).unwrap();
+            let want = shape_list(&expected["text_encoder_2"]);
+            assert_same(
+                sorted_shapes(&view),
+                want,
+                &format!("{name}: text encoder 2"),
+            );
+        }
+        // Every tensor is taken or one every LDM file carries (position ids, logit_scale,
+        // SD 2's 24th block and text_projection, EMA and schedule buffers).
+        let unmapped = file
+            .unmapped_keys(te.num_hidden_layers, te2_layers)
+            .unwrap();
+        assert!(unmapped.is_empty(), "{name}: {unmapped:?}");
+    }
+}

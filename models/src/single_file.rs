@@ -126,6 +126,12 @@ impl SingleFile {
                 return Err(rename_path(e, &real, path));
             }
         };
+        Self::from_weights(path, weights)
+    }
+
+    /// Classifies tensors already opened (for example [`Weights::shapes_only`] of a layout);
+    /// `path` names them in messages.
+    pub fn from_weights(path: &Path, weights: Weights) -> Result<Self> {
         let arch = detect(&weights, path)?;
         Ok(Self {
             path: path.to_path_buf(),

@@ -303,6 +303,48 @@ impl Weights {
         })
     }
 
+    /// A checkpoint's names and shapes without its data, labelled `label` in messages: for
+    /// inspecting a layout (detecting an architecture, inferring a config) when the bytes are
+    /// not at hand. Reading a tensor from it is an error.
+    pub fn shapes_only(
+        label: &Path,
+        shapes: impl IntoIterator<Item = (String, Vec<usize>)>,
+    ) -> Result<Self> {
+        let mmap = memmap2::MmapOptions::new()
+            .len(1)
+            .map_anon()
+            .and_then(|m| m.make_read_only())
+            .map_err(|source| ModelError::Io {
+                path: label.to_path_buf(),
+                source,
+            })?;
+        let entries = shapes
+            .into_iter()
+            .map(|(name, shape)| {
+                let info = TensorInfo {
+                    dtype: Dtype::F32,
+                    shape,
+                    data_offsets: (0, 0),
+                };
+                let entry = Entry {
+                    file: 0,
+                    info,
+                    transposed: false,
+                };
+                (name, entry)
+            })
+            .collect();
+        Ok(Self {
+            files: vec![Arc::new(WeightFile {
+                path: label.to_path_buf(),
+                mmap,
+                data_start: 0,
+            })],
+            entries,
+            used: Mutex::new(BTreeSet::new()),
+        })
+    }
+
     /// The files these weights come from, for messages.
     pub fn file_list(&self) -> String {
         self.files
@@ -396,6 +438,17 @@ impl Weights {
                 end - start,
             )
         };
+        let count: usize = entry.info.shape.iter().product();
+        if values.len() != count {
+            return Err(ModelError::Safetensors {
+                path: file.path.clone(),
+                reason: format!(
+                    "tensor `{key}` holds {} values, but its shape {:?} needs {count}",
+                    values.len(),
+                    entry.info.shape
+                ),
+            });
+        }
         if let Ok(mut used) = self.used.lock() {
             used.insert(key.to_string());
         }

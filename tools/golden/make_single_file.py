@@ -373,8 +373,132 @@ def golden(name, folder, path):
     save_json(os.path.join(GOLDEN, f"single-file-{name}.json"), info)
 
 
+# --- the released models' layouts (shapes only) ----------------------------------------------
+
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+              num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+              projection_dim=768, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+OPEN_CLIP_H = dict(CLIP_L, hidden_size=1024, intermediate_size=4096, num_hidden_layers=23,
+                   num_attention_heads=16, hidden_act="gelu", projection_dim=512)
+OPEN_CLIP_BIGG = dict(CLIP_L, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                      num_attention_heads=20, hidden_act="gelu", projection_dim=1280)
+VAE = dict(block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+           up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2, latent_channels=4)
+# The released models' configs (stable-diffusion-v1-5, stable-diffusion-2-1, SDXL base 1.0),
+# the fields oxidiff's built-in configs must reproduce from the tensors and the defaults.
+RELEASED = {
+    "sd15": dict(
+        unet=dict(cross_attention_dim=768, attention_head_dim=8, sample_size=64),
+        vae=dict(VAE, sample_size=512, scaling_factor=0.18215),
+        text_encoder=CLIP_L,
+    ),
+    "sd21": dict(
+        unet=dict(cross_attention_dim=1024, attention_head_dim=[5, 10, 20, 20], sample_size=96,
+                  use_linear_projection=True, upcast_attention=True),
+        vae=dict(VAE, sample_size=768, scaling_factor=0.18215),
+        text_encoder=OPEN_CLIP_H,
+    ),
+    "sdxl_base": dict(
+        unet=dict(
+            sample_size=128,
+            down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+            up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+            block_out_channels=[320, 640, 1280],
+            transformer_layers_per_block=[1, 2, 10],
+            attention_head_dim=[5, 10, 20],
+            cross_attention_dim=2048,
+            use_linear_projection=True,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,
+        ),
+        vae=dict(VAE, sample_size=1024, scaling_factor=0.13025),
+        text_encoder=CLIP_L,
+        text_encoder_2=OPEN_CLIP_BIGG,
+    ),
+}
+
+
+def released_layout(name, spec):
+    """The LDM key -> shape list of a released model, from diffusers/transformers models built
+    on the meta device (no weights), converted with this script's mapping; checked against
+    diffusers' own conversion of the same layout back."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from diffusers.loaders import single_file_utils as sfu
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**spec["unet"])
+        vae = AutoencoderKL(**spec["vae"])
+        te = CLIPTextModel(CLIPTextConfig(**spec["text_encoder"]))
+        te2 = None
+        if "text_encoder_2" in spec:
+            te2 = CLIPTextModelWithProjection(CLIPTextConfig(**spec["text_encoder_2"]))
+    ldm = {}
+    ldm.update(unet_to_ldm(unet.state_dict(), unet.config))
+    ldm.update(vae_to_ldm(vae.state_dict(), vae.config))
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    if name == "sd15":
+        ldm.update(clip_to_ldm(te.state_dict(), "cond_stage_model.transformer."))
+        ldm["cond_stage_model.transformer.text_model.embeddings.position_ids"] = meta(1, 77)
+    elif name == "sd21":
+        ldm.update(open_clip_to_ldm(te.state_dict(), "cond_stage_model.model.", meta(1024, 1024)))
+        # A real SD 2 file holds OpenCLIP's 24th block, which SD 2 does not use.
+        for key in [k for k in ldm if ".resblocks.22." in k]:
+            ldm[key.replace(".resblocks.22.", ".resblocks.23.")] = ldm[key]
+        ldm["cond_stage_model.model.logit_scale"] = meta()
+    else:
+        ldm.update(clip_to_ldm(te.state_dict(), "conditioner.embedders.0.transformer."))
+        ldm.update(open_clip_to_ldm(te2.state_dict(), "conditioner.embedders.1.model."))
+    ldm["alphas_cumprod"] = meta(1000)
+    ldm["model_ema.decay"] = meta()
+
+    # diffusers' conversion of this layout gives back the models' own names and shapes.
+    back = sfu.convert_ldm_unet_checkpoint(ldm, unet.config)
+    assert {k: tuple(v.shape) for k, v in back.items()} == {k: tuple(v.shape) for k, v in unet.state_dict().items()}, name
+    back = sfu.convert_ldm_vae_checkpoint(ldm, vae.config)
+    assert {k: tuple(v.shape) for k, v in back.items()} == {k: tuple(v.shape) for k, v in vae.state_dict().items()}, name
+    model_type = sfu.infer_diffusers_model_type(ldm)
+    configs = {
+        "unet": dict(unet.config),
+        "vae": dict(vae.config),
+        "text_encoder": spec["text_encoder"],
+    }
+    if te2 is not None:
+        configs["text_encoder_2"] = spec["text_encoder_2"]
+    configs = json.loads(json.dumps(configs, default=list))
+    diffusers = {"unet": unet, "vae": vae, "text_encoder": te}
+    if te2 is not None:
+        diffusers["text_encoder_2"] = te2
+    diffusers = {
+        part: {
+            k: list(v.shape)
+            for k, v in sorted((with_text_model(m.state_dict()) if part.startswith("text") else m.state_dict()).items())
+            if not k.endswith("position_ids")
+        }
+        for part, m in diffusers.items()
+    }
+    return {
+        "diffusers_shapes": diffusers,
+        "diffusers_model_type": model_type,
+        "configs": configs,
+        "shapes": {k: list(v.shape) for k, v in sorted(ldm.items())},
+    }
+
+
+def layouts():
+    out = {name: released_layout(name, spec) for name, spec in RELEASED.items()}
+    assert [v["diffusers_model_type"] for v in out.values()] == ["v1", "v2", "xl_base"]
+    path = os.path.join(OUT, "released-layouts.json")
+    with open(path, "w") as f:
+        json.dump(out, f, sort_keys=True, separators=(",", ":"))
+        f.write("\n")
+    print(f"wrote {os.path.relpath(path, ROOT)} ({os.path.getsize(path)} bytes)")
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
+    layouts()
     for name in ("tiny-sd1", "tiny-sd2", "tiny-sdxl"):
         folder = os.path.join(FIXTURES, name)
         cls = pipeline_class(name)
