@@ -427,7 +427,7 @@ fn unknown_architectures_name_the_keys_looked_for() {
 }
 
 #[test]
-fn wrong_pipeline_missing_tokenizer_and_mismatched_config_are_errors() {
+fn config_sources_wrong_pipeline_missing_tokenizer_and_mismatched_config() {
     let device = Default::default();
     let err = StableDiffusionPipeline::<B>::from_single_file(
         &checkpoint("tiny-sdxl"),
@@ -471,6 +471,52 @@ fn wrong_pipeline_missing_tokenizer_and_mismatched_config_are_errors() {
         err.contains("stable-diffusion-v1-5/stable-diffusion-v1-5"),
         "{err}"
     );
+
+    // The architecture's diffusers repository in the Hub cache gives configs, scheduler and
+    // tokenizer, as diffusers takes them (here a hand-made cache holding tiny-sd1's files under
+    // SD 1.5's name, configs and tokenizer only).
+    let repo = cache
+        .path()
+        .join("models--stable-diffusion-v1-5--stable-diffusion-v1-5");
+    let hash = "0123456789abcdef0123456789abcdef01234567";
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), hash).unwrap();
+    let snapshot = repo.join("snapshots").join(hash);
+    let source = model_dir("tiny-sd1");
+    for part in ["unet", "vae", "text_encoder", "scheduler", "tokenizer"] {
+        std::fs::create_dir_all(snapshot.join(part)).unwrap();
+        for entry in std::fs::read_dir(source.join(part)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json" || e == "txt")
+                && !path.to_string_lossy().contains("index")
+            {
+                std::fs::copy(&path, snapshot.join(part).join(path.file_name().unwrap())).unwrap();
+            }
+        }
+    }
+    std::fs::copy(
+        source.join("model_index.json"),
+        snapshot.join("model_index.json"),
+    )
+    .unwrap();
+    let pipe = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &SingleFileOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let golden = golden("tiny-sd1");
+    let text = pipe
+        .text_encoder
+        .forward(&golden.token_rows("clip.input_ids"), false)
+        .unwrap();
+    assert_close(
+        &golden,
+        "clip.last_hidden_state",
+        text.last_hidden_state,
+        TOL,
+    );
+    std::fs::remove_dir_all(&repo).unwrap();
 
     // A tokenizer but no config: the built-in configs assume the released models' 32
     // group-norm groups, which the tiny UNet does not have; the error names the fix.
