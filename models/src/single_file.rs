@@ -598,7 +598,7 @@ impl SingleFile {
                         .dim(&format!("{t}encoder.layers.0.mlp.fc1.weight"), 0)?,
                     projection_dim: hidden,
                     num_hidden_layers: self.count_indices(&format!("{t}encoder.layers.")),
-                    num_attention_heads: (hidden / 64).max(1),
+                    num_attention_heads: self.clip_heads(hidden)?,
                     max_position_embeddings: self
                         .dim(&format!("{t}embeddings.position_embedding.weight"), 0)?,
                     hidden_act: "quick_gelu".into(),
@@ -609,6 +609,21 @@ impl SingleFile {
                 })
             }
         }
+    }
+
+    /// 64 channels a head, as every released CLIP/OpenCLIP text encoder has.
+    fn clip_heads(&self, hidden: usize) -> Result<usize> {
+        if hidden == 0 || !hidden.is_multiple_of(64) {
+            return Err(ModelError::Config {
+                path: self.path.clone(),
+                reason: format!(
+                    "the text encoder is {hidden} wide, not a multiple of the released \
+                     encoders' 64 channels a head: its head count cannot be inferred, pass the \
+                     matching diffusers folder as `config`"
+                ),
+            });
+        }
+        Ok(hidden / 64)
     }
 
     /// SDXL's `text_encoder_2` config (OpenCLIP bigG, every block, with projection).
@@ -632,7 +647,7 @@ impl SingleFile {
             )?,
             projection_dim: hidden,
             num_hidden_layers: 0,
-            num_attention_heads: (hidden / 64).max(1),
+            num_attention_heads: self.clip_heads(hidden)?,
             max_position_embeddings: self.dim(&format!("{prefix}positional_embedding"), 0)?,
             hidden_act: "gelu".into(),
             bos_token_id: 0,

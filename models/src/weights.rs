@@ -267,7 +267,7 @@ impl Weights {
                 }
                 TensorView::Rows { start, count } => {
                     let rows = shape.first().copied().unwrap_or(0);
-                    if transposed || start + count > rows {
+                    if transposed || shape.is_empty() || start + count > rows {
                         let mut expected = shape.clone();
                         if let Some(first) = expected.first_mut() {
                             *first = start + count;
