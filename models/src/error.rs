@@ -54,6 +54,26 @@ pub enum ModelError {
     Tokenizer { path: PathBuf, reason: String },
     #[error("invalid input: {0}")]
     Input(String),
+    #[error(
+        "{path} is a pickle checkpoint ({kind}); oxidiff refuses to load pickles because \
+         unpickling can execute arbitrary code. Download the .safetensors version of the model, \
+         or convert this file once in a Python you trust: `python -c \"import torch, \
+         safetensors.torch as st; sd = torch.load('in.ckpt', map_location='cpu', \
+         weights_only=True); sd = sd.get('state_dict', sd); st.save_file({{k: v.contiguous() \
+         for k, v in sd.items() if isinstance(v, torch.Tensor)}}, 'out.safetensors')\"`"
+    )]
+    Pickle { path: PathBuf, kind: String },
+    #[error(
+        "{path}: not a Stable Diffusion 1.x, 2.x or SDXL base checkpoint in the original \
+         (LDM/A1111) layout: {reason}; looked for {looked_for}; the file's first keys are \
+         {found}"
+    )]
+    UnknownArchitecture {
+        path: PathBuf,
+        reason: String,
+        looked_for: String,
+        found: String,
+    },
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -29,11 +29,27 @@ struct WeightFile {
 struct Entry {
     file: usize,
     info: TensorInfo,
+    /// Read as the transpose of the stored 2-D tensor (`info.shape` is the transposed shape).
+    transposed: bool,
+}
+
+/// How a tensor of a [`Weights::view`] is read from its source tensor: a single-file checkpoint
+/// stores some weights under another name, fused or in another shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TensorView {
+    /// The source tensor as it is.
+    Whole,
+    /// The same values in another shape (a 1x1 convolution kernel read as a linear weight).
+    Reshape(Vec<usize>),
+    /// `count` rows of the first axis from `start` (one of q/k/v in a fused projection).
+    Rows { start: usize, count: usize },
+    /// The transpose of a 2-D tensor (OpenCLIP's `text_projection`).
+    Transpose,
 }
 
 /// All tensors of a component, from one or more safetensors files.
 pub struct Weights {
-    files: Vec<WeightFile>,
+    files: Vec<Arc<WeightFile>>,
     entries: HashMap<String, Entry>,
     used: Mutex<BTreeSet<String>>,
 }
@@ -195,17 +211,135 @@ impl Weights {
                     Entry {
                         file: index,
                         info: info.clone(),
+                        transposed: false,
                     },
                 );
             }
-            files.push(WeightFile {
+            files.push(Arc::new(WeightFile {
                 path: path.clone(),
                 mmap,
                 data_start: 8 + header_len,
-            });
+            }));
         }
         Ok(Self {
             files,
+            entries,
+            used: Mutex::new(BTreeSet::new()),
+        })
+    }
+
+    /// Other names for some of these tensors, sharing the same memory maps: each `(name, source,
+    /// view)` makes tensor `name` read `source` through `view`. This is how a single-file
+    /// checkpoint's keys are renamed to the diffusers keys the models ask for, so the models load
+    /// unchanged; a source that is missing or does not fit its view is an error naming it.
+    pub fn view(
+        &self,
+        names: impl IntoIterator<Item = (String, String, TensorView)>,
+    ) -> Result<Self> {
+        let mut entries = HashMap::new();
+        for (name, source, view) in names {
+            let entry = self
+                .entries
+                .get(&source)
+                .ok_or_else(|| ModelError::MissingKey {
+                    key: source.clone(),
+                    files: self.file_list(),
+                })?;
+            let shape = &entry.info.shape;
+            let misfit = |expected: Vec<usize>| ModelError::ShapeMismatch {
+                key: source.clone(),
+                path: self.path_of(&source),
+                expected,
+                found: shape.clone(),
+            };
+            let mut info = entry.info.clone();
+            let mut transposed = entry.transposed;
+            match view {
+                TensorView::Whole => {}
+                TensorView::Reshape(new_shape) => {
+                    if new_shape.iter().product::<usize>() != shape.iter().product::<usize>() {
+                        return Err(misfit(new_shape));
+                    }
+                    if transposed && new_shape.len() != 2 {
+                        return Err(misfit(new_shape));
+                    }
+                    info.shape = new_shape;
+                }
+                TensorView::Rows { start, count } => {
+                    let rows = shape.first().copied().unwrap_or(0);
+                    if transposed || shape.is_empty() || start + count > rows {
+                        let mut expected = shape.clone();
+                        if let Some(first) = expected.first_mut() {
+                            *first = start + count;
+                        }
+                        return Err(misfit(expected));
+                    }
+                    let row_bytes = shape[1..].iter().product::<usize>() * info.dtype.bitsize() / 8;
+                    let begin = info.data_offsets.0 + start * row_bytes;
+                    info.data_offsets = (begin, begin + count * row_bytes);
+                    info.shape[0] = count;
+                }
+                TensorView::Transpose => {
+                    if shape.len() != 2 {
+                        return Err(misfit(vec![shape.iter().product(), 1]));
+                    }
+                    info.shape = vec![shape[1], shape[0]];
+                    transposed = !transposed;
+                }
+            }
+            entries.insert(
+                name,
+                Entry {
+                    file: entry.file,
+                    info,
+                    transposed,
+                },
+            );
+        }
+        Ok(Self {
+            files: self.files.clone(),
+            entries,
+            used: Mutex::new(BTreeSet::new()),
+        })
+    }
+
+    /// A checkpoint's names and shapes without its data, labelled `label` in messages: for
+    /// inspecting a layout (detecting an architecture, inferring a config) when the bytes are
+    /// not at hand. Reading a tensor from it is an error.
+    pub fn shapes_only(
+        label: &Path,
+        shapes: impl IntoIterator<Item = (String, Vec<usize>)>,
+    ) -> Result<Self> {
+        let mmap = memmap2::MmapOptions::new()
+            .len(1)
+            .map_anon()
+            .and_then(|m| m.make_read_only())
+            .map_err(|source| ModelError::Io {
+                path: label.to_path_buf(),
+                source,
+            })?;
+        let entries = shapes
+            .into_iter()
+            .map(|(name, shape)| {
+                let info = TensorInfo {
+                    dtype: Dtype::F32,
+                    shape,
+                    data_offsets: (0, 0),
+                };
+                let entry = Entry {
+                    file: 0,
+                    info,
+                    transposed: false,
+                };
+                (name, entry)
+            })
+            .collect();
+        Ok(Self {
+            files: vec![Arc::new(WeightFile {
+                path: label.to_path_buf(),
+                mmap,
+                data_start: 0,
+            })],
             entries,
             used: Mutex::new(BTreeSet::new()),
         })
@@ -264,7 +398,7 @@ impl Weights {
         let (start, end) = entry.info.data_offsets;
         // read_metadata validated that offsets lie inside the file.
         let bytes = &file.mmap[file.data_start + start..file.data_start + end];
-        let values = match entry.info.dtype {
+        let values: Vec<f32> = match entry.info.dtype {
             Dtype::F32 => bytes
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -304,8 +438,30 @@ impl Weights {
                 end - start,
             )
         };
+        let count: usize = entry.info.shape.iter().product();
+        if values.len() != count {
+            return Err(ModelError::Safetensors {
+                path: file.path.clone(),
+                reason: format!(
+                    "tensor `{key}` holds {} values, but its shape {:?} needs {count}",
+                    values.len(),
+                    entry.info.shape
+                ),
+            });
+        }
         if let Ok(mut used) = self.used.lock() {
             used.insert(key.to_string());
+        }
+        if entry.transposed {
+            // `info.shape` is `[cols, rows]` of the stored `[rows, cols]` tensor.
+            let (cols, rows) = (entry.info.shape[0], entry.info.shape[1]);
+            let mut out = vec![0f32; values.len()];
+            for r in 0..rows {
+                for c in 0..cols {
+                    out[c * rows + r] = values[r * cols + c];
+                }
+            }
+            return Ok((out, entry.info.shape.clone()));
         }
         Ok((values, entry.info.shape.clone()))
     }

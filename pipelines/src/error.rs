@@ -39,6 +39,8 @@ pub enum PipelineError {
     Device(String),
     #[error("NaN or Inf in {stage}: {hint}")]
     NonFinite { stage: String, hint: String },
+    #[error("{path}: {reason}")]
+    SingleFile { path: PathBuf, reason: String },
     #[error("cannot write {path}: {source}")]
     Write {
         path: PathBuf,

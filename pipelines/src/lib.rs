@@ -36,3 +36,5 @@ pub mod stable_diffusion_img2img;
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub mod flux;
 pub use flux::{FluxDenoiser, FluxPipeline, FluxPromptEmbeds, FluxRequest, FLUX_CLASSES};
+pub mod single_file;
+pub use single_file::{is_single_file, single_file_pipeline_class, SingleFileOptions};

@@ -12,8 +12,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::{
-    pipeline_class, resolve_model, CancelToken, GenerateRequest, GenerationParameters, LoadOptions,
-    PipelineError, PipelineOutput, PixArtPipeline, PixArtRequest, StableDiffusionPipeline,
+    is_single_file, pipeline_class, resolve_model, single_file_pipeline_class, CancelToken,
+    GenerateRequest, GenerationParameters, LoadOptions, PipelineError, PipelineOutput,
+    PixArtPipeline, PixArtRequest, SingleFileOptions, StableDiffusionPipeline,
     StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
 };
 use oxidiff::pipelines::{FluxPipeline, FluxRequest, FLUX_CLASSES};
@@ -39,10 +40,20 @@ struct Args {
     /// as well override them.
     #[arg(long, value_name = "FILE.png")]
     from_png: Option<PathBuf>,
-    /// A diffusers-format model folder, or a Hugging Face Hub id (`org/name[@revision]`) found in
-    /// the local Hub cache or downloaded when online.
+    /// A diffusers-format model folder, a Hugging Face Hub id (`org/name[@revision]`) found in
+    /// the local Hub cache or downloaded when online, or a single-file checkpoint
+    /// (`.safetensors` in the original LDM / A1111 layout: SD 1.x, 2.x, SDXL base).
     #[arg(long, default_value = DEFAULT_MODEL)]
     model: String,
+    /// For a single-file --model: a diffusers pipeline folder whose configs, scheduler and
+    /// tokenizers to use (diffusers' `config=`); without it they come from the architecture's
+    /// diffusers repository in the Hub cache, else built-in configs sized from the tensors.
+    #[arg(long, value_name = "DIR")]
+    config: Option<PathBuf>,
+    /// For a single-file --model: the folder with `tokenizer/` (SDXL also `tokenizer_2/`), or a
+    /// tokenizer folder itself (SD 1.x/2.x); a single file carries none.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
     /// Weight variant to load, e.g. `fp16` (`*.fp16.safetensors`).
     #[arg(long)]
     variant: Option<String>,
@@ -182,9 +193,35 @@ fn run(mut args: Args) -> Result<()> {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
     };
-    let dir = resolve_model(&args.model, args.variant.as_deref())
-        .with_context(|| format!("loading {}", args.model))?;
-    let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
+    let single_file = is_single_file(Path::new(&args.model)).then(|| SingleFileOptions {
+        load: options.clone(),
+        config: args.config.clone(),
+        tokenizer: args.tokenizer.clone(),
+        prediction_type: None,
+    });
+    if single_file.is_none() && (args.config.is_some() || args.tokenizer.is_some()) {
+        bail!("--config and --tokenizer apply to a single-file --model (a .safetensors file)");
+    }
+    if single_file.is_some() && args.variant.is_some() {
+        bail!(
+            "--variant picks weight files in a diffusers folder; {} is one file",
+            args.model
+        );
+    }
+    let (dir, class) = match &single_file {
+        Some(_) => {
+            let path = PathBuf::from(&args.model);
+            let class = single_file_pipeline_class(&path)
+                .with_context(|| format!("loading {}", args.model))?;
+            (path, class.to_string())
+        }
+        None => {
+            let dir = resolve_model(&args.model, args.variant.as_deref())
+                .with_context(|| format!("loading {}", args.model))?;
+            let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
+            (dir, class)
+        }
+    };
     let pixart = PIXART_CLASSES.contains(&class.as_str());
     let flux = FLUX_CLASSES.contains(&class.as_str());
     if flux && args.no_resolution_binning {
@@ -271,8 +308,11 @@ fn run(mut args: Args) -> Result<()> {
         bar.set_length(info.num_steps as u64);
         bar.set_position(info.step as u64 + 1);
     };
-    let mut pipe = Pipeline::load(&dir, &class, &options, &device)
-        .with_context(|| format!("loading {}", args.model))?;
+    let mut pipe = match &single_file {
+        Some(sf) => Pipeline::load_single_file(&dir, &class, sf, &device),
+        None => Pipeline::load(&dir, &class, &options, &device),
+    }
+    .with_context(|| format!("loading {}", args.model))?;
     if args.compile {
         pipe.compile()?;
     }
@@ -373,6 +413,24 @@ impl Pipeline {
         } else {
             Self::Sd(Box::new(StableDiffusionPipeline::from_dir(
                 dir, options, device,
+            )?))
+        })
+    }
+
+    /// A single-file checkpoint: SD 1.x/2.x or SDXL, as `class` says.
+    fn load_single_file(
+        path: &Path,
+        class: &str,
+        options: &SingleFileOptions,
+        device: &OxiDevice,
+    ) -> Result<Self> {
+        Ok(if class == SDXL_CLASS {
+            Self::Xl(Box::new(StableDiffusionXLPipeline::from_single_file(
+                path, options, device,
+            )?))
+        } else {
+            Self::Sd(Box::new(StableDiffusionPipeline::from_single_file(
+                path, options, device,
             )?))
         })
     }

@@ -1,0 +1,923 @@
+//! Single-file checkpoints (`from_single_file`) against diffusers, on the tiny SD 1, SD 2 and
+//! SDXL pipelines converted to the LDM / A1111 layout by `tools/golden/make_single_file.py`
+//! (float16 files, as real single files usually are).
+//!
+//! - Every weight read through the renaming views equals the diffusers folder's weight rounded
+//!   to float16 (bit for bit), so the key mapping, the q/k/v split of OpenCLIP's fused
+//!   projection, its transposed `text_projection` and the VAE's 1x1-convolution attention are
+//!   exact.
+//! - Text embeddings, one UNet call, a VAE decode and the final image of a 4-step run match
+//!   diffusers' `from_single_file(config=folder)` on the same file within 1e-4 relative (f32
+//!   compute on both sides; 1 vs 2 torch threads differ by about 1e-5), the PNG within 2 levels.
+//! - Pickles, corrupt files and unknown architectures are refused with errors that say why.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Tensor, TensorData};
+use common::{assert_close, fixtures, model_dir, relative_error, Golden, B};
+use oxidiff::models::{
+    AddedCondition, ModelError, SingleFile, SingleFileArch, UNet2DConditionConfig, Weights,
+};
+use oxidiff::pipelines::{
+    GenerateRequest, PipelineError, SingleFileOptions, StableDiffusionPipeline,
+    StableDiffusionXLPipeline, XlOptions,
+};
+use oxidiff::schedulers::NoNoise;
+
+const TOL: f32 = 1e-4;
+
+fn checkpoint(name: &str) -> PathBuf {
+    fixtures()
+        .join("single-file")
+        .join(format!("{name}.safetensors"))
+}
+
+fn options(name: &str) -> SingleFileOptions {
+    SingleFileOptions {
+        config: Some(model_dir(name)),
+        ..Default::default()
+    }
+}
+
+fn golden(name: &str) -> Golden {
+    Golden::load(&format!("single-file-{name}"))
+}
+
+fn timestep(golden: &Golden) -> Tensor<B, 1> {
+    let t = golden.json["unet_timestep"].as_f64().unwrap() as f32;
+    Tensor::from_data(TensorData::new(vec![t], [1]), &Default::default())
+}
+
+fn request(golden: &Golden) -> GenerateRequest<B> {
+    let s = &golden.json["pipeline"];
+    GenerateRequest {
+        prompts: vec![s["prompt"].as_str().unwrap().into()],
+        negative_prompts: vec![s["negative_prompt"].as_str().unwrap().into()],
+        num_inference_steps: s["num_inference_steps"].as_u64().unwrap() as usize,
+        guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+        width: Some(s["width"].as_u64().unwrap() as usize),
+        height: Some(s["height"].as_u64().unwrap() as usize),
+        latents: Some(golden.tensor("pipe.latents")),
+        ..Default::default()
+    }
+}
+
+fn assert_image(golden: &Golden, name: &str, images: &oxidiff::pipelines::Images) {
+    let (expected, _) = golden.host("pipe.image");
+    let err = relative_error(&images.data, &expected);
+    assert!(err <= TOL, "{name}: image relative error {err:e}");
+    common::assert_png_close(
+        &images.to_rgb8(0).unwrap(),
+        &format!("single-file-{name}.png"),
+        2,
+    );
+}
+
+/// SD 1.x/2.x: CLIP embeddings, UNet, VAE decode and the 4-step run with the folder's
+/// scheduler.
+fn sd_matches_diffusers(name: &str, scheduler_class: &str) {
+    let golden = golden(name);
+    let mut pipe = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint(name),
+        &options(name),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(golden.json["scheduler"], scheduler_class);
+    assert_eq!(pipe.scheduler.kind().class_name(), scheduler_class);
+    let ids = golden.token_rows("clip.input_ids");
+    let text = pipe.text_encoder.forward(&ids, false).unwrap();
+    assert_close(
+        &golden,
+        "clip.last_hidden_state",
+        text.last_hidden_state,
+        TOL,
+    );
+    let out = pipe.unet.forward(
+        golden.tensor("unet.sample"),
+        timestep(&golden),
+        golden.tensor("unet.encoder_hidden_states"),
+    );
+    assert_close(&golden, "unet.out", out, TOL);
+    let decoded = pipe.vae.decode(golden.tensor("vae.decode.in"));
+    assert_close(&golden, "vae.decode.out", decoded, TOL);
+    let out = pipe
+        .generate_with(&request(&golden), &mut NoNoise, |_| {})
+        .unwrap();
+    assert_image(&golden, name, &out.images.unwrap());
+}
+
+#[test]
+fn sd1_single_file_matches_diffusers_from_single_file() {
+    sd_matches_diffusers("tiny-sd1", "PNDMScheduler");
+}
+
+#[test]
+fn sd2_single_file_with_open_clip_matches_diffusers_from_single_file() {
+    sd_matches_diffusers("tiny-sd2", "DDIMScheduler");
+}
+
+#[test]
+fn sdxl_single_file_matches_diffusers_from_single_file() {
+    let name = "tiny-sdxl";
+    let golden = golden(name);
+    let mut pipe = StableDiffusionXLPipeline::<B>::from_single_file(
+        &checkpoint(name),
+        &options(name),
+        &Default::default(),
+    )
+    .unwrap();
+    for (key, encoder) in [("te1", &pipe.text_encoder), ("te2", &pipe.text_encoder_2)] {
+        let out = encoder
+            .forward(&golden.token_rows(&format!("{key}.input_ids")), true)
+            .unwrap();
+        let n = out.hidden_states.len();
+        assert_close(
+            &golden,
+            &format!("{key}.penultimate"),
+            out.hidden_states[n - 2].clone(),
+            TOL,
+        );
+        if key == "te2" {
+            assert_close(&golden, "te2.text_embeds", out.text_embeds.unwrap(), TOL);
+        }
+    }
+    let added = AddedCondition {
+        text_embeds: golden.tensor("unet.text_embeds"),
+        time_ids: golden.tensor("unet.time_ids"),
+    };
+    let out = pipe
+        .unet
+        .forward_with_condition(
+            golden.tensor("unet.sample"),
+            timestep(&golden),
+            golden.tensor("unet.encoder_hidden_states"),
+            Some(&added),
+        )
+        .unwrap();
+    assert_close(&golden, "unet.out", out, TOL);
+    let decoded = pipe.vae.decode(golden.tensor("vae.decode.in"));
+    assert_close(&golden, "vae.decode.out", decoded, TOL);
+    let out = pipe
+        .generate_with(
+            &request(&golden),
+            &XlOptions::default(),
+            &mut NoNoise,
+            |_| {},
+        )
+        .unwrap();
+    assert_image(&golden, name, &out.images.unwrap());
+}
+
+/// Every tensor of `folder` (a diffusers component) read from `view` is the same tensor
+/// rounded to float16; both hold the same names (`text_model.` added where transformers 5
+/// leaves it out).
+fn assert_same_weights(view: &Weights, folder: &Weights, what: &str) {
+    let mut names: Vec<&str> = folder
+        .keys()
+        .filter(|k| !k.ends_with("position_ids"))
+        .collect();
+    names.sort_unstable();
+    let mut view_names: Vec<String> = view.keys().map(str::to_string).collect();
+    view_names.sort();
+    let prefixed = |k: &str| {
+        if view.contains(k) {
+            k.to_string()
+        } else {
+            format!("text_model.{k}")
+        }
+    };
+    let mut expected: Vec<String> = names.iter().map(|k| prefixed(k)).collect();
+    expected.sort();
+    assert_eq!(view_names, expected, "{what}: tensor names");
+    for name in names {
+        let (theirs, their_shape) = folder.read_f32(name).unwrap();
+        let (ours, shape) = view.read_f32(&prefixed(name)).unwrap();
+        assert_eq!(shape, their_shape, "{what}: {name} shape");
+        let rounded: Vec<f32> = theirs
+            .iter()
+            .map(|&v| half::f16::from_f32(v).to_f32())
+            .collect();
+        assert!(
+            ours == rounded,
+            "{what}: {name} differs from the folder's weight"
+        );
+    }
+}
+
+fn component(name: &str, part: &str) -> Weights {
+    let base = if part.starts_with("text_encoder") {
+        "model"
+    } else {
+        "diffusion_pytorch_model"
+    };
+    Weights::from_component_dir(&model_dir(name).join(part), &[base], None).unwrap()
+}
+
+#[test]
+fn every_weight_maps_onto_the_diffusers_folders_weight() {
+    for name in ["tiny-sd1", "tiny-sd2", "tiny-sdxl"] {
+        let file = SingleFile::open(&checkpoint(name)).unwrap();
+        assert_same_weights(
+            &file.unet_weights().unwrap(),
+            &component(name, "unet"),
+            name,
+        );
+        assert_same_weights(&file.vae_weights().unwrap(), &component(name, "vae"), name);
+        assert_same_weights(
+            &file.text_encoder_weights(3).unwrap(),
+            &component(name, "text_encoder"),
+            name,
+        );
+        if name == "tiny-sdxl" {
+            assert_same_weights(
+                &file.text_encoder_2_weights(3).unwrap(),
+                &component(name, "text_encoder_2"),
+                name,
+            );
+        }
+        // Only the DDPM schedule buffer (and SD 2's unused text_projection) is left over.
+        assert!(file.unmapped_keys(3, 3).unwrap().is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn architecture_and_tensor_sizes_are_read_from_the_keys() {
+    let arch = |name: &str| SingleFile::open(&checkpoint(name)).unwrap().arch;
+    assert_eq!(arch("tiny-sd1"), SingleFileArch::Sd1);
+    assert_eq!(arch("tiny-sd2"), SingleFileArch::Sd2);
+    assert_eq!(arch("tiny-sdxl"), SingleFileArch::SdxlBase);
+
+    for name in ["tiny-sd1", "tiny-sd2", "tiny-sdxl"] {
+        let file = SingleFile::open(&checkpoint(name)).unwrap();
+        let v = file.predicts_v();
+        assert_eq!(v, name == "tiny-sd2", "{name}: v prediction");
+        let dir = model_dir(name);
+        let want = UNet2DConditionConfig::from_file(&dir.join("unet/config.json")).unwrap();
+        let got = file.unet_config(v).unwrap();
+        assert_eq!(got.block_out_channels, want.block_out_channels, "{name}");
+        assert_eq!(got.layers_per_block, want.layers_per_block, "{name}");
+        assert_eq!(got.down_block_types, want.down_block_types, "{name}");
+        assert_eq!(got.up_block_types, want.up_block_types, "{name}");
+        assert_eq!(got.mid_block_type, want.mid_block_type, "{name}");
+        assert_eq!(got.cross_attention_dim, want.cross_attention_dim, "{name}");
+        assert_eq!(
+            got.use_linear_projection, want.use_linear_projection,
+            "{name}"
+        );
+        let depth = |c: &UNet2DConditionConfig| {
+            c.transformer_layers_per_block
+                .expand(c.block_out_channels.len(), "", Path::new(""))
+                .unwrap()
+        };
+        assert_eq!(depth(&got), depth(&want), "{name}");
+        assert_eq!(
+            got.projection_class_embeddings_input_dim, want.projection_class_embeddings_input_dim,
+            "{name}"
+        );
+        let vae_want =
+            oxidiff::models::AutoencoderKLConfig::from_file(&dir.join("vae/config.json")).unwrap();
+        let vae = file.vae_config(v).unwrap();
+        assert_eq!(
+            vae.block_out_channels, vae_want.block_out_channels,
+            "{name}"
+        );
+        assert_eq!(vae.layers_per_block, vae_want.layers_per_block, "{name}");
+        assert_eq!(vae.latent_channels, vae_want.latent_channels, "{name}");
+        // The tiny encoders are narrower than one 64-channel head: their head count cannot
+        // be inferred, and the error says to pass the config (the released widths are checked
+        // in released_layouts_detect_rename_and_configure_as_the_released_models).
+        let err = file.text_encoder_config().unwrap_err().to_string();
+        assert!(
+            err.contains("64 channels a head") && err.contains("`config`"),
+            "{err}"
+        );
+    }
+    let file = SingleFile::open(&checkpoint("tiny-sdxl")).unwrap();
+    let err = file.text_encoder_2_config().unwrap_err().to_string();
+    assert!(err.contains("8 wide"), "{err}");
+}
+
+fn open_err(path: &Path) -> String {
+    SingleFile::open(path).unwrap_err().to_string()
+}
+
+#[test]
+fn pickle_checkpoints_are_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    for ext in ["ckpt", "pt", "pth", "bin"] {
+        let path = dir.path().join(format!("model.{ext}"));
+        std::fs::write(&path, b"\x80\x02}q\x00.").unwrap();
+        let err = SingleFile::open(&path).unwrap_err();
+        assert!(matches!(err, ModelError::Pickle { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains("execute arbitrary code"), "{msg}");
+        assert!(msg.contains("safetensors"), "{msg}");
+    }
+    // A PyTorch zip archive renamed to .safetensors is still a pickle.
+    let path = dir.path().join("renamed.safetensors");
+    std::fs::write(&path, b"PK\x03\x04archive/data.pkl").unwrap();
+    let msg = open_err(&path);
+    assert!(
+        msg.contains("zip archive") && msg.contains("pickle"),
+        "{msg}"
+    );
+    // Through the pipeline too.
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &dir.path().join("model.ckpt"),
+        &SingleFileOptions::default(),
+        &Default::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(err, PipelineError::Model(ModelError::Pickle { .. })),
+        "{err}"
+    );
+}
+
+#[test]
+fn corrupt_and_truncated_files_name_the_file_and_the_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(checkpoint("tiny-sd1")).unwrap();
+    let truncated = dir.path().join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let msg = open_err(&truncated);
+    assert!(msg.contains("truncated.safetensors"), "{msg}");
+    assert!(msg.contains("truncated or corrupt"), "{msg}");
+    assert!(msg.contains("bytes"), "the fault is said: {msg}");
+
+    let garbage = dir.path().join("garbage.safetensors");
+    let mut header = bytes[..64].to_vec();
+    header[8..16].copy_from_slice(b"{{{{{{{{");
+    std::fs::write(&garbage, &header).unwrap();
+    let msg = open_err(&garbage);
+    assert!(
+        msg.contains("garbage.safetensors") && msg.contains("corrupt"),
+        "{msg}"
+    );
+
+    let empty = dir.path().join("empty.safetensors");
+    std::fs::write(&empty, b"").unwrap();
+    let msg = open_err(&empty);
+    assert!(
+        msg.contains("empty.safetensors") && msg.contains("8-byte"),
+        "{msg}"
+    );
+
+    let missing = dir.path().join("missing.safetensors");
+    assert!(open_err(&missing).contains("missing.safetensors"));
+}
+
+fn write_tensors(path: &Path, keys: &[&str]) {
+    let data = [0u8; 16];
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = keys
+        .iter()
+        .map(|k| {
+            (
+                k.to_string(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 2], &data)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+#[test]
+fn unknown_architectures_name_the_keys_looked_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let flux = dir.path().join("flux.safetensors");
+    write_tensors(&flux, &["double_blocks.0.img_attn.norm.key_norm.scale"]);
+    let err = SingleFile::open(&flux).unwrap_err();
+    assert!(
+        matches!(err, ModelError::UnknownArchitecture { .. }),
+        "{err}"
+    );
+    let msg = err.to_string();
+    for key in [
+        "model.diffusion_model.input_blocks.0.0.weight",
+        "cond_stage_model.model.token_embedding.weight",
+        "conditioner.embedders.1.model.transformer.resblocks.9.mlp.c_proj.bias",
+        "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+        "double_blocks.0.img_attn.norm.key_norm.scale",
+    ] {
+        assert!(msg.contains(key), "{key} missing from: {msg}");
+    }
+
+    // A diffusers component file is not a single-file checkpoint, and the error says so.
+    let unet = model_dir("tiny-sd1").join("unet/diffusion_pytorch_model.safetensors");
+    let msg = open_err(&unet);
+    assert!(msg.contains("diffusers' own"), "{msg}");
+
+    // A UNet without any text encoder this loader knows.
+    let bare = dir.path().join("bare.safetensors");
+    write_tensors(&bare, &["model.diffusion_model.input_blocks.0.0.weight"]);
+    let msg = open_err(&bare);
+    assert!(msg.contains("no text encoder"), "{msg}");
+}
+
+#[test]
+fn config_sources_wrong_pipeline_missing_tokenizer_and_mismatched_config() {
+    let device = Default::default();
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sdxl"),
+        &options("tiny-sdxl"),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("StableDiffusionXLPipeline::from_single_file"),
+        "{err}"
+    );
+    let err = StableDiffusionXLPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &options("tiny-sd1"),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("StableDiffusionPipeline::from_single_file"),
+        "{err}"
+    );
+
+    // No config and no tokenizer folder: the error says a single file has none and where to
+    // get one (an empty Hub cache, so the default repository is not found there).
+    let cache = tempfile::tempdir().unwrap();
+    std::env::set_var("HF_HUB_CACHE", cache.path());
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &SingleFileOptions::default(),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("carries no tokenizer"), "{err}");
+    assert!(
+        err.contains("stable-diffusion-v1-5/stable-diffusion-v1-5"),
+        "{err}"
+    );
+
+    // The architecture's diffusers repository in the Hub cache gives configs, scheduler and
+    // tokenizer, as diffusers takes them (here a hand-made cache holding tiny-sd1's files under
+    // SD 1.5's name, configs and tokenizer only).
+    let repo = cache
+        .path()
+        .join("models--stable-diffusion-v1-5--stable-diffusion-v1-5");
+    let hash = "0123456789abcdef0123456789abcdef01234567";
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), hash).unwrap();
+    let snapshot = repo.join("snapshots").join(hash);
+    let source = model_dir("tiny-sd1");
+    for part in ["unet", "vae", "text_encoder", "scheduler", "tokenizer"] {
+        std::fs::create_dir_all(snapshot.join(part)).unwrap();
+        for entry in std::fs::read_dir(source.join(part)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json" || e == "txt")
+                && !path.to_string_lossy().contains("index")
+            {
+                std::fs::copy(&path, snapshot.join(part).join(path.file_name().unwrap())).unwrap();
+            }
+        }
+    }
+    std::fs::copy(
+        source.join("model_index.json"),
+        snapshot.join("model_index.json"),
+    )
+    .unwrap();
+    let pipe = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &SingleFileOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let golden = golden("tiny-sd1");
+    let text = pipe
+        .text_encoder
+        .forward(&golden.token_rows("clip.input_ids"), false)
+        .unwrap();
+    assert_close(
+        &golden,
+        "clip.last_hidden_state",
+        text.last_hidden_state,
+        TOL,
+    );
+    std::fs::remove_dir_all(&repo).unwrap();
+
+    // A tokenizer but no config: the built-in configs assume the released models' sizes that
+    // the tensors do not show (64 channels a head, 32 group-norm groups), which the tiny
+    // model does not have; the error names the fix.
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &SingleFileOptions {
+            tokenizer: Some(model_dir("tiny-sd1").join("tokenizer")),
+            ..Default::default()
+        },
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("pass the matching diffusers folder as `config`"),
+        "{err}"
+    );
+
+    // The SD 2 folder's configs do not fit the SD 1 file.
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &checkpoint("tiny-sd1"),
+        &options("tiny-sd2"),
+        &device,
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("tiny-sd1.safetensors") || err.contains("weight"),
+        "{err}"
+    );
+}
+
+/// `txt2img --model FILE.safetensors`: dispatched to `from_single_file` (SD or SDXL by the
+/// keys), the PNG within 2 levels of diffusers'.
+fn txt2img(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .expect("txt2img runs")
+}
+
+#[test]
+fn txt2img_takes_a_single_file_model_and_matches_diffusers_png() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["tiny-sd1", "tiny-sdxl"] {
+        let golden = golden(name);
+        let (values, shape) = golden.host("pipe.latents");
+        let latents = tmp.path().join(format!("{name}.npy"));
+        std::fs::write(&latents, oxidiff::latents::encode_npy(&values, &shape)).unwrap();
+        let out = tmp.path().join(format!("{name}.png"));
+        let s = &golden.json["pipeline"];
+        let (model, config) = (checkpoint(name), model_dir(name));
+        let guidance = s["guidance_scale"].as_f64().unwrap().to_string();
+        let result = txt2img(&[
+            "--model",
+            model.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--guidance",
+            &guidance,
+            "--negative-prompt",
+            s["negative_prompt"].as_str().unwrap(),
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            s["prompt"].as_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert!(result.status.success(), "{name}: {err}");
+        let ours = image::open(&out).unwrap().to_rgb8();
+        common::assert_png_close(&ours, &format!("single-file-{name}.png"), 2);
+    }
+
+    // A pickle is refused with the reason, exit status 1, nothing written.
+    let ckpt = tmp.path().join("model.ckpt");
+    std::fs::write(&ckpt, b"\x80\x02}q\x00.").unwrap();
+    let out = tmp.path().join("never.png");
+    let result = txt2img(&[
+        "--model",
+        ckpt.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "a prompt",
+    ]);
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{err}");
+    assert!(err.contains("execute arbitrary code"), "{err}");
+    assert!(!out.exists());
+
+    // --config belongs to single files.
+    let folder = model_dir("tiny-sd1");
+    let result = txt2img(&[
+        "--model",
+        folder.to_str().unwrap(),
+        "--config",
+        folder.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "a prompt",
+    ]);
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert!(err.contains("single-file"), "{err}");
+    assert!(!out.exists());
+}
+
+/// The released SD 1.5, SD 2.1 and SDXL base layouts (names and shapes only, from diffusers
+/// models built on the meta device by `make_single_file.py`, checked there by diffusers' own
+/// conversion): the architecture is detected as diffusers' `infer_diffusers_model_type` does,
+/// the renaming views give exactly the diffusers names and shapes, and the built-in configs
+/// with the sizes read from the tensors are the released models' configs.
+#[test]
+fn released_layouts_detect_rename_and_configure_as_the_released_models() {
+    let text =
+        std::fs::read_to_string(fixtures().join("single-file/released-layouts.json")).unwrap();
+    let layouts: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let shape_list = |v: &serde_json::Value| -> Vec<(String, Vec<usize>)> {
+        v.as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, s)| {
+                let shape = s
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap() as usize);
+                (k.clone(), shape.collect())
+            })
+            .collect()
+    };
+    // Only the differences, so a failure stays readable.
+    let assert_same =
+        |ours: Vec<(String, Vec<usize>)>, mut want: Vec<(String, Vec<usize>)>, what: &str| {
+            want.sort();
+            let extra: Vec<_> = ours.iter().filter(|e| !want.contains(e)).take(5).collect();
+            let missing: Vec<_> = want.iter().filter(|e| !ours.contains(e)).take(5).collect();
+            assert!(
+                extra.is_empty() && missing.is_empty() && ours.len() == want.len(),
+                "{what}: {} names against {}; not expected {extra:?}; missing {missing:?}",
+                ours.len(),
+                want.len()
+            );
+        };
+    let sorted_shapes = |w: &Weights| {
+        let mut v: Vec<(String, Vec<usize>)> = w
+            .keys()
+            .map(|k| (k.to_string(), w.shape(k).unwrap().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    for (name, arch, model_type) in [
+        ("sd15", SingleFileArch::Sd1, "v1"),
+        ("sd21", SingleFileArch::Sd2, "v2"),
+        ("sdxl_base", SingleFileArch::SdxlBase, "xl_base"),
+    ] {
+        let layout = &layouts[name];
+        assert_eq!(layout["diffusers_model_type"], model_type);
+        let label = PathBuf::from(format!("{name}.safetensors"));
+        let weights = Weights::shapes_only(&label, shape_list(&layout["shapes"])).unwrap();
+        let file = SingleFile::from_weights(&label, weights).unwrap();
+        assert_eq!(file.arch, arch, "{name}");
+        let v = file.predicts_v();
+        assert_eq!(v, arch == SingleFileArch::Sd2, "{name}");
+
+        // Configs.
+        let configs = &layout["configs"];
+        let path = Path::new(name);
+        let want: UNet2DConditionConfig = serde_json::from_value(configs["unet"].clone()).unwrap();
+        let got = file.unet_config(v).unwrap();
+        let n = want.block_out_channels.len();
+        let per_block = |c: &UNet2DConditionConfig| {
+            (
+                c.layers_per_block.expand(n, "", path).unwrap(),
+                c.transformer_layers_per_block.expand(n, "", path).unwrap(),
+                c.cross_attention_dim.expand(n, "", path).unwrap(),
+                c.heads(path).unwrap(),
+                c.only_cross_attention.expand(n, "", path).unwrap(),
+            )
+        };
+        assert_eq!(
+            per_block(&got),
+            per_block(&want),
+            "{name}: per-block UNet fields"
+        );
+        let unet_fields = |c: &UNet2DConditionConfig| {
+            format!(
+                "{:?}",
+                (
+                    (
+                        &c.sample_size,
+                        c.in_channels,
+                        c.out_channels,
+                        &c.down_block_types,
+                        &c.mid_block_type,
+                        &c.up_block_types,
+                        &c.block_out_channels,
+                    ),
+                    (
+                        c.norm_num_groups,
+                        c.norm_eps,
+                        c.use_linear_projection,
+                        c.upcast_attention,
+                        &c.addition_embed_type,
+                        c.addition_time_embed_dim,
+                        c.projection_class_embeddings_input_dim,
+                        (
+                            c.flip_sin_to_cos,
+                            c.freq_shift,
+                            &c.act_fn,
+                            c.downsample_padding
+                        ),
+                    ),
+                )
+            )
+        };
+        // `sample_size` is written as a plain number in both.
+        assert_eq!(unet_fields(&got), unet_fields(&want), "{name}: UNet config");
+
+        let want: oxidiff::models::AutoencoderKLConfig =
+            serde_json::from_value(configs["vae"].clone()).unwrap();
+        let got = file.vae_config(v).unwrap();
+        let vae_fields = |c: &oxidiff::models::AutoencoderKLConfig| {
+            format!(
+                "{:?}",
+                (
+                    c.in_channels,
+                    c.out_channels,
+                    &c.down_block_types,
+                    &c.up_block_types,
+                    &c.block_out_channels,
+                    c.layers_per_block,
+                    c.latent_channels,
+                    c.norm_num_groups,
+                    c.sample_size,
+                    c.scaling_factor,
+                    &c.act_fn,
+                )
+            )
+        };
+        assert_eq!(vae_fields(&got), vae_fields(&want), "{name}: VAE config");
+
+        let clip_fields = |c: &oxidiff::models::ClipTextConfig| {
+            format!(
+                "{:?}",
+                (
+                    c.vocab_size,
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.projection_dim,
+                    c.num_hidden_layers,
+                    c.num_attention_heads,
+                    c.max_position_embeddings,
+                    &c.hidden_act,
+                    c.eos_token_id,
+                )
+            )
+        };
+        let want: oxidiff::models::ClipTextConfig =
+            serde_json::from_value(configs["text_encoder"].clone()).unwrap();
+        let te = file.text_encoder_config().unwrap();
+        assert_eq!(
+            clip_fields(&te),
+            clip_fields(&want),
+            "{name}: text encoder config"
+        );
+        let mut te2_layers = 0;
+        if arch == SingleFileArch::SdxlBase {
+            let want: oxidiff::models::ClipTextConfig =
+                serde_json::from_value(configs["text_encoder_2"].clone()).unwrap();
+            let te2 = file.text_encoder_2_config().unwrap();
+            assert_eq!(
+                clip_fields(&te2),
+                clip_fields(&want),
+                "{name}: text encoder 2 config"
+            );
+            te2_layers = te2.num_hidden_layers;
+        }
+
+        // Names and shapes through the views.
+        let expected = &layout["diffusers_shapes"];
+        let unet = sorted_shapes(&file.unet_weights().unwrap());
+        assert_same(
+            unet,
+            shape_list(&expected["unet"]),
+            &format!("{name}: UNet"),
+        );
+        let vae = sorted_shapes(&file.vae_weights().unwrap());
+        assert_same(vae, shape_list(&expected["vae"]), &format!("{name}: VAE"));
+        let view = file.text_encoder_weights(te.num_hidden_layers).unwrap();
+        let want = shape_list(&expected["text_encoder"]);
+        assert_same(sorted_shapes(&view), want, &format!("{name}: text encoder"));
+        if arch == SingleFileArch::SdxlBase {
+            let view = file.text_encoder_2_weights(te2_layers).unwrap();
+            let want = shape_list(&expected["text_encoder_2"]);
+            assert_same(
+                sorted_shapes(&view),
+                want,
+                &format!("{name}: text encoder 2"),
+            );
+        }
+        // Every tensor is taken or one every LDM file carries (position ids, logit_scale,
+        // SD 2's 24th block and text_projection, EMA and schedule buffers).
+        let unmapped = file
+            .unmapped_keys(te.num_hidden_layers, te2_layers)
+            .unwrap();
+        assert!(unmapped.is_empty(), "{name}: {unmapped:?}");
+    }
+}
+
+/// Writes zero-filled F32 tensors of the given shapes.
+fn write_shaped(path: &Path, tensors: &[(&str, Vec<usize>)]) {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, s)| vec![0u8; 4 * s.iter().product::<usize>()])
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((k, s), d)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)
+                .unwrap();
+            (k.to_string(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+#[test]
+fn hostile_layouts_are_errors_not_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let conv_in = (
+        "model.diffusion_model.input_blocks.0.0.weight",
+        vec![4, 4, 3, 3],
+    );
+    let open_clip = (
+        "cond_stage_model.model.token_embedding.weight",
+        vec![10, 100],
+    );
+    let cases: Vec<Vec<(&str, Vec<usize>)>> = vec![
+        // A scalar fused projection, a 0-row one, a gap in the input blocks.
+        vec![
+            conv_in.clone(),
+            open_clip.clone(),
+            ("cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight", vec![]),
+            ("model.diffusion_model.input_blocks.5.0.op.weight", vec![1]),
+        ],
+        vec![
+            conv_in.clone(),
+            open_clip.clone(),
+            ("cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight", vec![0, 3]),
+            ("cond_stage_model.model.transformer.resblocks.0.attn.in_proj_bias", vec![2]),
+        ],
+        // SDXL keys with an added embedding that is not pooled width plus 6 time ids.
+        vec![
+            conv_in.clone(),
+            ("conditioner.embedders.1.model.positional_embedding", vec![77, 64]),
+            (
+                "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight",
+                vec![77, 64],
+            ),
+            ("conditioner.embedders.1.model.text_projection", vec![64, 64]),
+            ("model.diffusion_model.label_emb.0.0.weight", vec![8, 65]),
+            ("model.diffusion_model.input_blocks.1.0.out_layers.3.weight", vec![8, 8, 3, 3]),
+            ("model.diffusion_model.out.2.weight", vec![4, 8, 3, 3]),
+        ],
+    ];
+    for (i, tensors) in cases.iter().enumerate() {
+        let path = dir.path().join(format!("hostile{i}.safetensors"));
+        write_shaped(&path, tensors);
+        let file = SingleFile::open(&path).unwrap();
+        // Each either works on what is there or says what is wrong; none panics.
+        let results = [
+            file.unet_weights().err().map(|e| e.to_string()),
+            file.vae_weights().err().map(|e| e.to_string()),
+            file.text_encoder_weights(4).err().map(|e| e.to_string()),
+            file.text_encoder_2_weights(4).err().map(|e| e.to_string()),
+            file.unet_config(false).err().map(|e| e.to_string()),
+            file.vae_config(false).err().map(|e| e.to_string()),
+            file.text_encoder_config().err().map(|e| e.to_string()),
+            file.unmapped_keys(4, 4).err().map(|e| e.to_string()),
+        ];
+        assert!(
+            results[4].is_some(),
+            "case {i}: a broken UNet layout gave a config"
+        );
+        for r in results.into_iter().flatten() {
+            assert!(
+                r.contains(&format!("hostile{i}.safetensors")) || r.contains("weight"),
+                "{r}"
+            );
+        }
+        let err = StableDiffusionPipeline::<B>::from_single_file(
+            &path,
+            &SingleFileOptions {
+                tokenizer: Some(model_dir("tiny-sd1").join("tokenizer")),
+                ..Default::default()
+            },
+            &Default::default(),
+        );
+        assert!(err.is_err(), "case {i}");
+    }
+}
