@@ -107,12 +107,16 @@ pub fn sincos_pos_embed_2d(
     out
 }
 
-/// diffusers' `PatchEmbed` as PixArt uses it: a `patch x patch` convolution with stride
-/// `patch` (`proj`), flattened to tokens, plus the 2D sincos position embedding of the grid
-/// (computed for the input's own size, not stored in checkpoints).
+/// diffusers' `PatchEmbed`: a `patch x patch` convolution with stride `patch` (`proj`),
+/// flattened to tokens, plus the 2D sincos position embedding. PixArt computes it for the
+/// input's own grid (not stored in checkpoints); SD3 (`pos_embed_max_size`) stores one table
+/// for a `max x max` grid (`pos_embed.pos_embed`) and crops its centre to the input's grid.
 #[derive(Module, Debug)]
 pub struct PatchEmbed<B: Backend> {
     pub proj: crate::nn::Conv2d<B>,
+    /// SD3's `[1, max * max, dim]` table, when `pos_embed_max_size` is set.
+    pub pos_embed: Option<Param<Tensor<B, 3>>>,
+    pub pos_embed_max_size: Option<usize>,
     pub patch_size: usize,
     /// The native grid side, `sample_size / patch_size`: positions are scaled to it.
     pub base_size: usize,
@@ -137,10 +141,42 @@ impl<B: Backend> PatchEmbed<B> {
         };
         Ok(Self {
             proj: crate::nn::Conv2d::load(&vb.pp("proj"), spec)?,
+            pos_embed: None,
+            pos_embed_max_size: None,
             patch_size,
             base_size: (sample_size / patch_size).max(1),
             interpolation_scale,
         })
+    }
+
+    /// SD3's patch embedding with a `max_size x max_size` position table (interpolation scale
+    /// 1): read from `pos_embed` where the checkpoint has it (a persistent buffer in diffusers),
+    /// else computed as diffusers computes it.
+    pub fn load_cropped(
+        vb: &VarBuilder<B>,
+        in_channels: usize,
+        dim: usize,
+        patch_size: usize,
+        sample_size: usize,
+        max_size: usize,
+    ) -> Result<Self> {
+        let mut embed = Self::load(vb, in_channels, dim, patch_size, sample_size, 1.0)?;
+        let shape = [1, max_size * max_size, dim];
+        let table = if vb.contains("pos_embed") {
+            vb.get("pos_embed", shape)?
+        } else {
+            let values = sincos_pos_embed_2d(dim, max_size, max_size, embed.base_size, 1.0);
+            Tensor::from_data(TensorData::new(values, shape), vb.device())
+        };
+        embed.pos_embed = Some(Param::from_tensor(table).set_require_grad(false));
+        embed.pos_embed_max_size = Some(max_size);
+        Ok(embed)
+    }
+
+    /// Whether a `grid_h x grid_w` patch grid fits the stored table (always, without one).
+    pub fn fits(&self, grid_h: usize, grid_w: usize) -> bool {
+        self.pos_embed_max_size
+            .is_none_or(|max| grid_h <= max && grid_w <= max)
     }
 
     /// `[batch, c, h, w]` latents to `[batch, (h / p) * (w / p), dim]` tokens.
@@ -148,30 +184,92 @@ impl<B: Backend> PatchEmbed<B> {
         let x = self.proj.forward(latent);
         let [b, dim, gh, gw] = x.dims();
         let tokens = x.reshape([b, dim, gh * gw]).swap_dims(1, 2);
+        if let (Some(table), Some(max)) = (&self.pos_embed, self.pos_embed_max_size) {
+            // The centre crop, as diffusers' `cropped_pos_embed` (callers check the fit).
+            let (top, left) = ((max - gh) / 2, (max - gw) / 2);
+            let grid: Tensor<B, 3> = table.val().reshape([max, max, dim]);
+            let pos = grid
+                .narrow(0, top, gh)
+                .narrow(1, left, gw)
+                .reshape([1, gh * gw, dim]);
+            return tokens + pos;
+        }
         let pos = sincos_pos_embed_2d(dim, gh, gw, self.base_size, self.interpolation_scale);
         let pos = Tensor::<B, 2>::from_data(TensorData::new(pos, [gh * gw, dim]), &tokens.device());
         tokens + pos.unsqueeze::<3>()
     }
 }
 
-/// diffusers' `PixArtAlphaTextProjection`: `linear_1`, tanh GELU, `linear_2`.
+/// diffusers' `PixArtAlphaTextProjection`: `linear_1`, an activation (tanh GELU for PixArt's
+/// caption, SiLU for SD3's pooled text), `linear_2`.
 #[derive(Module, Debug)]
 pub struct PixArtAlphaTextProjection<B: Backend> {
     pub linear_1: Linear<B>,
     pub linear_2: Linear<B>,
+    #[module(skip)]
+    pub act: Activation,
 }
 
 impl<B: Backend> PixArtAlphaTextProjection<B> {
+    /// The caption projection with tanh GELU (`act_fn="gelu_tanh"`).
     pub fn load(vb: &VarBuilder<B>, in_features: usize, hidden: usize) -> Result<Self> {
+        Self::load_with(vb, in_features, hidden, Activation::GeluTanh)
+    }
+
+    /// The projection with another activation (`act_fn="silu"` in SD3's time-text embedding).
+    pub fn load_with(
+        vb: &VarBuilder<B>,
+        in_features: usize,
+        hidden: usize,
+        act: Activation,
+    ) -> Result<Self> {
         Ok(Self {
             linear_1: Linear::load(&vb.pp("linear_1"), in_features, hidden, true)?,
             linear_2: Linear::load(&vb.pp("linear_2"), hidden, hidden, true)?,
+            act,
         })
     }
 
-    pub fn forward(&self, caption: Tensor<B, 3>) -> Tensor<B, 3> {
-        let h = burn::tensor::activation::gelu_approximate(self.linear_1.forward(caption));
+    pub fn forward<const D: usize>(&self, caption: Tensor<B, D>) -> Tensor<B, D> {
+        let h = self.act.forward(self.linear_1.forward(caption));
         self.linear_2.forward(h)
+    }
+}
+
+/// diffusers' `CombinedTimestepTextProjEmbeddings` (SD3): the sinusoidal timestep embedding
+/// plus the projected pooled text embedding, `[batch, dim]`.
+#[derive(Module, Debug)]
+pub struct CombinedTimestepTextProjEmbeddings<B: Backend> {
+    pub time_proj: Timesteps<B>,
+    pub timestep_embedder: TimestepEmbedding<B>,
+    pub text_embedder: PixArtAlphaTextProjection<B>,
+}
+
+impl<B: Backend> CombinedTimestepTextProjEmbeddings<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize, pooled_projection_dim: usize) -> Result<Self> {
+        Ok(Self {
+            time_proj: Timesteps::new(256, true, 0.0, vb.device()),
+            timestep_embedder: TimestepEmbedding::load(
+                &vb.pp("timestep_embedder"),
+                256,
+                dim,
+                Activation::Silu,
+            )?,
+            text_embedder: PixArtAlphaTextProjection::load_with(
+                &vb.pp("text_embedder"),
+                pooled_projection_dim,
+                dim,
+                Activation::Silu,
+            )?,
+        })
+    }
+
+    /// `timestep` `[batch]` and `pooled` `[batch, pooled_projection_dim]` to `[batch, dim]`.
+    pub fn forward(&self, timestep: Tensor<B, 1>, pooled: Tensor<B, 2>) -> Tensor<B, 2> {
+        let t = self
+            .timestep_embedder
+            .forward(self.time_proj.forward(timestep));
+        t + self.text_embedder.forward(pooled)
     }
 }
 

@@ -21,6 +21,7 @@ pub mod resnet;
 pub mod safetensors_check;
 pub mod t5;
 pub mod tokenizer;
+pub mod transformer_sd3;
 pub mod unet_2d_condition;
 pub mod weights;
 
@@ -31,5 +32,6 @@ pub use error::{ModelError, Result};
 pub use pixart_transformer_2d::{PixArtTransformer2DConfig, PixArtTransformer2DModel};
 pub use t5::{T5Config, T5EncoderModel};
 pub use tokenizer::{ClipTokenizer, Encoded, MaskedTokens, T5Tokenizer};
+pub use transformer_sd3::{SD3Transformer2DConfig, SD3Transformer2DModel};
 pub use unet_2d_condition::{AddedCondition, UNet2DConditionConfig, UNet2DConditionModel};
 pub use weights::{VarBuilder, Weights};
