@@ -34,3 +34,7 @@ pub mod stable_diffusion_xl;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlDenoiser, XlOptions, XlPromptEmbeds};
 pub mod stable_diffusion_img2img;
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
+pub mod stable_diffusion_3;
+pub use stable_diffusion_3::{
+    Sd3Denoiser, Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS,
+};
