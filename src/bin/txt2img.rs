@@ -1,5 +1,5 @@
 //! `txt2img`: generate images from a prompt with a diffusers-format model: Stable Diffusion
-//! 1.x/2.x or PixArt-Alpha/Sigma, picked by `model_index.json`'s `_class_name`.
+//! 1.x/2.x, SDXL, SD3/SD3.5 or PixArt-Alpha/Sigma, picked by `model_index.json`'s `_class_name`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -16,6 +16,7 @@ use oxidiff::pipelines::{
     PipelineError, PipelineOutput, PixArtPipeline, PixArtRequest, StableDiffusionPipeline,
     StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
 };
+use oxidiff::pipelines::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
 
@@ -28,7 +29,7 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, PixArt-Alpha/Sigma)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, SD3/SD3.5, PixArt-Alpha/Sigma)"
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -47,11 +48,11 @@ struct Args {
     variant: Option<String>,
     #[arg(long)]
     negative_prompt: Option<String>,
-    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, else 50).
+    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, 28 for SD3, else 50).
     #[arg(long)]
     steps: Option<usize>,
     /// Classifier-free guidance scale; 1 or less disables guidance (default: 0 for sd-turbo,
-    /// 4.5 for PixArt, else 7.5).
+    /// 4.5 for PixArt, 7 for SD3, else 7.5).
     #[arg(long)]
     guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
@@ -96,8 +97,8 @@ struct Args {
     /// later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     compile: bool,
-    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma); longer
-    /// prompts are cut with a warning.
+    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma) and SD3
+    /// (default 256, at most 512); longer prompts are cut with a warning.
     #[arg(long)]
     max_sequence_length: Option<usize>,
     /// PixArt: generate at exactly --width x --height instead of the nearest trained aspect
@@ -181,7 +182,14 @@ fn run(mut args: Args) -> Result<()> {
         .with_context(|| format!("loading {}", args.model))?;
     let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
     let pixart = PIXART_CLASSES.contains(&class.as_str());
-    if !pixart && (args.max_sequence_length.is_some() || args.no_resolution_binning) {
+    let sd3 = class == SD3_CLASS;
+    if sd3 && args.no_resolution_binning {
+        bail!(
+            "--no-resolution-binning applies to PixArt models; {} is a {class}",
+            args.model
+        );
+    }
+    if !pixart && !sd3 && (args.max_sequence_length.is_some() || args.no_resolution_binning) {
         bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models; {} is a {class}", args.model);
     }
     let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
@@ -189,6 +197,8 @@ fn run(mut args: Args) -> Result<()> {
         1
     } else if pixart {
         20
+    } else if sd3 {
+        28
     } else {
         50
     });
@@ -197,6 +207,8 @@ fn run(mut args: Args) -> Result<()> {
         0.0
     } else if pixart {
         4.5
+    } else if sd3 {
+        7.0
     } else if class == SDXL_CLASS {
         5.0
     } else {
@@ -331,11 +343,16 @@ enum Pipeline {
     Sd(Box<StableDiffusionPipeline<Oxi>>),
     Xl(Box<StableDiffusionXLPipeline<Oxi>>),
     PixArt(Box<PixArtPipeline<Oxi>>),
+    Sd3(Box<StableDiffusion3Pipeline<Oxi>>),
 }
 
 impl Pipeline {
     fn load(dir: &Path, class: &str, options: &LoadOptions, device: &OxiDevice) -> Result<Self> {
-        Ok(if PIXART_CLASSES.contains(&class) {
+        Ok(if class == SD3_CLASS {
+            Self::Sd3(Box::new(StableDiffusion3Pipeline::from_dir(
+                dir, options, device,
+            )?))
+        } else if PIXART_CLASSES.contains(&class) {
             Self::PixArt(Box::new(PixArtPipeline::from_dir(dir, options, device)?))
         } else if class == SDXL_CLASS {
             Self::Xl(Box::new(StableDiffusionXLPipeline::from_dir(
@@ -353,6 +370,7 @@ impl Pipeline {
             Self::Sd(pipe) => Ok(pipe.compile()?),
             Self::Xl(pipe) => Ok(pipe.compile()?),
             Self::PixArt(pipe) => Ok(pipe.compile()?),
+            Self::Sd3(pipe) => Ok(pipe.compile()?),
         }
     }
 
@@ -370,6 +388,7 @@ impl Pipeline {
             }
             Self::Xl(pipe) => pipe.compiles(),
             Self::PixArt(pipe) => pipe.compiles(),
+            Self::Sd3(pipe) => pipe.compiles(),
         };
         match programs {
             Some(n) => format!("compiled: {n} program(s)"),
@@ -382,10 +401,12 @@ impl Pipeline {
             Self::Sd(pipe) => pipe.scheduler.kind().class_name(),
             Self::Xl(pipe) => pipe.scheduler.kind().class_name(),
             Self::PixArt(pipe) => pipe.scheduler.kind().class_name(),
+            Self::Sd3(pipe) => pipe.scheduler.kind().class_name(),
         }
     }
 
-    /// `(max_sequence_length, resolution_binning)` only matter to PixArt.
+    /// `(max_sequence_length, resolution_binning)` only matter to PixArt (and the length to
+    /// SD3).
     fn generate_with(
         &mut self,
         request: GenerateRequest<Oxi>,
@@ -403,6 +424,14 @@ impl Pipeline {
                     common: request,
                     max_sequence_length,
                     resolution_binning,
+                };
+                pipe.generate_with(&request, generator, callback)
+            }
+            Self::Sd3(pipe) => {
+                let request = Sd3Request {
+                    common: request,
+                    max_sequence_length: max_sequence_length.unwrap_or(256),
+                    ..Default::default()
                 };
                 pipe.generate_with(&request, generator, callback)
             }
