@@ -213,6 +213,34 @@ fn sd3_matches_diffusers_step_by_step() {
 }
 
 #[test]
+fn sd3_batch_of_prompts_and_images_keeps_each_row_its_own() {
+    // Two prompts, two images each: rows [p0, p0, p1, p1] (diffusers' repeat order), each
+    // image guided by its own prompt. Row 0 starts from diffusers' latents and must end as
+    // diffusers' single-prompt run does; row 2 (the other prompt, same start) must not.
+    let golden = Golden::load(NAME);
+    let device = Default::default();
+    let mut pipe = load::<B>(&model_dir(NAME), &device);
+    let mut req = request::<B>(&golden, &device);
+    let start: Tensor<B, 4> = golden.tensor("pipe.latents");
+    let other = start.clone().mul_scalar(-1.0);
+    req.common.latents = Some(Tensor::cat(
+        vec![start.clone(), other, start.clone(), start],
+        0,
+    ));
+    req.common.prompts.push("a red cube on a table".into());
+    req.common.num_images_per_prompt = 2;
+    req.common.output = oxidiff::pipelines::OutputType::Latents;
+    let out = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
+    assert_eq!(out.latents.dims(), [4, 16, 8, 6]);
+    let last = expected_timesteps(&golden).len() - 1;
+    let key = format!("pipe.step{last}");
+    assert_close(&golden, &key, out.latents.clone().narrow(0, 0, 1), TOL);
+    let (reference, _) = golden.host(&key);
+    let err = relative_error(&to_vec(out.latents.narrow(0, 2, 1)), &reference);
+    assert!(err > 1e-2, "the second prompt changed nothing: {err:e}");
+}
+
+#[test]
 fn sd35_transformer_in_the_pipeline_matches_diffusers() {
     let golden = Golden::load(NAME);
     let device = Default::default();
