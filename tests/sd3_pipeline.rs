@@ -241,6 +241,45 @@ fn sd3_batch_of_prompts_and_images_keeps_each_row_its_own() {
 }
 
 #[test]
+fn sd3_with_dynamic_shifting_matches_diffusers() {
+    // `use_dynamic_shifting: true`: mu from the image's 4x3 patch tokens, as the pipeline
+    // computes it for diffusers' scheduler.
+    let golden = Golden::load(NAME);
+    let device = Default::default();
+    let scheduler = tempfile::tempdir().unwrap();
+    let config_path = model_dir(NAME).join("scheduler/scheduler_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(config_path).unwrap()).unwrap();
+    config["use_dynamic_shifting"] = serde_json::json!(true);
+    std::fs::write(
+        scheduler.path().join("scheduler_config.json"),
+        config.to_string(),
+    )
+    .unwrap();
+    let dir = assembled(|_| {}, &[("scheduler", Some(scheduler.path().into()))]);
+    let mut pipe = load::<B>(dir.path(), &device);
+    let mut req = request::<B>(&golden, &device);
+    req.common.output = oxidiff::pipelines::OutputType::Latents;
+    let timesteps = RefCell::new(Vec::new());
+    let out = pipe
+        .generate_with(&req, &mut NoNoise, |info| {
+            timesteps.borrow_mut().push(info.timestep)
+        })
+        .unwrap();
+    let expected = golden.json["dynamic_timesteps"].as_array().unwrap();
+    let timesteps = timesteps.into_inner();
+    assert_eq!(timesteps.len(), expected.len());
+    for (ours, theirs) in timesteps.iter().zip(expected) {
+        let theirs = theirs.as_f64().unwrap();
+        assert!(
+            (ours - theirs).abs() < 1e-3,
+            "{timesteps:?} vs {expected:?}"
+        );
+    }
+    assert_close(&golden, "dynamic.final", out.latents, TOL);
+}
+
+#[test]
 fn sd35_transformer_in_the_pipeline_matches_diffusers() {
     let golden = Golden::load(NAME);
     let device = Default::default();

@@ -290,6 +290,14 @@ def golden(folder, built, sd35_dir):
         out_lat, _ = run(pipe35, latents, "latent")
         tensors["pipe_sd35.final"] = out_lat.images
 
+        # The scheduler with `use_dynamic_shifting` (mu from the 4x3 = 12 image tokens).
+        dynamic = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=True)
+        pipe_dyn = load(folder, scheduler=dynamic)
+        out_dyn, steps_dyn = run(pipe_dyn, latents, "latent")
+        info["dynamic_timesteps"] = [t for t, _ in steps_dyn]
+        assert info["dynamic_timesteps"] != info["timesteps"]
+        tensors["dynamic.final"] = out_dyn.images
+
         # Without T5 (text_encoder_3=None): zeros in its place, as diffusers does.
         pipe_no_t5 = load(folder, text_encoder_3=None, tokenizer_3=None)
         pe0, ne0, _, _ = pipe_no_t5.encode_prompt(
