@@ -280,7 +280,7 @@ fn sd3_with_dynamic_shifting_matches_diffusers() {
 }
 
 #[test]
-fn sd35_transformer_in_the_pipeline_matches_diffusers() {
+fn sd35_transformer_in_the_pipeline_with_and_without_skip_layer_guidance_matches_diffusers() {
     let golden = Golden::load(NAME);
     let device = Default::default();
     let dir = assembled(
@@ -295,6 +295,20 @@ fn sd35_transformer_in_the_pipeline_matches_diffusers() {
     req.common.output = oxidiff::pipelines::OutputType::Latents;
     let out = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
     assert_close(&golden, "pipe_sd35.final", out.latents, TOL);
+
+    // Skip-layer guidance, as diffusers' `skip_guidance_layers`.
+    let slg = &golden.json["skip_layer_guidance"];
+    let number = |key: &str| slg[key].as_f64().unwrap();
+    req.skip_guidance_layers = vec![1];
+    assert_eq!(slg["skip_guidance_layers"], serde_json::json!([1]));
+    req.skip_layer_guidance_scale = number("skip_layer_guidance_scale");
+    req.skip_layer_guidance_start = number("skip_layer_guidance_start");
+    req.skip_layer_guidance_stop = number("skip_layer_guidance_stop");
+    let out = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
+    assert_close(&golden, "pipe_sd35_slg.final", out.latents, TOL);
+    req.skip_guidance_layers = vec![3];
+    let message = pipe.generate(&req).unwrap_err().to_string();
+    assert!(message.contains("skip layer 3 does not exist"), "{message}");
 }
 
 #[test]

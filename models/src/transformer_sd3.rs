@@ -397,6 +397,43 @@ impl<B: Backend> SD3Transformer2DModel<B> {
         Ok(self.forward_checked(latents, timestep, encoder_hidden_states, pooled_projections))
     }
 
+    /// [`forward`](Self::forward) with the blocks `skip_layers` left out (diffusers'
+    /// `skip_layers`, for skip-layer guidance); an index past the last block is an error.
+    pub fn forward_skipping(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        skip_layers: &[usize],
+    ) -> Result<Tensor<B, 4>> {
+        self.check_inputs(
+            latents.dims(),
+            timestep.dims()[0],
+            encoder_hidden_states.dims(),
+            pooled_projections.dims(),
+        )?;
+        self.check_skip_layers(skip_layers)?;
+        Ok(self.run(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            pooled_projections,
+            skip_layers,
+        ))
+    }
+
+    /// Checks that every index names a block.
+    pub fn check_skip_layers(&self, skip_layers: &[usize]) -> Result<()> {
+        let blocks = self.transformer_blocks.len();
+        match skip_layers.iter().find(|&&i| i >= blocks) {
+            Some(i) => Err(ModelError::Input(format!(
+                "skip layer {i} does not exist: the transformer has {blocks} blocks (0..{blocks})"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// [`forward`](Self::forward) for inputs already passed through
     /// [`check_inputs`](Self::check_inputs) (a compiled step cannot return errors).
     pub fn forward_checked(
@@ -406,13 +443,33 @@ impl<B: Backend> SD3Transformer2DModel<B> {
         encoder_hidden_states: Tensor<B, 3>,
         pooled_projections: Tensor<B, 2>,
     ) -> Tensor<B, 4> {
+        self.run(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            pooled_projections,
+            &[],
+        )
+    }
+
+    fn run(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        skip_layers: &[usize],
+    ) -> Tensor<B, 4> {
         let [b, _, h, w] = latents.dims();
         let p = self.patch_size;
         let (gh, gw) = (h / p, w / p);
         let mut x = self.pos_embed.forward(latents);
         let temb = self.time_text_embed.forward(timestep, pooled_projections);
         let mut context = Some(self.context_embedder.forward(encoder_hidden_states));
-        for block in &self.transformer_blocks {
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
+            if skip_layers.contains(&i) {
+                continue;
+            }
             // Only the last block drops the context, so every block before it has one.
             let Some(c) = context else { break };
             let (next, out) = block.forward(x, c, temb.clone());

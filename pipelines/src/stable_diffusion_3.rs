@@ -27,7 +27,7 @@ use oxidiff_schedulers::{
 use crate::error::{PipelineError, Result};
 use crate::guard;
 use crate::image::postprocess;
-use crate::loading::{check_request, initial_latents, negatives_for};
+use crate::loading::{check_request, guide, initial_latents, negatives_for};
 use crate::stable_diffusion::{
     denoising_loop, with_guidance, GenerateRequest, LoadOptions, OutputType, PipelineOutput,
     StepInfo,
@@ -53,6 +53,14 @@ pub struct Sd3Request<B: Backend> {
     pub negative_prompts_3: Vec<String>,
     /// T5 tokens per prompt (at most 512); longer prompts are cut with a warning.
     pub max_sequence_length: usize,
+    /// Skip-layer guidance (SD3.5 Medium's recommended `[7, 8, 9]`; empty: off): at steps `i`
+    /// with `start * steps < i < stop * steps`, a third transformer call on the prompt with
+    /// these blocks left out adds `scale * (text - skipped)` to the guided prediction.
+    pub skip_guidance_layers: Vec<usize>,
+    /// diffusers' `skip_layer_guidance_scale`, `_start` and `_stop` (2.8, 0.01, 0.2).
+    pub skip_layer_guidance_scale: f64,
+    pub skip_layer_guidance_start: f64,
+    pub skip_layer_guidance_stop: f64,
 }
 
 impl<B: Backend> Default for Sd3Request<B> {
@@ -68,6 +76,10 @@ impl<B: Backend> Default for Sd3Request<B> {
             negative_prompts_2: Vec::new(),
             negative_prompts_3: Vec::new(),
             max_sequence_length: 256,
+            skip_guidance_layers: Vec::new(),
+            skip_layer_guidance_scale: 2.8,
+            skip_layer_guidance_start: 0.01,
+            skip_layer_guidance_stop: 0.2,
         }
     }
 }
@@ -428,6 +440,8 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         let max_len = req.max_sequence_length;
         let cfg = common.guidance_scale > 1.0;
 
+        self.transformer
+            .check_skip_layers(&req.skip_guidance_layers)?;
         let positive = self.encode_prompts(
             &common.prompts,
             &prompts_2,
@@ -435,6 +449,13 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             images_per_prompt,
             max_len,
         )?;
+        // Skip-layer guidance runs on the prompt alone (diffusers' `original_prompt_embeds`).
+        let skip_layer_guidance = (cfg && !req.skip_guidance_layers.is_empty()).then(|| {
+            (
+                positive.prompt_embeds.clone(),
+                positive.pooled_prompt_embeds.clone(),
+            )
+        });
         let (context, pooled) = if cfg {
             let negatives = negatives_for(common);
             let negatives_2 = per_prompt(
@@ -490,7 +511,26 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         )?;
 
         let timesteps = self.scheduler.timesteps().to_vec();
+        let steps = timesteps.len() as f64;
         let (transformer, compiled) = (&self.transformer, &self.compiled);
+        // The transformer on the whole (guidance-doubled) batch, compiled or eager.
+        let predict = |x: Tensor<B, 4>, timestep: Tensor<B, 1>| -> Result<Tensor<B, 4>> {
+            // One timestep per row of the (guidance-doubled) batch.
+            let timestep = timestep.expand([model_batch]);
+            match compiled {
+                Some(denoiser) => {
+                    transformer.check_inputs(
+                        x.dims(),
+                        model_batch,
+                        context.dims(),
+                        pooled.dims(),
+                    )?;
+                    denoiser.denoise(x, timestep, context.clone(), pooled.clone())
+                }
+                None => Ok(transformer.forward(x, timestep, context.clone(), pooled.clone())?),
+            }
+        };
+        let mut step = 0usize;
         let latents = denoising_loop(
             &mut *self.scheduler,
             &timesteps,
@@ -499,27 +539,32 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             &self.device,
             noise,
             |model_input, timestep, _| {
-                with_guidance(model_input, common.guidance_scale, |x| {
-                    // One timestep per row of the (guidance-doubled) batch.
-                    let timestep = timestep.expand([model_batch]);
-                    match compiled {
-                        Some(denoiser) => {
-                            transformer.check_inputs(
-                                x.dims(),
-                                model_batch,
-                                context.dims(),
-                                pooled.dims(),
-                            )?;
-                            denoiser.denoise(x, timestep, context.clone(), pooled.clone())
-                        }
-                        None => Ok(transformer.forward(
-                            x,
-                            timestep,
-                            context.clone(),
-                            pooled.clone(),
-                        )?),
-                    }
-                })
+                let i = step as f64;
+                step += 1;
+                let skipping = skip_layer_guidance.as_ref().filter(|_| {
+                    i > steps * req.skip_layer_guidance_start
+                        && i < steps * req.skip_layer_guidance_stop
+                });
+                let Some((prompt_embeds, pooled_prompt_embeds)) = skipping else {
+                    return with_guidance(model_input, common.guidance_scale, |x| {
+                        predict(x, timestep.clone())
+                    });
+                };
+                let prediction = predict(
+                    Tensor::cat(vec![model_input.clone(), model_input.clone()], 0),
+                    timestep.clone(),
+                )?;
+                let text = prediction.clone().narrow(0, batch, batch);
+                let guided = guide(prediction, batch, common.guidance_scale);
+                // Eager even in compiled mode: a different program, run only on a few steps.
+                let skipped = transformer.forward_skipping(
+                    model_input,
+                    timestep.expand([batch]),
+                    prompt_embeds.clone(),
+                    pooled_prompt_embeds.clone(),
+                    &req.skip_guidance_layers,
+                )?;
+                Ok(guided + (text - skipped).mul_scalar(req.skip_layer_guidance_scale))
             },
             &mut callback,
         )?;

@@ -94,6 +94,13 @@ LONG_PROMPT = " ".join(
 )
 LONG_MAX_SEQUENCE_LENGTH = 16
 
+SLG = dict(
+    skip_guidance_layers=[1],
+    skip_layer_guidance_scale=2.8,
+    skip_layer_guidance_start=0.0,
+    skip_layer_guidance_stop=1.0,
+)
+
 # stabilityai/stable-diffusion-3-medium-diffusers' scheduler_config.json.
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
 
@@ -289,6 +296,11 @@ def golden(folder, built, sd35_dir):
         pipe35 = load(folder, transformer=sd35)
         out_lat, _ = run(pipe35, latents, "latent")
         tensors["pipe_sd35.final"] = out_lat.images
+        # Skip-layer guidance (block 1 left out on steps 1 and 2 of 3).
+        out_slg, _ = run(pipe35, latents, "latent", **SLG)
+        tensors["pipe_sd35_slg.final"] = out_slg.images
+        assert not torch.allclose(out_slg.images, out_lat.images)
+        info["skip_layer_guidance"] = SLG
 
         # The scheduler with `use_dynamic_shifting` (mu from the 4x3 = 12 image tokens).
         dynamic = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, use_dynamic_shifting=True)
