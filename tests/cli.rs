@@ -849,3 +849,66 @@ fn num_images_beside_a_file_name_never_overwrite_without_force() {
         &o,
     );
 }
+
+#[test]
+fn sd3_folder_is_recognised_and_its_png_matches_diffusers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = Golden::load("tiny-sd3");
+    let (values, shape) = golden.host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    write_npy(&latents, &values, &shape);
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-sd3");
+    let s = &golden.json["pipeline"];
+    let setting = |key: &str| s[key].to_string().trim_matches('"').to_string();
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--steps",
+            &setting("num_inference_steps"),
+            "--guidance",
+            &setting("guidance_scale"),
+            "--negative-prompt",
+            &setting("negative_prompt"),
+            "--max-sequence-length",
+            &setting("max_sequence_length"),
+            "--width",
+            &setting("width"),
+            "--height",
+            &setting("height"),
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            &setting("prompt"),
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, "tiny-sd3.png", 2);
+
+    // Resolution binning is PixArt's; SD3 refuses the switch and writes nothing.
+    let again = tmp.path().join("again.png");
+    let result = txt2img(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--no-resolution-binning",
+            "--quiet",
+            "-o",
+            again.to_str().unwrap(),
+            "a prompt",
+        ],
+        &[],
+    );
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("--no-resolution-binning applies to PixArt"),
+        "{}",
+        stderr(&result)
+    );
+    assert!(!again.exists());
+}

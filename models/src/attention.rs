@@ -10,6 +10,7 @@ use burn::tensor::Tensor;
 
 use crate::error::Result;
 use crate::nn::{Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
+use crate::normalization::RMSNorm;
 use crate::weights::VarBuilder;
 
 /// Multi-head scaled dot-product attention over `[batch, seq, heads * head_dim]` inputs.
@@ -382,4 +383,153 @@ pub fn scaled_dot_product_attention<B: Backend>(
             is_causal: false,
         },
     )
+}
+
+/// diffusers' `Attention` with `JointAttnProcessor2_0` (SD3's MMDiT): the image stream's
+/// `to_q/to_k/to_v` and the context stream's `add_q_proj/add_k_proj/add_v_proj` are attended
+/// jointly over the concatenated sequence `[image; context]`, then split and projected back by
+/// `to_out.0` and `to_add_out` (absent in the last block, `context_pre_only`). With
+/// `qk_norm: rms_norm` (SD3.5) queries and keys are RMS-normed per head (`norm_q`, `norm_k`,
+/// `norm_added_q`, `norm_added_k`). Without the `add_*` projections it is plain self-attention
+/// (SD3.5 Medium's second attention, `attn2`).
+#[derive(Module, Debug)]
+pub struct JointAttention<B: Backend> {
+    pub to_q: Linear<B>,
+    pub to_k: Linear<B>,
+    pub to_v: Linear<B>,
+    pub to_out: Linear<B>,
+    pub norm_q: Option<RMSNorm<B>>,
+    pub norm_k: Option<RMSNorm<B>>,
+    pub add_q_proj: Option<Linear<B>>,
+    pub add_k_proj: Option<Linear<B>>,
+    pub add_v_proj: Option<Linear<B>>,
+    pub norm_added_q: Option<RMSNorm<B>>,
+    pub norm_added_k: Option<RMSNorm<B>>,
+    pub to_add_out: Option<Linear<B>>,
+    pub heads: usize,
+}
+
+/// How a [`JointAttention`] is shaped.
+#[derive(Debug, Clone, Copy)]
+pub struct JointAttentionSpec {
+    pub dim: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// The context stream's projections (`added_kv_proj_dim`).
+    pub joint: bool,
+    /// The last block: the context is attended to but not projected back (no `to_add_out`).
+    pub context_pre_only: bool,
+    /// `qk_norm: rms_norm` (eps 1e-6).
+    pub qk_rms_norm: bool,
+}
+
+impl<B: Backend> JointAttention<B> {
+    pub fn load(vb: &VarBuilder<B>, spec: JointAttentionSpec) -> Result<Self> {
+        let inner = spec.heads * spec.head_dim;
+        let linear = |name: &str, d_in, d_out| Linear::load(&vb.pp(name), d_in, d_out, true);
+        let norm = |name: &str| -> Result<Option<RMSNorm<B>>> {
+            if spec.qk_rms_norm {
+                Ok(Some(RMSNorm::load(
+                    &vb.pp(name),
+                    spec.head_dim,
+                    1e-6,
+                    true,
+                )?))
+            } else {
+                Ok(None)
+            }
+        };
+        let added = |name: &str| -> Result<Option<Linear<B>>> {
+            if spec.joint {
+                Ok(Some(linear(name, spec.dim, inner)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let to_add_out = if spec.joint && !spec.context_pre_only {
+            Some(linear("to_add_out", inner, spec.dim)?)
+        } else {
+            None
+        };
+        let (norm_added_q, norm_added_k) = if spec.joint {
+            (norm("norm_added_q")?, norm("norm_added_k")?)
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            to_q: linear("to_q", spec.dim, inner)?,
+            to_k: linear("to_k", spec.dim, inner)?,
+            to_v: linear("to_v", spec.dim, inner)?,
+            to_out: Linear::load(&vb.pp("to_out").pp(0), inner, spec.dim, true)?,
+            norm_q: norm("norm_q")?,
+            norm_k: norm("norm_k")?,
+            add_q_proj: added("add_q_proj")?,
+            add_k_proj: added("add_k_proj")?,
+            add_v_proj: added("add_v_proj")?,
+            norm_added_q,
+            norm_added_k,
+            to_add_out,
+            heads: spec.heads,
+        })
+    }
+
+    /// Projects `x` `[batch, seq, dim]` with `proj`, RMS-norming each head when `norm` is set.
+    fn project(
+        &self,
+        proj: &Linear<B>,
+        norm: &Option<RMSNorm<B>>,
+        x: Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
+        let y = proj.forward(x);
+        match norm {
+            Some(norm) => {
+                let [b, s, inner] = y.dims();
+                let per_head: Tensor<B, 4> = y.reshape([b, s, self.heads, inner / self.heads]);
+                norm.forward(per_head).reshape([b, s, inner])
+            }
+            None => y,
+        }
+    }
+
+    /// Joint attention of `x` `[batch, n, dim]` and `context` `[batch, m, dim]`: returns the
+    /// image stream's output and, unless `context_pre_only` (or no context), the context's.
+    /// Without a context it is self-attention over `x`.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        context: Option<Tensor<B, 3>>,
+    ) -> (Tensor<B, 3>, Option<Tensor<B, 3>>) {
+        let n = x.dims()[1];
+        let mut q = self.project(&self.to_q, &self.norm_q, x.clone());
+        let mut k = self.project(&self.to_k, &self.norm_k, x.clone());
+        let mut v = self.to_v.forward(x);
+        let joint = match (
+            context,
+            &self.add_q_proj,
+            &self.add_k_proj,
+            &self.add_v_proj,
+        ) {
+            (Some(c), Some(add_q), Some(add_k), Some(add_v)) => {
+                let m = c.dims()[1];
+                let cq = self.project(add_q, &self.norm_added_q, c.clone());
+                let ck = self.project(add_k, &self.norm_added_k, c.clone());
+                let cv = add_v.forward(c);
+                q = Tensor::cat(vec![q, cq], 1);
+                k = Tensor::cat(vec![k, ck], 1);
+                v = Tensor::cat(vec![v, cv], 1);
+                Some(m)
+            }
+            _ => None,
+        };
+        let out = attend(q, k, v, self.heads, false, None);
+        let Some(m) = joint else {
+            return (self.to_out.forward(out), None);
+        };
+        let image = self.to_out.forward(out.clone().narrow(1, 0, n));
+        let context = self
+            .to_add_out
+            .as_ref()
+            .map(|proj| proj.forward(out.narrow(1, n, m)));
+        (image, context)
+    }
 }

@@ -109,12 +109,16 @@ pub fn sincos_pos_embed_2d(
     out
 }
 
-/// diffusers' `PatchEmbed` as PixArt uses it: a `patch x patch` convolution with stride
-/// `patch` (`proj`), flattened to tokens, plus the 2D sincos position embedding of the grid
-/// (computed for the input's own size, not stored in checkpoints).
+/// diffusers' `PatchEmbed`: a `patch x patch` convolution with stride `patch` (`proj`),
+/// flattened to tokens, plus the 2D sincos position embedding. PixArt computes it for the
+/// input's own grid (not stored in checkpoints); SD3 (`pos_embed_max_size`) stores one table
+/// for a `max x max` grid (`pos_embed.pos_embed`) and crops its centre to the input's grid.
 #[derive(Module, Debug)]
 pub struct PatchEmbed<B: Backend> {
     pub proj: crate::nn::Conv2d<B>,
+    /// SD3's `[1, max * max, dim]` table, when `pos_embed_max_size` is set.
+    pub pos_embed: Option<Param<Tensor<B, 3>>>,
+    pub pos_embed_max_size: Option<usize>,
     pub patch_size: usize,
     /// The native grid side, `sample_size / patch_size`: positions are scaled to it.
     pub base_size: usize,
@@ -139,10 +143,42 @@ impl<B: Backend> PatchEmbed<B> {
         };
         Ok(Self {
             proj: crate::nn::Conv2d::load(&vb.pp("proj"), spec)?,
+            pos_embed: None,
+            pos_embed_max_size: None,
             patch_size,
             base_size: (sample_size / patch_size).max(1),
             interpolation_scale,
         })
+    }
+
+    /// SD3's patch embedding with a `max_size x max_size` position table (interpolation scale
+    /// 1): read from `pos_embed` where the checkpoint has it (a persistent buffer in diffusers),
+    /// else computed as diffusers computes it.
+    pub fn load_cropped(
+        vb: &VarBuilder<B>,
+        in_channels: usize,
+        dim: usize,
+        patch_size: usize,
+        sample_size: usize,
+        max_size: usize,
+    ) -> Result<Self> {
+        let mut embed = Self::load(vb, in_channels, dim, patch_size, sample_size, 1.0)?;
+        let shape = [1, max_size * max_size, dim];
+        let table = if vb.contains("pos_embed") {
+            vb.get("pos_embed", shape)?
+        } else {
+            let values = sincos_pos_embed_2d(dim, max_size, max_size, embed.base_size, 1.0);
+            Tensor::from_data(TensorData::new(values, shape), vb.device())
+        };
+        embed.pos_embed = Some(Param::from_tensor(table).set_require_grad(false));
+        embed.pos_embed_max_size = Some(max_size);
+        Ok(embed)
+    }
+
+    /// Whether a `grid_h x grid_w` patch grid fits the stored table (always, without one).
+    pub fn fits(&self, grid_h: usize, grid_w: usize) -> bool {
+        self.pos_embed_max_size
+            .is_none_or(|max| grid_h <= max && grid_w <= max)
     }
 
     /// `[batch, c, h, w]` latents to `[batch, (h / p) * (w / p), dim]` tokens.
@@ -150,6 +186,16 @@ impl<B: Backend> PatchEmbed<B> {
         let x = self.proj.forward(latent);
         let [b, dim, gh, gw] = x.dims();
         let tokens = x.reshape([b, dim, gh * gw]).swap_dims(1, 2);
+        if let (Some(table), Some(max)) = (&self.pos_embed, self.pos_embed_max_size) {
+            // The centre crop, as diffusers' `cropped_pos_embed` (callers check the fit).
+            let (top, left) = ((max - gh) / 2, (max - gw) / 2);
+            let grid: Tensor<B, 3> = table.val().reshape([max, max, dim]);
+            let pos = grid
+                .narrow(0, top, gh)
+                .narrow(1, left, gw)
+                .reshape([1, gh * gw, dim]);
+            return tokens + pos;
+        }
         let pos = sincos_pos_embed_2d(dim, gh, gw, self.base_size, self.interpolation_scale);
         let pos = Tensor::<B, 2>::from_data(TensorData::new(pos, [gh * gw, dim]), &tokens.device());
         tokens + pos.unsqueeze::<3>()

@@ -23,6 +23,7 @@ pub mod single_file;
 pub mod t5;
 pub mod tokenizer;
 pub mod transformer_flux;
+pub mod transformer_sd3;
 pub mod unet_2d_condition;
 pub mod weights;
 
@@ -35,5 +36,6 @@ pub use single_file::{SingleFile, SingleFileArch};
 pub use t5::{T5Config, T5EncoderModel};
 pub use tokenizer::{ClipTokenizer, Encoded, MaskedTokens, T5Tokenizer};
 pub use transformer_flux::{FluxTransformer2DConfig, FluxTransformer2DModel};
+pub use transformer_sd3::{SD3Transformer2DConfig, SD3Transformer2DModel};
 pub use unet_2d_condition::{AddedCondition, UNet2DConditionConfig, UNet2DConditionModel};
 pub use weights::{TensorView, VarBuilder, Weights};

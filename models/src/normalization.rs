@@ -139,6 +139,41 @@ impl<B: Backend> AdaLayerNormZero<B> {
     }
 }
 
+/// diffusers' `SD35AdaLayerNormZeroX` (SD3.5 Medium's dual-attention blocks): nine chunks, the
+/// [`AdaLayerNormZero`] six plus shift, scale and gate of the second attention, whose input is
+/// the same normed `x` modulated by those. Returns the zero output and `(x2, gate_msa2)`.
+#[derive(Module, Debug)]
+pub struct SD35AdaLayerNormZeroX<B: Backend> {
+    pub linear: Linear<B>,
+}
+
+impl<B: Backend> SD35AdaLayerNormZeroX<B> {
+    pub fn load(vb: &VarBuilder<B>, dim: usize) -> Result<Self> {
+        Ok(Self {
+            linear: Linear::load(&vb.pp("linear"), dim, 9 * dim, true)?,
+        })
+    }
+
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        emb: Tensor<B, 2>,
+    ) -> (AdaLnZeroOutput<B>, Tensor<B, 3>, Tensor<B, 3>) {
+        let [shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2] =
+            modulation_chunks(&self.linear, emb);
+        let normed = crate::nn::layer_norm(x, 1e-6);
+        let x2 = modulate(normed.clone(), shift_msa2, scale_msa2);
+        let out = AdaLnZeroOutput {
+            x: modulate(normed, shift_msa, scale_msa),
+            gate_msa,
+            shift_mlp,
+            scale_mlp,
+            gate_mlp,
+        };
+        (out, x2, gate_msa2)
+    }
+}
+
 /// diffusers' `AdaLayerNormContinuous` with `elementwise_affine=False` and a layer norm (as
 /// SD3 and Flux use it): `linear(silu(cond))` gives scale then shift (that order), applied to
 /// the parameter-free layer norm of `x`.

@@ -38,3 +38,7 @@ pub mod flux;
 pub use flux::{FluxDenoiser, FluxPipeline, FluxPromptEmbeds, FluxRequest, FLUX_CLASSES};
 pub mod single_file;
 pub use single_file::{is_single_file, single_file_pipeline_class, SingleFileOptions};
+pub mod stable_diffusion_3;
+pub use stable_diffusion_3::{
+    Sd3Denoiser, Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS,
+};

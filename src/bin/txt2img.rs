@@ -1,5 +1,5 @@
 //! `txt2img`: generate images from a prompt with a diffusers-format model: Stable Diffusion
-//! 1.x/2.x, SDXL, PixArt-Alpha/Sigma or Flux.1, picked by `model_index.json`'s `_class_name`.
+//! 1.x/2.x, SDXL, SD3/SD3.5, PixArt-Alpha/Sigma or Flux.1, picked by `model_index.json`'s `_class_name`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -18,6 +18,7 @@ use oxidiff::pipelines::{
     StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
 };
 use oxidiff::pipelines::{FluxPipeline, FluxRequest, FLUX_CLASSES};
+use oxidiff::pipelines::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
 
@@ -30,7 +31,7 @@ const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, PixArt-Alpha/Sigma, Flux.1)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, SD3/SD3.5, PixArt-Alpha/Sigma, Flux.1)"
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -59,11 +60,12 @@ struct Args {
     variant: Option<String>,
     #[arg(long)]
     negative_prompt: Option<String>,
-    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, 28 for Flux, else 50).
+    /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, 28 for SD3 and Flux, else 50).
     #[arg(long)]
     steps: Option<usize>,
     /// Classifier-free guidance scale; 1 or less disables guidance (default: 0 for sd-turbo,
-    /// 4.5 for PixArt, 3.5 for Flux dev's guidance embedding (schnell ignores it), else 7.5).
+    /// 4.5 for PixArt, 7 for SD3, 3.5 for Flux dev's guidance embedding (schnell ignores it),
+    /// else 7.5).
     #[arg(long)]
     guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
@@ -108,8 +110,8 @@ struct Args {
     /// later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     compile: bool,
-    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma) and Flux
-    /// (default and most: 512); longer prompts are cut with a warning.
+    /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma), SD3 (default
+    /// 256, at most 512) and Flux (default and most: 512); longer prompts are cut with a warning.
     #[arg(long)]
     max_sequence_length: Option<usize>,
     /// PixArt: generate at exactly --width x --height instead of the nearest trained aspect
@@ -224,7 +226,8 @@ fn run(mut args: Args) -> Result<()> {
     };
     let pixart = PIXART_CLASSES.contains(&class.as_str());
     let flux = FLUX_CLASSES.contains(&class.as_str());
-    if flux && args.no_resolution_binning {
+    let sd3 = class == SD3_CLASS;
+    if (flux || sd3) && args.no_resolution_binning {
         bail!(
             "--no-resolution-binning applies to PixArt models; {} is a {class}",
             args.model
@@ -236,15 +239,19 @@ fn run(mut args: Args) -> Result<()> {
             args.model
         );
     }
-    if !pixart && !flux && (args.max_sequence_length.is_some() || args.no_resolution_binning) {
-        bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models; {} is a {class}", args.model);
+    if !pixart
+        && !flux
+        && !sd3
+        && (args.max_sequence_length.is_some() || args.no_resolution_binning)
+    {
+        bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models (the length also to SD3 and Flux); {} is a {class}", args.model);
     }
     let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
     let steps = args.steps.unwrap_or(if turbo {
         1
     } else if pixart {
         20
-    } else if flux {
+    } else if flux || sd3 {
         28
     } else {
         50
@@ -256,6 +263,8 @@ fn run(mut args: Args) -> Result<()> {
         4.5
     } else if flux {
         3.5
+    } else if sd3 {
+        7.0
     } else if class == SDXL_CLASS {
         5.0
     } else {
@@ -398,12 +407,17 @@ enum Pipeline {
     Xl(Box<StableDiffusionXLPipeline<Oxi>>),
     PixArt(Box<PixArtPipeline<Oxi>>),
     Flux(Box<FluxPipeline<Oxi>>),
+    Sd3(Box<StableDiffusion3Pipeline<Oxi>>),
 }
 
 impl Pipeline {
     fn load(dir: &Path, class: &str, options: &LoadOptions, device: &OxiDevice) -> Result<Self> {
         Ok(if FLUX_CLASSES.contains(&class) {
             Self::Flux(Box::new(FluxPipeline::from_dir(dir, options, device)?))
+        } else if class == SD3_CLASS {
+            Self::Sd3(Box::new(StableDiffusion3Pipeline::from_dir(
+                dir, options, device,
+            )?))
         } else if PIXART_CLASSES.contains(&class) {
             Self::PixArt(Box::new(PixArtPipeline::from_dir(dir, options, device)?))
         } else if class == SDXL_CLASS {
@@ -441,6 +455,7 @@ impl Pipeline {
             Self::Xl(pipe) => Ok(pipe.compile()?),
             Self::PixArt(pipe) => Ok(pipe.compile()?),
             Self::Flux(pipe) => Ok(pipe.compile()?),
+            Self::Sd3(pipe) => Ok(pipe.compile()?),
         }
     }
 
@@ -459,6 +474,7 @@ impl Pipeline {
             Self::Xl(pipe) => pipe.compiles(),
             Self::PixArt(pipe) => pipe.compiles(),
             Self::Flux(pipe) => pipe.compiles(),
+            Self::Sd3(pipe) => pipe.compiles(),
         };
         match programs {
             Some(n) => format!("compiled: {n} program(s)"),
@@ -472,11 +488,12 @@ impl Pipeline {
             Self::Xl(pipe) => pipe.scheduler.kind().class_name(),
             Self::PixArt(pipe) => pipe.scheduler.kind().class_name(),
             Self::Flux(pipe) => pipe.scheduler.kind().class_name(),
+            Self::Sd3(pipe) => pipe.scheduler.kind().class_name(),
         }
     }
 
-    /// `(max_sequence_length, resolution_binning, true_cfg_scale)` only matter to PixArt and
-    /// Flux.
+    /// `(max_sequence_length, resolution_binning, true_cfg_scale)` only matter to PixArt, SD3
+    /// (the length) and Flux.
     fn generate_with(
         &mut self,
         request: GenerateRequest<Oxi>,
@@ -503,6 +520,14 @@ impl Pipeline {
                     max_sequence_length: max_sequence_length
                         .unwrap_or(oxidiff::pipelines::flux::FLUX_MAX_SEQUENCE_LENGTH),
                     true_cfg_scale,
+                    ..Default::default()
+                };
+                pipe.generate_with(&request, generator, callback)
+            }
+            Self::Sd3(pipe) => {
+                let request = Sd3Request {
+                    common: request,
+                    max_sequence_length: max_sequence_length.unwrap_or(256),
                     ..Default::default()
                 };
                 pipe.generate_with(&request, generator, callback)

@@ -1,0 +1,518 @@
+//! `SD3Transformer2DModel`: the MMDiT of Stable Diffusion 3 and 3.5, as diffusers'
+//! `transformer_sd3.py`.
+//!
+//! Latents are cut into patches with a centre crop of a stored position table
+//! (`pos_embed`, `pos_embed_max_size`); the timestep and the pooled text embedding make one
+//! conditioning vector (`time_text_embed`); the text sequence is projected to the model width
+//! (`context_embedder`). Each `JointTransformerBlock` modulates both streams with adaLN-Zero
+//! and attends over them jointly; the last block only reads the context (`context_pre_only`).
+//! SD3.5 adds per-head RMS norms of queries and keys (`qk_norm: rms_norm`), and SD3.5 Medium a
+//! second, image-only attention in its first blocks (`dual_attention_layers`). The output is
+//! modulated by the conditioning (`norm_out`), projected and un-patched.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use oxidiff_parallel::{ShardRule, TensorParallel, TensorParallelPlan};
+use serde::Deserialize;
+
+use crate::attention::{FeedForward, FeedForwardActivation, JointAttention, JointAttentionSpec};
+use crate::config::load_json;
+use crate::embeddings::{CombinedTimestepTextProjEmbeddings, PatchEmbed};
+use crate::error::{ModelError, Result};
+use crate::nn::{layer_norm, Linear};
+use crate::normalization::{
+    modulate, AdaLayerNormContinuous, AdaLayerNormZero, SD35AdaLayerNormZeroX,
+};
+use crate::weights::{VarBuilder, Weights};
+
+/// `transformer/config.json`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct SD3Transformer2DConfig {
+    pub sample_size: usize,
+    pub patch_size: usize,
+    pub in_channels: usize,
+    pub num_layers: usize,
+    pub attention_head_dim: usize,
+    pub num_attention_heads: usize,
+    pub joint_attention_dim: usize,
+    pub caption_projection_dim: usize,
+    pub pooled_projection_dim: usize,
+    pub out_channels: Option<usize>,
+    pub pos_embed_max_size: usize,
+    /// Blocks with a second, image-only attention (SD3.5 Medium: 0..=12).
+    pub dual_attention_layers: Vec<usize>,
+    /// `None` (SD3) or `rms_norm` (SD3.5).
+    pub qk_norm: Option<String>,
+}
+
+impl Default for SD3Transformer2DConfig {
+    fn default() -> Self {
+        // diffusers' defaults (SD3 Medium).
+        Self {
+            sample_size: 128,
+            patch_size: 2,
+            in_channels: 16,
+            num_layers: 18,
+            attention_head_dim: 64,
+            num_attention_heads: 18,
+            joint_attention_dim: 4096,
+            caption_projection_dim: 1152,
+            pooled_projection_dim: 2048,
+            out_channels: Some(16),
+            pos_embed_max_size: 96,
+            dual_attention_layers: Vec::new(),
+            qk_norm: None,
+        }
+    }
+}
+
+impl SD3Transformer2DConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let config: Self = load_json(path)?;
+        let invalid = |reason: String| ModelError::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        if let Some(norm) = config.qk_norm.as_deref() {
+            if norm != "rms_norm" {
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    reason: format!("`qk_norm: {norm}` (SD3 uses none, SD3.5 rms_norm)"),
+                });
+            }
+        }
+        if config.patch_size == 0
+            || config.num_attention_heads == 0
+            || config.attention_head_dim == 0
+            || config.num_layers == 0
+            || config.pos_embed_max_size == 0
+        {
+            return Err(invalid(
+                "`patch_size`, `num_attention_heads`, `attention_head_dim`, `num_layers` and \
+                 `pos_embed_max_size` must be positive"
+                    .into(),
+            ));
+        }
+        if config.num_layers > 1024 {
+            return Err(invalid(format!(
+                "`num_layers: {}` is not a real model",
+                config.num_layers
+            )));
+        }
+        if config.caption_projection_dim != config.inner_dim() {
+            return Err(invalid(format!(
+                "`caption_projection_dim` {} must equal the model width `num_attention_heads * \
+                 attention_head_dim` = {} (the two streams attend jointly)",
+                config.caption_projection_dim,
+                config.inner_dim()
+            )));
+        }
+        if let Some(&bad) = config
+            .dual_attention_layers
+            .iter()
+            .find(|&&i| i >= config.num_layers)
+        {
+            return Err(invalid(format!(
+                "`dual_attention_layers` names block {bad}, but there are {} blocks",
+                config.num_layers
+            )));
+        }
+        Ok(config)
+    }
+
+    /// The model width, `num_attention_heads * attention_head_dim`.
+    pub fn inner_dim(&self) -> usize {
+        self.num_attention_heads * self.attention_head_dim
+    }
+
+    pub fn out_channels(&self) -> usize {
+        self.out_channels.unwrap_or(self.in_channels)
+    }
+}
+
+/// `norm1` of a block: adaLN-Zero, or its nine-chunk form in dual-attention blocks.
+#[derive(Module, Debug)]
+pub enum JointNorm1<B: Backend> {
+    Zero(AdaLayerNormZero<B>),
+    ZeroX(SD35AdaLayerNormZeroX<B>),
+}
+
+/// `norm1_context` of a block: adaLN-Zero, or the continuous norm of the last block.
+#[derive(Module, Debug)]
+pub enum ContextNorm<B: Backend> {
+    Zero(AdaLayerNormZero<B>),
+    Continuous(AdaLayerNormContinuous<B>),
+}
+
+/// diffusers' `JointTransformerBlock`.
+#[derive(Module, Debug)]
+pub struct JointTransformerBlock<B: Backend> {
+    pub norm1: JointNorm1<B>,
+    pub norm1_context: ContextNorm<B>,
+    pub attn: JointAttention<B>,
+    pub attn2: Option<JointAttention<B>>,
+    pub ff: FeedForward<B>,
+    /// Absent in the last block (`context_pre_only`).
+    pub ff_context: Option<FeedForward<B>>,
+}
+
+impl<B: Backend> JointTransformerBlock<B> {
+    fn load(
+        vb: &VarBuilder<B>,
+        cfg: &SD3Transformer2DConfig,
+        context_pre_only: bool,
+        dual_attention: bool,
+    ) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let spec = JointAttentionSpec {
+            dim,
+            heads: cfg.num_attention_heads,
+            head_dim: cfg.attention_head_dim,
+            joint: true,
+            context_pre_only,
+            qk_rms_norm: cfg.qk_norm.is_some(),
+        };
+        let ff = |name: &str| {
+            FeedForward::load_with(&vb.pp(name), dim, 4 * dim, FeedForwardActivation::GeluTanh)
+        };
+        Ok(Self {
+            norm1: if dual_attention {
+                JointNorm1::ZeroX(SD35AdaLayerNormZeroX::load(&vb.pp("norm1"), dim)?)
+            } else {
+                JointNorm1::Zero(AdaLayerNormZero::load(&vb.pp("norm1"), dim)?)
+            },
+            norm1_context: if context_pre_only {
+                ContextNorm::Continuous(AdaLayerNormContinuous::load(
+                    &vb.pp("norm1_context"),
+                    dim,
+                    dim,
+                    1e-6,
+                )?)
+            } else {
+                ContextNorm::Zero(AdaLayerNormZero::load(&vb.pp("norm1_context"), dim)?)
+            },
+            attn: JointAttention::load(&vb.pp("attn"), spec)?,
+            attn2: if dual_attention {
+                let spec = JointAttentionSpec {
+                    joint: false,
+                    ..spec
+                };
+                Some(JointAttention::load(&vb.pp("attn2"), spec)?)
+            } else {
+                None
+            },
+            ff: ff("ff")?,
+            ff_context: if context_pre_only {
+                None
+            } else {
+                Some(ff("ff_context")?)
+            },
+        })
+    }
+
+    /// One block: `(context, x)` in, `(context, x)` out; the context is `None` after the last.
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        context: Tensor<B, 3>,
+        temb: Tensor<B, 2>,
+    ) -> (Option<Tensor<B, 3>>, Tensor<B, 3>) {
+        let (zero, second) = match &self.norm1 {
+            JointNorm1::Zero(norm) => (norm.forward(x.clone(), temb.clone()), None),
+            JointNorm1::ZeroX(norm) => {
+                let (zero, x2, gate2) = norm.forward(x.clone(), temb.clone());
+                (zero, Some((x2, gate2)))
+            }
+        };
+        let (norm_context, context_mod) = match &self.norm1_context {
+            ContextNorm::Zero(norm) => {
+                let out = norm.forward(context.clone(), temb);
+                (out.x.clone(), Some(out))
+            }
+            ContextNorm::Continuous(norm) => (norm.forward(context.clone(), temb), None),
+        };
+        let (attn, context_attn) = self.attn.forward(zero.x, Some(norm_context));
+        let mut x = x + zero.gate_msa * attn;
+        if let (Some(attn2), Some((x2, gate2))) = (&self.attn2, second) {
+            x = x.clone() + gate2 * attn2.forward(x2, None).0;
+        }
+        let h = modulate(layer_norm(x.clone(), 1e-6), zero.shift_mlp, zero.scale_mlp);
+        let x = x + zero.gate_mlp * self.ff.forward(h);
+
+        let context = match (context_mod, context_attn, &self.ff_context) {
+            (Some(m), Some(context_attn), Some(ff_context)) => {
+                let context = context + m.gate_msa * context_attn;
+                let h = modulate(layer_norm(context.clone(), 1e-6), m.shift_mlp, m.scale_mlp);
+                Some(context.clone() + m.gate_mlp * ff_context.forward(h))
+            }
+            _ => None,
+        };
+        (context, x)
+    }
+}
+
+/// diffusers' `SD3Transformer2DModel`.
+#[derive(Module, Debug)]
+pub struct SD3Transformer2DModel<B: Backend> {
+    pub pos_embed: PatchEmbed<B>,
+    pub time_text_embed: CombinedTimestepTextProjEmbeddings<B>,
+    pub context_embedder: Linear<B>,
+    pub transformer_blocks: Vec<JointTransformerBlock<B>>,
+    pub norm_out: AdaLayerNormContinuous<B>,
+    pub proj_out: Linear<B>,
+    pub patch_size: usize,
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub joint_attention_dim: usize,
+    pub pooled_projection_dim: usize,
+}
+
+impl<B: Backend> SD3Transformer2DModel<B> {
+    /// Loads a `transformer` folder.
+    pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
+        let config = SD3Transformer2DConfig::from_file(&dir.join("config.json"))?;
+        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
+        Self::load(&config, VarBuilder::new(Arc::new(weights), device))
+    }
+
+    pub fn load(cfg: &SD3Transformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {
+        let dim = cfg.inner_dim();
+        let p = cfg.patch_size;
+        let out_channels = cfg.out_channels();
+        let transformer_blocks = (0..cfg.num_layers)
+            .map(|i| {
+                JointTransformerBlock::load(
+                    &vb.pp("transformer_blocks").pp(i),
+                    cfg,
+                    i + 1 == cfg.num_layers,
+                    cfg.dual_attention_layers.contains(&i),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            pos_embed: PatchEmbed::load_cropped(
+                &vb.pp("pos_embed"),
+                cfg.in_channels,
+                dim,
+                p,
+                cfg.sample_size,
+                cfg.pos_embed_max_size,
+            )?,
+            time_text_embed: CombinedTimestepTextProjEmbeddings::load(
+                &vb.pp("time_text_embed"),
+                dim,
+                cfg.pooled_projection_dim,
+            )?,
+            context_embedder: Linear::load(
+                &vb.pp("context_embedder"),
+                cfg.joint_attention_dim,
+                cfg.caption_projection_dim,
+                true,
+            )?,
+            transformer_blocks,
+            norm_out: AdaLayerNormContinuous::load(&vb.pp("norm_out"), dim, dim, 1e-6)?,
+            proj_out: Linear::load(&vb.pp("proj_out"), dim, p * p * out_channels, true)?,
+            patch_size: p,
+            in_channels: cfg.in_channels,
+            out_channels,
+            joint_attention_dim: cfg.joint_attention_dim,
+            pooled_projection_dim: cfg.pooled_projection_dim,
+        })
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> B::Device {
+        self.proj_out.weight.device()
+    }
+
+    /// Checks the shapes of a call: latents `[batch, in_channels, h, w]` with h and w multiples
+    /// of the patch size and a patch grid within `pos_embed_max_size`; `batch` timesteps,
+    /// prompt rows `[batch, seq, joint_attention_dim]` and pooled rows
+    /// `[batch, pooled_projection_dim]`.
+    pub fn check_inputs(
+        &self,
+        latents: [usize; 4],
+        timesteps: usize,
+        encoder_hidden_states: [usize; 3],
+        pooled_projections: [usize; 2],
+    ) -> Result<()> {
+        let [b, c, h, w] = latents;
+        let p = self.patch_size;
+        if c != self.in_channels || h % p != 0 || w % p != 0 {
+            return Err(ModelError::Input(format!(
+                "the transformer takes latents [batch, {}, h, w] with h and w multiples of {p}, \
+                 got {latents:?}",
+                self.in_channels,
+            )));
+        }
+        if !self.pos_embed.fits(h / p, w / p) {
+            return Err(ModelError::Input(format!(
+                "latents of {h}x{w} make a {}x{} patch grid, larger than the transformer's \
+                 `pos_embed_max_size` {}; use a smaller image",
+                h / p,
+                w / p,
+                self.pos_embed.pos_embed_max_size.unwrap_or(0)
+            )));
+        }
+        if encoder_hidden_states[2] != self.joint_attention_dim
+            || pooled_projections[1] != self.pooled_projection_dim
+        {
+            return Err(ModelError::Input(format!(
+                "the transformer takes prompt embeddings [batch, seq, {}] and pooled embeddings \
+                 [batch, {}], got {encoder_hidden_states:?} and {pooled_projections:?}",
+                self.joint_attention_dim, self.pooled_projection_dim
+            )));
+        }
+        if encoder_hidden_states[0] != b || pooled_projections[0] != b || timesteps != b {
+            return Err(ModelError::Input(format!(
+                "batch sizes differ: latents {b}, prompt embeddings {}, pooled {}, timesteps \
+                 {timesteps}",
+                encoder_hidden_states[0], pooled_projections[0]
+            )));
+        }
+        Ok(())
+    }
+
+    /// One denoiser call: latents `[batch, in_channels, h, w]`, timesteps `[batch]` (flow
+    /// matching's `sigma * 1000`), prompt embeddings `[batch, seq, joint_attention_dim]` and
+    /// pooled embeddings `[batch, pooled_projection_dim]`. Returns `[batch, out_channels, h, w]`.
+    pub fn forward(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+    ) -> Result<Tensor<B, 4>> {
+        self.check_inputs(
+            latents.dims(),
+            timestep.dims()[0],
+            encoder_hidden_states.dims(),
+            pooled_projections.dims(),
+        )?;
+        Ok(self.forward_checked(latents, timestep, encoder_hidden_states, pooled_projections))
+    }
+
+    /// [`forward`](Self::forward) with the blocks `skip_layers` left out (diffusers'
+    /// `skip_layers`, for skip-layer guidance); an index past the last block is an error.
+    pub fn forward_skipping(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        skip_layers: &[usize],
+    ) -> Result<Tensor<B, 4>> {
+        self.check_inputs(
+            latents.dims(),
+            timestep.dims()[0],
+            encoder_hidden_states.dims(),
+            pooled_projections.dims(),
+        )?;
+        self.check_skip_layers(skip_layers)?;
+        Ok(self.run(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            pooled_projections,
+            skip_layers,
+        ))
+    }
+
+    /// Checks that every index names a block.
+    pub fn check_skip_layers(&self, skip_layers: &[usize]) -> Result<()> {
+        let blocks = self.transformer_blocks.len();
+        match skip_layers.iter().find(|&&i| i >= blocks) {
+            Some(i) => Err(ModelError::Input(format!(
+                "skip layer {i} does not exist: the transformer has {blocks} blocks (0..{blocks})"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// [`forward`](Self::forward) for inputs already passed through
+    /// [`check_inputs`](Self::check_inputs) (a compiled step cannot return errors).
+    pub fn forward_checked(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+    ) -> Tensor<B, 4> {
+        self.run(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            pooled_projections,
+            &[],
+        )
+    }
+
+    fn run(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        skip_layers: &[usize],
+    ) -> Tensor<B, 4> {
+        let [b, _, h, w] = latents.dims();
+        let p = self.patch_size;
+        let (gh, gw) = (h / p, w / p);
+        let mut x = self.pos_embed.forward(latents);
+        let temb = self.time_text_embed.forward(timestep, pooled_projections);
+        let mut context = Some(self.context_embedder.forward(encoder_hidden_states));
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
+            if skip_layers.contains(&i) {
+                continue;
+            }
+            // Only the last block drops the context, so every block before it has one.
+            let Some(c) = context else { break };
+            let (next, out) = block.forward(x, c, temb.clone());
+            context = next;
+            x = out;
+        }
+        let x = self.norm_out.forward(x, temb);
+        let x = self.proj_out.forward(x);
+        // Un-patch: [b, gh, gw, p, q, c] -> [b, c, gh, p, gw, q].
+        let c_out = self.out_channels;
+        let x: Tensor<B, 6> = x.reshape([b, gh, gw, p, p, c_out]);
+        x.permute([0, 5, 1, 3, 2, 4])
+            .reshape([b, c_out, gh * p, gw * p])
+    }
+}
+
+/// Megatron-style: the projections into attention and the first feed-forward projection are
+/// split by output features (whole heads per device, so the per-head QK norms stay local), the
+/// projections out and the second feed-forward projection by input features, with one
+/// all-reduce each. Embeddings, adaLN modulation and `proj_out` stay replicated.
+impl<B: Backend> TensorParallel for SD3Transformer2DModel<B> {
+    fn tensor_parallel_plan() -> TensorParallelPlan {
+        const RULES: &[ShardRule] = &[
+            ShardRule::column("transformer_blocks.*.attn.to_q"),
+            ShardRule::column("transformer_blocks.*.attn.to_k"),
+            ShardRule::column("transformer_blocks.*.attn.to_v"),
+            ShardRule::column("transformer_blocks.*.attn.add_q_proj"),
+            ShardRule::column("transformer_blocks.*.attn.add_k_proj"),
+            ShardRule::column("transformer_blocks.*.attn.add_v_proj"),
+            ShardRule::row("transformer_blocks.*.attn.to_out.0"),
+            ShardRule::row("transformer_blocks.*.attn.to_add_out"),
+            ShardRule::column("transformer_blocks.*.attn2.to_q"),
+            ShardRule::column("transformer_blocks.*.attn2.to_k"),
+            ShardRule::column("transformer_blocks.*.attn2.to_v"),
+            ShardRule::row("transformer_blocks.*.attn2.to_out.0"),
+            ShardRule::column("transformer_blocks.*.ff.net.0.proj"),
+            ShardRule::row("transformer_blocks.*.ff.net.2"),
+            ShardRule::column("transformer_blocks.*.ff_context.net.0.proj"),
+            ShardRule::row("transformer_blocks.*.ff_context.net.2"),
+        ];
+        TensorParallelPlan {
+            model: "SD3Transformer2DModel",
+            rules: RULES,
+        }
+    }
+}
