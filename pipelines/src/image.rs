@@ -255,9 +255,19 @@ pub fn resize_and_crop<B: Backend>(
 
 /// Reads an input image (PNG, JPEG, WebP) for img2img, naming the file on failure.
 pub fn load_image(path: &Path) -> Result<image::DynamicImage> {
+    load_image_as(path, "input image")
+}
+
+/// Reads an inpainting mask (PNG, JPEG, WebP; white repaints, black keeps), naming the file
+/// on failure.
+pub fn load_mask(path: &Path) -> Result<image::DynamicImage> {
+    load_image_as(path, "mask")
+}
+
+fn load_image_as(path: &Path, what: &str) -> Result<image::DynamicImage> {
     image::open(path).map_err(|e| {
         PipelineError::InvalidInput(format!(
-            "cannot read the input image {}: {e} (PNG, JPEG and WebP are supported)",
+            "cannot read the {what} {}: {e} (PNG, JPEG and WebP are supported)",
             path.display()
         ))
     })
@@ -303,6 +313,77 @@ pub fn preprocess<B: Backend>(
         .collect();
     let hwc = Tensor::<B, 3>::from_data(burn::tensor::TensorData::new(values, [h, w, 3]), device);
     Ok(hwc.permute([2, 0, 1]).unsqueeze::<4>())
+}
+
+/// diffusers' mask `VaeImageProcessor` (`do_binarize`, `do_convert_grayscale`, no
+/// normalization) for one mask image: resized to `width x height` when it differs (Lanczos3,
+/// before the grayscale conversion, in diffusers' order), converted to grayscale with PIL's
+/// integer luma (`L = (19595 R + 38470 G + 7471 B + 2^15) >> 16`, alpha ignored), scaled to
+/// `[0, 1]` and binarized at 0.5 (1: repaint, 0: keep); `[1, 1, height, width]`.
+pub fn preprocess_mask<B: Backend>(
+    mask: &image::DynamicImage,
+    width: usize,
+    height: usize,
+    device: &B::Device,
+) -> Result<Tensor<B, 4>> {
+    let rgb = mask.to_rgb8();
+    let rgb = if (width, height) == (rgb.width() as usize, rgb.height() as usize) {
+        rgb
+    } else {
+        image::imageops::resize(
+            &rgb,
+            width as u32,
+            height as u32,
+            image::imageops::FilterType::Lanczos3,
+        )
+    };
+    let values: Vec<f32> = rgb
+        .pixels()
+        .map(|p| {
+            let [r, g, b] = p.0.map(u32::from);
+            let luma = (r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16;
+            if (luma as f32) / 255.0 < 0.5 {
+                0.0
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_data(
+        burn::tensor::TensorData::new(values, [1, 1, height, width]),
+        device,
+    ))
+}
+
+/// `F.interpolate(x, size=(height, width))` in its default `nearest` mode (source index
+/// `floor(dst * in / out)`), on the host: the inpainting mask brought to the latent size.
+pub fn resize_nearest<B: Backend>(
+    images: Tensor<B, 4>,
+    width: usize,
+    height: usize,
+) -> Result<Tensor<B, 4>> {
+    let [n, c, in_h, in_w] = images.dims();
+    if (in_h, in_w) == (height, width) {
+        return Ok(images);
+    }
+    let device = images.device();
+    let data = crate::host::read_f32(images)?;
+    let index = |d: usize, inp: usize, out: usize| {
+        (((d as f32) * (inp as f32 / out as f32)).floor() as usize).min(inp - 1)
+    };
+    let mut out = Vec::with_capacity(n * c * height * width);
+    for plane in data.chunks_exact(in_h * in_w) {
+        for y in 0..height {
+            let row = index(y, in_h, height) * in_w;
+            for x in 0..width {
+                out.push(plane[row + index(x, in_w, width)]);
+            }
+        }
+    }
+    Ok(Tensor::from_data(
+        burn::tensor::TensorData::new(out, [n, c, height, width]),
+        &device,
+    ))
 }
 
 #[cfg(test)]
