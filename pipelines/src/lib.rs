@@ -36,3 +36,9 @@ pub mod stable_diffusion_img2img;
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub mod stable_diffusion_inpaint;
 pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
+pub mod stable_diffusion_xl_img2img;
+pub use stable_diffusion_xl_img2img::{
+    StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage,
+};
+pub mod stable_diffusion_xl_inpaint;
+pub use stable_diffusion_xl_inpaint::StableDiffusionXLInpaintPipeline;
