@@ -119,8 +119,7 @@ fn sdxl_img2img_matches_diffusers() {
     );
 }
 
-#[test]
-fn sdxl_inpaint_masked_latents_matches_diffusers() {
+fn sdxl_inpaint(case: &str, nine_channels: bool) {
     let golden = golden();
     let mut pipe = StableDiffusionXLInpaintPipeline::<B>::from_dir(
         &model_dir("tiny-sdxl"),
@@ -128,7 +127,15 @@ fn sdxl_inpaint_masked_latents_matches_diffusers() {
         &Default::default(),
     )
     .unwrap();
-    assert_eq!(pipe.unet_in_channels(), 4);
+    if nine_channels {
+        pipe.pipe.unet = oxidiff::models::UNet2DConditionModel::from_dir(
+            &fixtures().join("tiny-sdxl-inpaint-unet"),
+            None,
+            &Default::default(),
+        )
+        .unwrap();
+    }
+    assert_eq!(pipe.unet_in_channels(), if nine_channels { 9 } else { 4 });
     let req = request(&golden);
     let edit = XlEditOptions {
         strength: strength(&golden, "xl-inpaint"),
@@ -149,9 +156,60 @@ fn sdxl_inpaint_masked_latents_matches_diffusers() {
             recorder(&steps),
         )
         .unwrap();
+    check_run(&golden, case, steps.into_inner(), out.images.unwrap());
+}
+
+#[test]
+fn sdxl_inpaint_masked_latents_matches_diffusers() {
+    sdxl_inpaint("xl-inpaint", false);
+}
+
+#[test]
+fn sdxl_inpaint_nine_channel_unet_matches_diffusers() {
+    sdxl_inpaint("xl9-inpaint", true);
+}
+
+/// diffusers adds one evaluation for second-order schedulers so that `denoising_start` never
+/// splits a Heun step: 5 of Heun's 7 timesteps run from 0.5.
+#[test]
+fn heun_refiner_from_denoising_start_matches_diffusers() {
+    let golden = golden();
+    let refiner_settings = &golden.json["settings"]["refiner"];
+    let folder = refiner_folder(true);
+    let options = LoadOptions {
+        scheduler: Some("heun".into()),
+        ..Default::default()
+    };
+    let mut refiner = StableDiffusionXLImg2ImgPipeline::<B>::from_dir(
+        folder.path(),
+        &options,
+        &Default::default(),
+    )
+    .unwrap();
+    let edit = XlEditOptions {
+        denoising_start: Some(refiner_settings["denoising_end"].as_f64().unwrap()),
+        aesthetic_score: refiner_settings["aesthetic_score"].as_f64().unwrap(),
+        negative_aesthetic_score: refiner_settings["negative_aesthetic_score"]
+            .as_f64()
+            .unwrap(),
+        ..Default::default()
+    };
+    let req = request(&golden);
+    let steps = RefCell::new(Vec::new());
+    let mut generator = TorchCpuGenerator::new(req.seed);
+    let out = refiner
+        .generate_with(
+            &req,
+            &XlOptions::default(),
+            &edit,
+            XlInitImage::Latents(golden.tensor("xl-base.latents")),
+            &mut generator,
+            recorder(&steps),
+        )
+        .unwrap();
     check_run(
         &golden,
-        "xl-inpaint",
+        "xl-refiner-heun",
         steps.into_inner(),
         out.images.unwrap(),
     );

@@ -9,6 +9,7 @@ make_tiny_sdxl.py and make_img2img.py (it reuses golden/img2img-input.png):
 Writes
   tests/fixtures/tiny-sd1-inpaint-unet/      a 9-channel inpainting UNet (in_channels 9) for tiny-sd1
   tests/fixtures/tiny-sdxl-refiner-unet/     an SDXL UNet with 5 time ids (requires_aesthetics_score)
+  tests/fixtures/tiny-sdxl-inpaint-unet/     a 9-channel SDXL inpainting UNet for tiny-sdxl
   tests/fixtures/golden/inpaint-mask.png     a 64x64 RGB mask (converted to grayscale and binarized)
   tests/fixtures/golden/inpaint.{json,safetensors}, inpaint-CASE.png for each case below.
 
@@ -19,8 +20,10 @@ Cases (4 steps, seed 42 through one torch.Generator, as the Rust tests replay it
   sd4-euler     the same with Euler at strength 0.75
   xl-img2img    StableDiffusionXLImg2ImgPipeline on tiny-sdxl, strength 0.6
   xl-inpaint    StableDiffusionXLInpaintPipeline on tiny-sdxl (4 channels), strength 0.8
+  xl9-inpaint   the same with the 9-channel SDXL inpainting UNet
   xl-refiner    tiny-sdxl with denoising_end 0.5 (latents out), then the refiner UNet
                 (requires_aesthetics_score, aesthetic 7 / negative 2) with denoising_start 0.5
+  xl-refiner-heun  the refiner half again with HeunDiscreteScheduler (second order)
 Each records the per-step latents and the final image (np), and the PNG (pil) after checking
 that the pil run stepped through the same latents. Reruns give identical bytes.
 """
@@ -40,6 +43,7 @@ import torch  # noqa: E402
 import diffusers  # noqa: E402
 from diffusers import (  # noqa: E402
     EulerDiscreteScheduler,
+    HeunDiscreteScheduler,
     PNDMScheduler,
     StableDiffusionInpaintPipeline,
     StableDiffusionXLImg2ImgPipeline,
@@ -105,6 +109,29 @@ def build_refiner_unet(seed):
         addition_embed_type="text_time",
         addition_time_embed_dim=sdxl.ADDITION_TIME_EMBED_DIM,
         projection_class_embeddings_input_dim=sdxl.TE2_PROJECTION + 5 * sdxl.ADDITION_TIME_EMBED_DIM,
+    ).eval()
+    sd.perturb(model, seed + 1)
+    return model
+
+
+def build_xl_inpaint_unet(seed):
+    """tiny-sdxl's UNet at two blocks with 9 input channels (an SDXL inpainting UNet)."""
+    torch.manual_seed(seed)
+    model = UNet2DConditionModel(
+        sample_size=8,
+        in_channels=9,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        attention_head_dim=(2, 4),
+        cross_attention_dim=sdxl.TE1_HIDDEN + sdxl.TE2_HIDDEN,
+        use_linear_projection=True,
+        norm_num_groups=8,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=sdxl.ADDITION_TIME_EMBED_DIM,
+        projection_class_embeddings_input_dim=sdxl.TE2_PROJECTION + 6 * sdxl.ADDITION_TIME_EMBED_DIM,
     ).eval()
     sd.perturb(model, seed + 1)
     return model
@@ -221,6 +248,10 @@ def main():
         guidance_scale=XL_GUIDANCE,
     )
     record(tensors, info, "xl-inpaint", *run_both(pipe, kwargs))
+    xl_unet9 = save_unet(build_xl_inpaint_unet(5300), "tiny-sdxl-inpaint-unet")
+    pipe = StableDiffusionXLInpaintPipeline.from_pretrained(xl, local_files_only=True, unet=xl_unet9)
+    pipe.set_progress_bar_config(disable=True)
+    record(tensors, info, "xl9-inpaint", *run_both(pipe, kwargs))
 
     # ---- base with denoising_end, then the refiner UNet with denoising_start
     refiner_unet = save_unet(build_refiner_unet(5200), "tiny-sdxl-refiner-unet")
@@ -270,11 +301,14 @@ def main():
         negative_aesthetic_score=REFINER["negative_aesthetic_score"],
     )
     record(tensors, info, "xl-refiner", *run_both(refiner, kwargs))
+    # A second-order refiner: diffusers runs one more evaluation so no Heun step is split.
+    refiner.scheduler = HeunDiscreteScheduler.from_config(base.scheduler.config)
+    record(tensors, info, "xl-refiner-heun", *run_both(refiner, kwargs))
 
     save_canonical(os.path.join(sd.GOLDEN, "inpaint.safetensors"), tensors)
     info["keys"] = sorted(tensors)
     save_json(os.path.join(sd.GOLDEN, "inpaint.json"), info)
-    print("wrote golden/inpaint.*, tiny-sd1-inpaint-unet/, tiny-sdxl-refiner-unet/")
+    print("wrote golden/inpaint.*, tiny-sd1-inpaint-unet/, tiny-sdxl-refiner-unet/, tiny-sdxl-inpaint-unet/")
 
 
 if __name__ == "__main__":
