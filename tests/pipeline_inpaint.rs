@@ -154,3 +154,47 @@ fn mask_size_strength_and_unreadable_mask_are_errors() {
         "{err}"
     );
 }
+
+/// diffusers' `latents=`: the given noise replaces the first draw (scaled by
+/// `init_noise_sigma`); the masked image's VAE sample is still drawn, so handing in the
+/// generator's first draw and the generator after it gives the seeded run exactly.
+#[test]
+fn given_initial_noise_replaces_the_first_draw() {
+    let golden = golden();
+    let mut pipe = pipeline("pndm", true);
+    let (image, mask) = inputs();
+    let req = request(&golden);
+    let seeded = pipe.generate(&req, &image, &mask, 1.0).unwrap();
+
+    let mut generator = TorchCpuGenerator::new(req.seed);
+    let first = oxidiff::schedulers::NoiseSource::<B>::randn(
+        &mut generator,
+        [1, 4, 8, 8],
+        &Default::default(),
+    )
+    .unwrap();
+    let given = GenerateRequest {
+        latents: Some(first),
+        ..req.clone()
+    };
+    let out = pipe
+        .generate_with(&given, &image, &mask, 1.0, &mut generator, |_| {})
+        .unwrap();
+    assert_eq!(
+        common::to_vec(out.latents),
+        common::to_vec(seeded.latents),
+        "same draws, same result"
+    );
+}
+
+#[test]
+fn an_inpainting_unet_outside_inpainting_is_an_error_not_a_panic() {
+    let golden = golden();
+    let mut pipe = pipeline("pndm", true).pipe;
+    let err = pipe.generate(&request(&golden)).unwrap_err().to_string();
+    assert!(
+        err.contains("takes 9 input channels but this pipeline gives it 4")
+            && err.contains("inpaint with a mask"),
+        "{err}"
+    );
+}

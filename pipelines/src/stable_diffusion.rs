@@ -375,6 +375,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         noise: &mut dyn NoiseSource<B>,
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
+        crate::stable_diffusion_inpaint::check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let mut blended;
         let scheduler: &mut dyn Scheduler<B> = match inpaint {

@@ -181,6 +181,35 @@ pub(crate) fn inpaint_channels(in_channels: usize) -> Result<usize> {
     }
 }
 
+/// Checks that the UNet takes the loop's input: the latents' channels plus the inpainting
+/// channels (none outside inpainting). An inpainting UNet (9 channels) outside inpainting, or
+/// any UNet whose `in_channels` do not fit, is an error naming the fix instead of a shape
+/// failure inside the first convolution.
+pub(crate) fn check_unet_input<B: Backend>(
+    unet: &oxidiff_models::UNet2DConditionModel<B>,
+    latents: &Tensor<B, 4>,
+    inpaint: Option<&InpaintCondition<B>>,
+) -> Result<()> {
+    let want = unet.conv_in.weight.dims()[1];
+    let extra = inpaint
+        .and_then(|c| c.unet_extra.as_ref())
+        .map_or(0, |e| e.dims()[1]);
+    let got = latents.dims()[1] + extra;
+    if got == want {
+        return Ok(());
+    }
+    let hint = if want == 9 && inpaint.is_none() {
+        "it is an inpainting UNet: inpaint with a mask (StableDiffusionInpaintPipeline, \
+         StableDiffusionXLInpaintPipeline, `img2img --mask`)"
+            .to_string()
+    } else {
+        format!("the UNet's `in_channels` is {want}")
+    };
+    Err(PipelineError::InvalidInput(format!(
+        "the UNet takes {want} input channels but this pipeline gives it {got}; {hint}"
+    )))
+}
+
 /// Checks that image and mask have the same size (before any resizing).
 pub(crate) fn check_mask_size(
     image: &image::DynamicImage,

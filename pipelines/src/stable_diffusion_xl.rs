@@ -558,6 +558,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         noise: &mut dyn NoiseSource<B>,
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
+        crate::stable_diffusion_inpaint::check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let XlConditioning { context, added } = condition;
         let mut blended;
