@@ -355,4 +355,23 @@ fn bad_edits_and_a_refiner_unet_without_aesthetics_are_errors() {
     .expect("a 5-time-id UNet without requires_aesthetics_score is refused")
     .to_string();
     assert!(err.contains("requires_aesthetics_score"), "{err}");
+
+    // stabilityai's refiner lists no first text encoder: refused with the reason, not a
+    // missing-folder error.
+    let folder = refiner_folder(true);
+    let index_path = folder.path().join("model_index.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    index["text_encoder"] = serde_json::json!([null, null]);
+    index["tokenizer"] = serde_json::json!([null, null]);
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    let err = StableDiffusionXLImg2ImgPipeline::<B>::from_dir(
+        folder.path(),
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .err()
+    .expect("a refiner without text_encoder is refused")
+    .to_string();
+    assert!(err.contains("only text_encoder_2"), "{err}");
 }

@@ -11,7 +11,7 @@
 //!
 //! The mask is an image (white repaints, black keeps), converted to grayscale and binarized
 //! as diffusers' mask `VaeImageProcessor` does ([`preprocess_mask`]). [`InpaintCondition`] and
-//! [`prepare_inpaint`] are shared with SDXL inpainting.
+//! `prepare_inpaint` are shared with SDXL inpainting.
 
 use std::path::Path;
 
@@ -32,7 +32,7 @@ use crate::stable_diffusion_img2img::{
     check_strength, check_strength_steps, encode_image_latents, strength_timesteps,
 };
 
-/// What inpainting adds to a denoising loop (built by [`prepare_inpaint`]).
+/// What inpainting adds to a denoising loop (built by `prepare_inpaint`).
 #[derive(Debug, Clone)]
 pub struct InpaintCondition<B: Backend> {
     /// 9-channel UNets: `[mask, masked_image_latents]`, `[batch, 5, h, w]`, appended to the
@@ -376,7 +376,7 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
     /// Image and mask are resized to `req.width` x `req.height` when given, else kept at the
     /// image's size rounded down to a multiple of 8 (diffusers defaults to the UNet's sample
     /// size; pass the size to match it for other images). Noise is drawn from `noise` in
-    /// diffusers' order (see [`prepare_inpaint`]), then the scheduler's.
+    /// diffusers' order (see `prepare_inpaint`), then the scheduler's.
     pub fn generate_with(
         &mut self,
         req: &GenerateRequest<B>,

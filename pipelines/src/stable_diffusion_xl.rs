@@ -73,6 +73,10 @@ struct XlModelIndex {
     /// The refiner's: time ids end in an aesthetic score instead of the target size.
     #[serde(default)]
     requires_aesthetics_score: bool,
+    /// `[library, class]`, or `[null, null]` when the pipeline has no first text encoder (as
+    /// stabilityai's refiner).
+    #[serde(default)]
+    text_encoder: Option<serde_json::Value>,
 }
 
 fn default_true() -> bool {
@@ -154,6 +158,20 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 path: index_path,
                 class: index.class_name,
                 supported: SDXL_CLASSES.join(", "),
+            });
+        }
+        let no_text_encoder = index
+            .text_encoder
+            .as_ref()
+            .and_then(|v| v.as_array())
+            .is_some_and(|pair| pair.iter().all(|v| v.is_null()));
+        if no_text_encoder {
+            return Err(PipelineError::UnsupportedPipeline {
+                path: index_path,
+                class: format!("{} without `text_encoder`", index.class_name),
+                supported: "SDXL folders with both text encoders; refiners that ship only \
+                            text_encoder_2 (stabilityai's) are not supported yet"
+                    .into(),
             });
         }
         let component = |name: &str| -> Result<PathBuf> {

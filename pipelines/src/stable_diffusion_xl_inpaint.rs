@@ -69,7 +69,7 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
     /// to a multiple of 8 (diffusers defaults to the UNet's sample size). With
     /// `edit.denoising_start` the image's latents are not noised (a refiner continuing a
     /// base's `denoising_end`). Noise is drawn in diffusers' order (see
-    /// [`prepare_inpaint`](crate::stable_diffusion_inpaint)), then the scheduler's.
+    /// `prepare_inpaint` in `stable_diffusion_inpaint`), then the scheduler's.
     #[allow(clippy::too_many_arguments)]
     pub fn generate_with(
         &mut self,
