@@ -198,3 +198,31 @@ fn an_inpainting_unet_outside_inpainting_is_an_error_not_a_panic() {
         "{err}"
     );
 }
+
+/// Inputs whose size is not a multiple of 8 (or not the requested one) are resized with PIL's
+/// Lanczos filter, as diffusers' processors do: the preprocessed image and masks (grayscale
+/// and RGB) equal diffusers' exactly.
+#[test]
+fn resized_images_and_masks_equal_diffusers_preprocessing() {
+    let golden = golden();
+    let image = load_image(&fixtures().join("golden/resize-input.png")).unwrap();
+    let mask = load_mask(&fixtures().join("golden/resize-mask.png")).unwrap();
+    assert!(matches!(mask, image::DynamicImage::ImageLuma8(_)));
+    let rgb_mask = image::DynamicImage::ImageRgb8(mask.to_rgb8());
+    let device = Default::default();
+    for name in ["default", "down", "up"] {
+        let size = &golden.json["resize_sizes"][name];
+        let (height, width) = (
+            size[0].as_u64().map(|v| v as usize),
+            size[1].as_u64().map(|v| v as usize),
+        );
+        let pre =
+            oxidiff::pipelines::image::preprocess::<B>(&image, width, height, 8, &device).unwrap();
+        let [_, _, h, w] = pre.dims();
+        assert_close(&golden, &format!("resize.image.{name}"), pre, 0.0);
+        let ours = preprocess_mask::<B>(&mask, w, h, &device).unwrap();
+        assert_close(&golden, &format!("resize.mask.{name}"), ours, 0.0);
+        let ours = preprocess_mask::<B>(&rgb_mask, w, h, &device).unwrap();
+        assert_close(&golden, &format!("resize.rgb_mask.{name}"), ours, 0.0);
+    }
+}

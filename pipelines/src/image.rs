@@ -275,8 +275,8 @@ fn load_image_as(path: &Path, what: &str) -> Result<image::DynamicImage> {
 
 /// diffusers' `VaeImageProcessor.preprocess` for one image: RGB, the size rounded down to a
 /// multiple of `multiple` (the VAE factor) unless `width`/`height` are given, resized when it
-/// differs (Lanczos3 here; PIL's Lanczos gives slightly different pixels, so parity holds for
-/// images already at the target size), scaled to `[-1, 1]`, `[1, 3, h, w]`.
+/// differs (PIL's Lanczos, pixel for pixel: [`crate::resample`]; images with transparency are
+/// flattened first, where PIL resizes them premultiplied), scaled to `[-1, 1]`, `[1, 3, h, w]`.
 pub fn preprocess<B: Backend>(
     image: &image::DynamicImage,
     width: Option<usize>,
@@ -295,16 +295,7 @@ pub fn preprocess<B: Backend>(
             rgb.height()
         )));
     }
-    let rgb = if (w, h) == (rgb.width() as usize, rgb.height() as usize) {
-        rgb
-    } else {
-        image::imageops::resize(
-            &rgb,
-            w as u32,
-            h as u32,
-            image::imageops::FilterType::Lanczos3,
-        )
-    };
+    let rgb = resized(rgb, w, h);
     // diffusers: `np.array(image).astype(np.float32) / 255.0`, then `2 * x - 1`.
     let values: Vec<f32> = rgb
         .as_raw()
@@ -315,9 +306,25 @@ pub fn preprocess<B: Backend>(
     Ok(hwc.permute([2, 0, 1]).unsqueeze::<4>())
 }
 
+/// `image` resized to `width x height` as PIL's Lanczos resize (unchanged when it has that size).
+fn resized<P: image::Pixel<Subpixel = u8>>(
+    image: image::ImageBuffer<P, Vec<u8>>,
+    width: usize,
+    height: usize,
+) -> image::ImageBuffer<P, Vec<u8>> {
+    let size = (image.width() as usize, image.height() as usize);
+    if size == (width, height) {
+        return image;
+    }
+    let channels = usize::from(P::CHANNEL_COUNT);
+    let pixels = crate::resample::resize_lanczos(image.as_raw(), channels, size, (width, height));
+    image::ImageBuffer::from_raw(width as u32, height as u32, pixels)
+        .expect("the resampled buffer has the new size")
+}
+
 /// diffusers' mask `VaeImageProcessor` (`do_binarize`, `do_convert_grayscale`, no
-/// normalization) for one mask image: resized to `width x height` when it differs (Lanczos3,
-/// before the grayscale conversion, in diffusers' order), converted to grayscale with PIL's
+/// normalization) for one mask image: resized to `width x height` when it differs (PIL's
+/// Lanczos, before the grayscale conversion, in diffusers' order), converted to grayscale with PIL's
 /// integer luma (`L = (19595 R + 38470 G + 7471 B + 2^15) >> 16`, alpha ignored), scaled to
 /// `[0, 1]` and binarized at 0.5 (1: repaint, 0: keep); `[1, 1, height, width]`.
 pub fn preprocess_mask<B: Backend>(
@@ -326,28 +333,24 @@ pub fn preprocess_mask<B: Backend>(
     height: usize,
     device: &B::Device,
 ) -> Result<Tensor<B, 4>> {
-    let rgb = mask.to_rgb8();
-    let rgb = if (width, height) == (rgb.width() as usize, rgb.height() as usize) {
-        rgb
+    // A grayscale mask is resized as it is (PIL resizes an "L" image in "L").
+    let luma: Vec<u32> = if let image::DynamicImage::ImageLuma8(gray) = mask {
+        resized(gray.clone(), width, height)
+            .pixels()
+            .map(|p| u32::from(p.0[0]))
+            .collect()
     } else {
-        image::imageops::resize(
-            &rgb,
-            width as u32,
-            height as u32,
-            image::imageops::FilterType::Lanczos3,
-        )
+        resized(mask.to_rgb8(), width, height)
+            .pixels()
+            .map(|p| {
+                let [r, g, b] = p.0.map(u32::from);
+                (r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16
+            })
+            .collect()
     };
-    let values: Vec<f32> = rgb
-        .pixels()
-        .map(|p| {
-            let [r, g, b] = p.0.map(u32::from);
-            let luma = (r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16;
-            if (luma as f32) / 255.0 < 0.5 {
-                0.0
-            } else {
-                1.0
-            }
-        })
+    let values: Vec<f32> = luma
+        .into_iter()
+        .map(|l| if (l as f32) / 255.0 < 0.5 { 0.0 } else { 1.0 })
         .collect();
     Ok(Tensor::from_data(
         burn::tensor::TensorData::new(values, [1, 1, height, width]),

@@ -42,3 +42,4 @@ pub use stable_diffusion_xl_img2img::{
 };
 pub mod stable_diffusion_xl_inpaint;
 pub use stable_diffusion_xl_inpaint::StableDiffusionXLInpaintPipeline;
+pub mod resample;

@@ -11,6 +11,8 @@ Writes
   tests/fixtures/tiny-sdxl-refiner-unet/     an SDXL UNet with 5 time ids (requires_aesthetics_score)
   tests/fixtures/tiny-sdxl-inpaint-unet/     a 9-channel SDXL inpainting UNet for tiny-sdxl
   tests/fixtures/golden/inpaint-mask.png     a 64x64 RGB mask (converted to grayscale and binarized)
+  tests/fixtures/golden/resize-{input,mask}.png  75x61 RGB image and grayscale mask, whose
+                                             preprocessing (PIL Lanczos resizes) is recorded
   tests/fixtures/golden/inpaint.{json,safetensors}, inpaint-CASE.png for each case below.
 
 Cases (4 steps, seed 42 through one torch.Generator, as the Rust tests replay it):
@@ -70,6 +72,36 @@ def mask_image():
         v = 112 + x // 2  # 112..143 across the threshold 127.5
         rgb[4:10, x] = (v, v + 3, max(v - 20, 0))
     return PIL.Image.fromarray(rgb, "RGB")
+
+
+def resize_inputs():
+    """A 75x61 RGB image and a 75x61 grayscale ("L") mask, sizes that are not multiples of 8,
+    so preprocessing resizes them with PIL's Lanczos filter."""
+    rng = np.random.default_rng(11)
+    y, x = np.mgrid[0:61, 0:75]
+    base = np.stack([x * 3, y * 4, 255 - (x + y) * 2], axis=-1).astype(np.float64)
+    pixels = np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8)
+    gray = np.clip((x - 20) * 6 + (y - 30) * 3 + rng.normal(0, 25, x.shape) + 128, 0, 255)
+    return PIL.Image.fromarray(pixels, "RGB"), PIL.Image.fromarray(gray.astype(np.uint8), "L")
+
+
+def record_resizes(pipe, tensors, info):
+    """The image and mask processors' outputs for resized inputs: down to a multiple of 8, a
+    smaller and a larger requested size; the mask as "L" and as RGB."""
+    image, mask = resize_inputs()
+    image.save(os.path.join(sd.GOLDEN, "resize-input.png"))
+    mask.save(os.path.join(sd.GOLDEN, "resize-mask.png"))
+    image = PIL.Image.open(os.path.join(sd.GOLDEN, "resize-input.png"))
+    mask = PIL.Image.open(os.path.join(sd.GOLDEN, "resize-mask.png"))
+    assert mask.mode == "L"
+    sizes = {"default": (None, None), "down": (40, 48), "up": (96, 80)}
+    info["resize_sizes"] = {k: list(v) for k, v in sizes.items()}
+    for name, (h, w) in sizes.items():
+        tensors[f"resize.image.{name}"] = pipe.image_processor.preprocess(image, height=h, width=w)
+        tensors[f"resize.mask.{name}"] = pipe.mask_processor.preprocess(mask, height=h, width=w)
+        tensors[f"resize.rgb_mask.{name}"] = pipe.mask_processor.preprocess(
+            mask.convert("RGB"), height=h, width=w
+        )
 
 
 def build_inpaint_unet(seed):
@@ -204,6 +236,7 @@ def main():
         pipe.set_progress_bar_config(disable=True)
         if channels == 9:
             tensors["mask_condition"] = pipe.mask_processor.preprocess(mask, height=64, width=64)
+            record_resizes(pipe, tensors, info)
         base = dict(pipe.scheduler.config)
         for sched, cls in (("pndm", PNDMScheduler), ("euler", EulerDiscreteScheduler)):
             pipe.scheduler = cls.from_config(base)
