@@ -42,8 +42,8 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// Runs the binary on the golden input (4 steps, seed 42, negative prompt "blurry") with
-/// `extra` flags and checks its PNG against diffusers' `expected`.
-fn check(model: &Path, extra: &[&str], expected: &str) {
+/// `extra` flags and checks its PNG against diffusers' `expected`; returns stderr.
+fn check(model: &Path, extra: &[&str], expected: &str) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out.png");
     let input = golden("img2img-input.png");
@@ -67,6 +67,7 @@ fn check(model: &Path, extra: &[&str], expected: &str) {
     assert!(result.status.success(), "{}", stderr(&result));
     let ours = image::open(&out).unwrap().to_rgb8();
     common::assert_png_close(&ours, expected, 2);
+    stderr(&result)
 }
 
 #[test]
@@ -115,7 +116,11 @@ fn mask_inpaints_with_a_nine_channel_inpainting_checkpoint_as_diffusers() {
 fn sdxl_checkpoints_go_to_the_sdxl_img2img_and_inpaint_pipelines() {
     let model = model_dir("tiny-sdxl");
     // SDXL's default guidance is 5, as in the golden runs.
-    check(&model, &["--strength", "0.6"], "inpaint-xl-img2img.png");
+    let log = check(&model, &["--strength", "0.6"], "inpaint-xl-img2img.png");
+    assert!(
+        log.contains("StableDiffusionXLImg2ImgPipeline, ") && log.contains("eager"),
+        "{log}"
+    );
     let mask = golden("inpaint-mask.png");
     check(
         &model,
@@ -165,4 +170,50 @@ fn bad_masks_and_strengths_are_errors_that_write_nothing() {
         }
         assert!(!out.exists(), "nothing is written on bad input");
     }
+}
+
+/// `--device xla:cpu --compile` inpaints with the guided UNet call as one XLA program (the
+/// masked-latent blend eager): the PNG is diffusers' within 2 levels (the plugin and burn-flex
+/// differ by about 1e-6).
+#[test]
+fn compiled_inpainting_on_xla_cpu_matches_diffusers_png() {
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let mask = golden("inpaint-mask.png");
+    let log = check(
+        &model_dir("tiny-sd1"),
+        &[
+            "--mask",
+            mask.to_str().unwrap(),
+            "--device",
+            "xla:cpu",
+            "--compile",
+        ],
+        "inpaint-sd4-pndm.png",
+    );
+    assert!(
+        log.contains("StableDiffusionInpaintPipeline") && log.contains("compiled: 1 program(s)"),
+        "{log}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let input = golden("img2img-input.png");
+    let result = img2img(&[
+        "--model",
+        model_dir("tiny-sd1").to_str().unwrap(),
+        "--image",
+        input.to_str().unwrap(),
+        "--compile",
+        "-o",
+        out.to_str().unwrap(),
+        PROMPT,
+    ]);
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("--compile needs a PJRT device"),
+        "{}",
+        stderr(&result)
+    );
+    assert!(!out.exists());
 }

@@ -76,6 +76,10 @@ struct Args {
     /// cpu, xla:cpu[:N], tpu[:N], cuda[:N].
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Compiled mode on a PJRT device, as txt2img's: each UNet call (with guidance and, for
+    /// 9-channel inpainting UNets, the mask channels) is one XLA program.
+    #[arg(long)]
+    compile: bool,
 }
 
 fn main() -> ExitCode {
@@ -120,6 +124,12 @@ fn run(args: Args) -> Result<()> {
         .device
         .parse()
         .with_context(|| format!("--device {}", args.device))?;
+    if args.compile && !device.is_pjrt() {
+        bail!(
+            "--compile needs a PJRT device (--device xla:cpu, tpu or cuda); {} runs eagerly",
+            args.device
+        );
+    }
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
@@ -167,21 +177,28 @@ fn run(args: Args) -> Result<()> {
         ..Default::default()
     };
     let no_callback = |_: oxidiff::pipelines::StepInfo<'_, Oxi>| {};
-    let (output, sampler, pipeline) = match (xl, &mask) {
+    let (output, sampler, pipeline, compiled) = match (xl, &mask) {
         (false, None) => {
             let mut pipe = StableDiffusionImg2ImgPipeline::<Oxi>::from_dir(&dir, &options, &device)
                 .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
             let out =
                 pipe.generate_with(&request, &image, strength, &mut generator, no_callback)?;
             (
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionImg2ImgPipeline",
+                pipe.pipe.compiles(),
             )
         }
         (false, Some(mask)) => {
             let mut pipe = StableDiffusionInpaintPipeline::<Oxi>::from_dir(&dir, &options, &device)
                 .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
             let out = pipe.generate_with(
                 &request,
                 &image,
@@ -194,12 +211,16 @@ fn run(args: Args) -> Result<()> {
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionInpaintPipeline",
+                pipe.pipe.compiles(),
             )
         }
         (true, None) => {
             let mut pipe =
                 StableDiffusionXLImg2ImgPipeline::<Oxi>::from_dir(&dir, &options, &device)
                     .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
             let out = pipe.generate_with(
                 &request,
                 &XlOptions::default(),
@@ -212,12 +233,16 @@ fn run(args: Args) -> Result<()> {
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionXLImg2ImgPipeline",
+                pipe.pipe.compiles(),
             )
         }
         (true, Some(mask)) => {
             let mut pipe =
                 StableDiffusionXLInpaintPipeline::<Oxi>::from_dir(&dir, &options, &device)
                     .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
             let out = pipe.generate_with(
                 &request,
                 &XlOptions::default(),
@@ -231,6 +256,7 @@ fn run(args: Args) -> Result<()> {
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionXLInpaintPipeline",
+                pipe.pipe.compiles(),
             )
         }
     };
@@ -257,8 +283,12 @@ fn run(args: Args) -> Result<()> {
         ],
     };
     images.save_png_with_parameters(0, &args.output, Some(&parameters))?;
+    let mode = match compiled {
+        Some(programs) => format!("compiled: {programs} program(s)"),
+        None => "eager".into(),
+    };
     eprintln!(
-        "wrote {} ({pipeline}, seed {}, strength {strength}, {}x{})",
+        "wrote {} ({pipeline}, seed {}, strength {strength}, {}x{}, {mode})",
         args.output.display(),
         args.seed,
         images.width,
