@@ -255,9 +255,19 @@ pub fn resize_and_crop<B: Backend>(
 
 /// Reads an input image (PNG, JPEG, WebP) for img2img, naming the file on failure.
 pub fn load_image(path: &Path) -> Result<image::DynamicImage> {
+    load_image_as(path, "input image")
+}
+
+/// Reads an inpainting mask (PNG, JPEG, WebP; white repaints, black keeps), naming the file
+/// on failure.
+pub fn load_mask(path: &Path) -> Result<image::DynamicImage> {
+    load_image_as(path, "mask")
+}
+
+fn load_image_as(path: &Path, what: &str) -> Result<image::DynamicImage> {
     image::open(path).map_err(|e| {
         PipelineError::InvalidInput(format!(
-            "cannot read the input image {}: {e} (PNG, JPEG and WebP are supported)",
+            "cannot read the {what} {}: {e} (PNG, JPEG and WebP are supported)",
             path.display()
         ))
     })
@@ -265,8 +275,8 @@ pub fn load_image(path: &Path) -> Result<image::DynamicImage> {
 
 /// diffusers' `VaeImageProcessor.preprocess` for one image: RGB, the size rounded down to a
 /// multiple of `multiple` (the VAE factor) unless `width`/`height` are given, resized when it
-/// differs (Lanczos3 here; PIL's Lanczos gives slightly different pixels, so parity holds for
-/// images already at the target size), scaled to `[-1, 1]`, `[1, 3, h, w]`.
+/// differs (PIL's Lanczos, pixel for pixel: [`crate::resample`]; images with transparency are
+/// flattened first, where PIL resizes them premultiplied), scaled to `[-1, 1]`, `[1, 3, h, w]`.
 pub fn preprocess<B: Backend>(
     image: &image::DynamicImage,
     width: Option<usize>,
@@ -285,16 +295,7 @@ pub fn preprocess<B: Backend>(
             rgb.height()
         )));
     }
-    let rgb = if (w, h) == (rgb.width() as usize, rgb.height() as usize) {
-        rgb
-    } else {
-        image::imageops::resize(
-            &rgb,
-            w as u32,
-            h as u32,
-            image::imageops::FilterType::Lanczos3,
-        )
-    };
+    let rgb = resized(rgb, w, h);
     // diffusers: `np.array(image).astype(np.float32) / 255.0`, then `2 * x - 1`.
     let values: Vec<f32> = rgb
         .as_raw()
@@ -303,6 +304,89 @@ pub fn preprocess<B: Backend>(
         .collect();
     let hwc = Tensor::<B, 3>::from_data(burn::tensor::TensorData::new(values, [h, w, 3]), device);
     Ok(hwc.permute([2, 0, 1]).unsqueeze::<4>())
+}
+
+/// `image` resized to `width x height` as PIL's Lanczos resize (unchanged when it has that size).
+fn resized<P: image::Pixel<Subpixel = u8>>(
+    image: image::ImageBuffer<P, Vec<u8>>,
+    width: usize,
+    height: usize,
+) -> image::ImageBuffer<P, Vec<u8>> {
+    let size = (image.width() as usize, image.height() as usize);
+    if size == (width, height) {
+        return image;
+    }
+    let channels = usize::from(P::CHANNEL_COUNT);
+    let pixels = crate::resample::resize_lanczos(image.as_raw(), channels, size, (width, height));
+    image::ImageBuffer::from_raw(width as u32, height as u32, pixels)
+        .expect("the resampled buffer has the new size")
+}
+
+/// diffusers' mask `VaeImageProcessor` (`do_binarize`, `do_convert_grayscale`, no
+/// normalization) for one mask image: resized to `width x height` when it differs (PIL's
+/// Lanczos, before the grayscale conversion, in diffusers' order), converted to grayscale with PIL's
+/// integer luma (`L = (19595 R + 38470 G + 7471 B + 2^15) >> 16`, alpha ignored), scaled to
+/// `[0, 1]` and binarized at 0.5 (1: repaint, 0: keep); `[1, 1, height, width]`.
+pub fn preprocess_mask<B: Backend>(
+    mask: &image::DynamicImage,
+    width: usize,
+    height: usize,
+    device: &B::Device,
+) -> Result<Tensor<B, 4>> {
+    // A grayscale mask is resized as it is (PIL resizes an "L" image in "L").
+    let luma: Vec<u32> = if let image::DynamicImage::ImageLuma8(gray) = mask {
+        resized(gray.clone(), width, height)
+            .pixels()
+            .map(|p| u32::from(p.0[0]))
+            .collect()
+    } else {
+        resized(mask.to_rgb8(), width, height)
+            .pixels()
+            .map(|p| {
+                let [r, g, b] = p.0.map(u32::from);
+                (r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16
+            })
+            .collect()
+    };
+    let values: Vec<f32> = luma
+        .into_iter()
+        .map(|l| if (l as f32) / 255.0 < 0.5 { 0.0 } else { 1.0 })
+        .collect();
+    Ok(Tensor::from_data(
+        burn::tensor::TensorData::new(values, [1, 1, height, width]),
+        device,
+    ))
+}
+
+/// `F.interpolate(x, size=(height, width))` in its default `nearest` mode (source index
+/// `floor(dst * in / out)`), on the host: the inpainting mask brought to the latent size.
+pub fn resize_nearest<B: Backend>(
+    images: Tensor<B, 4>,
+    width: usize,
+    height: usize,
+) -> Result<Tensor<B, 4>> {
+    let [n, c, in_h, in_w] = images.dims();
+    if (in_h, in_w) == (height, width) {
+        return Ok(images);
+    }
+    let device = images.device();
+    let data = crate::host::read_f32(images)?;
+    let index = |d: usize, inp: usize, out: usize| {
+        (((d as f32) * (inp as f32 / out as f32)).floor() as usize).min(inp - 1)
+    };
+    let mut out = Vec::with_capacity(n * c * height * width);
+    for plane in data.chunks_exact(in_h * in_w) {
+        for y in 0..height {
+            let row = index(y, in_h, height) * in_w;
+            for x in 0..width {
+                out.push(plane[row + index(x, in_w, width)]);
+            }
+        }
+    }
+    Ok(Tensor::from_data(
+        burn::tensor::TensorData::new(out, [n, c, height, width]),
+        &device,
+    ))
 }
 
 #[cfg(test)]

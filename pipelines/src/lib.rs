@@ -42,3 +42,12 @@ pub mod stable_diffusion_3;
 pub use stable_diffusion_3::{
     Sd3Denoiser, Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS,
 };
+pub mod stable_diffusion_inpaint;
+pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
+pub mod stable_diffusion_xl_img2img;
+pub use stable_diffusion_xl_img2img::{
+    StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage,
+};
+pub mod stable_diffusion_xl_inpaint;
+pub use stable_diffusion_xl_inpaint::StableDiffusionXLInpaintPipeline;
+pub mod resample;

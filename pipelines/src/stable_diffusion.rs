@@ -20,10 +20,14 @@ use oxidiff_schedulers::{
 use crate::error::{PipelineError, Result};
 use crate::guard::{self, CancelToken, Stage};
 use crate::image::{postprocess, Images};
+use crate::stable_diffusion_inpaint::InpaintCondition;
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
-pub const SUPPORTED_CLASSES: [&str; 2] =
-    ["StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"];
+pub const SUPPORTED_CLASSES: [&str; 3] = [
+    "StableDiffusionPipeline",
+    "StableDiffusionImg2ImgPipeline",
+    "StableDiffusionInpaintPipeline",
+];
 
 /// How a pipeline is loaded.
 #[derive(Debug, Clone, Default)]
@@ -346,39 +350,62 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             &self.device,
         )?;
         let timesteps = self.scheduler.timesteps().to_vec();
-        self.denoise_and_decode(&timesteps, latents, &context, req, noise, &mut callback)
+        self.denoise_and_decode(
+            &timesteps,
+            latents,
+            &context,
+            None,
+            req,
+            noise,
+            &mut callback,
+        )
     }
 
     /// The denoising loop over `timesteps` from `latents` with the UNet (compiled or eager) and
-    /// the text `context`, then the VAE decode; text-to-image and image-to-image share it.
+    /// the text `context`, then the VAE decode; text-to-image, image-to-image and inpainting
+    /// (`inpaint`: extra UNet input channels or the masked-latent blend) share it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn denoise_and_decode(
         &mut self,
         timesteps: &[f64],
         latents: Tensor<B, 4>,
         context: &Tensor<B, 3>,
+        inpaint: Option<&InpaintCondition<B>>,
         req: &GenerateRequest<B>,
         noise: &mut dyn NoiseSource<B>,
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
+        crate::stable_diffusion_inpaint::check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
+        let mut blended;
+        let scheduler: &mut dyn Scheduler<B> = match inpaint {
+            Some(condition) => {
+                blended = condition.scheduler(&mut *self.scheduler, timesteps);
+                &mut blended
+            }
+            None => &mut *self.scheduler,
+        };
         let latents = denoising_loop(
-            &mut *self.scheduler,
+            scheduler,
             timesteps,
             latents,
             req,
             &self.device,
             noise,
-            |model_input, timestep, guidance| match compiled {
-                Some(denoiser) => {
-                    denoiser.guided_noise(model_input, timestep, context.clone(), guidance)
+            |model_input, timestep, guidance| {
+                let model_input = InpaintCondition::unet_input(inpaint, model_input);
+                match compiled {
+                    Some(denoiser) => {
+                        denoiser.guided_noise(model_input, timestep, context.clone(), guidance)
+                    }
+                    None => Ok(guided_noise(
+                        unet,
+                        model_input,
+                        timestep,
+                        context.clone(),
+                        guidance,
+                    )),
                 }
-                None => Ok(guided_noise(
-                    unet,
-                    model_input,
-                    timestep,
-                    context.clone(),
-                    guidance,
-                )),
             },
             callback,
         )?;

@@ -9,8 +9,9 @@
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use oxidiff_models::ToDevice;
-use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
+use burn::tensor::Tensor;
+use oxidiff_models::{AutoencoderKL, ToDevice};
+use oxidiff_schedulers::{NoiseSource, Scheduler, TorchCpuGenerator};
 
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
@@ -64,11 +65,7 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
         noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
-        if !(strength > 0.0 && strength <= 1.0) {
-            return Err(PipelineError::InvalidInput(format!(
-                "strength must be in (0, 1], got {strength}"
-            )));
-        }
+        check_strength(strength)?;
         if req.latents.is_some() {
             return Err(PipelineError::InvalidInput(
                 "img2img starts from the image's latents; initial latents cannot be given".into(),
@@ -88,42 +85,91 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
         let default = pipe.default_size();
         crate::loading::check_request(&sized, (default, default), f)?;
         let steps = req.num_inference_steps;
-        let init_steps = ((steps as f64 * strength) as usize).min(steps);
-        if init_steps == 0 {
-            return Err(PipelineError::InvalidInput(format!(
-                "strength {strength} with {steps} steps runs no step; raise the strength or \
-                 the number of steps"
-            )));
-        }
+        check_strength_steps(strength, steps)?;
         let batch = req.prompts.len() * req.num_images_per_prompt;
         let context = pipe.encode_context(req)?.to_device(&pipe.device);
 
         pipe.scheduler.set_timesteps(steps)?;
         pipe.scheduler.set_eta(req.eta);
-        let order = pipe.scheduler.order();
-        let t_start = (steps - init_steps) * order;
-        let timesteps = pipe.scheduler.timesteps()[t_start..].to_vec();
-        pipe.scheduler.set_begin_index(t_start);
+        let timesteps = strength_timesteps(&mut *pipe.scheduler, steps, strength)?;
 
-        // VAE encode: a sample of the latent distribution, as diffusers' `retrieve_latents`.
-        let dist = pipe.vae.encode(image);
-        let sample_noise = noise.randn(dist.mean.dims(), &dist.mean.device())?;
-        let init = dist
-            .sample(sample_noise)
-            .mul_scalar(pipe.vae.scaling_factor)
-            .to_device(&pipe.device);
-        let init = if batch > 1 {
-            init.repeat_dim(0, batch)
-        } else {
-            init
-        };
+        let init = encode_image_latents(&pipe.vae, image, batch, noise, &pipe.device)?;
         let first_noise = noise.randn(init.dims(), &pipe.device)?;
         let latents = pipe
             .scheduler
             .add_noise(init, first_noise, &timesteps[..1])?;
 
-        pipe.denoise_and_decode(&timesteps, latents, &context, req, noise, &mut callback)
+        pipe.denoise_and_decode(
+            &timesteps,
+            latents,
+            &context,
+            None,
+            req,
+            noise,
+            &mut callback,
+        )
     }
+}
+
+/// Checks that `strength` is in (0, 1].
+pub(crate) fn check_strength(strength: f64) -> Result<()> {
+    if !(strength > 0.0 && strength <= 1.0) {
+        return Err(PipelineError::InvalidInput(format!(
+            "strength must be in (0, 1], got {strength}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `strength` leaves at least one of `steps` steps to run.
+pub(crate) fn check_strength_steps(strength: f64, steps: usize) -> Result<()> {
+    if ((steps as f64 * strength) as usize).min(steps) == 0 {
+        return Err(PipelineError::InvalidInput(format!(
+            "strength {strength} with {steps} steps runs no step; raise the strength or the \
+             number of steps"
+        )));
+    }
+    Ok(())
+}
+
+/// diffusers' `get_timesteps` for a strength: the last `int(steps * strength)` steps of the
+/// scheduler's schedule (already set for `steps`), with the scheduler's begin index set to
+/// where they start.
+pub(crate) fn strength_timesteps<B: Backend>(
+    scheduler: &mut dyn Scheduler<B>,
+    steps: usize,
+    strength: f64,
+) -> Result<Vec<f64>> {
+    check_strength_steps(strength, steps)?;
+    let init_steps = ((steps as f64 * strength) as usize).min(steps);
+    let t_start = (steps - init_steps) * scheduler.order();
+    let timesteps = scheduler.timesteps()[t_start..].to_vec();
+    scheduler.set_begin_index(t_start);
+    Ok(timesteps)
+}
+
+/// diffusers' `_encode_vae_image` / `retrieve_latents`: a sample of the VAE's latent
+/// distribution for `image` (one draw from `noise`), times the scaling factor, repeated to
+/// `batch` rows, on `device`.
+pub(crate) fn encode_image_latents<B: Backend>(
+    vae: &AutoencoderKL<B>,
+    image: Tensor<B, 4>,
+    batch: usize,
+    noise: &mut dyn NoiseSource<B>,
+    device: &B::Device,
+) -> Result<Tensor<B, 4>> {
+    let dist = vae.encode(image);
+    let sample_noise = noise.randn(dist.mean.dims(), &dist.mean.device())?;
+    let latents = dist
+        .sample(sample_noise)
+        .mul_scalar(vae.scaling_factor)
+        .to_device(device);
+    let rows = latents.dims()[0];
+    Ok(if batch > rows {
+        latents.repeat_dim(0, batch / rows)
+    } else {
+        latents
+    })
 }
 
 impl<B: Backend> ToDevice<B> for StableDiffusionImg2ImgPipeline<B> {

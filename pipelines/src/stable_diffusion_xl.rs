@@ -28,9 +28,17 @@ use crate::stable_diffusion::{
     decode_latents, denoising_loop, with_guidance, GenerateRequest, LoadOptions, PipelineOutput,
     StepInfo,
 };
+use crate::stable_diffusion_inpaint::InpaintCondition;
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
 pub const SDXL_CLASS: &str = "StableDiffusionXLPipeline";
+
+/// The SDXL pipeline classes whose folders load (the refiner's is the image-to-image one).
+pub const SDXL_CLASSES: [&str; 3] = [
+    SDXL_CLASS,
+    "StableDiffusionXLImg2ImgPipeline",
+    "StableDiffusionXLInpaintPipeline",
+];
 
 /// SDXL's extra request fields; `Default` is diffusers' (sizes from the output size, no crop,
 /// the prompts reused for the second encoder, the whole schedule).
@@ -62,6 +70,13 @@ struct XlModelIndex {
     /// diffusers' default is true: no negative prompt means all-zero negative embeddings.
     #[serde(default = "default_true")]
     force_zeros_for_empty_prompt: bool,
+    /// The refiner's: time ids end in an aesthetic score instead of the target size.
+    #[serde(default)]
+    requires_aesthetics_score: bool,
+    /// `[library, class]`, or `[null, null]` when the pipeline has no first text encoder (as
+    /// stabilityai's refiner).
+    #[serde(default)]
+    text_encoder: Option<serde_json::Value>,
 }
 
 fn default_true() -> bool {
@@ -94,6 +109,9 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
     /// `projection_class_embeddings_input_dim` of the UNet.
     pub add_embedding_dim: usize,
     pub force_zeros_for_empty_prompt: bool,
+    /// `model_index.json`'s `requires_aesthetics_score` (SDXL refiner): image-to-image time
+    /// ids are `[original (h, w), crop (top, left), aesthetic score]`.
+    pub requires_aesthetics_score: bool,
     /// The UNet's device, where the loop runs.
     pub device: B::Device,
     pub source: PathBuf,
@@ -135,11 +153,25 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             });
         }
         let index: XlModelIndex = load_json(&index_path)?;
-        if index.class_name != SDXL_CLASS {
+        if !SDXL_CLASSES.contains(&index.class_name.as_str()) {
             return Err(PipelineError::UnsupportedPipeline {
                 path: index_path,
                 class: index.class_name,
-                supported: SDXL_CLASS.into(),
+                supported: SDXL_CLASSES.join(", "),
+            });
+        }
+        let no_text_encoder = index
+            .text_encoder
+            .as_ref()
+            .and_then(|v| v.as_array())
+            .is_some_and(|pair| pair.iter().all(|v| v.is_null()));
+        if no_text_encoder {
+            return Err(PipelineError::UnsupportedPipeline {
+                path: index_path,
+                class: format!("{} without `text_encoder`", index.class_name),
+                supported: "SDXL folders with both text encoders; refiners that ship only \
+                            text_encoder_2 (stabilityai's) are not supported yet"
+                    .into(),
             });
         }
         let component = |name: &str| -> Result<PathBuf> {
@@ -186,15 +218,27 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 supported: "SDXL UNets (`addition_embed_type: text_time`)".into(),
             });
         };
-        if add_embedding_dim != te2_config.projection_dim + 6 * addition_time_embed_dim {
+        let time_ids = if index.requires_aesthetics_score {
+            5
+        } else {
+            6
+        };
+        if add_embedding_dim != te2_config.projection_dim + time_ids * addition_time_embed_dim {
+            let hint = if add_embedding_dim
+                == te2_config.projection_dim + (11 - time_ids) * addition_time_embed_dim
+            {
+                "; the UNet takes the other kind of time ids: set `requires_aesthetics_score` \
+                 in model_index.json to true for a refiner UNet (5 time ids), false otherwise"
+            } else {
+                "; the UNet and text_encoder_2 do not belong together"
+            };
             return Err(PipelineError::InvalidInput(format!(
                 "{}: `projection_class_embeddings_input_dim` is {add_embedding_dim}, but \
-                 text_encoder_2's `projection_dim` {} plus 6 time ids of \
-                 `addition_time_embed_dim` {addition_time_embed_dim} make {}; the UNet and \
-                 text_encoder_2 do not belong together",
+                 text_encoder_2's `projection_dim` {} plus {time_ids} time ids of \
+                 `addition_time_embed_dim` {addition_time_embed_dim} make {}{hint}",
                 unet_config_path.display(),
                 te2_config.projection_dim,
-                te2_config.projection_dim + 6 * addition_time_embed_dim
+                te2_config.projection_dim + time_ids * addition_time_embed_dim
             )));
         }
         let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
@@ -226,6 +270,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             addition_time_embed_dim,
             add_embedding_dim,
             force_zeros_for_empty_prompt: index.force_zeros_for_empty_prompt,
+            requires_aesthetics_score: index.requires_aesthetics_score,
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
@@ -326,7 +371,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
     }
 
     /// `add_time_ids`: `[original (h, w), crop (top, left), target (h, w)]`.
-    fn time_ids(
+    pub(crate) fn time_ids(
         &self,
         original: (usize, usize),
         crop: (usize, usize),
@@ -359,6 +404,37 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         let default = self.default_size();
         let (width, height) =
             crate::loading::check_request(req, (default, default), self.vae_scale_factor)?;
+        self.check_options(req, xl)?;
+        let (positive_ids, negative_ids) = self.time_ids_for(xl, (height, width));
+        let condition = self.conditioning(req, xl, &positive_ids, &negative_ids)?;
+
+        self.scheduler.set_timesteps(req.num_inference_steps)?;
+        self.scheduler.set_eta(req.eta);
+        let f = self.vae_scale_factor;
+        let batch = req.prompts.len() * req.num_images_per_prompt;
+        let latents = crate::loading::initial_latents(
+            req,
+            [batch, 4, height / f, width / f],
+            (width, height),
+            noise,
+            self.scheduler.init_noise_sigma(),
+            &self.device,
+        )?;
+        let timesteps = self.cut_at_denoising_end(self.scheduler.timesteps().to_vec(), xl);
+        self.denoise_and_decode(
+            &timesteps,
+            latents,
+            &condition,
+            None,
+            req,
+            noise,
+            &mut callback,
+        )
+    }
+
+    /// Checks the SDXL options against the request: counts of second prompts and
+    /// `denoising_end` in (0, 1].
+    pub(crate) fn check_options(&self, req: &GenerateRequest<B>, xl: &XlOptions) -> Result<()> {
         let n = req.prompts.len();
         for (what, got) in [
             ("second prompts", xl.prompts_2.len()),
@@ -377,6 +453,38 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Text-to-image `add_time_ids` (positive, negative) for an image of `size` (h, w): the
+    /// negative ones differ only when both negative sizes are given, as in diffusers.
+    fn time_ids_for(&self, xl: &XlOptions, size: (usize, usize)) -> (Vec<f32>, Vec<f32>) {
+        let positive_ids = self.time_ids(
+            xl.original_size.unwrap_or(size),
+            xl.crops_coords_top_left,
+            xl.target_size.unwrap_or(size),
+        );
+        let negative_ids = match (xl.negative_original_size, xl.negative_target_size) {
+            (Some(original), Some(target)) => {
+                self.time_ids(original, xl.negative_crops_coords_top_left, target)
+            }
+            _ => positive_ids.clone(),
+        };
+        (positive_ids, negative_ids)
+    }
+
+    /// The UNet's conditioning for a request: the prompt embeddings (with guidance, the
+    /// negative ones first: all-zero under `force_zeros_for_empty_prompt` when no negative
+    /// prompt is given) and the added condition, pooled embeddings and one row of time ids per
+    /// context row (`positive_ids` / `negative_ids`, of any equal width).
+    pub(crate) fn conditioning(
+        &self,
+        req: &GenerateRequest<B>,
+        xl: &XlOptions,
+        positive_ids: &[f32],
+        negative_ids: &[f32],
+    ) -> Result<XlConditioning<B>> {
+        let n = req.prompts.len();
         let per_prompt = |v: &[String], fallback: &[String]| -> Vec<String> {
             match v.len() {
                 0 => fallback.to_vec(),
@@ -418,80 +526,99 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             )
         };
 
-        let size = (height, width);
-        let positive_ids = self.time_ids(
-            xl.original_size.unwrap_or(size),
-            xl.crops_coords_top_left,
-            xl.target_size.unwrap_or(size),
-        );
-        let negative_ids = match (xl.negative_original_size, xl.negative_target_size) {
-            (Some(original), Some(target)) => {
-                self.time_ids(original, xl.negative_crops_coords_top_left, target)
-            }
-            _ => positive_ids.clone(),
-        };
         // Rows in the order of `context`: all negatives, then all positives. (diffusers repeats
         // the [negative, positive] pair per image, which is the same whenever the two are equal
         // or there is one image.)
         let mut ids = Vec::new();
         if cfg {
             for _ in 0..batch {
-                ids.extend_from_slice(&negative_ids);
+                ids.extend_from_slice(negative_ids);
             }
         }
         for _ in 0..batch {
-            ids.extend_from_slice(&positive_ids);
+            ids.extend_from_slice(positive_ids);
         }
-        let rows = ids.len() / 6;
-        let time_ids = Tensor::<B, 2>::from_data(TensorData::new(ids, [rows, 6]), &self.device);
-        let added = AddedCondition {
-            text_embeds: pooled.to_device(&self.device),
-            time_ids,
-        };
-        let context = context.to_device(&self.device);
+        let width = positive_ids.len();
+        let rows = ids.len() / width.max(1);
+        let time_ids = Tensor::<B, 2>::from_data(TensorData::new(ids, [rows, width]), &self.device);
+        Ok(XlConditioning {
+            context: context.to_device(&self.device),
+            added: AddedCondition {
+                text_embeds: pooled.to_device(&self.device),
+                time_ids,
+            },
+        })
+    }
 
-        self.scheduler.set_timesteps(req.num_inference_steps)?;
-        self.scheduler.set_eta(req.eta);
-        let f = self.vae_scale_factor;
-        let latents = crate::loading::initial_latents(
-            req,
-            [batch, 4, height / f, width / f],
-            (width, height),
-            noise,
-            self.scheduler.init_noise_sigma(),
-            &self.device,
-        )?;
-        let mut timesteps = self.scheduler.timesteps().to_vec();
+    /// The timesteps before `xl.denoising_end` (all of them without one): those at or above
+    /// `round(train * (1 - end))`, as diffusers' cutoff.
+    pub(crate) fn cut_at_denoising_end(&self, mut timesteps: Vec<f64>, xl: &XlOptions) -> Vec<f64> {
         if let Some(end) = xl.denoising_end.filter(|&e| e < 1.0) {
             let train = self.scheduler_config.num_train_timesteps as f64;
-            let cutoff = (train - end * train).round();
+            // Python's `round` rounds halves to even.
+            let cutoff = (train - end * train).round_ties_even();
             let keep = timesteps.iter().filter(|&&t| t >= cutoff).count();
             timesteps.truncate(keep);
         }
+        timesteps
+    }
+
+    /// The denoising loop over `timesteps` from `latents` (UNet compiled or eager, guidance
+    /// around it), then the VAE decode; text-to-image, image-to-image and inpainting share it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn denoise_and_decode(
+        &mut self,
+        timesteps: &[f64],
+        latents: Tensor<B, 4>,
+        condition: &XlConditioning<B>,
+        inpaint: Option<&InpaintCondition<B>>,
+        req: &GenerateRequest<B>,
+        noise: &mut dyn NoiseSource<B>,
+        callback: &mut impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        crate::stable_diffusion_inpaint::check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
+        let XlConditioning { context, added } = condition;
+        let mut blended;
+        let scheduler: &mut dyn Scheduler<B> = match inpaint {
+            Some(inpaint) => {
+                blended = inpaint.scheduler(&mut *self.scheduler, timesteps);
+                &mut blended
+            }
+            None => &mut *self.scheduler,
+        };
         let latents = denoising_loop(
-            &mut *self.scheduler,
-            &timesteps,
+            scheduler,
+            timesteps,
             latents,
             req,
             &self.device,
             noise,
             |model_input, timestep, _| {
+                let model_input = InpaintCondition::unet_input(inpaint, model_input);
                 with_guidance(model_input, req.guidance_scale, |x| match compiled {
-                    Some(denoiser) => denoiser.denoise(x, timestep, context.clone(), &added),
+                    Some(denoiser) => denoiser.denoise(x, timestep, context.clone(), added),
                     None => Ok(unet.forward_with_condition(
                         x,
                         timestep,
                         context.clone(),
-                        Some(&added),
+                        Some(added),
                     )?),
                 })
             },
-            &mut callback,
+            callback,
         )?;
         let images = decode_latents(&self.vae, &latents, req.output)?;
         Ok(PipelineOutput { latents, images })
     }
+}
+
+/// What the SDXL UNet is conditioned on besides the latents: the text context and the added
+/// condition (pooled embeddings, time ids), one row per UNet batch row.
+#[derive(Debug, Clone)]
+pub struct XlConditioning<B: Backend> {
+    pub context: Tensor<B, 3>,
+    pub added: AddedCondition<B>,
 }
 
 impl<B: Backend> ToDevice<B> for StableDiffusionXLPipeline<B> {

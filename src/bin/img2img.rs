@@ -1,13 +1,20 @@
-//! `img2img`: edit an input image with a diffusers-format Stable Diffusion 1.x/2.x model.
+//! `img2img`: edit an input image with a diffusers-format Stable Diffusion 1.x/2.x or SDXL
+//! model (image to image, or inpainting with `--mask`). The pipeline follows
+//! `model_index.json`'s class, as `txt2img` does.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use oxidiff::pipelines::image::load_image;
+use oxidiff::pipelines::image::{load_image, load_mask};
+use oxidiff::pipelines::stable_diffusion::SUPPORTED_CLASSES as SD_CLASSES;
+use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
 use oxidiff::pipelines::{
-    GenerateRequest, GenerationParameters, LoadOptions, StableDiffusionImg2ImgPipeline,
+    pipeline_class, resolve_model, GenerateRequest, GenerationParameters, Images, LoadOptions,
+    StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
+    StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage,
+    XlOptions,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
@@ -15,7 +22,8 @@ use oxidiff::{Oxi, OxiDevice};
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Edit an image from a text prompt (Stable Diffusion 1.x/2.x image to image)"
+    about = "Edit an image from a text prompt: image to image, or inpainting with --mask \
+             (Stable Diffusion 1.x/2.x and SDXL)"
 )]
 struct Args {
     prompt: String,
@@ -23,9 +31,15 @@ struct Args {
     /// --width/--height are given.
     #[arg(long)]
     image: PathBuf,
+    /// Inpaint: repaint the white part of this mask (PNG, JPEG or WebP, the image's size;
+    /// converted to grayscale and binarized at half intensity), keep the black part.
+    #[arg(long)]
+    mask: Option<PathBuf>,
     /// How much to change the image, in (0, 1]: the fraction of the steps that are run.
-    #[arg(long, default_value_t = 0.8)]
-    strength: f64,
+    /// Default as diffusers: 0.8 (SD image to image), 1 (SD inpainting), 0.3 (SDXL image to
+    /// image), 0.9999 (SDXL inpainting).
+    #[arg(long)]
+    strength: Option<f64>,
     /// A diffusers-format model folder or a Hub id in the local Hub cache.
     #[arg(long)]
     model: String,
@@ -35,8 +49,9 @@ struct Args {
     negative_prompt: Option<String>,
     #[arg(long, default_value_t = 50)]
     steps: usize,
-    #[arg(long, default_value_t = 7.5)]
-    guidance: f64,
+    /// Classifier-free guidance scale; default 7.5 (SD) or 5 (SDXL).
+    #[arg(long)]
+    guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name (as txt2img).
     #[arg(long)]
     scheduler: Option<String>,
@@ -48,6 +63,12 @@ struct Args {
     width: Option<usize>,
     #[arg(long)]
     height: Option<usize>,
+    /// SDXL refiners (`requires_aesthetics_score`): the aesthetic score of the prompt.
+    #[arg(long, default_value_t = 6.0)]
+    aesthetic_score: f64,
+    /// SDXL refiners: the aesthetic score of the negative prompt.
+    #[arg(long, default_value_t = 2.5)]
+    negative_aesthetic_score: f64,
     #[arg(short, long, default_value = "img2img.png")]
     output: PathBuf,
     #[arg(long)]
@@ -55,6 +76,10 @@ struct Args {
     /// cpu, xla:cpu[:N], tpu[:N], cuda[:N].
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Compiled mode on a PJRT device, as txt2img's: each UNet call (with guidance and, for
+    /// 9-channel inpainting UNets, the mask channels) is one XLA program.
+    #[arg(long)]
+    compile: bool,
 }
 
 fn main() -> ExitCode {
@@ -74,18 +99,60 @@ fn run(args: Args) -> Result<()> {
             args.output.display()
         );
     }
+    // Inputs are read and checked before the model is loaded.
     let image = load_image(&args.image)?;
+    let mask = match &args.mask {
+        Some(path) => {
+            let mask = load_mask(path)?;
+            if (mask.width(), mask.height()) != (image.width(), image.height()) {
+                bail!(
+                    "the mask {} is {}x{} but the image {} is {}x{}; give a mask of the image's \
+                     size (white repaints, black keeps)",
+                    path.display(),
+                    mask.width(),
+                    mask.height(),
+                    args.image.display(),
+                    image.width(),
+                    image.height()
+                );
+            }
+            Some(mask)
+        }
+        None => None,
+    };
     let device: OxiDevice = args
         .device
         .parse()
         .with_context(|| format!("--device {}", args.device))?;
+    if args.compile && !device.is_pjrt() {
+        bail!(
+            "--compile needs a PJRT device (--device xla:cpu, tpu or cuda); {} runs eagerly",
+            args.device
+        );
+    }
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
     };
-    let mut pipe =
-        StableDiffusionImg2ImgPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
-            .with_context(|| format!("loading {}", args.model))?;
+    let dir = resolve_model(&args.model, args.variant.as_deref())
+        .with_context(|| format!("loading {}", args.model))?;
+    let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
+    let xl = SDXL_CLASSES.contains(&class.as_str());
+    if !xl && !SD_CLASSES.contains(&class.as_str()) {
+        bail!(
+            "{}: pipeline class `{class}` cannot edit images; img2img takes {} and {}",
+            dir.join("model_index.json").display(),
+            SD_CLASSES.join(", "),
+            SDXL_CLASSES.join(", ")
+        );
+    }
+    let strength = args.strength.unwrap_or(match (xl, mask.is_some()) {
+        (false, false) => 0.8,
+        (false, true) => 1.0,
+        (true, false) => 0.3,
+        (true, true) => 0.9999,
+    });
+    let guidance = args.guidance.unwrap_or(if xl { 5.0 } else { 7.5 });
     let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
     let request = GenerateRequest {
         prompts: vec![args.prompt.clone()],
@@ -95,15 +162,105 @@ fn run(args: Args) -> Result<()> {
             vec![negative_prompt.clone()]
         },
         num_inference_steps: args.steps,
-        guidance_scale: args.guidance,
+        guidance_scale: guidance,
         width: args.width,
         height: args.height,
         seed: args.seed,
         ..Default::default()
     };
+    let load = |e| anyhow::Error::new(e).context(format!("loading {}", args.model));
     let mut generator = TorchCpuGenerator::new(args.seed);
-    let output = pipe.generate_with(&request, &image, args.strength, &mut generator, |_| {})?;
-    let images = output.images.context("the pipeline returned no images")?;
+    let edit = XlEditOptions {
+        strength,
+        aesthetic_score: args.aesthetic_score,
+        negative_aesthetic_score: args.negative_aesthetic_score,
+        ..Default::default()
+    };
+    let no_callback = |_: oxidiff::pipelines::StepInfo<'_, Oxi>| {};
+    let (output, sampler, pipeline, compiled) = match (xl, &mask) {
+        (false, None) => {
+            let mut pipe = StableDiffusionImg2ImgPipeline::<Oxi>::from_dir(&dir, &options, &device)
+                .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
+            let out =
+                pipe.generate_with(&request, &image, strength, &mut generator, no_callback)?;
+            (
+                out,
+                pipe.pipe.scheduler.kind(),
+                "StableDiffusionImg2ImgPipeline",
+                pipe.pipe.compiles(),
+            )
+        }
+        (false, Some(mask)) => {
+            let mut pipe = StableDiffusionInpaintPipeline::<Oxi>::from_dir(&dir, &options, &device)
+                .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
+            let out = pipe.generate_with(
+                &request,
+                &image,
+                mask,
+                strength,
+                &mut generator,
+                no_callback,
+            )?;
+            (
+                out,
+                pipe.pipe.scheduler.kind(),
+                "StableDiffusionInpaintPipeline",
+                pipe.pipe.compiles(),
+            )
+        }
+        (true, None) => {
+            let mut pipe =
+                StableDiffusionXLImg2ImgPipeline::<Oxi>::from_dir(&dir, &options, &device)
+                    .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
+            let out = pipe.generate_with(
+                &request,
+                &XlOptions::default(),
+                &edit,
+                XlInitImage::Image(&image),
+                &mut generator,
+                no_callback,
+            )?;
+            (
+                out,
+                pipe.pipe.scheduler.kind(),
+                "StableDiffusionXLImg2ImgPipeline",
+                pipe.pipe.compiles(),
+            )
+        }
+        (true, Some(mask)) => {
+            let mut pipe =
+                StableDiffusionXLInpaintPipeline::<Oxi>::from_dir(&dir, &options, &device)
+                    .map_err(load)?;
+            if args.compile {
+                pipe.pipe.compile()?;
+            }
+            let out = pipe.generate_with(
+                &request,
+                &XlOptions::default(),
+                &edit,
+                &image,
+                mask,
+                &mut generator,
+                no_callback,
+            )?;
+            (
+                out,
+                pipe.pipe.scheduler.kind(),
+                "StableDiffusionXLInpaintPipeline",
+                pipe.pipe.compiles(),
+            )
+        }
+    };
+    let images: Images = output.images.context("the pipeline returned no images")?;
     let parameters = GenerationParameters {
         prompt: args.prompt.clone(),
         negative_prompt,
@@ -111,14 +268,14 @@ fn run(args: Args) -> Result<()> {
         sampler: args
             .scheduler
             .clone()
-            .unwrap_or_else(|| pipe.pipe.scheduler.kind().class_name().to_string()),
-        guidance_scale: args.guidance,
+            .unwrap_or_else(|| sampler.class_name().to_string()),
+        guidance_scale: guidance,
         seed: args.seed,
         width: images.width,
         height: images.height,
         model: args.model.clone(),
         extra: vec![
-            ("Denoising strength".into(), args.strength.to_string()),
+            ("Denoising strength".into(), strength.to_string()),
             (
                 "Version".into(),
                 format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
@@ -126,11 +283,14 @@ fn run(args: Args) -> Result<()> {
         ],
     };
     images.save_png_with_parameters(0, &args.output, Some(&parameters))?;
+    let mode = match compiled {
+        Some(programs) => format!("compiled: {programs} program(s)"),
+        None => "eager".into(),
+    };
     eprintln!(
-        "wrote {} (seed {}, strength {}, {}x{})",
+        "wrote {} ({pipeline}, seed {}, strength {strength}, {}x{}, {mode})",
         args.output.display(),
         args.seed,
-        args.strength,
         images.width,
         images.height
     );

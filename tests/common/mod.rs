@@ -1,6 +1,8 @@
 //! Shared helpers of the parity tests: the fixtures made by `tools/golden/make_tiny_sd.py`.
 #![allow(dead_code)]
 
+pub mod golden_run;
+
 use std::path::PathBuf;
 
 use burn::tensor::backend::Backend;

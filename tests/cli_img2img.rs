@@ -1,0 +1,219 @@
+//! The `img2img` binary's inpainting (`--mask`) and SDXL dispatch: each run's PNG matches
+//! diffusers' (`tools/golden/make_inpaint.py`) within 2 levels, the pipeline is picked from
+//! `model_index.json`; a mask of another size, an unreadable mask and a bad strength are
+//! errors that write nothing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use common::{fixtures, model_dir};
+
+const PROMPT: &str = "a photo of an astronaut riding a horse";
+
+fn img2img(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_img2img"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("img2img runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn golden(name: &str) -> PathBuf {
+    fixtures().join("golden").join(name)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// Runs the binary on the golden input (4 steps, seed 42, negative prompt "blurry") with
+/// `extra` flags and checks its PNG against diffusers' `expected`; returns stderr.
+fn check(model: &Path, extra: &[&str], expected: &str) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let input = golden("img2img-input.png");
+    let mut args = vec![
+        "--model",
+        model.to_str().unwrap(),
+        "--image",
+        input.to_str().unwrap(),
+        "--steps",
+        "4",
+        "--seed",
+        "42",
+        "--negative-prompt",
+        "blurry",
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    args.push(PROMPT);
+    let result = img2img(&args);
+    assert!(result.status.success(), "{}", stderr(&result));
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, expected, 2);
+    stderr(&result)
+}
+
+#[test]
+fn mask_inpaints_with_an_ordinary_unet_as_diffusers() {
+    let mask = golden("inpaint-mask.png");
+    // SD inpainting's default strength is 1, as diffusers'.
+    check(
+        &model_dir("tiny-sd1"),
+        &["--mask", mask.to_str().unwrap()],
+        "inpaint-sd4-pndm.png",
+    );
+}
+
+#[test]
+fn mask_inpaints_with_a_nine_channel_inpainting_checkpoint_as_diffusers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny-sd1-inpainting");
+    copy_dir(&model_dir("tiny-sd1"), &model);
+    std::fs::remove_dir_all(model.join("unet")).unwrap();
+    copy_dir(
+        &fixtures().join("tiny-sd1-inpaint-unet"),
+        &model.join("unet"),
+    );
+    let index_path = model.join("model_index.json");
+    let index = std::fs::read_to_string(&index_path).unwrap().replace(
+        "\"StableDiffusionPipeline\"",
+        "\"StableDiffusionInpaintPipeline\"",
+    );
+    std::fs::write(&index_path, index).unwrap();
+    let mask = golden("inpaint-mask.png");
+    check(
+        &model,
+        &[
+            "--mask",
+            mask.to_str().unwrap(),
+            "--strength",
+            "0.75",
+            "--scheduler",
+            "euler",
+        ],
+        "inpaint-sd9-euler.png",
+    );
+}
+
+#[test]
+fn sdxl_checkpoints_go_to_the_sdxl_img2img_and_inpaint_pipelines() {
+    let model = model_dir("tiny-sdxl");
+    // SDXL's default guidance is 5, as in the golden runs.
+    let log = check(&model, &["--strength", "0.6"], "inpaint-xl-img2img.png");
+    assert!(
+        log.contains("StableDiffusionXLImg2ImgPipeline, ") && log.contains("eager"),
+        "{log}"
+    );
+    let mask = golden("inpaint-mask.png");
+    check(
+        &model,
+        &["--mask", mask.to_str().unwrap(), "--strength", "0.8"],
+        "inpaint-xl-inpaint.png",
+    );
+}
+
+#[test]
+fn bad_masks_and_strengths_are_errors_that_write_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let input = golden("img2img-input.png");
+    let small = tmp.path().join("small-mask.png");
+    image::RgbImage::new(32, 64).save(&small).unwrap();
+    let broken = tmp.path().join("broken-mask.png");
+    std::fs::write(&broken, b"not a png").unwrap();
+    let mask = golden("inpaint-mask.png");
+    let model = model_dir("tiny-sd1");
+    let cases: [(&Path, &str, &str); 3] = [
+        (&small, "1", "is 32x64 but the image"),
+        (&broken, "1", "cannot read the mask"),
+        (&mask, "0", "strength must be in (0, 1]"),
+    ];
+    for (mask, strength, expected) in cases {
+        let result = img2img(&[
+            "--model",
+            model.to_str().unwrap(),
+            "--image",
+            input.to_str().unwrap(),
+            "--mask",
+            mask.to_str().unwrap(),
+            "--strength",
+            strength,
+            "--steps",
+            "2",
+            "-o",
+            out.to_str().unwrap(),
+            PROMPT,
+        ]);
+        assert!(!result.status.success());
+        let err = stderr(&result);
+        assert!(err.contains(expected), "{}: {err}", mask.display());
+        if expected != "strength must be in (0, 1]" {
+            let name = mask.file_name().unwrap().to_str().unwrap();
+            assert!(err.contains(name), "the error names the mask file: {err}");
+        }
+        assert!(!out.exists(), "nothing is written on bad input");
+    }
+}
+
+/// `--device xla:cpu --compile` inpaints with the guided UNet call as one XLA program (the
+/// masked-latent blend eager): the PNG is diffusers' within 2 levels (the plugin and burn-flex
+/// differ by about 1e-6).
+#[test]
+fn compiled_inpainting_on_xla_cpu_matches_diffusers_png() {
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let mask = golden("inpaint-mask.png");
+    let log = check(
+        &model_dir("tiny-sd1"),
+        &[
+            "--mask",
+            mask.to_str().unwrap(),
+            "--device",
+            "xla:cpu",
+            "--compile",
+        ],
+        "inpaint-sd4-pndm.png",
+    );
+    assert!(
+        log.contains("StableDiffusionInpaintPipeline") && log.contains("compiled: 1 program(s)"),
+        "{log}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let input = golden("img2img-input.png");
+    let result = img2img(&[
+        "--model",
+        model_dir("tiny-sd1").to_str().unwrap(),
+        "--image",
+        input.to_str().unwrap(),
+        "--compile",
+        "-o",
+        out.to_str().unwrap(),
+        PROMPT,
+    ]);
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("--compile needs a PJRT device"),
+        "{}",
+        stderr(&result)
+    );
+    assert!(!out.exists());
+}
