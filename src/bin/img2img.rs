@@ -82,6 +82,7 @@ fn run(args: Args) -> Result<()> {
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
+        ..Default::default()
     };
     let mut pipe =
         StableDiffusionImg2ImgPipeline::<Oxi>::from_pretrained(&args.model, &options, &device)
