@@ -204,6 +204,7 @@ fn main() -> ExitCode {
         .with(
             tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal())
                 .with_filter(filter),
         )
         .with(ProgressLayer(progress.bar.clone()).with_filter(progress_events))
