@@ -45,7 +45,10 @@ impl ModelSource {
         } else {
             Err(PipelineError::ModelNotFound {
                 spec: spec.to_string(),
-                hint: "no such folder, and not a Hub id of the form `org/name`".into(),
+                hint: "no such folder, and not a Hub id of the form `org/name`; pass a \
+                       diffusers-format folder (the one with model_index.json) or a Hub id \
+                       such as stabilityai/sd-turbo"
+                    .into(),
             })
         }
     }

@@ -33,13 +33,35 @@ const INTERRUPTED: u8 = 130;
 /// The model used when none is given: one step, no guidance, 512x512.
 const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 
+/// Examples, environment and exit codes, after the flags in `--help`.
+const AFTER_HELP: &str = "\
+Examples:
+  txt2img --model tests/fixtures/tiny-sd1 --steps 4 --seed 7 -o tiny.png \"a red apple\"
+  txt2img --model stabilityai/stable-diffusion-xl-base-1.0 --variant fp16 --dtype bf16 \\
+          --device tpu --compile --num-images 8 --batch-size 4 -o out/ \"a castle at dusk\"
+  txt2img --from-png out/00003.png --steps 30 -o again.png
+
+Environment:
+  HF_HOME, HF_HUB_CACHE   the Hugging Face Hub cache (default ~/.cache/huggingface/hub)
+  HF_HUB_OFFLINE=1        never download; a model not in the cache is an error naming the cache
+  HF_TOKEN                token for gated or private Hub repositories
+  RUST_LOG                log filter (default warn; info shows load, compile and timing events)
+  OXIDIFF_COMPILE_CACHE   folder keeping --compile's executables between runs
+  OXIDIFF_LOG_COMPILES=1  log every XLA compile with its reason and timings
+  OXIDIFF_PJRT_PLUGIN     a PJRT plugin file used for every PJRT --device
+  OXIDIFF_PLUGIN_DIR      a folder of plugins as tools/fetch-plugins.sh lays them out
+  TPU_LIBRARY_PATH        libtpu for --device tpu
+
+Exit codes: 0 success, 1 failure (one-line error), 2 usage error, 130 interrupted (Ctrl-C).";
+
 /// `--output` when none is given (`txt2img.npy` for the .npy output types).
 const DEFAULT_OUTPUT: &str = "txt2img.png";
 
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, PixArt-Alpha/Sigma)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, PixArt-Alpha/Sigma)",
+    after_help = AFTER_HELP
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -56,6 +78,7 @@ struct Args {
     /// Weight variant to load, e.g. `fp16` (`*.fp16.safetensors`).
     #[arg(long)]
     variant: Option<String>,
+    /// What the image should not show (the unconditional prompt of classifier-free guidance).
     #[arg(long)]
     negative_prompt: Option<String>,
     /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, else 50).
