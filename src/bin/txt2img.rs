@@ -537,6 +537,7 @@ impl Progress {
 
     /// Starts counting `steps` denoising steps.
     fn steps(&self, label: &str, steps: usize) {
+        self.bar.set_message(label.to_string());
         self.bar.set_style(
             ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} [{elapsed}] {per_sec}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
@@ -544,7 +545,6 @@ impl Progress {
         self.bar.reset();
         self.bar.set_length(steps as u64);
         self.bar.set_position(0);
-        self.bar.set_message(label.to_string());
     }
 
     /// After each step; the VAE decode follows the last one when images are made.
