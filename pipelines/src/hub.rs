@@ -96,8 +96,18 @@ pub fn cached_snapshot(cache: &Path, repo_id: &str, revision: &str) -> Option<Pa
         .then_some(snapshot)
 }
 
-/// Resolves a model spec to a local folder, downloading from the Hub if needed and allowed.
+/// Resolves a model spec to a local folder, downloading from the Hub if needed and allowed
+/// (with hf-hub's per-file byte progress bars on stderr).
 pub fn resolve_model(spec: &str, variant: Option<&str>) -> Result<PathBuf> {
+    resolve_model_with_progress(spec, variant, true)
+}
+
+/// [`resolve_model`], showing download progress only when `progress` is set (for `--quiet`).
+pub fn resolve_model_with_progress(
+    spec: &str,
+    variant: Option<&str>,
+    progress: bool,
+) -> Result<PathBuf> {
     match ModelSource::parse(spec)? {
         ModelSource::Folder(dir) => Ok(dir),
         ModelSource::Hub { repo_id, revision } => {
@@ -115,7 +125,7 @@ pub fn resolve_model(spec: &str, variant: Option<&str>) -> Result<PathBuf> {
                     ),
                 });
             }
-            download(&cache, &repo_id, &revision, variant).map_err(|reason| {
+            download(&cache, &repo_id, &revision, variant, progress).map_err(|reason| {
                 PipelineError::ModelNotFound {
                     spec: spec.to_string(),
                     hint: format!(
@@ -206,11 +216,12 @@ fn download(
     repo_id: &str,
     revision: &str,
     variant: Option<&str>,
+    progress: bool,
 ) -> std::result::Result<PathBuf, String> {
     let api = hf_hub::api::sync::ApiBuilder::new()
         .with_cache_dir(cache.to_path_buf())
         .with_token(std::env::var("HF_TOKEN").ok())
-        .with_progress(true)
+        .with_progress(progress)
         .build()
         .map_err(|e| e.to_string())?;
     let repo = api.repo(hf_hub::Repo::with_revision(

@@ -13,12 +13,13 @@ use std::io::IsTerminal;
 
 use oxidiff::latents::{encode_npy, read_latents};
 use oxidiff::pipelines::host::read_f32;
+use oxidiff::pipelines::hub::resolve_model_with_progress;
 use oxidiff::pipelines::image::write_atomic;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::OutputType;
 use oxidiff::pipelines::{
-    pipeline_class, resolve_model, CancelToken, GenerateRequest, GenerationParameters, LoadOptions,
-    PipelineError, PipelineOutput, PixArtPipeline, PixArtRequest, StableDiffusionPipeline,
+    pipeline_class, CancelToken, GenerateRequest, GenerationParameters, LoadOptions, PipelineError,
+    PipelineOutput, PixArtPipeline, PixArtRequest, StableDiffusionPipeline,
     StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
 };
 use oxidiff::schedulers::TorchCpuGenerators;
@@ -314,7 +315,9 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
         None => args.model.clone(),
     };
     progress.phase(format!("resolving {model}"));
-    let dir = resolve_model(&model, args.variant.as_deref())
+    // hf-hub draws its own download bars (bytes per file), under the same rule as ours.
+    let show_downloads = !args.quiet && std::io::stderr().is_terminal();
+    let dir = resolve_model_with_progress(&model, args.variant.as_deref(), show_downloads)
         .with_context(|| format!("loading {model}"))?;
     let class = pipeline_class(&dir).with_context(|| format!("loading {model}"))?;
     let pixart = PIXART_CLASSES.contains(&class.as_str());
