@@ -5,6 +5,52 @@
 //! [`schedulers`] (the diffusers scheduler family) and [`pipelines`] (Stable Diffusion and
 //! friends), the PJRT backend ([`backend`]: [`Oxi`], whose [`OxiDevice`] is the CPU or any PJRT
 //! device: `"cpu"`, `"xla:cpu"`, `"tpu:0"`, `"cuda"`), and names the pure CPU backend [`Cpu`].
+//!
+//! # Text to image
+//!
+//! A diffusers-format folder (or a Hub id in the local cache) in, PNG out. This runs the tiny
+//! random-weight test pipeline on the CPU in about a second:
+//!
+//! ```
+//! use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
+//! use oxidiff::Cpu;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let model = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tiny-sd1");
+//! let options = LoadOptions { scheduler: Some("Euler a".into()), ..Default::default() };
+//! let mut pipe = StableDiffusionPipeline::<Cpu>::from_pretrained(model, &options, &Default::default())?;
+//! let out = pipe.generate(&GenerateRequest {
+//!     prompts: vec!["a photo of an astronaut riding a horse".into()],
+//!     num_inference_steps: 4,
+//!     seed: 42, // PyTorch's CPU generator: the same latents as diffusers with this seed
+//!     ..Default::default()
+//! })?;
+//! let images = out.images.expect("images were asked for");
+//! assert_eq!((images.count, images.width, images.height), (1, 64, 64));
+//! images.save_png(0, &std::env::temp_dir().join("oxidiff-doc.png"))?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # On an accelerator
+//!
+//! The [`Oxi`] backend runs the same pipeline on the CPU or on any PJRT device; move it with
+//! [`ToDevice::to`], optionally in bf16 and compiled (one XLA program per denoising step):
+//!
+//! ```no_run
+//! use burn::tensor::FloatDType;
+//! use oxidiff::pipelines::{LoadOptions, StableDiffusionPipeline};
+//! use oxidiff::{Oxi, OxiDevice, ToDevice};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let options = LoadOptions { dtype: Some(FloatDType::BF16), ..Default::default() };
+//! let pipe = StableDiffusionPipeline::<Oxi>::from_pretrained(
+//!     "stabilityai/stable-diffusion-2-1-base", &options, &OxiDevice::Cpu)?;
+//! let mut pipe = pipe.to(&"tpu:0".parse()?); // or "xla:cpu", "cuda:1"
+//! pipe.compile()?;
+//! # Ok(())
+//! # }
+//! ```
 
 pub use oxidiff_backend_tpu as backend;
 pub use oxidiff_models as models;

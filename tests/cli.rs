@@ -912,3 +912,463 @@ fn sd3_folder_is_recognised_and_its_png_matches_diffusers() {
     );
     assert!(!again.exists());
 }
+
+/// Runs txt2img expecting success; returns its stderr.
+fn succeeds(args: &[&str], envs: &[(&str, &Path)]) -> String {
+    let result = txt2img(args, envs);
+    assert!(result.status.success(), "{}", stderr(&result));
+    stderr(&result)
+}
+
+#[test]
+fn batch_size_gives_the_images_of_one_by_one_runs_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    // Euler a draws noise at every step: each image must keep its own generator.
+    let run = |folder: &str, batch: &str| {
+        let out = tmp.path().join(folder);
+        let o = format!("{}/", out.display());
+        succeeds(
+            &[
+                "--model",
+                m,
+                "--steps",
+                "2",
+                "--seed",
+                "5",
+                "--num-images",
+                "3",
+                "--batch-size",
+                batch,
+                "--scheduler",
+                "euler_a",
+                "--quiet",
+                "-o",
+                &o,
+                "x",
+            ],
+            &[],
+        );
+        out
+    };
+    let (one, batched) = (run("one", "1"), run("batched", "2"));
+    for name in ["00000.png", "00001.png", "00002.png"] {
+        assert_eq!(
+            std::fs::read(one.join(name)).unwrap(),
+            std::fs::read(batched.join(name)).unwrap(),
+            "{name}: batch of 2 (then 1) differs from one by one"
+        );
+    }
+    let params =
+        oxidiff::pipelines::GenerationParameters::from_png(&batched.join("00001.png")).unwrap();
+    assert_eq!(params.seed, 6);
+    let usage = txt2img(&["--model", m, "--batch-size", "0", "x"], &[]);
+    assert_eq!(usage.status.code(), Some(2), "{}", stderr(&usage));
+}
+
+#[test]
+fn output_type_npy_holds_the_float_image_of_the_png() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    let (png, npy) = (tmp.path().join("a.png"), tmp.path().join("a.npy"));
+    let common = ["--model", m, "--steps", "2", "--seed", "9", "--quiet"];
+    succeeds(
+        &[&common[..], &["-o", png.to_str().unwrap(), "x"]].concat(),
+        &[],
+    );
+    succeeds(
+        &[
+            &common[..],
+            &["--output-type", "npy", "-o", npy.to_str().unwrap(), "x"],
+        ]
+        .concat(),
+        &[],
+    );
+    let (values, shape) = oxidiff::latents::read_latents(&npy).unwrap();
+    assert_eq!(shape, vec![64, 64, 3], "[height, width, 3]");
+    assert!(values.iter().all(|v| (0.0..=1.0).contains(v)));
+    // The PNG is the array rounded to 8 bits, as diffusers' numpy_to_pil.
+    let rgb = image::open(&png).unwrap().to_rgb8();
+    for (v, byte) in values.iter().zip(rgb.as_raw()) {
+        assert_eq!((v * 255.0).round() as u8, *byte);
+    }
+    // A .png name for npy output is refused with the fix.
+    let wrong = tmp.path().join("b.png");
+    fails_with(
+        &[
+            &common[..],
+            &["--output-type", "npy", "-o", wrong.to_str().unwrap(), "x"],
+        ]
+        .concat(),
+        "must name a .npy file",
+        &wrong,
+    );
+}
+
+#[test]
+fn output_type_latents_are_the_final_latents_and_feed_latents() {
+    use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    let folder = tmp.path().join("lat");
+    let f = format!("{}/", folder.display());
+    succeeds(
+        &[
+            "--model",
+            m,
+            "--steps",
+            "3",
+            "--seed",
+            "21",
+            "--num-images",
+            "2",
+            "--output-type",
+            "latents",
+            "--quiet",
+            "-o",
+            &f,
+            "x",
+        ],
+        &[],
+    );
+    // Numbered .npy files, each [1, 4, h/8, w/8].
+    let (second, shape) = oxidiff::latents::read_latents(&folder.join("00001.npy")).unwrap();
+    assert_eq!(shape, vec![1, 4, 8, 8]);
+    // The library's final latents for seed 22 (image 1) on the CLI's backend, bit for bit.
+    let device = oxidiff::OxiDevice::Cpu;
+    let mut pipe =
+        StableDiffusionPipeline::<oxidiff::Oxi>::from_dir(&model, &LoadOptions::default(), &device)
+            .unwrap();
+    let out = pipe
+        .generate(&GenerateRequest {
+            prompts: vec!["x".into()],
+            num_inference_steps: 3,
+            seed: 22,
+            output: oxidiff::pipelines::OutputType::Latents,
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(out.images.is_none());
+    let expected = out.latents.into_data().to_vec::<f32>().unwrap();
+    assert_eq!(second, expected);
+    // The file is accepted by --latents (same layout and shape).
+    let png = tmp.path().join("from-latents.png");
+    let written = folder.join("00000.npy");
+    succeeds(
+        &[
+            "--model",
+            m,
+            "--steps",
+            "1",
+            "--latents",
+            written.to_str().unwrap(),
+            "--quiet",
+            "-o",
+            png.to_str().unwrap(),
+            "x",
+        ],
+        &[],
+    );
+    assert!(png.is_file());
+}
+
+#[test]
+fn dtype_bf16_and_f16_compute_in_reduced_precision_and_pixart_refuses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    let run = |dtype: &str| {
+        let out = tmp.path().join(format!("{dtype}.png"));
+        let o = out.to_str().unwrap();
+        succeeds(
+            &[
+                "--model", m, "--steps", "2", "--seed", "5", "--dtype", dtype, "--quiet", "-o", o,
+                "x",
+            ],
+            &[],
+        );
+        image::open(&out).unwrap().to_rgb8().into_raw()
+    };
+    let full = run("f32");
+    for (dtype, mean_limit) in [("bf16", 3.0), ("f16", 1.0)] {
+        let reduced = run(dtype);
+        let diffs: Vec<u32> = full
+            .iter()
+            .zip(&reduced)
+            .map(|(a, b)| u32::from(a.abs_diff(*b)))
+            .collect();
+        let mean = diffs.iter().sum::<u32>() as f64 / diffs.len() as f64;
+        // bf16 keeps 8 mantissa bits, f16 11: the image moves by about a level (observed
+        // means 1.05 and 0.14 levels), never by a different picture.
+        assert!(mean <= mean_limit, "{dtype}: mean difference {mean} levels");
+        assert!(
+            diffs.iter().any(|&d| d > 0),
+            "{dtype} gave the f32 image exactly: the weights were not cast"
+        );
+    }
+    let out = tmp.path().join("pixart.png");
+    let pixart = model_dir("tiny-pixart-alpha");
+    fails_with(
+        &[
+            "--model",
+            pixart.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--dtype",
+            "bf16",
+            "-o",
+            out.to_str().unwrap(),
+            "x",
+        ],
+        "use --dtype f32",
+        &out,
+    );
+    let usage = txt2img(&["--model", m, "--dtype", "f64", "x"], &[]);
+    assert_eq!(usage.status.code(), Some(2));
+    assert!(
+        stderr(&usage).contains("possible values: f32, bf16, f16"),
+        "{}",
+        stderr(&usage)
+    );
+}
+
+/// A Hub cache folder with `org/name` at two commits: `main` -> `a...`, tag `v1` -> `b...`.
+fn hand_made_cache(root: &Path) -> (String, String) {
+    let repo = root.join("models--oxidiff--tiny");
+    let (main, v1) = ("a".repeat(40), "b".repeat(40));
+    copy_dir(&model_dir("tiny-sd1"), &repo.join("snapshots").join(&main));
+    copy_dir(&model_dir("tiny-sd2"), &repo.join("snapshots").join(&v1));
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), &main).unwrap();
+    std::fs::write(repo.join("refs/v1"), &v1).unwrap();
+    (main, v1)
+}
+
+#[test]
+fn revision_pins_a_snapshot_and_hf_home_locates_the_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("hf");
+    let cache = home.join("hub");
+    let (_, v1) = hand_made_cache(&cache);
+    let run = |model: &str, extra: &[&str], name: &str| {
+        let out = tmp.path().join(name);
+        let o = out.to_str().unwrap().to_string();
+        let args = [
+            &[
+                "--model", model, "--steps", "1", "--seed", "1", "--quiet", "--json",
+            ][..],
+            extra,
+            &["-o", &o, "x"],
+        ]
+        .concat();
+        let result = txt2img(&args, &[("HF_HOME", &home)]);
+        assert!(result.status.success(), "{}", stderr(&result));
+        image::open(out).unwrap().to_rgb8().into_raw()
+    };
+    // HF_HOME/hub is the cache when HF_HUB_CACHE is unset; main is tiny-sd1, v1 tiny-sd2.
+    let main = run("oxidiff/tiny", &[], "main.png");
+    let tagged = run("oxidiff/tiny", &["--revision", "v1"], "v1.png");
+    let by_hash = run(&format!("oxidiff/tiny@{v1}"), &[], "hash.png");
+    assert_ne!(main, tagged, "--revision v1 must load the other snapshot");
+    assert_eq!(
+        tagged, by_hash,
+        "a tag and its commit hash are the same snapshot"
+    );
+    let params =
+        oxidiff::pipelines::GenerationParameters::from_png(&tmp.path().join("v1.png")).unwrap();
+    assert_eq!(params.model, "oxidiff/tiny@v1");
+
+    // An uncached revision offline names the cache folder; both spellings at once are refused.
+    let out = tmp.path().join("none.png");
+    let o = out.to_str().unwrap();
+    let missing = txt2img(
+        &["--model", "oxidiff/tiny", "--revision", "v2", "-o", o, "x"],
+        &[("HF_HOME", &home)],
+    );
+    assert_eq!(missing.status.code(), Some(1));
+    let msg = stderr(&missing);
+    assert!(
+        msg.contains(&cache.display().to_string()) && msg.contains("HF_HUB_OFFLINE"),
+        "{msg}"
+    );
+    assert_eq!(msg.trim().lines().count(), 1, "one-line error: {msg}");
+    let both = txt2img(
+        &[
+            "--model",
+            "oxidiff/tiny@v1",
+            "--revision",
+            "v1",
+            "-o",
+            o,
+            "x",
+        ],
+        &[("HF_HOME", &home)],
+    );
+    assert!(
+        stderr(&both).contains("give one of them"),
+        "{}",
+        stderr(&both)
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn variant_loads_fp16_files_and_falls_back_per_component() {
+    let tmp = tempfile::tempdir().unwrap();
+    // tiny-sd2 has an fp16 UNet only: the other components load their plain files.
+    let model = model_dir("tiny-sd2");
+    let out = tmp.path().join("fp16.png");
+    succeeds(
+        &[
+            "--model",
+            model.to_str().unwrap(),
+            "--variant",
+            "fp16",
+            "--steps",
+            "1",
+            "--seed",
+            "1",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "x",
+        ],
+        &[],
+    );
+    assert!(out.is_file());
+}
+
+#[test]
+fn quiet_and_non_terminal_stderr_show_no_progress_and_rust_log_adds_events() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    let a = tmp.path().join("a.png");
+    // stderr is a pipe here: no progress line, but the `wrote` line.
+    let msg = succeeds(
+        &["--model", m, "--steps", "2", "-o", a.to_str().unwrap(), "x"],
+        &[],
+    );
+    assert!(msg.contains("wrote ") && msg.contains("(seed "), "{msg}");
+    assert!(!msg.contains("denoising"), "{msg}");
+    let b = tmp.path().join("b.png");
+    let msg = succeeds(
+        &[
+            "--model",
+            m,
+            "--steps",
+            "2",
+            "-q",
+            "-o",
+            b.to_str().unwrap(),
+            "x",
+        ],
+        &[],
+    );
+    assert!(
+        msg.trim().is_empty(),
+        "--quiet prints nothing on success: {msg}"
+    );
+    // RUST_LOG=info: structured load events, one per component.
+    let c = tmp.path().join("c.png");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_txt2img"));
+    cmd.args([
+        "--model",
+        m,
+        "--steps",
+        "1",
+        "-q",
+        "-o",
+        c.to_str().unwrap(),
+        "x",
+    ])
+    .env("RUST_LOG", "info");
+    let result = cmd.output().unwrap();
+    let log = stderr(&result);
+    assert!(result.status.success(), "{log}");
+    for component in ["tokenizer", "text_encoder", "unet", "vae", "scheduler"] {
+        assert!(
+            log.contains(&format!("component=\"{component}\"")),
+            "{component}: {log}"
+        );
+    }
+    assert!(log.contains("loaded"), "{log}");
+}
+
+#[test]
+fn help_names_every_flag_and_usage_errors_exit_2_with_the_fix() {
+    let help = txt2img(&["--help"], &[]);
+    assert_eq!(help.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--from-png",
+        "--model",
+        "--variant",
+        "--negative-prompt",
+        "--steps",
+        "--guidance",
+        "--scheduler",
+        "--seed",
+        "--width",
+        "--height",
+        "--latents",
+        "--output",
+        "--force",
+        "--num-images",
+        "--json",
+        "--device",
+        "--compile",
+        "--max-sequence-length",
+        "--no-resolution-binning",
+        "--quiet",
+        "--batch-size",
+        "--output-type",
+        "--dtype",
+        "--revision",
+        "--version",
+    ] {
+        assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
+    }
+    assert!(
+        text.contains("possible values: png, npy, latents"),
+        "{text}"
+    );
+    let wrong = txt2img(&["--stepz", "3", "x"], &[]);
+    assert_eq!(wrong.status.code(), Some(2));
+    let msg = stderr(&wrong);
+    assert!(
+        msg.contains("unexpected argument '--stepz'") && msg.contains("--steps"),
+        "{msg}"
+    );
+    let bad_value = txt2img(&["--steps", "many", "x"], &[]);
+    assert_eq!(bad_value.status.code(), Some(2));
+}
+
+#[test]
+fn bad_device_and_compile_on_the_cpu_are_one_line_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let m = model.to_str().unwrap();
+    let out = tmp.path().join("o.png");
+    let o = out.to_str().unwrap();
+    for (args, needle) in [
+        (
+            vec!["--model", m, "--device", "warp:9", "-o", o, "x"],
+            "--device warp:9",
+        ),
+        (
+            vec!["--model", m, "--compile", "--steps", "1", "-o", o, "x"],
+            "compiled mode needs a PJRT device",
+        ),
+    ] {
+        let result = txt2img(&args, &[]);
+        let msg = stderr(&result);
+        assert_eq!(result.status.code(), Some(1), "{msg}");
+        assert!(msg.contains(needle), "{needle}: {msg}");
+        assert_eq!(msg.trim().lines().count(), 1, "one line: {msg}");
+        assert!(!out.exists());
+    }
+}

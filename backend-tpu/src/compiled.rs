@@ -857,6 +857,25 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                 }
             }
         });
+        let reason = {
+            let programs = lock(&self.programs);
+            if programs.is_empty() {
+                format!("first call, inputs {}", signature.describe())
+            } else {
+                let cached = programs
+                    .keys()
+                    .map(Signature::describe)
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                format!(
+                    "new input signature {} (cached: {cached})",
+                    signature.describe()
+                )
+            }
+        };
+        if loaded.is_none() {
+            tracing::info!(target: "oxidiff::compile", program = %name, reason = %reason, "compiling");
+        }
         let from_disk = loaded.is_some();
         let options = CompileOptions::on_device(i64::from(pjrt_device.id()));
         let compiled = match loaded {
@@ -882,22 +901,6 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         };
         let compile = started.elapsed();
 
-        let reason = {
-            let programs = lock(&self.programs);
-            if programs.is_empty() {
-                format!("first call, inputs {}", signature.describe())
-            } else {
-                let cached = programs
-                    .keys()
-                    .map(Signature::describe)
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                format!(
-                    "new input signature {} (cached: {cached})",
-                    signature.describe()
-                )
-            }
-        };
         let info = CompileInfo {
             reason,
             ops: recording.ops.len(),

@@ -11,6 +11,7 @@ use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec};
 use crate::config::load_json;
+use crate::dtype::{cast_to, dtype_of};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
@@ -390,8 +391,11 @@ impl<B: Backend> AutoencoderKL<B> {
     }
 
     /// Encodes images in `[-1, 1]`, `[batch, 3, h, w]`, to the latent distribution (unscaled).
+    /// Computed in the weights' dtype; the distribution is in `image`'s dtype.
     pub fn encode(&self, image: Tensor<B, 4>) -> LatentDist<B> {
         let enc = &self.encoder;
+        let caller = dtype_of(&image);
+        let image = cast_to(image, dtype_of(&enc.conv_in.weight.val()));
         let mut x = enc.conv_in.forward(image);
         for block in &enc.down_blocks {
             for resnet in &block.resnets {
@@ -408,6 +412,7 @@ impl<B: Backend> AutoencoderKL<B> {
         if let Some(conv) = &self.quant_conv {
             x = conv.forward(x);
         }
+        let x = cast_to(x, caller);
         let c = x.dims()[1] / 2;
         LatentDist {
             mean: x.clone().narrow(1, 0, c),
@@ -416,8 +421,11 @@ impl<B: Backend> AutoencoderKL<B> {
     }
 
     /// Decodes unscaled latents to images in about `[-1, 1]`.
+    /// Computed in the weights' dtype; the images are in `latents`' dtype.
     pub fn decode(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
         let dec = &self.decoder;
+        let caller = dtype_of(&latents);
+        let latents = cast_to(latents, dtype_of(&dec.conv_in.weight.val()));
         let mut x = match &self.post_quant_conv {
             Some(conv) => conv.forward(latents),
             None => latents,
@@ -432,7 +440,9 @@ impl<B: Backend> AutoencoderKL<B> {
                 x = up.forward(x, None);
             }
         }
-        dec.conv_out
-            .forward(dec.act.forward(dec.conv_norm_out.forward(x)))
+        let x = dec
+            .conv_out
+            .forward(dec.act.forward(dec.conv_norm_out.forward(x)));
+        cast_to(x, caller)
     }
 }

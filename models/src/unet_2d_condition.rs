@@ -14,6 +14,7 @@ use serde::Deserialize;
 
 use crate::attention::{Transformer2DModel, Transformer2DSpec};
 use crate::config::{check_groups, load_json, PerBlock};
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
@@ -648,10 +649,12 @@ impl<B: Backend> UNet2DConditionModel<B> {
         let aug = match (&self.add_time_proj, &self.add_embedding, added) {
             (Some(proj), Some(embedding), Some(cond)) => {
                 let [b, n] = cond.time_ids.dims();
+                let dtype = dtype_of(&self.conv_in.weight.val());
                 let time_embeds = proj
-                    .forward(cond.time_ids.clone().reshape([b * n]))
+                    .forward(cast_to(cond.time_ids.clone(), dtype).reshape([b * n]))
                     .reshape([b as i32, -1]);
-                let input = Tensor::cat(vec![cond.text_embeds.clone(), time_embeds], 1);
+                let text_embeds = cast_to(cond.text_embeds.clone(), dtype);
+                let input = Tensor::cat(vec![text_embeds, time_embeds], 1);
                 Some(embedding.forward(input))
             }
             _ => None,
@@ -666,6 +669,11 @@ impl<B: Backend> UNet2DConditionModel<B> {
         encoder_hidden_states: Tensor<B, 3>,
         aug: Option<Tensor<B, 2>>,
     ) -> Tensor<B, 4> {
+        // Computed in the weights' dtype, returned in the caller's (see `crate::dtype`).
+        let (caller, dtype) = (dtype_of(&sample), dtype_of(&self.conv_in.weight.val()));
+        let sample = cast_to(sample, dtype);
+        let timestep = cast_to(timestep, dtype);
+        let encoder_hidden_states = cast_to(encoder_hidden_states, dtype);
         let batch = sample.dims()[0];
         let timestep = if timestep.dims()[0] == batch {
             timestep
@@ -723,6 +731,6 @@ impl<B: Backend> UNet2DConditionModel<B> {
             }
         }
         let x = self.act.forward(self.conv_norm_out.forward(x));
-        self.conv_out.forward(x)
+        cast_to(self.conv_out.forward(x), caller)
     }
 }

@@ -45,7 +45,10 @@ impl ModelSource {
         } else {
             Err(PipelineError::ModelNotFound {
                 spec: spec.to_string(),
-                hint: "no such folder, and not a Hub id of the form `org/name`".into(),
+                hint: "no such folder, and not a Hub id of the form `org/name`; pass a \
+                       diffusers-format folder (the one with model_index.json) or a Hub id \
+                       such as stabilityai/sd-turbo"
+                    .into(),
             })
         }
     }
@@ -93,8 +96,18 @@ pub fn cached_snapshot(cache: &Path, repo_id: &str, revision: &str) -> Option<Pa
         .then_some(snapshot)
 }
 
-/// Resolves a model spec to a local folder, downloading from the Hub if needed and allowed.
+/// Resolves a model spec to a local folder, downloading from the Hub if needed and allowed
+/// (with hf-hub's per-file byte progress bars on stderr).
 pub fn resolve_model(spec: &str, variant: Option<&str>) -> Result<PathBuf> {
+    resolve_model_with_progress(spec, variant, true)
+}
+
+/// [`resolve_model`], showing download progress only when `progress` is set (for `--quiet`).
+pub fn resolve_model_with_progress(
+    spec: &str,
+    variant: Option<&str>,
+    progress: bool,
+) -> Result<PathBuf> {
     match ModelSource::parse(spec)? {
         ModelSource::Folder(dir) => Ok(dir),
         ModelSource::Hub { repo_id, revision } => {
@@ -112,7 +125,7 @@ pub fn resolve_model(spec: &str, variant: Option<&str>) -> Result<PathBuf> {
                     ),
                 });
             }
-            download(&cache, &repo_id, &revision, variant).map_err(|reason| {
+            download(&cache, &repo_id, &revision, variant, progress).map_err(|reason| {
                 PipelineError::ModelNotFound {
                     spec: spec.to_string(),
                     hint: format!(
@@ -171,16 +184,44 @@ fn wanted(file: &str, variant: Option<&str>) -> bool {
     }
 }
 
+/// The files of a repo listing that a pipeline needs ([`wanted`]): with a `variant`, a
+/// component folder that has no weights of that variant gets its plain weights instead, as
+/// diffusers (and the local loader) fall back.
+pub fn select_files(listing: &[String], variant: Option<&str>) -> Vec<String> {
+    let folder = |f: &str| f.split_once('/').map(|(d, _)| d.to_string());
+    let has_variant: std::collections::HashSet<String> = listing
+        .iter()
+        .filter(|f| variant.is_some() && wanted(f, variant) && is_weights(f))
+        .filter_map(|f| folder(f))
+        .collect();
+    listing
+        .iter()
+        .filter(|f| {
+            wanted(f, variant)
+                || (variant.is_some()
+                    && is_weights(f)
+                    && wanted(f, None)
+                    && folder(f).is_some_and(|d| !has_variant.contains(&d)))
+        })
+        .cloned()
+        .collect()
+}
+
+fn is_weights(file: &str) -> bool {
+    file.ends_with(".safetensors") || file.ends_with(".safetensors.index.json")
+}
+
 fn download(
     cache: &Path,
     repo_id: &str,
     revision: &str,
     variant: Option<&str>,
+    progress: bool,
 ) -> std::result::Result<PathBuf, String> {
     let api = hf_hub::api::sync::ApiBuilder::new()
         .with_cache_dir(cache.to_path_buf())
         .with_token(std::env::var("HF_TOKEN").ok())
-        .with_progress(true)
+        .with_progress(progress)
         .build()
         .map_err(|e| e.to_string())?;
     let repo = api.repo(hf_hub::Repo::with_revision(
@@ -189,13 +230,12 @@ fn download(
         revision.to_string(),
     ));
     let info = repo.info().map_err(|e| e.to_string())?;
+    let listing: Vec<String> = info.siblings.iter().map(|s| s.rfilename.clone()).collect();
     let mut index = None;
-    for sibling in &info.siblings {
-        if wanted(&sibling.rfilename, variant) {
-            let path = repo.get(&sibling.rfilename).map_err(|e| e.to_string())?;
-            if sibling.rfilename == "model_index.json" {
-                index = Some(path);
-            }
+    for file in select_files(&listing, variant) {
+        let path = repo.get(&file).map_err(|e| e.to_string())?;
+        if file == "model_index.json" {
+            index = Some(path);
         }
     }
     index
@@ -245,6 +285,45 @@ mod tests {
             "unet/diffusion_pytorch_model.safetensors",
             Some("fp16")
         ));
+    }
+
+    #[test]
+    fn a_component_without_the_variant_gets_its_plain_weights() {
+        let listing: Vec<String> = [
+            "model_index.json",
+            "unet/config.json",
+            "unet/diffusion_pytorch_model.safetensors",
+            "unet/diffusion_pytorch_model.fp16.safetensors",
+            "unet/diffusion_pytorch_model.bin",
+            "vae/config.json",
+            "vae/diffusion_pytorch_model.safetensors",
+            "text_encoder/model.safetensors.index.json",
+            "text_encoder/model-00001-of-00002.safetensors",
+            "text_encoder/model-00002-of-00002.safetensors",
+            "text_encoder/pytorch_model.bin",
+            "v1-5-pruned.safetensors",
+        ]
+        .map(String::from)
+        .to_vec();
+        let picked = select_files(&listing, Some("fp16"));
+        assert_eq!(
+            picked,
+            [
+                "model_index.json",
+                "unet/config.json",
+                "unet/diffusion_pytorch_model.fp16.safetensors",
+                "vae/config.json",
+                "vae/diffusion_pytorch_model.safetensors",
+                "text_encoder/model.safetensors.index.json",
+                "text_encoder/model-00001-of-00002.safetensors",
+                "text_encoder/model-00002-of-00002.safetensors",
+            ]
+        );
+        let plain = select_files(&listing, None);
+        assert!(plain.contains(&"unet/diffusion_pytorch_model.safetensors".to_string()));
+        assert!(!plain
+            .iter()
+            .any(|f| f.contains("fp16") || f.ends_with(".bin")));
     }
 
     #[test]

@@ -3,6 +3,44 @@
 //! Where this sits: a pipeline encodes the prompt, drives a scheduler from `oxidiff-schedulers`,
 //! calls the denoiser and the VAE from `oxidiff-models`, and post-processes the images. It knows
 //! nothing of the device beyond the Burn backend it is generic over.
+//!
+//! Pipelines: [`StableDiffusionPipeline`] (SD 1.x/2.x), [`StableDiffusionImg2ImgPipeline`],
+//! [`StableDiffusionXLPipeline`], [`PixArtPipeline`]; [`pipeline_class`] reads which one a
+//! folder holds, [`resolve_model`] finds a folder or a Hub id in the local Hub cache.
+//!
+//! # Several images, each with its own seed
+//!
+//! A batch drawn from one generator per image ([`TorchCpuGenerators`], diffusers' list of
+//! generators) gives each image exactly what it gets alone with its seed:
+//!
+//! ```
+//! use oxidiff_backend_tpu::{Oxi, OxiDevice};
+//! use oxidiff_pipelines::{GenerateRequest, LoadOptions, OutputType, StableDiffusionPipeline};
+//! use oxidiff_schedulers::{TorchCpuGenerator, TorchCpuGenerators};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tiny-sd1");
+//! let device = OxiDevice::Cpu;
+//! let mut pipe = StableDiffusionPipeline::<Oxi>::from_dir(model.as_ref(), &LoadOptions::default(), &device)?;
+//! let request = GenerateRequest {
+//!     prompts: vec!["a red apple".into()],
+//!     num_inference_steps: 2,
+//!     num_images_per_prompt: 2,
+//!     output: OutputType::Latents, // skip the VAE: the final latents only
+//!     ..Default::default()
+//! };
+//! let batch = pipe.generate_with(&request, &mut TorchCpuGenerators::new(&[7, 8]), |_| {})?;
+//! let alone = GenerateRequest { num_images_per_prompt: 1, ..request.clone() };
+//! let second = pipe.generate_with(&alone, &mut TorchCpuGenerator::new(8), |_| {})?;
+//! let row = batch.latents.narrow(0, 1, 1).into_data().to_vec::<f32>()?;
+//! let single = second.latents.into_data().to_vec::<f32>()?;
+//! let diff = row.iter().zip(&single).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+//! assert!(diff < 1e-4, "batched and alone differ by {diff}");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! [`TorchCpuGenerators`]: oxidiff_schedulers::TorchCpuGenerators
 
 pub mod aot;
 pub mod error;

@@ -50,6 +50,7 @@ pub fn check_pipeline_class(dir: &Path, supported: &[&str]) -> Result<String> {
 pub fn component(dir: &Path, name: &str) -> Result<PathBuf> {
     let path = dir.join(name);
     if path.is_dir() {
+        tracing::info!(target: "oxidiff::load", component = name, "loading");
         Ok(path)
     } else {
         Err(PipelineError::MissingComponent {
@@ -159,4 +160,30 @@ pub fn guide<B: Backend>(prediction: Tensor<B, 4>, batch: usize, scale: f64) -> 
     let uncond = prediction.clone().narrow(0, 0, batch);
     let text = prediction.narrow(0, batch, batch);
     uncond.clone() + (text - uncond).mul_scalar(scale)
+}
+
+/// The weight dtype a pipeline casts its components to after loading ([`LoadOptions::dtype`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cast(pub Option<burn::tensor::FloatDType>);
+
+impl Cast {
+    /// `module` with its float weights in the dtype (unchanged for `None`).
+    pub fn apply<B: Backend, M: oxidiff_models::ToDType<B>>(self, module: M) -> M {
+        match self.0 {
+            Some(dtype) => module.to_dtype(dtype),
+            None => module,
+        }
+    }
+
+    /// Refuses any dtype but f32, for pipelines whose models build f32 constants inside
+    /// (masks, position embeddings) and so cannot run in another precision yet.
+    pub fn require_f32(self, class: &str) -> Result<()> {
+        match self.0 {
+            None | Some(burn::tensor::FloatDType::F32) => Ok(()),
+            Some(other) => Err(PipelineError::InvalidInput(format!(
+                "{class} runs in f32 only (dtype {other:?} was asked for); \
+                 f16 and bf16 work with Stable Diffusion 1.x/2.x and SDXL"
+            ))),
+        }
+    }
 }

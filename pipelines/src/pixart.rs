@@ -163,6 +163,7 @@ impl<B: Backend> PixArtPipeline<B> {
     /// Loads a diffusers-format `PixArtAlphaPipeline` or `PixArtSigmaPipeline` folder.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let class = check_pipeline_class(dir, &PIXART_CLASSES)?;
+        crate::loading::Cast(options.dtype).require_f32(&class)?;
         let variant = PixArtVariant::from_class(&class).unwrap_or(PixArtVariant::Alpha);
         let weights_variant = options.variant.as_deref();
         let tokenizer = T5Tokenizer::from_dir(&component(dir, "tokenizer")?)?;

@@ -484,6 +484,8 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             addition_time_embed_dim,
             add_embedding_dim,
             force_zeros_for_empty_prompt: src.force_zeros_for_empty_prompt()?,
+            // Single files are refused for the refiner, so these are base time ids.
+            requires_aesthetics_score: false,
             device: device.clone(),
             source: path.to_path_buf(),
             compiled: None,

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, ClipTokenizer, ToDevice, UNet2DConditionConfig,
@@ -37,6 +37,11 @@ pub struct LoadOptions {
     /// Replace the checkpoint's scheduler (keeping its betas config): a diffusers class name or
     /// a short/A1111 name, with A1111's option words (`ddim`, `euler_a`, `DPM++ 2M Karras`).
     pub scheduler: Option<String>,
+    /// Cast the weights to this float dtype after loading (diffusers' `torch_dtype`); `None`
+    /// keeps f32 (weights stored as f16/bf16 are read into f32). Stable Diffusion and SDXL
+    /// compute in it and keep latents and scheduler math in f32; PixArt refuses anything but
+    /// f32.
+    pub dtype: Option<FloatDType>,
 }
 
 /// What the pipeline returns.
@@ -218,11 +223,12 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             Some(oxidiff_models::config::PerBlock::Each(v)) => v.first().copied().unwrap_or(64),
             None => 64,
         };
+        let cast = crate::loading::Cast(options.dtype);
         Ok(Self {
             tokenizer,
-            text_encoder,
-            unet,
-            vae,
+            text_encoder: cast.apply(text_encoder),
+            unet: cast.apply(unet),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),

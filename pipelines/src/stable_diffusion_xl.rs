@@ -255,13 +255,14 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             Some(PerBlock::Each(v)) => v.first().copied().unwrap_or(128),
             None => 128,
         };
+        let cast = crate::loading::Cast(options.dtype);
         Ok(Self {
             tokenizer,
             tokenizer_2,
-            text_encoder,
-            text_encoder_2,
-            unet,
-            vae,
+            text_encoder: cast.apply(text_encoder),
+            text_encoder_2: cast.apply(text_encoder_2),
+            unet: cast.apply(unet),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),

@@ -88,7 +88,7 @@ pub use k_dpm_2_ancestral_discrete::KDpm2AncestralDiscreteScheduler;
 pub use k_dpm_2_discrete::KDpm2DiscreteScheduler;
 pub use lcm::LcmScheduler;
 pub use lms_discrete::LmsDiscreteScheduler;
-pub use noise::{NoNoise, NoiseSource, RecordedNoise, TorchCpuGenerator};
+pub use noise::{NoNoise, NoiseSource, RecordedNoise, TorchCpuGenerator, TorchCpuGenerators};
 pub use pndm::PndmScheduler;
 pub use tcd::TcdScheduler;
 pub use unipc_multistep::UniPcMultistepScheduler;

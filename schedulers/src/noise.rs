@@ -271,3 +271,37 @@ impl<B: Backend> NoiseSource<B> for NoNoise {
         ))
     }
 }
+
+/// One [`TorchCpuGenerator`] per batch row, as diffusers' `generator=[g0, g1, ...]`: row `i`
+/// of every draw comes from generator `i`, so image `i` of a batch gets the noise it gets
+/// alone with that generator's seed (batched and one-by-one runs draw the same values).
+#[derive(Clone, Debug)]
+pub struct TorchCpuGenerators {
+    generators: Vec<TorchCpuGenerator>,
+}
+
+impl TorchCpuGenerators {
+    /// `torch.Generator().manual_seed(s)` for each seed.
+    pub fn new(seeds: &[u64]) -> Self {
+        Self {
+            generators: seeds.iter().map(|&s| TorchCpuGenerator::new(s)).collect(),
+        }
+    }
+}
+
+impl<B: Backend> NoiseSource<B> for TorchCpuGenerators {
+    fn randn(&mut self, shape: [usize; 4], device: &B::Device) -> Result<Tensor<B, 4>> {
+        let [rows, c, h, w] = shape;
+        if rows != self.generators.len() {
+            return Err(SchedulerError::Noise(format!(
+                "{} generators for a batch of {rows}: give one generator per image",
+                self.generators.len()
+            )));
+        }
+        let mut values = Vec::with_capacity(rows * c * h * w);
+        for generator in &mut self.generators {
+            values.extend(generator.randn_vec(c * h * w));
+        }
+        Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+}

@@ -133,6 +133,7 @@ fn run(args: Args) -> Result<()> {
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
+        ..Default::default()
     };
     let dir = resolve_model(&args.model, args.variant.as_deref())
         .with_context(|| format!("loading {}", args.model))?;

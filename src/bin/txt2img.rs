@@ -6,21 +6,30 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use oxidiff::latents::read_latents;
+use std::io::IsTerminal;
+
+use oxidiff::latents::{encode_npy, read_latents};
+use oxidiff::pipelines::host::read_f32;
+use oxidiff::pipelines::hub::resolve_model_with_progress;
+use oxidiff::pipelines::image::write_atomic;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
+use oxidiff::pipelines::OutputType;
 use oxidiff::pipelines::{
-    is_single_file, pipeline_class, resolve_model, single_file_pipeline_class, CancelToken,
-    GenerateRequest, GenerationParameters, LoadOptions, PipelineError, PipelineOutput,
-    PixArtPipeline, PixArtRequest, SingleFileOptions, StableDiffusionPipeline,
-    StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
+    is_single_file, pipeline_class, single_file_pipeline_class, CancelToken, GenerateRequest,
+    GenerationParameters, LoadOptions, PipelineError, PipelineOutput, PixArtPipeline,
+    PixArtRequest, SingleFileOptions, StableDiffusionPipeline, StableDiffusionXLPipeline, StepInfo,
+    XlOptions, PIXART_CLASSES,
 };
 use oxidiff::pipelines::{FluxPipeline, FluxRequest, FLUX_CLASSES};
 use oxidiff::pipelines::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
-use oxidiff::schedulers::TorchCpuGenerator;
+use oxidiff::schedulers::TorchCpuGenerators;
 use oxidiff::{Oxi, OxiDevice};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::Layer;
 
 /// Exit status after Ctrl-C (128 + SIGINT, as shells report it).
 const INTERRUPTED: u8 = 130;
@@ -28,10 +37,35 @@ const INTERRUPTED: u8 = 130;
 /// The model used when none is given: one step, no guidance, 512x512.
 const DEFAULT_MODEL: &str = "stabilityai/sd-turbo";
 
+/// Examples, environment and exit codes, after the flags in `--help`.
+const AFTER_HELP: &str = "\
+Examples:
+  txt2img --model tests/fixtures/tiny-sd1 --steps 4 --seed 7 -o tiny.png \"a red apple\"
+  txt2img --model stabilityai/stable-diffusion-xl-base-1.0 --variant fp16 --dtype bf16 \\
+          --device tpu --compile --num-images 8 --batch-size 4 -o out/ \"a castle at dusk\"
+  txt2img --from-png out/00003.png --steps 30 -o again.png
+
+Environment:
+  HF_HOME, HF_HUB_CACHE   the Hugging Face Hub cache (default ~/.cache/huggingface/hub)
+  HF_HUB_OFFLINE=1        never download; a model not in the cache is an error naming the cache
+  HF_TOKEN                token for gated or private Hub repositories
+  RUST_LOG                log filter (default warn; info shows load, compile and timing events)
+  OXIDIFF_COMPILE_CACHE   folder keeping --compile's executables between runs
+  OXIDIFF_LOG_COMPILES=1  log every XLA compile with its reason and timings
+  OXIDIFF_PJRT_PLUGIN     a PJRT plugin file used for every PJRT --device
+  OXIDIFF_PLUGIN_DIR      a folder of plugins as tools/fetch-plugins.sh lays them out
+  TPU_LIBRARY_PATH        libtpu for --device tpu
+
+Exit codes: 0 success, 1 failure (one-line error), 2 usage error, 130 interrupted (Ctrl-C).";
+
+/// `--output` when none is given (`txt2img.npy` for the .npy output types).
+const DEFAULT_OUTPUT: &str = "txt2img.png";
+
 #[derive(Parser, Debug)]
 #[command(
     version,
-    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, SD3/SD3.5, PixArt-Alpha/Sigma, Flux.1)"
+    about = "Generate an image from a text prompt (Stable Diffusion 1.x/2.x, SDXL, SD3/SD3.5, PixArt-Alpha/Sigma, Flux.1)",
+    after_help = AFTER_HELP
 )]
 struct Args {
     /// The prompt (optional with --from-png).
@@ -58,6 +92,7 @@ struct Args {
     /// Weight variant to load, e.g. `fp16` (`*.fp16.safetensors`).
     #[arg(long)]
     variant: Option<String>,
+    /// What the image should not show (the unconditional prompt of classifier-free guidance).
     #[arg(long)]
     negative_prompt: Option<String>,
     /// Denoising steps (default: 1 for sd-turbo, 20 for PixArt, 28 for SD3 and Flux, else 50).
@@ -68,8 +103,10 @@ struct Args {
     /// else 7.5).
     #[arg(long)]
     guidance: Option<f64>,
-    /// Scheduler by diffusers class or short/A1111 name: pndm (PLMS), ddim, ddpm, euler,
-    /// euler_a ("Euler a"), heun, lms, "DPM++ 2M", "DPM++ 2M Karras", "DPM++ 2M SDE", unipc.
+    /// Scheduler by diffusers class (e.g. EulerDiscreteScheduler) or short/A1111 name: pndm
+    /// (PLMS), ddim, ddpm, euler, euler_a ("Euler a"), heun, lms, "DPM++ 2M",
+    /// "DPM++ 2M Karras", "DPM++ 2M SDE", "DPM++ SDE", DPM2, "DPM2 a", unipc, deis, lcm, tcd,
+    /// flow_match_euler, flow_match_heun (default: the model's own).
     #[arg(long)]
     scheduler: Option<String>,
     /// Seed of the noise generator (PyTorch's CPU generator: same seed, same latents as
@@ -82,19 +119,22 @@ struct Args {
     /// Image height in pixels (a multiple of 8; default: the model's native size).
     #[arg(long)]
     height: Option<usize>,
-    /// Initial latents from a .npy or .safetensors file, shape [1, 4, height/8, width/8].
+    /// Initial latents from a .npy or .safetensors file, shape [1, 4, height/8, width/8]
+    /// (multiplied by the scheduler's init_noise_sigma, as diffusers does); --output-type
+    /// latents writes files of this shape.
     #[arg(long)]
     latents: Option<PathBuf>,
-    /// Output PNG file, or a folder (an existing one, or a path ending in `/`) for numbered
+    /// Output file (.png, or .npy with --output-type npy/latents; default txt2img.png or
+    /// txt2img.npy), or a folder (an existing one, or a path ending in `/`) for numbered
     /// files 00000.png, 00001.png, ... after the highest number already there. With
-    /// --num-images N > 1 a file name gets -0, -1, ... before `.png`.
-    #[arg(short, long, default_value = "txt2img.png")]
+    /// --num-images N > 1 a file name gets -0, -1, ... before the extension.
+    #[arg(short, long, default_value = DEFAULT_OUTPUT)]
     output: PathBuf,
     /// Overwrite output files that exist (numbered files in a folder never overwrite).
     #[arg(long)]
     force: bool,
-    /// How many images to make, one after another; image i uses seed + i (as A1111 numbers
-    /// them), so its PNG's parameters make it again alone.
+    /// How many images to make (in batches of --batch-size); image i uses seed + i (as A1111
+    /// numbers them), so its PNG's parameters make it again alone.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     num_images: u64,
     /// Print a machine-readable summary on stdout: files, seeds, size, device, mode, timings.
@@ -122,21 +162,98 @@ struct Args {
     /// `true_cfg_scale`; each step then runs the transformer twice). Default 1: off.
     #[arg(long, default_value_t = 1.0)]
     true_cfg_scale: f64,
-    /// No progress bar.
+    /// No progress bars and no `wrote ...` lines (errors and warnings still go to stderr).
+    /// Progress is also off when stderr is not a terminal.
     #[arg(long, short)]
     quiet: bool,
+    /// Images per denoising call: --num-images is made in batches of this size. Each image
+    /// keeps its own seed (a generator per image, as diffusers' list of generators), so the
+    /// images equal those made one by one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    batch_size: u64,
+    /// What each output file holds: `png` (with the generation parameters), `npy` (the
+    /// decoded image as float32 [height, width, 3] in [0, 1], one image of diffusers'
+    /// `output_type="np"`), or `latents` (the final latents [1, 4, h/8, w/8] as float32 .npy,
+    /// diffusers' `output_type="latent"`; the VAE is not run; readable by --latents).
+    #[arg(long, value_enum, default_value_t = OutputKind::Png)]
+    output_type: OutputKind,
+    /// Precision of the weights: f32, or bf16 / f16 (weights cast after loading; the models
+    /// compute in it, latents and scheduler math stay f32). bf16 and f16 work for Stable
+    /// Diffusion 1.x/2.x and SDXL on every device; PixArt runs in f32 only.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    dtype: Precision,
+    /// Hub revision (branch, tag or commit) of a Hub --model; the same as `org/name@REV`.
+    #[arg(long, value_name = "REV")]
+    revision: Option<String>,
 }
+
+/// `--output-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum OutputKind {
+    Png,
+    Npy,
+    Latents,
+}
+
+impl OutputKind {
+    fn extension(self) -> &'static str {
+        match self {
+            Self::Png => "png",
+            Self::Npy | Self::Latents => "npy",
+        }
+    }
+}
+
+/// `--dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Precision {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Precision {
+    fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        }
+    }
+
+    fn float_dtype(self) -> FloatDType {
+        match self {
+            Self::F32 => FloatDType::F32,
+            Self::Bf16 => FloatDType::BF16,
+            Self::F16 => FloatDType::F16,
+        }
+    }
+}
+
+/// The pipelines whose models compute in --dtype bf16/f16.
+const REDUCED_PRECISION_CLASSES: [&str; 2] = ["StableDiffusionPipeline", SDXL_CLASS];
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+    let progress = Progress::new(args.quiet);
+    // Logs: `RUST_LOG` (default `warn`; `RUST_LOG=info` adds load, compile and timing events).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let progress_events = tracing_subscriber::filter::filter_fn(|meta| {
+        matches!(meta.target(), "oxidiff::load" | "oxidiff::compile")
+    });
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::stderr().is_terminal())
+                .with_filter(filter),
         )
-        .with_writer(std::io::stderr)
+        .with(ProgressLayer(progress.bar.clone()).with_filter(progress_events))
         .init();
-    match run(args) {
+    let result = run(args, &progress);
+    progress.finish();
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -177,11 +294,17 @@ fn apply_from_png(args: &mut Args) -> Result<()> {
     Ok(())
 }
 
-fn run(mut args: Args) -> Result<()> {
+fn run(mut args: Args, progress: &Progress) -> Result<()> {
     apply_from_png(&mut args)?;
     let prompt = args.prompt.clone().unwrap_or_default();
     let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
-    let outputs = output_paths(&args.output, args.num_images as usize, args.force)?;
+    let kind = args.output_type;
+    let output = if kind != OutputKind::Png && args.output == Path::new(DEFAULT_OUTPUT) {
+        PathBuf::from("txt2img.npy")
+    } else {
+        args.output.clone()
+    };
+    let outputs = output_paths(&output, args.num_images as usize, args.force, kind)?;
     if args.latents.is_some() && outputs.len() > 1 {
         bail!("--latents gives the initial latents of one image; use it with --num-images 1");
     }
@@ -191,9 +314,11 @@ fn run(mut args: Args) -> Result<()> {
         .parse()
         .with_context(|| format!("--device {}", args.device))?;
     let started = Instant::now();
+    let dtype = args.dtype.float_dtype();
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
+        dtype: (args.dtype != Precision::F32).then_some(dtype),
     };
     let single_file = is_single_file(Path::new(&args.model)).then(|| SingleFileOptions {
         load: options.clone(),
@@ -210,18 +335,46 @@ fn run(mut args: Args) -> Result<()> {
             args.model
         );
     }
-    let (dir, class) = match &single_file {
+    if single_file.is_some() && args.revision.is_some() {
+        bail!(
+            "--revision applies to Hub ids; {} is a local file",
+            args.model
+        );
+    }
+    if single_file.is_some() && options.dtype.is_some() {
+        bail!(
+            "--dtype {} is not supported for single-file checkpoints yet; use --dtype f32 or a \
+             diffusers folder",
+            args.dtype.name()
+        );
+    }
+    let (dir, class, model) = match &single_file {
         Some(_) => {
             let path = PathBuf::from(&args.model);
             let class = single_file_pipeline_class(&path)
                 .with_context(|| format!("loading {}", args.model))?;
-            (path, class.to_string())
+            (path, class.to_string(), args.model.clone())
         }
         None => {
-            let dir = resolve_model(&args.model, args.variant.as_deref())
-                .with_context(|| format!("loading {}", args.model))?;
-            let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
-            (dir, class)
+            let model = match &args.revision {
+                Some(rev) if args.model.contains('@') => bail!(
+                    "--revision {rev} and a revision in --model {}: give one of them",
+                    args.model
+                ),
+                Some(rev) if Path::new(&args.model).exists() => bail!(
+                    "--revision {rev} applies to Hub ids; {} is a local folder",
+                    args.model
+                ),
+                Some(rev) => format!("{}@{rev}", args.model),
+                None => args.model.clone(),
+            };
+            progress.phase(format!("resolving {model}"));
+            // hf-hub draws its own download bars (bytes per file), under the same rule as ours.
+            let show_downloads = !args.quiet && std::io::stderr().is_terminal();
+            let dir = resolve_model_with_progress(&model, args.variant.as_deref(), show_downloads)
+                .with_context(|| format!("loading {model}"))?;
+            let class = pipeline_class(&dir).with_context(|| format!("loading {model}"))?;
+            (dir, class, model)
         }
     };
     let pixart = PIXART_CLASSES.contains(&class.as_str());
@@ -245,6 +398,14 @@ fn run(mut args: Args) -> Result<()> {
         && (args.max_sequence_length.is_some() || args.no_resolution_binning)
     {
         bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models (the length also to SD3 and Flux); {} is a {class}", args.model);
+    }
+    if args.dtype != Precision::F32 && !REDUCED_PRECISION_CLASSES.contains(&class.as_str()) {
+        bail!(
+            "--dtype {} is not supported for {class}, which computes in f32 only; use --dtype f32 \
+             (bf16 and f16 work with {})",
+            args.dtype.name(),
+            REDUCED_PRECISION_CLASSES.join(" and ")
+        );
     }
     let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
     let steps = args.steps.unwrap_or(if turbo {
@@ -299,24 +460,16 @@ fn run(mut args: Args) -> Result<()> {
         height: args.height,
         seed,
         latents,
+        output: if kind == OutputKind::Latents {
+            OutputType::Latents
+        } else {
+            OutputType::Images
+        },
         cancel: Some(interrupt_token()?),
         ..Default::default()
     };
 
-    let bar = if args.quiet {
-        ProgressBar::hidden()
-    } else {
-        let bar = ProgressBar::new(steps as u64);
-        bar.set_style(
-            ProgressStyle::with_template("denoising {bar:30} {pos}/{len} [{elapsed}] {per_sec}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        bar
-    };
-    let progress = |info: StepInfo<'_, Oxi>| {
-        bar.set_length(info.num_steps as u64);
-        bar.set_position(info.step as u64 + 1);
-    };
+    progress.phase(format!("loading {class}"));
     let mut pipe = match &single_file {
         Some(sf) => Pipeline::load_single_file(&dir, &class, sf, &device),
         None => Pipeline::load(&dir, &class, &options, &device),
@@ -326,6 +479,7 @@ fn run(mut args: Args) -> Result<()> {
         pipe.compile()?;
     }
     let loaded = started.elapsed();
+    tracing::info!(seconds = loaded.as_secs_f64(), %class, "loaded");
     let pixart_options = (
         args.max_sequence_length,
         !args.no_resolution_binning,
@@ -335,50 +489,88 @@ fn run(mut args: Args) -> Result<()> {
         .scheduler
         .clone()
         .unwrap_or_else(|| pipe.scheduler_class().to_string());
+    let batch_size = args.batch_size as usize;
+    let batches = outputs.len().div_ceil(batch_size);
     let mut made = Vec::with_capacity(outputs.len());
-    for (i, path) in outputs.iter().enumerate() {
-        let image_seed = seed + i as u64;
+    let mut batch_seconds = Vec::with_capacity(batches);
+    for (b, paths) in outputs.chunks(batch_size).enumerate() {
+        let first = (b * batch_size) as u64;
+        let seeds: Vec<u64> = (0..paths.len() as u64).map(|i| seed + first + i).collect();
         let request = GenerateRequest {
-            seed: image_seed,
+            seed: seeds[0],
+            num_images_per_prompt: paths.len(),
             ..request.clone()
         };
-        let mut generator = TorchCpuGenerator::new(image_seed);
+        let mut generator = TorchCpuGenerators::new(&seeds);
         let generated = Instant::now();
-        let output = pipe.generate_with(request, pixart_options, &mut generator, &progress)?;
-        let images = output.images.context("the pipeline returned no images")?;
-        let parameters = GenerationParameters {
-            prompt: prompt.clone(),
-            negative_prompt: negative_prompt.clone(),
-            steps,
-            sampler: sampler.clone(),
-            guidance_scale: guidance,
-            seed: image_seed,
-            width: images.width,
-            height: images.height,
-            model: args.model.clone(),
-            extra: vec![(
-                "Version".into(),
-                format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-            )],
+        let label = if batches > 1 {
+            format!("batch {}/{batches}: denoising", b + 1)
+        } else {
+            "denoising".to_string()
         };
-        images.save_png_with_parameters(0, path, Some(&parameters))?;
-        made.push((
-            path,
-            image_seed,
-            images.width,
-            images.height,
-            generated.elapsed(),
-        ));
+        progress.steps(&label, steps);
+        let on_step = |info: StepInfo<'_, Oxi>| progress.step(&info, kind != OutputKind::Latents);
+        let output = pipe.generate_with(request, pixart_options, &mut generator, on_step)?;
+        let took = generated.elapsed();
+        progress.phase("writing".into());
+        for (j, (path, &image_seed)) in paths.iter().zip(&seeds).enumerate() {
+            let (width, height) = match kind {
+                OutputKind::Latents => {
+                    let [_, c, h, w] = output.latents.dims();
+                    let row = output.latents.clone().narrow(0, j, 1);
+                    let values = read_f32(row)?;
+                    write_atomic(path, &encode_npy(&values, &[1, c, h, w]))?;
+                    let f = pipe.vae_scale_factor();
+                    (w * f, h * f)
+                }
+                OutputKind::Npy | OutputKind::Png => {
+                    let images = output
+                        .images
+                        .as_ref()
+                        .context("the pipeline returned no images")?;
+                    if kind == OutputKind::Npy {
+                        let size = images.height * images.width * 3;
+                        let values = &images.data[j * size..(j + 1) * size];
+                        write_atomic(path, &encode_npy(values, &[images.height, images.width, 3]))?;
+                    } else {
+                        let parameters = GenerationParameters {
+                            prompt: prompt.clone(),
+                            negative_prompt: negative_prompt.clone(),
+                            steps,
+                            sampler: sampler.clone(),
+                            guidance_scale: guidance,
+                            seed: image_seed,
+                            width: images.width,
+                            height: images.height,
+                            model: model.clone(),
+                            extra: vec![(
+                                "Version".into(),
+                                format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
+                            )],
+                        };
+                        images.save_png_with_parameters(j, path, Some(&parameters))?;
+                    }
+                    (images.width, images.height)
+                }
+            };
+            // A batch's time is shared equally by its images.
+            let per_image = took / paths.len() as u32;
+            made.push((path, image_seed, width, height, per_image));
+        }
+        batch_seconds.push(took.as_secs_f64());
     }
-    bar.finish_and_clear();
+    progress.finish();
     let mode = pipe.mode();
-    for (path, image_seed, width, height, took) in &made {
-        eprintln!(
-            "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device} {mode}; load {:.2}s, generate {:.2}s)",
-            display(path),
-            loaded.as_secs_f64(),
-            took.as_secs_f64()
-        );
+    if !args.quiet {
+        for (path, image_seed, width, height, took) in &made {
+            eprintln!(
+                "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device} {mode}, {}; load {:.2}s, generate {:.2}s)",
+                display(path),
+                args.dtype.name(),
+                loaded.as_secs_f64(),
+                took.as_secs_f64()
+            );
+        }
     }
     if args.json {
         let summary = serde_json::json!({
@@ -389,16 +581,121 @@ fn run(mut args: Args) -> Result<()> {
             "steps": steps,
             "guidance": guidance,
             "sampler": sampler,
-            "model": args.model,
+            "model": model,
             "pipeline": class,
             "device": device.to_string(),
             "mode": mode,
+            "dtype": args.dtype.name(),
+            "output_type": format!("{kind:?}").to_lowercase(),
+            "batch_size": batch_size,
             "load_seconds": loaded.as_secs_f64(),
             "generate_seconds": made.iter().map(|m| m.4.as_secs_f64()).collect::<Vec<_>>(),
+            "batch_seconds": batch_seconds,
         });
         println!("{summary}");
     }
     Ok(())
+}
+
+/// The progress display on stderr: one line for loading (per component), compiling (with the
+/// reason), the denoising steps (with it/s) and decoding. Hidden with --quiet or when stderr is
+/// not a terminal. Loading and compile phases arrive as `tracing` events (targets
+/// `oxidiff::load` and `oxidiff::compile`), through [`ProgressLayer`].
+struct Progress {
+    bar: ProgressBar,
+}
+
+impl Progress {
+    fn new(quiet: bool) -> Self {
+        if quiet || !std::io::stderr().is_terminal() {
+            return Self {
+                bar: ProgressBar::hidden(),
+            };
+        }
+        let bar = ProgressBar::new_spinner();
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {msg} [{elapsed}]")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        Self { bar }
+    }
+
+    /// A phase without a count (loading, compiling, decoding, writing).
+    fn phase(&self, message: String) {
+        self.bar.set_message(message);
+    }
+
+    /// Starts counting `steps` denoising steps.
+    fn steps(&self, label: &str, steps: usize) {
+        self.bar.set_message(label.to_string());
+        self.bar.set_style(
+            ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} [{elapsed}] {per_sec}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        self.bar.reset();
+        self.bar.set_length(steps as u64);
+        self.bar.set_position(0);
+    }
+
+    /// After each step; the VAE decode follows the last one when images are made.
+    fn step(&self, info: &StepInfo<'_, Oxi>, decodes: bool) {
+        self.bar.set_length(info.num_steps as u64);
+        self.bar.set_position(info.step as u64 + 1);
+        if decodes && info.step + 1 == info.num_steps {
+            self.bar.set_message("decoding");
+        }
+    }
+
+    fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// Shows the pipelines' load events (`oxidiff::load`, one per component) and the compiler's
+/// (`oxidiff::compile`, with the reason) on the progress line.
+struct ProgressLayer(ProgressBar);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for ProgressLayer {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let get = |name: &str| {
+            fields
+                .0
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        match event.metadata().target() {
+            "oxidiff::load" => self.0.set_message(format!("loading {}", get("component"))),
+            "oxidiff::compile" => {
+                self.0
+                    .set_message(format!("compiling {} ({})", get("program"), get("reason")))
+            }
+            _ => {}
+        }
+    }
+}
+
+/// An event's fields as text.
+#[derive(Default)]
+struct Fields(Vec<(String, String)>);
+
+impl tracing::field::Visit for Fields {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.push((field.name().to_string(), value.to_string()));
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0
+            .push((field.name().to_string(), format!("{value:?}")));
+    }
 }
 
 /// The pipeline `model_index.json`'s `_class_name` names.
@@ -482,6 +779,17 @@ impl Pipeline {
         }
     }
 
+    /// Pixels per latent cell.
+    fn vae_scale_factor(&self) -> usize {
+        match self {
+            Self::Sd(pipe) => pipe.vae_scale_factor,
+            Self::Xl(pipe) => pipe.vae_scale_factor,
+            Self::PixArt(pipe) => pipe.vae_scale_factor,
+            Self::Flux(pipe) => pipe.vae_scale_factor,
+            Self::Sd3(pipe) => pipe.vae_scale_factor,
+        }
+    }
+
     fn scheduler_class(&self) -> &'static str {
         match self {
             Self::Sd(pipe) => pipe.scheduler.kind().class_name(),
@@ -498,7 +806,7 @@ impl Pipeline {
         &mut self,
         request: GenerateRequest<Oxi>,
         (max_sequence_length, resolution_binning, true_cfg_scale): (Option<usize>, bool, f64),
-        generator: &mut TorchCpuGenerator,
+        generator: &mut TorchCpuGenerators,
         callback: impl FnMut(StepInfo<'_, Oxi>),
     ) -> Result<PipelineOutput<Oxi>, PipelineError> {
         match self {
@@ -554,7 +862,13 @@ fn interrupt_token() -> Result<CancelToken> {
 /// Where the images go: `output` itself, `stem-i.png` beside it for several images, or numbered
 /// files in a folder after the highest number already there. Existing files are refused unless
 /// `force`, before anything is generated.
-fn output_paths(output: &Path, count: usize, force: bool) -> Result<Vec<PathBuf>> {
+fn output_paths(
+    output: &Path,
+    count: usize,
+    force: bool,
+    kind: OutputKind,
+) -> Result<Vec<PathBuf>> {
+    let ext = kind.extension();
     let is_dir = output.is_dir() || output.as_os_str().to_string_lossy().ends_with('/');
     let paths: Vec<PathBuf> = if is_dir {
         std::fs::create_dir_all(output)
@@ -563,17 +877,21 @@ fn output_paths(output: &Path, count: usize, force: bool) -> Result<Vec<PathBuf>
             .with_context(|| format!("reading the output folder {}", output.display()))?
             .filter_map(|entry| {
                 let name = entry.ok()?.file_name().into_string().ok()?;
-                name.strip_suffix(".png")?.parse::<u64>().ok()
+                let stem = name
+                    .strip_suffix(".png")
+                    .or_else(|| name.strip_suffix(".npy"))?;
+                stem.parse::<u64>().ok()
             })
             .max()
             .map_or(0, |n| n + 1);
         (0..count as u64)
-            .map(|i| output.join(format!("{:05}.png", next + i)))
+            .map(|i| output.join(format!("{:05}.{ext}", next + i)))
             .collect()
     } else {
-        if output.extension().and_then(|e| e.to_str()) != Some("png") {
+        if output.extension().and_then(|e| e.to_str()) != Some(ext) {
+            let kind = format!("{kind:?}").to_lowercase();
             bail!(
-                "--output must name a .png file or a folder, got {}",
+                "--output must name a .{ext} file or a folder for --output-type {kind}, got {}",
                 output.display()
             );
         }
@@ -585,7 +903,7 @@ fn output_paths(output: &Path, count: usize, force: bool) -> Result<Vec<PathBuf>
                 .map(|s| s.to_string_lossy().into_owned())
                 .unwrap_or_default();
             (0..count)
-                .map(|i| output.with_file_name(format!("{stem}-{i}.png")))
+                .map(|i| output.with_file_name(format!("{stem}-{i}.{ext}")))
                 .collect()
         }
     };

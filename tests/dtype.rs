@@ -1,0 +1,106 @@
+//! `LoadOptions::dtype`: weights cast after loading, the UNet and VAE computing in their
+//! weights' dtype while the pipeline's latents stay f32, on the CPU backend (burn-flex) and on
+//! XLA's CPU plugin.
+
+mod common;
+
+use burn::tensor::FloatDType;
+use common::{model_dir, relative_error};
+use oxidiff::pipelines::{GenerateRequest, LoadOptions, PixArtPipeline, StableDiffusionPipeline};
+use oxidiff::{Oxi, OxiDevice};
+
+fn request() -> GenerateRequest<Oxi> {
+    GenerateRequest {
+        prompts: vec!["a red apple".into()],
+        num_inference_steps: 2,
+        seed: 3,
+        ..Default::default()
+    }
+}
+
+fn generate(dtype: Option<FloatDType>, device: &OxiDevice) -> (Vec<f32>, Vec<f32>) {
+    let options = LoadOptions {
+        dtype,
+        ..Default::default()
+    };
+    let mut pipe =
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, device).unwrap();
+    let want = dtype.unwrap_or(FloatDType::F32);
+    for weight in [
+        pipe.unet.conv_in.weight.val().dtype(),
+        pipe.vae.decoder.conv_in.weight.val().dtype(),
+        pipe.text_encoder.token_embedding.weight.val().dtype(),
+    ] {
+        assert_eq!(FloatDType::from(weight), want, "weights not cast");
+    }
+    let out = pipe.generate(&request()).unwrap();
+    assert_eq!(
+        FloatDType::from(out.latents.dtype()),
+        FloatDType::F32,
+        "latents stay f32"
+    );
+    let latents = out.latents.into_data().convert::<f32>().to_vec().unwrap();
+    (latents, out.images.unwrap().data)
+}
+
+#[test]
+fn bf16_and_f16_pipelines_stay_close_to_f32_on_the_cpu() {
+    let cpu = OxiDevice::Cpu;
+    let (latents, image) = generate(None, &cpu);
+    // Relative to the largest value: bf16 keeps 8 mantissa bits (2^-8 = 0.4% a rounding, which
+    // compounds through the UNet), f16 11. Observed: bf16 2.7e-2 / f16 4e-3 on a UNet call.
+    for (dtype, tolerance) in [(FloatDType::BF16, 8e-2), (FloatDType::F16, 1.5e-2)] {
+        let (l, i) = generate(Some(dtype), &cpu);
+        let (el, ei) = (relative_error(&l, &latents), relative_error(&i, &image));
+        eprintln!("{dtype:?}: latents {el:e}, image {ei:e}");
+        assert!(
+            el <= tolerance && ei <= tolerance,
+            "{dtype:?}: {el:e} {ei:e}"
+        );
+        assert!(
+            el > 0.0,
+            "{dtype:?} equals f32 exactly: not computed in {dtype:?}"
+        );
+    }
+}
+
+#[test]
+fn pixart_refuses_reduced_precision_naming_what_works() {
+    let options = LoadOptions {
+        dtype: Some(FloatDType::BF16),
+        ..Default::default()
+    };
+    let err =
+        PixArtPipeline::<Oxi>::from_dir(&model_dir("tiny-pixart-alpha"), &options, &OxiDevice::Cpu)
+            .err()
+            .expect("refused")
+            .to_string();
+    assert!(err.contains("f32 only") && err.contains("SDXL"), "{err}");
+}
+
+#[test]
+fn bf16_compiled_step_on_xla_cpu_matches_eager_cpu_bf16() {
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let device: OxiDevice = "xla:cpu:0"
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));
+    let options = LoadOptions {
+        dtype: Some(FloatDType::BF16),
+        ..Default::default()
+    };
+    let mut pipe =
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &device)
+            .unwrap();
+    pipe.compile().unwrap();
+    let mut req = request();
+    req.output = oxidiff::pipelines::OutputType::Latents;
+    let out = pipe.generate(&req).unwrap();
+    let compiled: Vec<f32> = out.latents.into_data().convert::<f32>().to_vec().unwrap();
+    let (reference, _) = generate(Some(FloatDType::BF16), &OxiDevice::Cpu);
+    // Both in bf16, but XLA fuses and orders the f32 accumulations differently.
+    let err = relative_error(&compiled, &reference);
+    eprintln!("bf16 compiled xla:cpu vs bf16 cpu: {err:e}");
+    assert!(err <= 5e-2, "{err:e}");
+}
