@@ -54,6 +54,8 @@ pub enum ModelError {
     Tokenizer { path: PathBuf, reason: String },
     #[error("invalid input: {0}")]
     Input(String),
+    #[error("LoRA {path}: {reason}")]
+    Lora { path: PathBuf, reason: String },
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

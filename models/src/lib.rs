@@ -14,6 +14,7 @@ pub mod config;
 pub mod device;
 pub mod embeddings;
 pub mod error;
+pub mod lora;
 pub mod nn;
 pub mod normalization;
 pub mod pixart_transformer_2d;

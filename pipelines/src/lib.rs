@@ -34,3 +34,5 @@ pub mod stable_diffusion_xl;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlDenoiser, XlOptions, XlPromptEmbeds};
 pub mod stable_diffusion_img2img;
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
+pub mod lora;
+pub use lora::{LoraReport, LoraSpec};

@@ -1,0 +1,405 @@
+//! LoRA files fused into tiny-sd1 against diffusers' `load_lora_weights` + `fuse_lora`
+//! (tools/golden/make_lora.py), in diffusers/PEFT and kohya format, and the errors a wrong file
+//! gets.
+//!
+//! Tolerances as in tests/models.rs: f32 on both sides, 1e-4 relative; 8-bit PNGs within 2
+//! levels of diffusers' PNG.
+
+mod common;
+
+use std::path::PathBuf;
+
+use burn::tensor::{Tensor, TensorData};
+use common::{assert_close, fixtures, model_dir, relative_error, to_vec, Golden, B};
+use oxidiff::models::lora::{lora_modules, LoraComponent, LoraFile, LoraFormat, LoraLayerKind};
+use oxidiff::models::{ClipTextModel, UNet2DConditionModel, Weights};
+use oxidiff::pipelines::{
+    GenerateRequest, LoadOptions, OutputType, StableDiffusionPipeline, StableDiffusionXLPipeline,
+};
+
+const TOL: f32 = 1e-4;
+const GOLDEN: &str = "tiny-sd1-lora";
+
+fn lora(name: &str) -> PathBuf {
+    fixtures().join("lora").join(name)
+}
+
+fn sd1() -> StableDiffusionPipeline<B> {
+    StableDiffusionPipeline::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap()
+}
+
+fn scale(golden: &Golden, key: &str) -> f32 {
+    golden.json[key].as_f64().unwrap() as f32
+}
+
+fn unet_out(golden: &Golden, unet: &UNet2DConditionModel<B>) -> Tensor<B, 4> {
+    let t = golden.json["unet_timestep"].as_f64().unwrap() as f32;
+    let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t], [1]), &Default::default());
+    unet.forward(
+        golden.tensor("unet.sample"),
+        timestep,
+        golden.tensor("unet.encoder_hidden_states"),
+    )
+}
+
+fn clip_out(golden: &Golden, encoder: &ClipTextModel<B>) -> Tensor<B, 3> {
+    encoder
+        .forward(&golden.token_rows("clip.input_ids"), false)
+        .unwrap()
+        .last_hidden_state
+}
+
+/// UNet output, text embeddings, the final latents of a 2-step run and its PNG, against the
+/// diffusers outputs stored under `tag`.
+fn check_pipeline(golden: &Golden, pipe: &mut StableDiffusionPipeline<B>, tag: &str) {
+    assert_close(
+        golden,
+        &format!("{tag}.unet.out"),
+        unet_out(golden, &pipe.unet),
+        TOL,
+    );
+    assert_close(
+        golden,
+        &format!("{tag}.clip.last_hidden_state"),
+        clip_out(golden, &pipe.text_encoder),
+        TOL,
+    );
+    let settings = &golden.json["pipeline"];
+    let request = GenerateRequest {
+        prompts: vec![settings["prompt"].as_str().unwrap().into()],
+        negative_prompts: vec![settings["negative_prompt"].as_str().unwrap().into()],
+        num_inference_steps: settings["num_inference_steps"].as_u64().unwrap() as usize,
+        guidance_scale: settings["guidance_scale"].as_f64().unwrap(),
+        width: Some(settings["width"].as_u64().unwrap() as usize),
+        height: Some(settings["height"].as_u64().unwrap() as usize),
+        latents: Some(golden.tensor("pipe.latents")),
+        output: OutputType::Images,
+        ..Default::default()
+    };
+    let out = pipe.generate(&request).unwrap();
+    assert_close(golden, &format!("{tag}.pipe.latents_out"), out.latents, TOL);
+    common::assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        &format!("{GOLDEN}-{tag}.png"),
+        2,
+    );
+}
+
+#[test]
+fn base_pipeline_matches_the_lora_golden_run() {
+    // The reference every LoRA case differs from: same settings, no LoRA.
+    let golden = Golden::load(GOLDEN);
+    check_pipeline(&golden, &mut sd1(), "base");
+}
+
+#[test]
+fn peft_lora_matches_diffusers_fuse_lora() {
+    let golden = Golden::load(GOLDEN);
+    let mut pipe = sd1();
+    let report = pipe
+        .load_lora(lora("tiny-sd1-peft.safetensors"), scale(&golden, "scale_a"))
+        .unwrap();
+    assert_eq!(report.format, LoraFormat::Diffusers);
+    assert_eq!(
+        report.layers,
+        vec![
+            (
+                "unet",
+                golden.json["unet_modules_a"].as_u64().unwrap() as usize
+            ),
+            (
+                "text_encoder",
+                golden.json["text_encoder_modules_a"].as_u64().unwrap() as usize
+            ),
+        ]
+    );
+    check_pipeline(&golden, &mut pipe, "peft");
+}
+
+#[test]
+fn kohya_lora_matches_diffusers_fuse_lora() {
+    let golden = Golden::load(GOLDEN);
+    let mut pipe = sd1();
+    let report = pipe
+        .load_lora(
+            lora("tiny-sd1-kohya.safetensors"),
+            scale(&golden, "scale_a"),
+        )
+        .unwrap();
+    assert_eq!(report.format, LoraFormat::Kohya);
+    assert_eq!(report.name, "tiny-sd1-kohya");
+    assert_eq!(report.short_hash.len(), 12);
+    check_pipeline(&golden, &mut pipe, "kohya");
+}
+
+#[test]
+fn two_loras_add_up_like_diffusers_set_adapters() {
+    let golden = Golden::load(GOLDEN);
+    let mut pipe = sd1();
+    pipe.load_lora(lora("tiny-sd1-peft.safetensors"), scale(&golden, "scale_a"))
+        .unwrap();
+    let b = pipe
+        .load_lora(
+            lora("tiny-sd1-kohya-b.safetensors"),
+            scale(&golden, "scale_b"),
+        )
+        .unwrap();
+    assert_eq!(b.layers.len(), 1, "LoRA B has UNet layers only");
+    assert_close(&golden, "two.unet.out", unet_out(&golden, &pipe.unet), TOL);
+    assert_close(
+        &golden,
+        "two.clip.last_hidden_state",
+        clip_out(&golden, &pipe.text_encoder),
+        TOL,
+    );
+}
+
+#[test]
+fn scale_zero_leaves_the_model_as_it_was() {
+    let golden = Golden::load(GOLDEN);
+    let mut pipe = sd1();
+    let before = to_vec(unet_out(&golden, &pipe.unet));
+    let report = pipe
+        .load_lora(lora("tiny-sd1-kohya.safetensors"), 0.0)
+        .unwrap();
+    assert!(report.layers.iter().all(|(_, n)| *n > 0));
+    let after = to_vec(unet_out(&golden, &pipe.unet));
+    assert_eq!(before, after, "scale 0 must add exactly zero");
+    // and a real scale changes it by far more than the tolerance
+    pipe.load_lora(lora("tiny-sd1-kohya.safetensors"), 1.0)
+        .unwrap();
+    let changed = to_vec(unet_out(&golden, &pipe.unet));
+    assert!(relative_error(&changed, &before) > 0.05);
+}
+
+#[test]
+fn fusing_the_negated_scale_unloads_a_lora() {
+    let golden = Golden::load(GOLDEN);
+    let mut pipe = sd1();
+    pipe.load_lora(lora("tiny-sd1-peft.safetensors"), 0.75)
+        .unwrap();
+    pipe.load_lora(lora("tiny-sd1-peft.safetensors"), -0.75)
+        .unwrap();
+    assert_close(&golden, "base.unet.out", unet_out(&golden, &pipe.unet), TOL);
+}
+
+/// Every Linear/Conv2d a LoRA can reach has the checkpoint name and shape its weight was
+/// loaded from: the names LoRA keys are matched against are the checkpoint's own.
+fn layer_names_match(model_dir: PathBuf, modules: Vec<oxidiff::models::lora::LoraModule>) {
+    let weights =
+        Weights::from_component_dir(&model_dir, &["diffusion_pytorch_model", "model"], None)
+            .unwrap();
+    assert!(!modules.is_empty());
+    for module in modules {
+        let key = [
+            format!("{}.weight", module.name),
+            format!("text_model.{}.weight", module.name),
+        ]
+        .into_iter()
+        .find(|k| weights.contains(k))
+        .unwrap_or_else(|| panic!("{} ({}) is not a checkpoint key", module.name, module.path));
+        let expected = match module.kind {
+            LoraLayerKind::Linear { d_in, d_out } => vec![d_out, d_in],
+            LoraLayerKind::Conv {
+                c_in,
+                c_out,
+                kernel,
+            } => vec![c_out, c_in, kernel, kernel],
+        };
+        assert_eq!(weights.shape(&key).unwrap(), expected.as_slice(), "{key}");
+    }
+}
+
+#[test]
+fn lora_layer_names_are_the_checkpoint_keys() {
+    let device = Default::default();
+    for (name, encoders) in [
+        ("tiny-sd1", &["text_encoder"][..]),
+        ("tiny-sdxl", &["text_encoder", "text_encoder_2"][..]),
+    ] {
+        let dir = model_dir(name);
+        let unet = UNet2DConditionModel::<B>::from_dir(&dir.join("unet"), None, &device).unwrap();
+        layer_names_match(dir.join("unet"), lora_modules(&unet));
+        for encoder in encoders {
+            let projection = *encoder == "text_encoder_2";
+            let model = ClipTextModel::<B>::from_dir(&dir.join(encoder), projection, None, &device)
+                .unwrap();
+            layer_names_match(dir.join(encoder), lora_modules(&model));
+        }
+    }
+}
+
+#[test]
+fn sd1_lora_on_sdxl_names_the_mismatched_keys_and_shapes() {
+    let mut pipe = StableDiffusionXLPipeline::<B>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    let before = to_vec(pipe.unet.conv_in.weight.val());
+    let err = pipe
+        .load_lora(lora("tiny-sd1-kohya.safetensors"), 1.0)
+        .unwrap_err()
+        .to_string();
+    eprintln!("{err}");
+    assert!(err.contains("tiny-sd1-kohya.safetensors"), "{err}");
+    assert!(err.contains("do not match this model"), "{err}");
+    assert!(err.contains("lora_unet_"), "names keys: {err}");
+    assert!(
+        err.contains("shapes that do not fit: `lora_unet_"),
+        "names shapes: {err}"
+    );
+    assert!(
+        err.contains("layers the unet does not have: `lora_unet_"),
+        "{err}"
+    );
+    assert_eq!(
+        before,
+        to_vec(pipe.unet.conv_in.weight.val()),
+        "nothing fused"
+    );
+}
+
+#[test]
+fn sdxl_text_encoder_2_lora_on_sd1_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("te2.safetensors");
+    write_safetensors(
+        &path,
+        &[
+            (
+                "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight",
+                &[1, 32],
+            ),
+            (
+                "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight",
+                &[32, 1],
+            ),
+        ],
+    );
+    let err = sd1().load_lora(&path, 1.0).unwrap_err().to_string();
+    assert!(
+        err.contains("text_encoder_2") && err.contains("another model family"),
+        "{err}"
+    );
+}
+
+/// Writes an F32 safetensors file of the given names and shapes (values 0.01 each).
+fn write_safetensors(path: &std::path::Path, tensors: &[(&str, &[usize])]) {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, shape) in tensors {
+        let n: usize = shape.iter().product();
+        let start = data.len();
+        for _ in 0..n {
+            data.extend_from_slice(&0.01f32.to_le_bytes());
+        }
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
+        );
+    }
+    let text = serde_json::Value::Object(header).to_string();
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(text.as_bytes());
+    bytes.extend_from_slice(&data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn unknown_keys_are_reported_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("odd.safetensors");
+    write_safetensors(
+        &path,
+        &[
+            ("lora_unet_conv_in.lora_down.weight", &[1, 4, 3, 3]),
+            ("lora_unet_conv_in.lora_up.weight", &[16, 1, 1, 1]),
+            ("lora_unet_conv_in.hada_w1_a", &[1, 4]),
+            ("vae.encoder.conv_in.lora_A.weight", &[1, 3]),
+        ],
+    );
+    let err = LoraFile::open(&path).unwrap_err().to_string();
+    assert!(err.contains("odd.safetensors"), "{err}");
+    assert!(err.contains("`lora_unet_conv_in.hada_w1_a`"), "{err}");
+    assert!(err.contains("`vae.encoder.conv_in.lora_A.weight`"), "{err}");
+    assert!(err.contains("2 key(s)"), "{err}");
+    // a layer the UNet does not have
+    write_safetensors(
+        &path,
+        &[
+            (
+                "lora_unet_down_blocks_9_resnets_0_conv1.lora_down.weight",
+                &[1, 16, 3, 3],
+            ),
+            (
+                "lora_unet_down_blocks_9_resnets_0_conv1.lora_up.weight",
+                &[16, 1, 1, 1],
+            ),
+        ],
+    );
+    let err = sd1().load_lora(&path, 1.0).unwrap_err().to_string();
+    assert!(
+        err.contains("layers the unet does not have: `lora_unet_down_blocks_9_resnets_0_conv1`"),
+        "{err}"
+    );
+    // a pair with its up weight missing
+    write_safetensors(&path, &[("unet.conv_in.lora_A.weight", &[1, 4, 3, 3])]);
+    let err = LoraFile::open(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("`unet.conv_in`") && err.contains("missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn conv_lora_in_kohya_format_reaches_conv_in() {
+    // A LoCon-style 3x3 conv LoRA with alpha: W += alpha / rank * up @ down, checked by hand.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locon.safetensors");
+    write_safetensors(
+        &path,
+        &[
+            ("lora_unet_conv_in.alpha", &[]),
+            ("lora_unet_conv_in.lora_down.weight", &[2, 4, 3, 3]),
+            ("lora_unet_conv_in.lora_up.weight", &[16, 2, 1, 1]),
+        ],
+    );
+    let file = LoraFile::open(&path).unwrap();
+    let layer = &file.layers_of(LoraComponent::Unet)[0];
+    assert_eq!(layer.scaling, 0.01 / 2.0, "alpha 0.01 over rank 2");
+    let mut pipe = sd1();
+    let before = to_vec(pipe.unet.conv_in.weight.val());
+    pipe.load_lora(&path, 2.0).unwrap();
+    let after = to_vec(pipe.unet.conv_in.weight.val());
+    // each entry of up @ down is rank * 0.01 * 0.01; times scale 2 and alpha / rank 0.005
+    let expected = 2.0 * 0.005 * 2.0 * 0.01 * 0.01;
+    for (a, b) in after.iter().zip(&before) {
+        // within a few f32 ulps of weights about 0.1 (ulp 7e-9)
+        assert!((a - b - expected).abs() < 3e-8, "{a} - {b} != {expected}");
+    }
+}
+
+#[test]
+fn corrupt_lora_file_error_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("broken.safetensors");
+    let bytes = std::fs::read(lora("tiny-sd1-kohya-b.safetensors")).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let mut pipe = sd1();
+    let err = pipe.load_lora(&path, 1.0).unwrap_err().to_string();
+    assert!(err.contains("broken.safetensors"), "{err}");
+    assert!(err.contains("not a valid safetensors file"), "{err}");
+    let missing = dir.path().join("missing.safetensors");
+    let err = pipe.load_lora(&missing, 1.0).unwrap_err().to_string();
+    assert!(err.contains("missing.safetensors"), "{err}");
+    std::fs::write(&path, b"").unwrap();
+    let err = pipe.load_lora(&path, 1.0).unwrap_err().to_string();
+    assert!(err.contains("broken.safetensors"), "{err}");
+}
