@@ -403,3 +403,123 @@ fn corrupt_lora_file_error_names_the_file() {
     let err = pipe.load_lora(&path, 1.0).unwrap_err().to_string();
     assert!(err.contains("broken.safetensors"), "{err}");
 }
+
+fn txt2img(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("txt2img runs")
+}
+
+#[test]
+fn txt2img_lora_flag_matches_diffusers_and_is_recorded_like_a1111() {
+    let golden = Golden::load(GOLDEN);
+    let tmp = tempfile::tempdir().unwrap();
+    let (values, shape) = golden.host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    std::fs::write(&latents, oxidiff::latents::encode_npy(&values, &shape)).unwrap();
+    let out = tmp.path().join("out.png");
+    let model = model_dir("tiny-sd1");
+    let lora_arg = format!("{}:0.75", lora("tiny-sd1-peft.safetensors").display());
+    let settings = &golden.json["pipeline"];
+    let steps = settings["num_inference_steps"].to_string();
+    let base = [
+        "--model",
+        model.to_str().unwrap(),
+        "--latents",
+        latents.to_str().unwrap(),
+        "--steps",
+        &steps,
+        "--guidance",
+        "7.5",
+        "--negative-prompt",
+        settings["negative_prompt"].as_str().unwrap(),
+        "--quiet",
+        "--json",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--lora", &lora_arg, "-o", out.to_str().unwrap()]);
+    args.push(settings["prompt"].as_str().unwrap());
+    let result = txt2img(&args);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(result.status.success(), "{stderr}");
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, &format!("{GOLDEN}-peft.png"), 2);
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&out).unwrap();
+    assert_eq!(
+        params.prompt,
+        format!(
+            "{} <lora:tiny-sd1-peft:0.75>",
+            settings["prompt"].as_str().unwrap()
+        )
+    );
+    let hashes = params
+        .extra
+        .iter()
+        .find(|(k, _)| k == "Lora hashes")
+        .map(|(_, v)| v.clone())
+        .expect("Lora hashes field");
+    assert!(
+        hashes.starts_with("tiny-sd1-peft: ") && hashes.len() == "tiny-sd1-peft: ".len() + 12,
+        "{hashes}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&result.stdout).expect("--json summary");
+    assert_eq!(summary["loras"][0]["scale"], 0.75);
+
+    // --from-png strips the tags from the prompt and warns when no --lora is given
+    let again = tmp.path().join("again.png");
+    let result = txt2img(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--latents",
+        latents.to_str().unwrap(),
+        "--quiet",
+        "--from-png",
+        out.to_str().unwrap(),
+        "-o",
+        again.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(result.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("<lora:tiny-sd1-peft:0.75>") && stderr.contains("--lora"),
+        "{stderr}"
+    );
+    let without = image::open(&again).unwrap().to_rgb8();
+    common::assert_png_close(&without, &format!("{GOLDEN}-base.png"), 2);
+
+    // a LoRA for the wrong model fails before anything is written
+    let bad = tmp.path().join("bad.png");
+    let te2 = tmp.path().join("te2.safetensors");
+    write_safetensors(
+        &te2,
+        &[
+            (
+                "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight",
+                &[1, 32],
+            ),
+            (
+                "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight",
+                &[32, 1],
+            ),
+        ],
+    );
+    let mut args = base.to_vec();
+    args.extend([
+        "--lora",
+        te2.to_str().unwrap(),
+        "-o",
+        bad.to_str().unwrap(),
+        "x",
+    ]);
+    let result = txt2img(&args);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(!result.status.success());
+    assert!(
+        stderr.contains("te2.safetensors") && stderr.contains("text_encoder_2"),
+        "{stderr}"
+    );
+    assert!(!bad.exists());
+}

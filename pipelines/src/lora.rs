@@ -77,6 +77,45 @@ impl LoraReport {
     }
 }
 
+/// The prompt as A1111 records it with LoRAs: `PROMPT <lora:NAME:SCALE> ...`.
+pub fn prompt_with_tags(prompt: &str, loras: &[LoraReport]) -> String {
+    let mut text = prompt.to_string();
+    for report in loras {
+        if !text.is_empty() {
+            text.push(' ');
+        }
+        text.push_str(&report.prompt_tag());
+    }
+    text
+}
+
+/// Splits A1111's `<lora:NAME[:SCALE]>` tags off a prompt: the prompt without them (trailing
+/// space trimmed) and the tags, in order. oxidiff's text encoders never see the tags.
+pub fn strip_prompt_tags(prompt: &str) -> (String, Vec<String>) {
+    let mut rest = String::with_capacity(prompt.len());
+    let mut tags = Vec::new();
+    let mut text = prompt;
+    while let Some(start) = text.find("<lora:") {
+        let Some(len) = text[start..].find('>') else {
+            break;
+        };
+        rest.push_str(&text[..start]);
+        tags.push(text[start..start + len + 1].to_string());
+        text = &text[start + len + 1..];
+    }
+    rest.push_str(text);
+    (rest.trim_end().to_string(), tags)
+}
+
+/// The `Lora hashes` field A1111 writes: `NAME: HASH, NAME: HASH`.
+pub fn hashes_field(loras: &[LoraReport]) -> String {
+    loras
+        .iter()
+        .map(LoraReport::hash_entry)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn format_scale(scale: f32) -> String {
     let text = format!("{scale}");
     text.strip_suffix(".0").map(str::to_string).unwrap_or(text)
@@ -210,5 +249,21 @@ mod tests {
         assert_eq!(report.prompt_tag(), "<lora:detail:0.75>");
         assert_eq!(report.hash_entry(), "detail: 0123456789ab");
         assert_eq!(format_scale(1.0), "1");
+        let both = [report.clone(), report.clone()];
+        let prompt = prompt_with_tags("a cat", &both);
+        assert_eq!(prompt, "a cat <lora:detail:0.75> <lora:detail:0.75>");
+        assert_eq!(
+            hashes_field(&both),
+            "detail: 0123456789ab, detail: 0123456789ab"
+        );
+        let (text, tags) = strip_prompt_tags(&prompt);
+        assert_eq!(text, "a cat");
+        assert_eq!(tags, vec!["<lora:detail:0.75>", "<lora:detail:0.75>"]);
+        assert_eq!(prompt_with_tags("", &both[..1]), "<lora:detail:0.75>");
+        let (text, tags) = strip_prompt_tags("a <lora:x> b <lora:unclosed");
+        assert_eq!(
+            (text.as_str(), tags),
+            ("a  b <lora:unclosed", vec!["<lora:x>".to_string()])
+        );
     }
 }

@@ -10,12 +10,14 @@ use burn::tensor::{Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
+use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags, strip_prompt_tags};
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::{
     pipeline_class, resolve_model, CancelToken, GenerateRequest, GenerationParameters, LoadOptions,
     PipelineError, PipelineOutput, PixArtPipeline, PixArtRequest, StableDiffusionPipeline,
     StableDiffusionXLPipeline, StepInfo, XlOptions, PIXART_CLASSES,
 };
+use oxidiff::pipelines::{LoraReport, LoraSpec};
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
 
@@ -107,6 +109,11 @@ struct Args {
     /// No progress bar.
     #[arg(long, short)]
     quiet: bool,
+    /// A LoRA to fuse into the UNet and text encoders (SD 1.x/2.x, SDXL), diffusers/PEFT or
+    /// kohya/A1111 format, at SCALE (default 1); repeat for several. Recorded in the PNG as
+    /// A1111 does: `<lora:NAME:SCALE>` after the prompt and a `Lora hashes` field.
+    #[arg(long, value_name = "FILE[:SCALE]")]
+    lora: Vec<LoraSpec>,
 }
 
 fn main() -> ExitCode {
@@ -146,7 +153,16 @@ fn apply_from_png(args: &mut Args) -> Result<()> {
         return Ok(());
     };
     let p = GenerationParameters::from_png(path)?;
-    args.prompt.get_or_insert(p.prompt);
+    // `<lora:NAME:SCALE>` tags name LoRAs, not text: the prompt is encoded without them.
+    let (prompt, tags) = strip_prompt_tags(&p.prompt);
+    if !tags.is_empty() && args.lora.is_empty() && args.prompt.is_none() {
+        eprintln!(
+            "warning: {} was made with {}; pass --lora FILE:SCALE for each to make it again",
+            path.display(),
+            tags.join(" ")
+        );
+    }
+    args.prompt.get_or_insert(prompt);
     args.negative_prompt.get_or_insert(p.negative_prompt);
     args.steps.get_or_insert(p.steps);
     args.guidance.get_or_insert(p.guidance_scale);
@@ -251,6 +267,13 @@ fn run(mut args: Args) -> Result<()> {
     };
     let mut pipe = Pipeline::load(&dir, &class, &options, &device)
         .with_context(|| format!("loading {}", args.model))?;
+    let mut loras = Vec::with_capacity(args.lora.len());
+    for spec in &args.lora {
+        loras.push(
+            pipe.load_lora(spec)
+                .with_context(|| format!("--lora {}", spec.path.display()))?,
+        );
+    }
     if args.compile {
         pipe.compile()?;
     }
@@ -271,8 +294,16 @@ fn run(mut args: Args) -> Result<()> {
         let generated = Instant::now();
         let output = pipe.generate_with(request, pixart_options, &mut generator, &progress)?;
         let images = output.images.context("the pipeline returned no images")?;
+        let mut extra = Vec::new();
+        if !loras.is_empty() {
+            extra.push(("Lora hashes".to_string(), hashes_field(&loras)));
+        }
+        extra.push((
+            "Version".into(),
+            format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
+        ));
         let parameters = GenerationParameters {
-            prompt: prompt.clone(),
+            prompt: prompt_with_tags(&prompt, &loras),
             negative_prompt: negative_prompt.clone(),
             steps,
             sampler: sampler.clone(),
@@ -281,10 +312,7 @@ fn run(mut args: Args) -> Result<()> {
             width: images.width,
             height: images.height,
             model: args.model.clone(),
-            extra: vec![(
-                "Version".into(),
-                format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-            )],
+            extra,
         };
         images.save_png_with_parameters(0, path, Some(&parameters))?;
         made.push((
@@ -315,6 +343,11 @@ fn run(mut args: Args) -> Result<()> {
             "guidance": guidance,
             "sampler": sampler,
             "model": args.model,
+            "loras": loras.iter().map(|l| serde_json::json!({
+                "file": display(&l.path),
+                "scale": l.scale,
+                "hash": l.short_hash,
+            })).collect::<Vec<_>>(),
             "pipeline": class,
             "device": device.to_string(),
             "mode": mode,
@@ -346,6 +379,15 @@ impl Pipeline {
                 dir, options, device,
             )?))
         })
+    }
+
+    /// Fuses a LoRA into the UNet and text encoders (SD and SDXL).
+    fn load_lora(&mut self, spec: &LoraSpec) -> Result<LoraReport> {
+        match self {
+            Self::Sd(pipe) => Ok(pipe.load_lora(&spec.path, spec.scale)?),
+            Self::Xl(pipe) => Ok(pipe.load_lora(&spec.path, spec.scale)?),
+            Self::PixArt(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not PixArt"),
+        }
     }
 
     fn compile(&mut self) -> Result<()> {
