@@ -523,3 +523,67 @@ fn txt2img_lora_flag_matches_diffusers_and_is_recorded_like_a1111() {
     );
     assert!(!bad.exists());
 }
+
+/// An SDXL LoRA over the UNet (attention, feed-forward, resnets, down/upsamplers, conv_in/out,
+/// time and added-condition embeddings) and both text encoders, in PEFT format and in kohya
+/// format with the original (SGM) UNet block names, against diffusers with it fused.
+fn sdxl_lora_matches(file: &str, tag: &str) {
+    let golden = Golden::load("tiny-sdxl-lora");
+    let mut pipe = StableDiffusionXLPipeline::<B>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    let report = pipe.load_lora(lora(file), scale(&golden, "scale")).unwrap();
+    let count = |key: &str| golden.json[key].as_u64().unwrap() as usize;
+    assert_eq!(
+        report.layers,
+        vec![
+            ("unet", count("unet_modules")),
+            ("text_encoder", count("text_encoder_modules")),
+            ("text_encoder_2", count("text_encoder_2_modules")),
+        ]
+    );
+    let s = &golden.json["pipeline"];
+    let prompt = vec![s["prompt"].as_str().unwrap().to_string()];
+    let embeds = pipe.encode_prompts(&prompt, &prompt, 1).unwrap();
+    assert_close(
+        &golden,
+        &format!("{tag}.encode.prompt_embeds"),
+        embeds.prompt_embeds,
+        TOL,
+    );
+    assert_close(
+        &golden,
+        &format!("{tag}.encode.pooled_prompt_embeds"),
+        embeds.pooled_prompt_embeds,
+        TOL,
+    );
+    let t = golden.json["unet_timestep"].as_f64().unwrap() as f32;
+    let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t], [1]), &Default::default());
+    let added = oxidiff::models::AddedCondition {
+        text_embeds: golden.tensor("unet.text_embeds"),
+        time_ids: golden.tensor("unet.time_ids"),
+    };
+    let out = pipe
+        .unet
+        .forward_with_condition(
+            golden.tensor("unet.sample"),
+            timestep,
+            golden.tensor("unet.encoder_hidden_states"),
+            Some(&added),
+        )
+        .unwrap();
+    assert_close(&golden, &format!("{tag}.unet.out"), out, TOL);
+}
+
+#[test]
+fn sdxl_peft_lora_with_both_text_encoders_matches_diffusers() {
+    sdxl_lora_matches("tiny-sdxl-peft.safetensors", "peft");
+}
+
+#[test]
+fn sdxl_kohya_lora_with_sgm_block_names_matches_diffusers() {
+    sdxl_lora_matches("tiny-sdxl-kohya-sgm.safetensors", "kohya");
+}

@@ -460,6 +460,13 @@ pub trait LoraTarget<B: Backend>: Module<B> {
     /// The checkpoint module name of the layer at Burn field path `path` (enum variants left
     /// out, no trailing `.weight`), the way the model's loader read it.
     fn checkpoint_module(path: &str) -> String;
+
+    /// The kohya-style name (`_` for `.`) of this model's layer that a kohya file may call
+    /// `name` by another convention, e.g. an SDXL UNet's original (SGM) block names;
+    /// `None` when there is no other name.
+    fn kohya_alias(&self, _name: &str) -> Option<String> {
+        None
+    }
 }
 
 impl<B: Backend> LoraTarget<B> for UNet2DConditionModel<B> {
@@ -479,6 +486,86 @@ impl<B: Backend> LoraTarget<B> for UNet2DConditionModel<B> {
         }
         out.join(".")
     }
+
+    /// kohya's SDXL LoRAs name UNet layers as the original (SGM/LDM) UNet does:
+    /// `input_blocks_4_1_transformer_blocks_0_attn1_to_q`, `middle_block_0_in_layers_2`,
+    /// `output_blocks_2_2_conv`, `label_emb_0_0`, ... This maps them the way diffusers'
+    /// `_maybe_map_sgm_blocks_to_diffusers` and `_convert_unet_lora_key` do.
+    fn kohya_alias(&self, name: &str) -> Option<String> {
+        let per = self.down_blocks.first()?.resnets.len() + 1;
+        let fixed = [
+            ("input_blocks_0_0", "conv_in"),
+            ("out_2", "conv_out"),
+            ("time_embed_0", "time_embedding_linear_1"),
+            ("time_embed_2", "time_embedding_linear_2"),
+            ("label_emb_0_0", "add_embedding_linear_1"),
+            ("label_emb_0_2", "add_embedding_linear_2"),
+        ];
+        if let Some((_, ours)) = fixed.iter().find(|(sgm, _)| *sgm == name) {
+            return Some(ours.to_string());
+        }
+        let resnet = |rest: &str| -> Option<&'static str> {
+            Some(match rest {
+                "in_layers_2" => "conv1",
+                "out_layers_3" => "conv2",
+                "emb_layers_1" => "time_emb_proj",
+                "skip_connection" => "conv_shortcut",
+                _ => return None,
+            })
+        };
+        if let Some(rest) = name.strip_prefix("input_blocks_") {
+            let (i, rest) = leading_number(rest)?;
+            let (j, rest) = leading_number(rest)?;
+            let (block, layer) = (i.checked_sub(1)? / per, (i.checked_sub(1)?) % per);
+            return match (j, rest) {
+                (0, "op") => Some(format!("down_blocks_{block}_downsamplers_0_conv")),
+                (0, rest) => Some(format!(
+                    "down_blocks_{block}_resnets_{layer}_{}",
+                    resnet(rest)?
+                )),
+                (1, rest) => Some(format!("down_blocks_{block}_attentions_{layer}_{rest}")),
+                _ => None,
+            };
+        }
+        if let Some(rest) = name.strip_prefix("middle_block_") {
+            let (i, rest) = leading_number(rest)?;
+            return match i {
+                0 => Some(format!("mid_block_resnets_0_{}", resnet(rest)?)),
+                1 => Some(format!("mid_block_attentions_0_{rest}")),
+                2 => Some(format!("mid_block_resnets_1_{}", resnet(rest)?)),
+                _ => None,
+            };
+        }
+        if let Some(rest) = name.strip_prefix("output_blocks_") {
+            let (i, rest) = leading_number(rest)?;
+            let (j, rest) = leading_number(rest)?;
+            let (block, layer) = (i / per, i % per);
+            let has_attentions = !self.up_blocks.get(block)?.attentions.is_empty();
+            return match (j, rest) {
+                (0, rest) => Some(format!(
+                    "up_blocks_{block}_resnets_{layer}_{}",
+                    resnet(rest)?
+                )),
+                (1, "conv") if !has_attentions => {
+                    Some(format!("up_blocks_{block}_upsamplers_0_conv"))
+                }
+                (1, rest) => Some(format!("up_blocks_{block}_attentions_{layer}_{rest}")),
+                (2, "conv") => Some(format!("up_blocks_{block}_upsamplers_0_conv")),
+                _ => None,
+            };
+        }
+        None
+    }
+}
+
+/// `("12", "rest")` from `"12_rest"` (or `"12"`), as a number and what follows its `_`.
+fn leading_number(text: &str) -> Option<(usize, &str)> {
+    let end = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let number = text[..end].parse().ok()?;
+    let rest = &text[end..];
+    Some((number, rest.strip_prefix('_').unwrap_or(rest)))
 }
 
 impl<B: Backend> LoraTarget<B> for ClipTextModel<B> {
@@ -660,11 +747,20 @@ pub fn plan<B: Backend, M: LoraTarget<B>>(
         };
     }
     let find = |name: &str| {
-        by_name.get(name).copied().or_else(|| {
-            name.strip_prefix("text_model.")
-                .or_else(|| name.strip_prefix("text_model_"))
-                .and_then(|n| by_name.get(n).copied())
-        })
+        by_name
+            .get(name)
+            .copied()
+            .or_else(|| {
+                name.strip_prefix("text_model.")
+                    .or_else(|| name.strip_prefix("text_model_"))
+                    .and_then(|n| by_name.get(n).copied())
+            })
+            .or_else(|| {
+                let alias = (file.format == LoraFormat::Kohya)
+                    .then(|| model.kohya_alias(name))
+                    .flatten()?;
+                by_name.get(&alias).copied()
+            })
     };
     let mut deltas = HashMap::new();
     let (mut misfits, mut absent) = (Vec::new(), Vec::new());

@@ -13,6 +13,10 @@ Writes:
   tests/fixtures/golden/tiny-sd1-lora.safetensors reference tensors (canonical header)
   tests/fixtures/golden/tiny-sd1-lora.json        settings and versions
   tests/fixtures/golden/tiny-sd1-lora-FORMAT.png  the pipeline's image with LoRA A fused
+  tests/fixtures/lora/tiny-sdxl-peft.safetensors  an SDXL LoRA (UNet, both text encoders), PEFT keys
+  tests/fixtures/lora/tiny-sdxl-kohya-sgm.safetensors  the same, kohya keys with the original
+                                                  (SGM) UNet block names, lora_te1_/lora_te2_
+  tests/fixtures/golden/tiny-sdxl-lora.safetensors reference tensors for both
 
 Everything is seeded; files are byte-identical on reruns.
 """
@@ -37,7 +41,7 @@ from common import save_canonical, save_json  # noqa: E402
 import diffusers  # noqa: E402
 import peft  # noqa: E402
 import transformers  # noqa: E402
-from diffusers import StableDiffusionPipeline  # noqa: E402
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline  # noqa: E402
 from diffusers.utils import logging as dlogging  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
@@ -51,6 +55,14 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 GOLDEN = os.path.join(FIXTURES, "golden")
 LORA = os.path.join(FIXTURES, "lora")
 MODEL = os.path.join(FIXTURES, "tiny-sd1")
+XL_MODEL = os.path.join(FIXTURES, "tiny-sdxl")
+XL_UNET_SUFFIXES = UNET_SUFFIXES_A_XL = (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
+    "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2", "time_emb_proj",
+    "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv", "conv_in", "conv_out",
+    "time_embedding.linear_1", "add_embedding.linear_2",
+)
 
 RANK_A, ALPHA_A = 4, 8.0  # LoRA A: scaling alpha / rank = 2
 RANK_B = 2  # LoRA B: no alphas (scaling 1)
@@ -98,6 +110,126 @@ def delta(down, up, shape):
 
 def kohya_name(prefix, name):
     return prefix + name.replace(".", "_")
+
+
+def to_sgm(name, layers_per_block, up_has_attentions):
+    """The original (SGM/LDM) UNet module name kohya's SDXL LoRAs use for a diffusers name."""
+    per = layers_per_block + 1
+    fixed = {
+        "conv_in": "input_blocks.0.0", "conv_out": "out.2",
+        "time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+        "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2",
+    }
+    if name in fixed:
+        return fixed[name]
+    res = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
+           "conv_shortcut": "skip_connection"}
+    p = name.split(".")
+    if p[0] == "down_blocks":
+        b = int(p[1])
+        if p[2] == "downsamplers":
+            return f"input_blocks.{(b + 1) * per}.0.op"
+        i = 1 + b * per + int(p[3])
+        if p[2] == "resnets":
+            return f"input_blocks.{i}.0." + res[".".join(p[4:])]
+        return f"input_blocks.{i}.1." + ".".join(p[4:])
+    if p[0] == "mid_block":
+        if p[1] == "resnets":
+            return f"middle_block.{0 if p[2] == '0' else 2}." + res[".".join(p[3:])]
+        return "middle_block.1." + ".".join(p[3:])
+    if p[0] == "up_blocks":
+        b = int(p[1])
+        if p[2] == "upsamplers":
+            return f"output_blocks.{b * per + layers_per_block}.{2 if up_has_attentions[b] else 1}.conv"
+        i = b * per + int(p[3])
+        if p[2] == "resnets":
+            return f"output_blocks.{i}.0." + res[".".join(p[4:])]
+        return f"output_blocks.{i}.1." + ".".join(p[4:])
+    raise ValueError(name)
+
+
+def make_sdxl():
+    """An SDXL LoRA in PEFT and kohya-SGM format, and diffusers' outputs with it fused."""
+    base = StableDiffusionXLPipeline.from_pretrained(XL_MODEL, local_files_only=True)
+    base.set_progress_bar_config(disable=True)
+    unet = random_lora(targets(base.unet, XL_UNET_SUFFIXES), RANK_A, 200)
+    te1 = random_lora(targets(base.text_encoder, TE_SUFFIXES), RANK_A, 201)
+    te2 = random_lora(targets(base.text_encoder_2, TE_SUFFIXES), RANK_A, 202)
+    lpb = base.unet.config.layers_per_block
+    up_attn = [hasattr(b, "attentions") for b in base.unet.up_blocks]
+
+    def te_name(name):
+        # Files name the `text_model.` level (transformers 5 keeps it only in
+        # CLIPTextModelWithProjection); text_projection sits beside it.
+        name = name.removeprefix("text_model.")
+        return name if name == "text_projection" else "text_model." + name
+
+    peft_tensors, meta = {}, {}
+    for comp, lora, named in (("unet", unet, lambda n: n), ("text_encoder", te1, te_name),
+                              ("text_encoder_2", te2, te_name)):
+        for name, (down, up) in lora.items():
+            peft_tensors[f"{comp}.{named(name)}.lora_A.weight"] = down
+            peft_tensors[f"{comp}.{named(name)}.lora_B.weight"] = up
+        meta[f"{comp}.r"] = RANK_A
+        meta[f"{comp}.lora_alpha"] = ALPHA_A
+        meta[f"{comp}.target_modules"] = sorted(lora)
+    peft_path = os.path.join(LORA, "tiny-sdxl-peft.safetensors")
+    save_canonical(peft_path, peft_tensors,
+                   {"format": "pt", "lora_adapter_metadata": json.dumps(meta, indent=2, sort_keys=True)})
+    kohya = {}
+    for prefix, lora, named in (("lora_unet_", unet, lambda n: to_sgm(n, lpb, up_attn)),
+                                ("lora_te1_", te1, te_name), ("lora_te2_", te2, te_name)):
+        for name, (down, up) in lora.items():
+            k = kohya_name(prefix, named(name))
+            kohya[k + ".lora_down.weight"] = down
+            kohya[k + ".lora_up.weight"] = up
+            kohya[k + ".alpha"] = torch.tensor(ALPHA_A)
+    kohya_path = os.path.join(LORA, "tiny-sdxl-kohya-sgm.safetensors")
+    save_canonical(kohya_path, kohya)
+
+    g = {}
+    with safe_open(os.path.join(GOLDEN, "tiny-sdxl.safetensors"), framework="pt") as f:
+        for k in ("unet.sample", "unet.encoder_hidden_states", "unet.text_embeds", "unet.time_ids"):
+            g[k] = f.get_tensor(k)
+    xl_info = json.load(open(os.path.join(GOLDEN, "tiny-sdxl.json")))
+    tensors = dict(g)
+    factor = SCALE_A * ALPHA_A / RANK_A
+    for tag, path in (("peft", peft_path), ("kohya", kohya_path)):
+        pipe = StableDiffusionXLPipeline.from_pretrained(XL_MODEL, local_files_only=True)
+        pipe.load_lora_weights(path)
+        pipe.fuse_lora(lora_scale=SCALE_A)
+        for model, ref, lora in ((pipe.unet, base.unet, unet), (pipe.text_encoder, base.text_encoder, te1),
+                                 (pipe.text_encoder_2, base.text_encoder_2, te2)):
+            ref_mods = dict(ref.named_modules())
+            for name, m in model.named_modules():
+                if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and name in ref_mods:
+                    want = ref_mods[name].weight.detach().clone()
+                    if name in lora:
+                        want += factor * delta(*lora[name], want.shape)
+                    assert torch.allclose(m.weight.detach(), want, rtol=0, atol=1e-6), (tag, name)
+        with torch.no_grad():
+            s = xl_info["pipeline"]
+            pe, ne, pp, npool = pipe.encode_prompt(s["prompt"], device="cpu", negative_prompt=s["negative_prompt"])
+            tensors[f"{tag}.encode.prompt_embeds"] = pe
+            tensors[f"{tag}.encode.pooled_prompt_embeds"] = pp
+            out = pipe.unet(
+                g["unet.sample"], torch.tensor(xl_info["unet_timestep"]),
+                encoder_hidden_states=g["unet.encoder_hidden_states"],
+                added_cond_kwargs={"text_embeds": g["unet.text_embeds"], "time_ids": g["unet.time_ids"]},
+            ).sample
+            tensors[f"{tag}.unet.out"] = out
+    for k, v in tensors.items():
+        tensors[k] = v.to(torch.float32).contiguous()
+    save_canonical(os.path.join(GOLDEN, "tiny-sdxl-lora.safetensors"), tensors)
+    info = {
+        "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                     "transformers": transformers.__version__, "peft": peft.__version__},
+        "rank": RANK_A, "alpha": ALPHA_A, "scale": SCALE_A,
+        "unet_timestep": xl_info["unet_timestep"], "pipeline": xl_info["pipeline"],
+        "unet_modules": len(unet), "text_encoder_modules": len(te1), "text_encoder_2_modules": len(te2),
+        "keys": sorted(tensors),
+    }
+    save_json(os.path.join(GOLDEN, "tiny-sdxl-lora.json"), info)
 
 
 def main():
@@ -251,6 +383,8 @@ def main():
     info["keys"] = sorted(tensors)
     save_json(os.path.join(GOLDEN, "tiny-sd1-lora.json"), info)
     print("ok", {k: v for k, v in info.items() if k.startswith("peft_vs")})
+    make_sdxl()
+    print("ok sdxl")
 
 
 if __name__ == "__main__":
