@@ -587,3 +587,87 @@ fn sdxl_peft_lora_with_both_text_encoders_matches_diffusers() {
 fn sdxl_kohya_lora_with_sgm_block_names_matches_diffusers() {
     sdxl_lora_matches("tiny-sdxl-kohya-sgm.safetensors", "kohya");
 }
+
+/// Why fused: on XLA's CPU plugin, a pipeline with a LoRA fused compiles to the very program of
+/// the pipeline without it. With the on-disk cache on, the base pipeline's compile is the only
+/// XLA compile; the LoRA pipeline's step loads that executable (its weights are arguments), and
+/// its latents still match diffusers with the LoRA. `load_lora` after `compile` is an error.
+#[test]
+fn compiled_mode_with_a_fused_lora_reuses_the_base_program() {
+    use oxidiff::{Oxi, OxiDevice};
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let golden = Golden::load(GOLDEN);
+    let cache = tempfile::tempdir().unwrap();
+    // Only this test in this binary compiles, so setting the variable here affects no other.
+    std::env::set_var("OXIDIFF_COMPILE_CACHE", cache.path());
+    let xla: OxiDevice = "xla:cpu:0"
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));
+    let load = || {
+        StableDiffusionPipeline::<Oxi>::from_dir(
+            &model_dir("tiny-sd1"),
+            &LoadOptions::default(),
+            &OxiDevice::Cpu,
+        )
+        .unwrap()
+        .to_components(&OxiDevice::Cpu, &xla, &xla)
+    };
+    let settings = &golden.json["pipeline"];
+    let (values, shape) = golden.host("pipe.latents");
+    let shape: [usize; 4] = shape.try_into().unwrap();
+    let request = GenerateRequest::<Oxi> {
+        prompts: vec![settings["prompt"].as_str().unwrap().into()],
+        negative_prompts: vec![settings["negative_prompt"].as_str().unwrap().into()],
+        num_inference_steps: settings["num_inference_steps"].as_u64().unwrap() as usize,
+        guidance_scale: settings["guidance_scale"].as_f64().unwrap(),
+        latents: Some(Tensor::from_data(
+            TensorData::new(values, shape),
+            &OxiDevice::Cpu,
+        )),
+        output: OutputType::Latents,
+        ..Default::default()
+    };
+    let latents = |pipe: &mut StableDiffusionPipeline<Oxi>| {
+        to_vec(
+            pipe.generate(&request)
+                .unwrap()
+                .latents
+                .to_device(&OxiDevice::Cpu),
+        )
+    };
+
+    let mut base = load();
+    base.compile().unwrap();
+    let base_latents = latents(&mut base);
+    let stats = base.compile_stats().unwrap();
+    assert_eq!((stats.programs, stats.xla_compiles), (1, 1), "{stats:?}");
+
+    let mut pipe = load();
+    // fused on the devices the weights live on: the UNet on XLA, the text encoder on the CPU
+    pipe.load_lora(lora("tiny-sd1-peft.safetensors"), scale(&golden, "scale_a"))
+        .unwrap();
+    pipe.compile().unwrap();
+    let lora_latents = latents(&mut pipe);
+    let stats = pipe.compile_stats().unwrap();
+    assert_eq!(
+        (stats.programs, stats.xla_compiles, stats.disk_loads),
+        (1, 0, 1),
+        "the LoRA pipeline's step should be the base program, loaded from the cache: {stats:?}"
+    );
+    let (expected, _) = golden.host("peft.pipe.latents_out");
+    let err = relative_error(&lora_latents, &expected);
+    eprintln!("compiled LoRA latents vs diffusers: relative error {err:e}");
+    assert!(err <= TOL, "relative error {err:e}");
+    assert!(
+        relative_error(&base_latents, &expected) > 0.01,
+        "the LoRA changed nothing"
+    );
+
+    let err = pipe
+        .load_lora(lora("tiny-sd1-kohya-b.safetensors"), 0.5)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("before compile()"), "{err}");
+}
