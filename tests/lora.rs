@@ -460,10 +460,9 @@ fn txt2img_lora_flag_matches_diffusers_and_is_recorded_like_a1111() {
         .find(|(k, _)| k == "Lora hashes")
         .map(|(_, v)| v.clone())
         .expect("Lora hashes field");
-    assert!(
-        hashes.starts_with("tiny-sd1-peft: ") && hashes.len() == "tiny-sd1-peft: ".len() + 12,
-        "{hashes}"
-    );
+    // A1111's short LoRA hash (sha256 of the bytes after the header, 12 hex digits), as
+    // Python's hashlib gives it for this fixture.
+    assert_eq!(hashes, "tiny-sd1-peft: 87434e4a2b0d");
     let summary: serde_json::Value =
         serde_json::from_slice(&result.stdout).expect("--json summary");
     assert_eq!(summary["loras"][0]["scale"], 0.75);

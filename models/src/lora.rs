@@ -16,7 +16,9 @@
 //! Layers are found by the checkpoint's own module names (`down_blocks.0.attentions.0.
 //! transformer_blocks.0.attn1.to_q`): each model that takes LoRAs says, in its
 //! [`LoraTarget`] impl, how a Burn field path maps to that name, so a kohya key
-//! (`lora_unet_down_blocks_0_..._attn1_to_q`) is the same name with `_` for `.`.
+//! (`lora_unet_down_blocks_0_..._attn1_to_q`) is the same name with `_` for `.`; kohya's SDXL
+//! files, which use the original (SGM) UNet's block names, go through
+//! [`LoraTarget::kohya_alias`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

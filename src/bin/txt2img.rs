@@ -269,10 +269,23 @@ fn run(mut args: Args) -> Result<()> {
         .with_context(|| format!("loading {}", args.model))?;
     let mut loras = Vec::with_capacity(args.lora.len());
     for spec in &args.lora {
-        loras.push(
-            pipe.load_lora(spec)
-                .with_context(|| format!("--lora {}", spec.path.display()))?,
-        );
+        let report = pipe
+            .load_lora(spec)
+            .with_context(|| format!("--lora {}", spec.path.display()))?;
+        if !args.quiet {
+            let layers: Vec<String> = report
+                .layers
+                .iter()
+                .map(|(component, n)| format!("{n} {component} layers"))
+                .collect();
+            eprintln!(
+                "fused LoRA {} at scale {} ({})",
+                display(&report.path),
+                report.scale,
+                layers.join(", ")
+            );
+        }
+        loras.push(report);
     }
     if args.compile {
         pipe.compile()?;
