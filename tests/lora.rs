@@ -295,7 +295,11 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(&str, &[usize])]) {
     let mut header = serde_json::Map::new();
     let mut data = Vec::new();
     for (name, shape) in tensors {
-        let n: usize = shape.iter().product();
+        let n: usize = if shape.contains(&0) {
+            0
+        } else {
+            shape.iter().product()
+        };
         let start = data.len();
         for _ in 0..n {
             data.extend_from_slice(&0.01f32.to_le_bytes());
@@ -669,4 +673,51 @@ fn compiled_mode_with_a_fused_lora_reuses_the_base_program() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("before compile()"), "{err}");
+}
+
+#[test]
+fn non_finite_lora_weights_and_absurd_shapes_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nan.safetensors");
+    write_safetensors(
+        &path,
+        &[
+            ("lora_unet_conv_in.lora_down.weight", &[1, 4, 3, 3]),
+            ("lora_unet_conv_in.lora_up.weight", &[16, 1, 1, 1]),
+        ],
+    );
+    // turn the first value of the data into NaN
+    let mut bytes = std::fs::read(&path).unwrap();
+    let data = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    bytes[data..data + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let err = LoraFile::open(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("NaN") && err.contains("lora_unet_conv_in"),
+        "{err}"
+    );
+    // a zero-sized down weight whose other dimensions multiply past usize
+    let huge = 1usize << 40;
+    write_safetensors(
+        &path,
+        &[
+            ("lora_unet_conv_in.lora_down.weight", &[1, huge, huge, 0]),
+            ("lora_unet_conv_in.lora_up.weight", &[16, 1]),
+        ],
+    );
+    let err = sd1().load_lora(&path, 1.0).unwrap_err().to_string();
+    assert!(
+        err.contains("nan.safetensors") && err.contains("overflow"),
+        "{err}"
+    );
+    // an empty down weight fits no layer
+    write_safetensors(
+        &path,
+        &[
+            ("lora_unet_conv_in.lora_down.weight", &[1, 0, 3, 3]),
+            ("lora_unet_conv_in.lora_up.weight", &[16, 1]),
+        ],
+    );
+    let err = sd1().load_lora(&path, 1.0).unwrap_err().to_string();
+    assert!(err.contains("shapes that do not fit"), "{err}");
 }

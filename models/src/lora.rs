@@ -221,6 +221,10 @@ impl LoraFile {
                 && (up.1.len() == 2 || (up.1.len() == 4 && up.1[2] == 1 && up.1[3] == 1))
                 && up.1[1] == rank
                 && rank > 0;
+            if down.0.iter().chain(&up.0).any(|v| !v.is_finite()) {
+                problems.push(format!("`{stem}`: its weights hold NaN or infinite values"));
+                continue;
+            }
             if !consistent {
                 problems.push(format!(
                     "`{stem}`: down {:?} and up {:?} are not a low-rank pair (down [rank, in..], \
@@ -234,9 +238,9 @@ impl LoraFile {
                 Some(key) => {
                     let (values, _) = weights.read_f32(key)?;
                     match values.as_slice() {
-                        [alpha] => Some(*alpha),
+                        [alpha] if alpha.is_finite() => Some(*alpha),
                         _ => {
-                            problems.push(format!("`{key}` is not a single number"));
+                            problems.push(format!("`{key}` is not a single finite number"));
                             continue;
                         }
                     }
@@ -772,7 +776,11 @@ pub fn plan<B: Backend, M: LoraTarget<B>>(
             continue;
         };
         let (kind, rank) = (module.kind, layer.rank());
-        let down_fan_in: usize = layer.down.1[1..].iter().product();
+        // Checked: a hostile header may pair a zero dimension with huge ones.
+        let down_fan_in = layer.down.1[1..]
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .unwrap_or(usize::MAX);
         let fits = down_fan_in == kind.fan_in()
             && layer.up.1[0] == kind.out()
             && match kind {
