@@ -721,3 +721,65 @@ fn non_finite_lora_weights_and_absurd_shapes_are_errors() {
     let err = sd1().load_lora(&path, 1.0).unwrap_err().to_string();
     assert!(err.contains("shapes that do not fit"), "{err}");
 }
+
+#[test]
+fn attention_processor_lora_names_are_read_like_peft_names() {
+    // diffusers' older format names the processor (`attn1.processor.to_out_lora.down.weight`,
+    // `self_attn.to_q_lora.down.weight`); the same weights under PEFT names fuse identically.
+    let golden = Golden::load(GOLDEN);
+    let dir = tempfile::tempdir().unwrap();
+    let block = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1";
+    let layer = "text_encoder.text_model.encoder.layers.1.self_attn";
+    let old = dir.path().join("old.safetensors");
+    let new = dir.path().join("new.safetensors");
+    let names = |old_style: bool| -> Vec<(String, Vec<usize>)> {
+        let unet = |proj: &str, peft: &str| {
+            if old_style {
+                format!("{block}.processor.{proj}_lora")
+            } else {
+                format!("{block}.{peft}")
+            }
+        };
+        let te = |proj: &str, peft: &str| {
+            if old_style {
+                format!("{layer}.{proj}_lora")
+            } else {
+                format!("{layer}.{peft}")
+            }
+        };
+        let (down, up) = if old_style {
+            ("down.weight", "up.weight")
+        } else {
+            ("lora_A.weight", "lora_B.weight")
+        };
+        vec![
+            (format!("{}.{down}", unet("to_q", "to_q")), vec![2, 16]),
+            (format!("{}.{up}", unet("to_q", "to_q")), vec![16, 2]),
+            (
+                format!("{}.{down}", unet("to_out", "to_out.0")),
+                vec![2, 16],
+            ),
+            (format!("{}.{up}", unet("to_out", "to_out.0")), vec![16, 2]),
+            (format!("{}.{down}", te("to_v", "v_proj")), vec![2, 32]),
+            (format!("{}.{up}", te("to_v", "v_proj")), vec![32, 2]),
+        ]
+    };
+    for (path, old_style) in [(&old, true), (&new, false)] {
+        let tensors = names(old_style);
+        let refs: Vec<(&str, &[usize])> = tensors
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_slice()))
+            .collect();
+        write_safetensors(path, &refs);
+    }
+    let fused = |path: &PathBuf| {
+        let mut pipe = sd1();
+        let report = pipe.load_lora(path, 1.0).unwrap();
+        assert_eq!(report.layers, vec![("unet", 2), ("text_encoder", 1)]);
+        (
+            to_vec(unet_out(&golden, &pipe.unet)),
+            to_vec(clip_out(&golden, &pipe.text_encoder)),
+        )
+    };
+    assert_eq!(fused(&old), fused(&new));
+}

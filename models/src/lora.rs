@@ -164,7 +164,7 @@ impl LoraFile {
             }
             let (component_prefix, name) = stem;
             let entry = groups
-                .entry((component, name.to_string()))
+                .entry((component, name))
                 .or_insert_with(|| (component_prefix.to_string(), Parts::default()));
             let slot = match part {
                 Part::Down => &mut entry.1.down,
@@ -311,7 +311,7 @@ enum Part {
 }
 
 /// `(component, (key prefix, module name), part, is_kohya)` of a LoRA key, or `None`.
-fn classify(key: &str) -> Option<(LoraComponent, (&str, &str), Part, bool)> {
+fn classify(key: &str) -> Option<(LoraComponent, (&str, String), Part, bool)> {
     const KOHYA: [(&str, LoraComponent); 4] = [
         ("lora_unet_", LoraComponent::Unet),
         ("lora_te_", LoraComponent::TextEncoder),
@@ -327,7 +327,7 @@ fn classify(key: &str) -> Option<(LoraComponent, (&str, &str), Part, bool)> {
                 "alpha" => Part::Alpha,
                 _ => return None,
             };
-            return (!name.is_empty()).then_some((component, (prefix, name), part, true));
+            return (!name.is_empty()).then(|| (component, (prefix, name.to_string()), part, true));
         }
     }
     const DIFFUSERS: [(&str, LoraComponent); 3] = [
@@ -335,7 +335,7 @@ fn classify(key: &str) -> Option<(LoraComponent, (&str, &str), Part, bool)> {
         ("text_encoder.", LoraComponent::TextEncoder),
         ("text_encoder_2.", LoraComponent::TextEncoder2),
     ];
-    const SUFFIXES: [(&str, Part); 7] = [
+    const SUFFIXES: [(&str, Part); 9] = [
         (".lora_A.weight", Part::Down),
         (".lora_B.weight", Part::Up),
         (".lora.down.weight", Part::Down),
@@ -343,11 +343,19 @@ fn classify(key: &str) -> Option<(LoraComponent, (&str, &str), Part, bool)> {
         (".lora_linear_layer.down.weight", Part::Down),
         (".lora_linear_layer.up.weight", Part::Up),
         (".alpha", Part::Alpha),
+        // diffusers' older attention-processor LoRAs: `attn1.processor.to_q_lora.down.weight`
+        ("_lora.down.weight", Part::Down),
+        ("_lora.up.weight", Part::Up),
     ];
     for (prefix, component) in DIFFUSERS {
         if let Some(rest) = key.strip_prefix(prefix) {
             for (suffix, part) in SUFFIXES {
                 if let Some(name) = rest.strip_suffix(suffix) {
+                    let name = if suffix.starts_with('_') {
+                        processor_module(component, name)?
+                    } else {
+                        name.to_string()
+                    };
                     return (!name.is_empty()).then_some((component, (prefix, name), part, false));
                 }
             }
@@ -355,6 +363,24 @@ fn classify(key: &str) -> Option<(LoraComponent, (&str, &str), Part, bool)> {
         }
     }
     None
+}
+
+/// The layer an attention-processor LoRA key names (`...attn1.processor.to_out` is the UNet's
+/// `...attn1.to_out.0`; a text encoder's `self_attn.to_q` is its `self_attn.q_proj`), as
+/// diffusers' `convert_state_dict_to_diffusers` maps them.
+fn processor_module(component: LoraComponent, name: &str) -> Option<String> {
+    let (parent, projection) = name.rsplit_once('.')?;
+    let parent = parent.strip_suffix(".processor").unwrap_or(parent);
+    let projection = match (component, projection) {
+        (LoraComponent::Unet, "to_q" | "to_k" | "to_v") => projection,
+        (LoraComponent::Unet, "to_out") => "to_out.0",
+        (_, "to_q") => "q_proj",
+        (_, "to_k") => "k_proj",
+        (_, "to_v") => "v_proj",
+        (_, "to_out") => "out_proj",
+        _ => return None,
+    };
+    Some(format!("{parent}.{projection}"))
 }
 
 /// The PEFT configs diffusers stores as `lora_adapter_metadata` (`unet.lora_alpha`, ...).
