@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fuzzes the loaders of untrusted files (safetensors headers, config JSON, tokenizer folders,
+# Fuzzes the loaders of untrusted files (safetensors headers, config JSON, tokenizer folders, LoRA files,
 # PNG generation parameters) with cargo fuzz (libFuzzer + AddressSanitizer), each target for a
 # fixed time: tools/fuzz.sh [SECONDS_PER_TARGET] (default 30). Fails on the first crash; the
 # input that crashed is kept in fuzz/artifacts/TARGET/ (make it a regression test in
@@ -20,7 +20,7 @@ if ! cargo fuzz build >artifacts/build.log 2>&1; then
     echo "fuzz: building the fuzz targets failed (log: fuzz/artifacts/build.log)"
     exit 1
 fi
-for target in safetensors_header config_json tokenizer_files png_parameters; do
+for target in safetensors_header config_json tokenizer_files png_parameters lora_file; do
     mkdir -p "corpus/$target"
     log="artifacts/$target.log"
     echo "fuzz: $target for ${seconds}s"

@@ -74,6 +74,8 @@ pub enum ModelError {
         looked_for: String,
         found: String,
     },
+    #[error("LoRA {path}: {reason}")]
+    Lora { path: PathBuf, reason: String },
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -15,6 +15,7 @@ pub mod device;
 pub mod dtype;
 pub mod embeddings;
 pub mod error;
+pub mod lora;
 pub mod nn;
 pub mod normalization;
 pub mod pixart_transformer_2d;

@@ -52,6 +52,8 @@ pub struct Weights {
     files: Vec<Arc<WeightFile>>,
     entries: HashMap<String, Entry>,
     used: Mutex<BTreeSet<String>>,
+    /// The files' `__metadata__` string maps, merged.
+    metadata: BTreeMap<String, String>,
 }
 
 impl std::fmt::Debug for Weights {
@@ -173,6 +175,19 @@ impl Weights {
         for path in paths {
             ensure_inside_model(path)?;
         }
+        Self::open_checked(paths)
+    }
+
+    /// Opens one safetensors file the user named directly (a LoRA, say), with the same header
+    /// check as [`from_files`](Self::from_files) but without its model-folder link rule: that
+    /// rule guards against links inside a stranger's model folder, and such a file belongs to
+    /// no model folder.
+    pub fn from_standalone_file(path: &Path) -> Result<Self> {
+        Self::open_checked(&[path.to_path_buf()])
+    }
+
+    fn open_checked(paths: &[PathBuf]) -> Result<Self> {
+        let mut metadata_map = BTreeMap::new();
         let mut files = Vec::with_capacity(paths.len());
         let mut entries = HashMap::new();
         for path in paths {
@@ -198,6 +213,9 @@ impl Weights {
                     path: path.clone(),
                     reason: e.to_string(),
                 })?;
+            if let Some(meta) = metadata.metadata() {
+                metadata_map.extend(meta.iter().map(|(k, v)| (k.clone(), v.clone())));
+            }
             let index = files.len();
             for (name, info) in metadata.tensors() {
                 if entries.contains_key(&name) {
@@ -225,6 +243,7 @@ impl Weights {
             files,
             entries,
             used: Mutex::new(BTreeSet::new()),
+            metadata: metadata_map,
         })
     }
 
@@ -300,6 +319,7 @@ impl Weights {
             files: self.files.clone(),
             entries,
             used: Mutex::new(BTreeSet::new()),
+            metadata: self.metadata.clone(),
         })
     }
 
@@ -342,7 +362,13 @@ impl Weights {
             })],
             entries,
             used: Mutex::new(BTreeSet::new()),
+            metadata: BTreeMap::new(),
         })
+    }
+
+    /// The files' `__metadata__` entries (string to string), merged across shards.
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        &self.metadata
     }
 
     /// The files these weights come from, for messages.

@@ -88,4 +88,6 @@ pub use stable_diffusion_xl_img2img::{
 };
 pub mod stable_diffusion_xl_inpaint;
 pub use stable_diffusion_xl_inpaint::StableDiffusionXLInpaintPipeline;
+pub mod lora;
 pub mod resample;
+pub use lora::{LoraReport, LoraSpec};

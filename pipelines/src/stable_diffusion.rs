@@ -272,6 +272,29 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self
     }
 
+    /// Fuses a LoRA file (diffusers/PEFT or kohya/A1111 format) into the UNet and the text
+    /// encoder at `scale`, as diffusers' `load_lora_weights(path)` + `fuse_lora(lora_scale=scale)`:
+    /// `W += scale * alpha / rank * up @ down`. Call it several times for several LoRAs, before
+    /// [`compile`](StableDiffusionPipeline::compile). Keys that fit no layer are an error naming
+    /// them, and the pipeline is left unchanged.
+    pub fn load_lora(
+        &mut self,
+        path: impl AsRef<Path>,
+        scale: f32,
+    ) -> Result<crate::lora::LoraReport> {
+        crate::lora::fuse_into(
+            path.as_ref(),
+            scale,
+            &mut self.unet,
+            &mut [(
+                oxidiff_models::lora::LoraComponent::TextEncoder,
+                &mut self.text_encoder,
+            )],
+            "Stable Diffusion pipeline",
+            self.compiled.is_some(),
+        )
+    }
+
     /// Swaps the scheduler for another algorithm, keeping the checkpoint's betas config
     /// (diffusers' `XScheduler.from_config(pipe.scheduler.config)`); `name` as in
     /// [`LoadOptions::scheduler`].

@@ -283,6 +283,30 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.sample_size * self.vae_scale_factor
     }
 
+    /// Fuses a LoRA file (diffusers/PEFT or kohya/A1111 format) into the UNet and both text
+    /// encoders at `scale`, as diffusers' `load_lora_weights(path)` +
+    /// `fuse_lora(lora_scale=scale)`. Call it several times for several LoRAs, before
+    /// [`compile`](StableDiffusionXLPipeline::compile). Keys that fit no layer are an error
+    /// naming them, and the pipeline is left unchanged.
+    pub fn load_lora(
+        &mut self,
+        path: impl AsRef<Path>,
+        scale: f32,
+    ) -> Result<crate::lora::LoraReport> {
+        use oxidiff_models::lora::LoraComponent;
+        crate::lora::fuse_into(
+            path.as_ref(),
+            scale,
+            &mut self.unet,
+            &mut [
+                (LoraComponent::TextEncoder, &mut self.text_encoder),
+                (LoraComponent::TextEncoder2, &mut self.text_encoder_2),
+            ],
+            "SDXL pipeline",
+            self.compiled.is_some(),
+        )
+    }
+
     /// Swaps the scheduler, keeping the checkpoint's betas config.
     pub fn set_scheduler(&mut self, name: &str) -> Result<()> {
         let config = self.scheduler_config.switched_to_named(name)?;

@@ -15,6 +15,7 @@ use oxidiff::latents::{encode_npy, read_latents};
 use oxidiff::pipelines::host::read_f32;
 use oxidiff::pipelines::hub::resolve_model_with_progress;
 use oxidiff::pipelines::image::write_atomic;
+use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags, strip_prompt_tags};
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::OutputType;
 use oxidiff::pipelines::{
@@ -24,6 +25,7 @@ use oxidiff::pipelines::{
     XlOptions, PIXART_CLASSES,
 };
 use oxidiff::pipelines::{FluxPipeline, FluxRequest, FLUX_CLASSES};
+use oxidiff::pipelines::{LoraReport, LoraSpec};
 use oxidiff::pipelines::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
 use oxidiff::schedulers::TorchCpuGenerators;
 use oxidiff::{Oxi, OxiDevice};
@@ -185,6 +187,11 @@ struct Args {
     /// Hub revision (branch, tag or commit) of a Hub --model; the same as `org/name@REV`.
     #[arg(long, value_name = "REV")]
     revision: Option<String>,
+    /// A LoRA to fuse into the UNet and text encoders (SD 1.x/2.x, SDXL), diffusers/PEFT or
+    /// kohya/A1111 format, at SCALE (default 1); repeat for several. Recorded in the PNG as
+    /// A1111 does: `<lora:NAME:SCALE>` after the prompt and a `Lora hashes` field.
+    #[arg(long, value_name = "FILE[:SCALE]")]
+    lora: Vec<LoraSpec>,
 }
 
 /// `--output-type`.
@@ -281,7 +288,16 @@ fn apply_from_png(args: &mut Args) -> Result<()> {
         return Ok(());
     };
     let p = GenerationParameters::from_png(path)?;
-    args.prompt.get_or_insert(p.prompt);
+    // `<lora:NAME:SCALE>` tags name LoRAs, not text: the prompt is encoded without them.
+    let (prompt, tags) = strip_prompt_tags(&p.prompt);
+    if !tags.is_empty() && args.lora.is_empty() && args.prompt.is_none() {
+        eprintln!(
+            "warning: {} was made with {}; pass --lora FILE:SCALE for each to make it again",
+            path.display(),
+            tags.join(" ")
+        );
+    }
+    args.prompt.get_or_insert(prompt);
     args.negative_prompt.get_or_insert(p.negative_prompt);
     args.steps.get_or_insert(p.steps);
     args.guidance.get_or_insert(p.guidance_scale);
@@ -475,6 +491,26 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
         None => Pipeline::load(&dir, &class, &options, &device),
     }
     .with_context(|| format!("loading {}", args.model))?;
+    let mut loras = Vec::with_capacity(args.lora.len());
+    for spec in &args.lora {
+        let report = pipe
+            .load_lora(spec)
+            .with_context(|| format!("--lora {}", spec.path.display()))?;
+        if !args.quiet {
+            let layers: Vec<String> = report
+                .layers
+                .iter()
+                .map(|(component, n)| format!("{n} {component} layers"))
+                .collect();
+            eprintln!(
+                "fused LoRA {} at scale {} ({})",
+                display(&report.path),
+                report.scale,
+                layers.join(", ")
+            );
+        }
+        loras.push(report);
+    }
     if args.compile {
         pipe.compile()?;
     }
@@ -533,8 +569,16 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
                         let values = &images.data[j * size..(j + 1) * size];
                         write_atomic(path, &encode_npy(values, &[images.height, images.width, 3]))?;
                     } else {
+                        let mut extra = Vec::new();
+                        if !loras.is_empty() {
+                            extra.push(("Lora hashes".to_string(), hashes_field(&loras)));
+                        }
+                        extra.push((
+                            "Version".into(),
+                            format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
+                        ));
                         let parameters = GenerationParameters {
-                            prompt: prompt.clone(),
+                            prompt: prompt_with_tags(&prompt, &loras),
                             negative_prompt: negative_prompt.clone(),
                             steps,
                             sampler: sampler.clone(),
@@ -543,10 +587,7 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
                             width: images.width,
                             height: images.height,
                             model: model.clone(),
-                            extra: vec![(
-                                "Version".into(),
-                                format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-                            )],
+                            extra,
                         };
                         images.save_png_with_parameters(j, path, Some(&parameters))?;
                     }
@@ -582,6 +623,11 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
             "guidance": guidance,
             "sampler": sampler,
             "model": model,
+            "loras": loras.iter().map(|l| serde_json::json!({
+                "file": display(&l.path),
+                "scale": l.scale,
+                "hash": l.short_hash,
+            })).collect::<Vec<_>>(),
             "pipeline": class,
             "device": device.to_string(),
             "mode": mode,
@@ -744,6 +790,17 @@ impl Pipeline {
                 path, options, device,
             )?))
         })
+    }
+
+    /// Fuses a LoRA into the UNet and text encoders (SD and SDXL).
+    fn load_lora(&mut self, spec: &LoraSpec) -> Result<LoraReport> {
+        match self {
+            Self::Sd(pipe) => Ok(pipe.load_lora(&spec.path, spec.scale)?),
+            Self::Xl(pipe) => Ok(pipe.load_lora(&spec.path, spec.scale)?),
+            Self::PixArt(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not PixArt"),
+            Self::Flux(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not Flux"),
+            Self::Sd3(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not SD3"),
+        }
     }
 
     fn compile(&mut self) -> Result<()> {
