@@ -395,7 +395,7 @@ fn txt2img_picks_flux_by_class_name_and_makes_diffusers_png() {
             .args(["--seed", &text("seed")])
             .args(["--width", &text("width"), "--height", &text("height")])
             .args(["--max-sequence-length", &text("max_sequence_length")])
-            .args(["--quiet", "-o", out.to_str().unwrap()])
+            .args(["-o", out.to_str().unwrap()])
             .args(extra)
             .arg(text("prompt"))
             .env("HF_HUB_OFFLINE", "1")

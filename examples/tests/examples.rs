@@ -31,6 +31,12 @@ fn cpu_examples_write_their_images() {
     let unipc = std::fs::read(tmp.path().join("unipc_karras.png")).unwrap();
     assert_png(&tmp.path().join("unipc_karras.png"));
     assert_ne!(euler, unipc, "two schedulers, two images");
+    let stdout = run(env!("CARGO_BIN_EXE_lora"), tmp.path(), &[]);
+    assert!(stdout.contains("unet layers changed"), "{stdout}");
+    let base = std::fs::read(tmp.path().join("base.png")).unwrap();
+    let lora = std::fs::read(tmp.path().join("lora.png")).unwrap();
+    assert_png(&tmp.path().join("lora.png"));
+    assert_ne!(base, lora, "the fused LoRA changes the image");
 }
 
 #[test]
