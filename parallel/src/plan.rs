@@ -70,6 +70,11 @@ impl TensorParallelPlan {
 /// Implemented by models that can be split across devices; the plan sits beside the model.
 pub trait TensorParallel {
     fn tensor_parallel_plan() -> TensorParallelPlan;
+
+    /// The sizes the tensor-parallel degree must divide (each sharded attention's heads, each
+    /// sharded feed-forward's inner width), checked by
+    /// [`ParallelConfig::validate`](crate::ParallelConfig::validate).
+    fn sharded_widths(&self) -> Vec<crate::ShardedWidth>;
 }
 
 fn path_matches(pattern: &str, path: &str) -> bool {
