@@ -113,7 +113,7 @@ impl ParallelConfig {
         }
         if self.tp() > 1 {
             for width in target.widths {
-                if width.size % self.tp() != 0 {
+                if !width.size.is_multiple_of(self.tp()) {
                     return Err(ParallelError::Indivisible {
                         model: target.model.to_string(),
                         layer: width.layer.clone(),
