@@ -397,3 +397,33 @@ fn pipeline_enable_parallelism_generates_what_one_device_does() {
     assert_eq!(bytes[0], bytes[1]);
     assert!(bytes[0].sharded > 0);
 }
+
+#[test]
+fn txt2img_tp_and_dp_need_compile_and_a_fitting_degree() {
+    if skip() {
+        return;
+    }
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+            .args(["--model"])
+            .arg(model_dir("tiny-sd1"))
+            .args([
+                "--steps", "1", "--seed", "1", "--quiet", "--device", "xla:cpu",
+            ])
+            .args(extra)
+            .arg("-o")
+            .arg(std::env::temp_dir().join("oxidiff-parallel-cli-test.png"))
+            .arg("a horse")
+            .output()
+            .expect("txt2img runs");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let stderr = run(&["--tp", "2"]);
+    assert!(stderr.contains("add --compile"), "{stderr}");
+    let stderr = run(&["--compile", "--tp", "3"]);
+    assert!(
+        stderr.contains("does not divide the 8 attention heads"),
+        "{stderr}"
+    );
+}

@@ -10,6 +10,7 @@ use burn::tensor::{Tensor, TensorData};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use oxidiff::latents::read_latents;
+use oxidiff::pipelines::parallel::ParallelConfig;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::{
     pipeline_class, resolve_model, CancelToken, GenerateRequest, GenerationParameters, LoadOptions,
@@ -96,6 +97,14 @@ struct Args {
     /// later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     compile: bool,
+    /// Tensor parallelism with --compile: the denoiser's transformer blocks split over N
+    /// devices from --device on (N must divide every attention's heads and feed-forward width).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    tp: usize,
+    /// Data parallelism with --compile: each step's batch split over N devices (with --tp M,
+    /// a mesh of N x M devices).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    dp: usize,
     /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma); longer
     /// prompts are cut with a warning.
     #[arg(long)]
@@ -254,6 +263,12 @@ fn run(mut args: Args) -> Result<()> {
     if args.compile {
         pipe.compile()?;
     }
+    if args.tp != 1 || args.dp != 1 {
+        if !args.compile {
+            bail!("--tp and --dp partition the compiled step: add --compile (and a PJRT --device)");
+        }
+        pipe.enable_parallelism(ParallelConfig::new(args.dp, args.tp))?;
+    }
     let loaded = started.elapsed();
     let pixart_options = (args.max_sequence_length, !args.no_resolution_binning);
     let sampler = args
@@ -346,6 +361,14 @@ impl Pipeline {
                 dir, options, device,
             )?))
         })
+    }
+
+    fn enable_parallelism(&mut self, config: ParallelConfig) -> Result<()> {
+        match self {
+            Self::Sd(pipe) => Ok(pipe.enable_parallelism(config)?),
+            Self::PixArt(pipe) => Ok(pipe.enable_parallelism(config)?),
+            Self::Xl(_) => bail!("--tp and --dp are not supported for SDXL pipelines yet"),
+        }
     }
 
     fn compile(&mut self) -> Result<()> {
