@@ -173,9 +173,9 @@ fn unet_step_tensor_and_data_parallel_match_one_device() {
             GUIDED_TOLERANCE
         };
         for config in configs {
-            let model = unet(&device);
+            let mut model = unet(&device);
             let placement =
-                enable_parallelism(&model, &device, config).unwrap_or_else(|e| panic!("{e}"));
+                enable_parallelism(&mut model, &device, config).unwrap_or_else(|e| panic!("{e}"));
             let parallel = step(model, Some(placement.clone()));
             let actual = run_step(&parallel, &values, batch, &device);
             let err = relative_error(&actual, &expected);
@@ -207,6 +207,16 @@ fn unet_step_tensor_and_data_parallel_match_one_device() {
                 assert_eq!(b.replicated, bytes[0].replicated);
             }
             if config.tp() > 1 {
+                // GEGLU's value and gate columns are placed shard-aligned: no transfer
+                // between the devices before `value * gelu(gate)`.
+                let counts = parallel.optimized_opcode_counts().unwrap();
+                assert!(
+                    !counts[0]
+                        .keys()
+                        .any(|op| op.starts_with("collective-permute")),
+                    "{:?}",
+                    counts[0]
+                );
                 assert!(
                     reduces >= row_layers,
                     "{reduces} all-reduces for {row_layers} row-wise layers"
@@ -255,9 +265,10 @@ fn pixart_transformer_tensor_parallel_matches_one_device() {
     let single = make(load());
     let expected = to_vec(single.call(inputs()).unwrap().to_device(&OxiDevice::Cpu));
     for tp in [2, 4] {
-        let model = load();
-        let placement = enable_parallelism(&model, &device, TensorParallelConfig::new(tp).into())
-            .unwrap_or_else(|e| panic!("{e}"));
+        let mut model = load();
+        let placement =
+            enable_parallelism(&mut model, &device, TensorParallelConfig::new(tp).into())
+                .unwrap_or_else(|e| panic!("{e}"));
         let parallel = make(model).with_spmd(placement.clone(), Vec::new());
         let actual = to_vec(parallel.call(inputs()).unwrap().to_device(&OxiDevice::Cpu));
         let err = relative_error(&actual, &expected);
@@ -283,9 +294,9 @@ fn bad_parallel_configs_are_refused_before_anything_moves() {
         return;
     }
     let device = xla();
-    let model = unet(&device);
+    let mut model = unet(&device);
     // The tiny UNet has 8 heads per attention: 3 does not divide them.
-    let err = enable_parallelism(&model, &device, TensorParallelConfig::new(3).into())
+    let err = enable_parallelism(&mut model, &device, TensorParallelConfig::new(3).into())
         .err()
         .expect("tp 3 is refused");
     assert!(
@@ -297,7 +308,7 @@ fn bad_parallel_configs_are_refused_before_anything_moves() {
     );
     assert!(err.to_string().contains("attention heads"), "{err}");
     // Four devices here.
-    let err = enable_parallelism(&model, &device, TensorParallelConfig::new(8).into())
+    let err = enable_parallelism(&mut model, &device, TensorParallelConfig::new(8).into())
         .err()
         .expect("tp 8 is refused");
     assert!(
@@ -311,14 +322,14 @@ fn bad_parallel_configs_are_refused_before_anything_moves() {
         ),
         "{err}"
     );
-    let err = enable_parallelism(&model, &device, ParallelConfig::new(2, 4))
+    let err = enable_parallelism(&mut model, &device, ParallelConfig::new(2, 4))
         .err()
         .expect("dp 2 x tp 4 is refused");
     assert!(err.to_string().contains("needs 8 devices"), "{err}");
     // The CPU backend cannot be partitioned.
-    let cpu_model = unet(&OxiDevice::Cpu);
+    let mut cpu_model = unet(&OxiDevice::Cpu);
     let err = enable_parallelism(
-        &cpu_model,
+        &mut cpu_model,
         &OxiDevice::Cpu,
         TensorParallelConfig::new(2).into(),
     )

@@ -49,6 +49,11 @@ pub enum Layout {
     /// Dimension `d` split over the tensor-parallel axis (a sharded weight), replicated over
     /// the batch axis.
     TensorSplit(usize),
+    /// Dimension `d`, made of `packed` equal segments side by side (GEGLU's value and gate
+    /// columns), split over the tensor-parallel axis segment by segment: block `t` is slice
+    /// `t` of every segment, so each device holds matching values and gates. The program sees
+    /// the tensor in that block order (the model reads it so: see `FeedForward::geglu_groups`).
+    PackedTensorSplit(usize, usize),
     /// Dimension `d` split over the batch axis (data parallelism), replicated over the
     /// tensor-parallel axis.
     BatchSplit(usize),
@@ -59,7 +64,9 @@ impl Layout {
     /// holds the whole tensor.
     fn split(&self, mesh: &Mesh, rank: usize) -> Option<(usize, usize)> {
         match *self {
-            Self::TensorSplit(d) if d < rank && mesh.tp > 1 => Some((d, mesh.tp)),
+            Self::TensorSplit(d) | Self::PackedTensorSplit(d, _) if d < rank && mesh.tp > 1 => {
+                Some((d, mesh.tp))
+            }
             Self::BatchSplit(d) if d < rank && mesh.dp > 1 => Some((d, mesh.dp)),
             _ => None,
         }
@@ -68,8 +75,16 @@ impl Layout {
     /// Which block of the split dimension partition `p` holds.
     fn block_of(&self, mesh: &Mesh, p: usize) -> usize {
         match self {
-            Self::TensorSplit(_) => p % mesh.tp,
+            Self::TensorSplit(_) | Self::PackedTensorSplit(..) => p % mesh.tp,
             _ => p / mesh.tp,
+        }
+    }
+
+    /// Segments of the split dimension ([`PackedTensorSplit`](Self::PackedTensorSplit)), else 1.
+    fn packed(&self) -> usize {
+        match *self {
+            Self::PackedTensorSplit(_, packed) => packed.max(1),
+            _ => 1,
         }
     }
 
@@ -88,7 +103,7 @@ impl Layout {
         for block in 0..blocks {
             for copy in 0..copies {
                 devices.push(match self {
-                    Self::TensorSplit(_) => copy * mesh.tp + block,
+                    Self::TensorSplit(_) | Self::PackedTensorSplit(..) => copy * mesh.tp + block,
                     _ => block * mesh.tp + copy,
                 });
             }
@@ -128,14 +143,18 @@ impl Layout {
             return bytes.to_vec();
         };
         let block = self.block_of(mesh, p);
+        let packed = self.packed();
         let outer: usize = dims[..dim].iter().product();
         let inner: usize = dims[dim + 1..].iter().product::<usize>() * elem;
-        let chunk = dims[dim] / blocks * inner;
+        let segment = dims[dim] / packed * inner;
+        let chunk = dims[dim] / packed / blocks * inner;
         let row = dims[dim] * inner;
-        let mut part = Vec::with_capacity(outer * chunk);
+        let mut part = Vec::with_capacity(outer * chunk * packed);
         for o in 0..outer {
-            let start = o * row + block * chunk;
-            part.extend_from_slice(&bytes[start..start + chunk]);
+            for s in 0..packed {
+                let start = o * row + s * segment + block * chunk;
+                part.extend_from_slice(&bytes[start..start + chunk]);
+            }
         }
         part
     }
@@ -153,9 +172,12 @@ impl Layout {
     /// of its blocks).
     pub fn check(&self, mesh: &Mesh, dims: &[usize]) -> Result<(), String> {
         match self.split(mesh, dims.len()) {
-            Some((dim, blocks)) if !dims[dim].is_multiple_of(blocks) => Err(format!(
-                "dimension {dim} of shape {dims:?} does not split into {blocks} equal parts"
-            )),
+            Some((dim, blocks)) if !dims[dim].is_multiple_of(blocks * self.packed()) => {
+                Err(format!(
+                    "dimension {dim} of shape {dims:?} does not split into {} equal parts",
+                    blocks * self.packed()
+                ))
+            }
             _ => Ok(()),
         }
     }
@@ -428,5 +450,21 @@ mod tests {
         assert!(Layout::TensorSplit(1)
             .check(&Mesh::new(1, 3), &[2, 4])
             .is_err());
+        // Value and gate columns [v0 v1 g0 g1]: device t gets [v_t g_t].
+        let mesh = Mesh::new(1, 2);
+        let packed = Layout::PackedTensorSplit(1, 2);
+        assert_eq!(
+            packed.part_of(&mesh, 0, &bytes, &[2, 4], 1),
+            vec![0, 2, 4, 6]
+        );
+        assert_eq!(
+            packed.part_of(&mesh, 1, &bytes, &[2, 4], 1),
+            vec![1, 3, 5, 7]
+        );
+        assert_eq!(
+            packed.hlo_sharding(&mesh, 2),
+            Layout::TensorSplit(1).hlo_sharding(&mesh, 2)
+        );
+        assert!(packed.check(&mesh, &[2, 6]).is_err());
     }
 }

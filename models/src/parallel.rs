@@ -21,6 +21,10 @@ pub struct ShardedParam<B: Backend> {
     /// column-wise bias splits its only dimension. (A row-wise bias stays whole and is not
     /// listed.)
     pub split_dim: usize,
+    /// Equal segments of the split dimension that are split one by one (2 for GEGLU's
+    /// `ff.net.0.proj`, whose output is `[values, gates]`; else 1): device `t` gets slice `t`
+    /// of each, which matches [`FeedForward::geglu_groups`] set to the degree.
+    pub packed: usize,
     pub dims: Vec<usize>,
     /// The parameter's tensor (its handle: the backend finds its device buffer by it).
     pub tensor: TensorPrimitive<B>,
@@ -37,7 +41,36 @@ pub fn sharded_params<B: Backend, M: Module<B>>(
         found: Vec::new(),
     };
     module.visit(&mut visitor);
-    visitor.found
+    let mut found = visitor.found;
+    // A feed-forward's first projection is GEGLU's packed one when it is twice as wide as
+    // the second projection's input.
+    let inner_of: std::collections::HashMap<String, usize> = found
+        .iter()
+        .filter_map(|p| {
+            let ff = p.key.strip_suffix(".net.2.weight")?;
+            Some((ff.to_string(), p.dims[0]))
+        })
+        .collect();
+    for param in &mut found {
+        let ff = param
+            .key
+            .strip_suffix(".net.0.proj.weight")
+            .or_else(|| param.key.strip_suffix(".net.0.proj.bias"));
+        if let Some(inner) = ff.and_then(|ff| inner_of.get(ff)) {
+            if param.dims[param.split_dim] == 2 * inner {
+                param.packed = 2;
+            }
+        }
+    }
+    found
+}
+
+/// Groups every GEGLU feed-forward's columns for `tp` devices ([`FeedForward::geglu_groups`]);
+/// the weights must be placed to match (tensor parallelism does both).
+pub(crate) fn set_geglu_groups<B: Backend>(feed_forwards: &mut [&mut FeedForward<B>], tp: usize) {
+    for ff in feed_forwards {
+        ff.geglu_groups = tp.max(1);
+    }
 }
 
 struct PlanVisitor<'a, B: Backend> {
@@ -93,6 +126,7 @@ impl<B: Backend> ModuleVisitor<B> for PlanVisitor<'_, B> {
             key: format!("{module_path}.{leaf}"),
             style,
             split_dim,
+            packed: 1,
             dims: tensor.dims().to_vec(),
             tensor: tensor.into_primitive(),
         });

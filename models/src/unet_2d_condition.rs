@@ -17,7 +17,7 @@ use crate::config::{check_groups, load_json, PerBlock};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
-use crate::parallel::block_widths;
+use crate::parallel::{block_widths, set_geglu_groups};
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
 use crate::weights::{VarBuilder, Weights};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
@@ -759,16 +759,41 @@ const UNET_RULES: [ShardRule; 30] = transformer_block_rules!(
 
 /// The UNet's plan: the transformer blocks of every cross-attention down, mid and up block.
 /// The ResNets, convolutions, norms and the time embedding stay replicated. GEGLU's
-/// `ff.net.0.proj` packs value and gate side by side; a contiguous column split puts the value
-/// columns and the gate columns on different devices, so XLA's partitioner moves half of the
-/// projection between devices before `value * gelu(gate)` (a collective-permute). The result
-/// is exact either way; interleaving the columns at load would save that transfer.
+/// `ff.net.0.proj` packs value and gate side by side; a contiguous column split would put the
+/// values and the gates on different devices (and XLA would move half the projection between
+/// them). So its columns are placed shard-aligned instead: device `t` gets value slice `t`
+/// with gate slice `t` ([`crate::ShardedParam::packed`]), and the forward pass reads them in
+/// that order ([`set_tensor_parallel_degree`](TensorParallel::set_tensor_parallel_degree)).
 impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
     fn tensor_parallel_plan() -> TensorParallelPlan {
         TensorParallelPlan {
             model: "UNet2DConditionModel",
             rules: &UNET_RULES,
         }
+    }
+
+    fn set_tensor_parallel_degree(&mut self, tp: usize) {
+        let mut feed_forwards = Vec::new();
+        let attentions = self
+            .down_blocks
+            .iter_mut()
+            .flat_map(|b| b.attentions.iter_mut())
+            .chain(
+                self.mid_block
+                    .iter_mut()
+                    .flat_map(|m| m.attentions.iter_mut()),
+            )
+            .chain(
+                self.up_blocks
+                    .iter_mut()
+                    .flat_map(|b| b.attentions.iter_mut()),
+            );
+        for transformer in attentions {
+            for block in &mut transformer.transformer_blocks {
+                feed_forwards.push(&mut block.ff);
+            }
+        }
+        set_geglu_groups(&mut feed_forwards, tp);
     }
 
     fn sharded_widths(&self) -> Vec<ShardedWidth> {

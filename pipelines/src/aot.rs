@@ -101,7 +101,7 @@ fn trace_step(
     };
     // A device of its own, so recordings of other threads or callers stay apart.
     let device = OxiDevice::Cpu;
-    let unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, variant, &device)?;
+    let mut unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, variant, &device)?;
     let _loading = take_ops(&device);
     let split: HashMap<_, _> = match parallel {
         Some((config, devices)) => {
@@ -113,6 +113,7 @@ fn trace_step(
                 devices_available: devices,
                 compiled_pjrt: true,
             })?;
+            unet.set_tensor_parallel_degree(config.tp());
             split_weights::<Traced, _>(&unet, config)
                 .into_iter()
                 .collect()

@@ -37,22 +37,27 @@ where
         .into_iter()
         // Quantized weights are not split (no model here loads them).
         .filter_map(|param| match &param.tensor {
-            TensorPrimitive::Float(t) => {
-                Some((t.tensor_id(), Layout::TensorSplit(param.split_dim)))
-            }
+            TensorPrimitive::Float(t) => Some((
+                t.tensor_id(),
+                match param.packed {
+                    1 => Layout::TensorSplit(param.split_dim),
+                    packed => Layout::PackedTensorSplit(param.split_dim, packed),
+                },
+            )),
             TensorPrimitive::QFloat(_) => None,
         })
         .collect()
 }
 
-/// Checks `config` for `model` on `device` and places the model's weights on the mesh it
+/// Checks `config` for `model` on `device`, readies its forward pass for the split
+/// ([`TensorParallel::set_tensor_parallel_degree`]) and places its weights on the mesh it
 /// names (devices `device`, `device + 1`, ...): each split weight as one shard per device (the
 /// whole buffer leaves `device`), the others copied to every device on first use. After this
 /// the model's split weights live only in the returned placement: run the model through a
 /// [`CompiledFn`](oxidiff_backend_tpu::CompiledFn) made [`with_spmd`](oxidiff_backend_tpu::CompiledFn::with_spmd)
 /// on it, not eagerly.
 pub fn enable_parallelism<M>(
-    model: &M,
+    model: &mut M,
     device: &OxiDevice,
     config: ParallelConfig,
 ) -> Result<Arc<SpmdPlacement>>
@@ -74,8 +79,12 @@ where
         devices_available: available,
         compiled_pjrt: device.is_pjrt(),
     })?;
+    model.set_tensor_parallel_degree(config.tp());
     let split = split_weights::<Oxi, M>(model, &config);
     let placement = SpmdPlacement::new(device, Mesh::new(config.dp(), config.tp()), &split)
-        .map_err(PipelineError::Device)?;
+        .map_err(|e| {
+            model.set_tensor_parallel_degree(1);
+            PipelineError::Device(e)
+        })?;
     Ok(Arc::new(placement))
 }

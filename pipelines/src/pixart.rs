@@ -537,7 +537,7 @@ impl PixArtPipeline<Oxi> {
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
         let device = self.transformer.device();
         let placement =
-            crate::parallel::enable_parallelism(&self.transformer, &device, config.into())?;
+            crate::parallel::enable_parallelism(&mut self.transformer, &device, config.into())?;
         self.compile_on(Some(placement))
     }
 

@@ -570,7 +570,8 @@ impl StableDiffusionPipeline<Oxi> {
     /// device.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
         let device = self.unet_device();
-        let placement = crate::parallel::enable_parallelism(&self.unet, &device, config.into())?;
+        let placement =
+            crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;
         let unet = self.unet.clone();
         let step: StepFn = Box::new(move |(sample, timestep, context, guidance)| {
             guided_noise(&unet, sample, timestep, context, guidance)

@@ -93,9 +93,9 @@ fn main() -> Result<()> {
         ("dp 4", ParallelConfig::new(4, 1)),
     ];
     for (name, parallel) in modes {
-        let unet = UNet2DConditionModel::<Oxi>::from_dir(&unet_dir, None, &device)?;
+        let mut unet = UNet2DConditionModel::<Oxi>::from_dir(&unet_dir, None, &device)?;
         let placement: Option<Arc<SpmdPlacement>> = if parallel.is_parallel() {
-            Some(enable_parallelism(&unet, &device, parallel)?)
+            Some(enable_parallelism(&mut unet, &device, parallel)?)
         } else {
             None
         };
