@@ -4,7 +4,7 @@
 //! `mhlo.sharding` attributes, and the weights' shards placed once on their devices
 //! ([`SpmdPlacement`]), so each device holds only its slice of a split weight.
 //!
-//! Where this sits: models declare which layers split ([`oxidiff_parallel`]-style plans);
+//! Where this sits: models declare which layers split (`oxidiff-parallel` plans);
 //! pipelines turn a plan into tensor ids and [`Layout`]s; [`CompiledFn::with_spmd`](crate::CompiledFn::with_spmd)
 //! runs the program on the mesh. XLA's partitioner inserts the collectives (all-reduce after a
 //! row-wise layer, whatever resharding the layouts need); results come back replicated, and the

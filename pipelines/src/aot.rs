@@ -99,7 +99,12 @@ fn trace_step(
         PerBlock::One(d) => *d,
         PerBlock::Each(dims) => dims.first().copied().unwrap_or(768),
     };
-    // A device of its own, so recordings of other threads or callers stay apart.
+    // The traced backend records per device, for every thread: one trace at a time, so two
+    // callers tracing at once (tests run in parallel) do not get each other's ops.
+    static TRACING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let device = OxiDevice::Cpu;
     let mut unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, variant, &device)?;
     let _loading = take_ops(&device);
