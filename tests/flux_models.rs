@@ -174,3 +174,32 @@ fn tensor_parallel_plan_splits_attention_and_mlp_but_not_packed_proj_out() {
     assert_eq!(style("transformer_blocks.0.norm1.linear"), None);
     assert_eq!(style("proj_out"), None);
 }
+
+#[test]
+fn sharded_widths_name_every_split_attention_and_mlp_for_validation() {
+    use oxidiff_parallel::{ParallelConfig, ParallelError, ParallelTarget, TensorParallelConfig};
+    let device = Default::default();
+    let dir = model_dir("tiny-flux-dev").join("transformer");
+    let model = FluxTransformer2DModel::<B>::from_dir(&dir, None, &device).unwrap();
+    let widths = model.sharded_widths();
+    // 2 double blocks (attn, ff, ff_context) and 2 single blocks (attn, proj_mlp).
+    assert_eq!(widths.len(), 2 * 3 + 2 * 2, "{widths:?}");
+    let target = ParallelTarget {
+        model: "FluxTransformer2DModel",
+        widths: &widths,
+        device: "xla:cpu:0",
+        devices_available: 8,
+        compiled_pjrt: true,
+    };
+    // The tiny model has 2 heads: tp 2 fits, tp 4 does not and names the layer.
+    ParallelConfig::from(TensorParallelConfig::new(2))
+        .validate(&target)
+        .unwrap();
+    let err = ParallelConfig::from(TensorParallelConfig::new(4))
+        .validate(&target)
+        .unwrap_err();
+    assert!(
+        matches!(&err, ParallelError::Indivisible { layer, size: 2, .. } if layer == "transformer_blocks.0.attn"),
+        "{err}"
+    );
+}

@@ -101,6 +101,7 @@ use crate::device::OxiDevice;
 use crate::eager::{scalar_bytes, PjrtClient};
 use crate::lowering::{Argument, LowerError, LoweredFunction, Lowerer};
 use crate::pjrt::{self, Buffer, CompileOptions, ElementType, LoadedExecutable};
+use crate::spmd::{Layout, SpmdPlacement};
 use crate::Oxi;
 
 /// Environment variable: when set (to anything but `0`), every compile is
@@ -423,6 +424,31 @@ struct Program {
     outputs: Vec<(Shape, DType)>,
     /// Inputs whose buffers the program may reuse for an output.
     donated: Vec<usize>,
+    /// Partitioned programs: copies of each owned argument (by argument index) on the
+    /// mesh's other devices, in partition order from partition 1.
+    replicas: HashMap<usize, Vec<Buffer>>,
+}
+
+/// How a partitioned function runs ([`CompiledFn::with_spmd`]).
+struct SpmdRun {
+    placement: Arc<SpmdPlacement>,
+    /// The layout of each input, by position (missing ones are replicated).
+    inputs: Vec<Layout>,
+}
+
+impl SpmdRun {
+    /// Input `k`'s layout for shape `dims`: a batch split that does not divide (a batch of
+    /// one on two devices) keeps the input whole, and the partitioner splits what it can.
+    fn input_layout(&self, k: usize, dims: &[usize]) -> Layout {
+        match self.inputs.get(k).copied().unwrap_or(Layout::Replicated) {
+            layout @ Layout::BatchSplit(_)
+                if layout.check(self.placement.mesh(), dims).is_err() =>
+            {
+                Layout::Replicated
+            }
+            layout => layout,
+        }
+    }
 }
 
 /// What one compile did, for logs, tests and benchmarks.
@@ -498,6 +524,8 @@ pub struct CompiledFn<I, O, F> {
     donations: Vec<(usize, usize)>,
     /// Where serialized executables are kept between processes.
     disk_cache: Option<PathBuf>,
+    /// Partitioned over a device mesh, when set.
+    spmd: Option<SpmdRun>,
     _io: PhantomData<fn(I) -> O>,
 }
 
@@ -518,6 +546,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             log: Mutex::default(),
             donations: Vec::new(),
             disk_cache: std::env::var_os(COMPILE_CACHE_ENV).map(PathBuf::from),
+            spmd: None,
             _io: PhantomData,
         }
     }
@@ -540,6 +569,44 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     pub fn donate(mut self, input: usize, output: usize) -> Self {
         self.donations.push((input, output));
         self
+    }
+
+    /// Runs the function as one program partitioned over `placement`'s device mesh by XLA
+    /// (GSPMD, see [`spmd`](crate::spmd)): weights as `placement` laid them out (split ones as
+    /// shards, the others replicated), input `k` as `inputs[k]` (missing ones replicated),
+    /// results replicated and returned on the mesh's first device, where the inputs must live.
+    /// Partitioned programs skip donation and the disk cache.
+    pub fn with_spmd(mut self, placement: Arc<SpmdPlacement>, inputs: Vec<Layout>) -> Self {
+        self.spmd = Some(SpmdRun { placement, inputs });
+        self.disk_cache = None;
+        self
+    }
+
+    /// The device mesh and weights of a partitioned function ([`with_spmd`](Self::with_spmd)).
+    pub fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>> {
+        self.spmd.as_ref().map(|spmd| &spmd.placement)
+    }
+
+    /// The opcodes of each program's optimized HLO with their counts (XLA's program after
+    /// its passes, the SPMD partitioner's collectives included: `all-reduce`,
+    /// `collective-permute`, `all-gather`, ...), one map per program built so far.
+    pub fn optimized_opcode_counts(
+        &self,
+    ) -> Result<Vec<std::collections::BTreeMap<String, usize>>, CompileError> {
+        let programs: Vec<Arc<Program>> = lock(&self.programs).values().cloned().collect();
+        programs
+            .iter()
+            .map(|program| {
+                let read = || -> pjrt::Result<_> {
+                    let (format, bytes) = program.executable.executable()?.optimized_program()?;
+                    pjrt::hlo::opcode_counts(&format, &bytes)
+                };
+                read().map_err(|e| CompileError::Placement {
+                    name: self.name.clone(),
+                    message: format!("reading the optimized program: {e}"),
+                })
+            })
+            .collect()
     }
 
     /// The name given to [`new`](Self::new).
@@ -784,10 +851,70 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             sources.push(source);
         }
 
+        // Partitioned: shardings on the arguments and results, no donation.
+        let spmd_module = self.spmd.as_ref().map(|spmd| {
+            let mesh = spmd.placement.mesh();
+            if spmd.placement.device() != device {
+                return Err(format!(
+                    "its inputs are on {device} but its device mesh starts at {}",
+                    spmd.placement.device()
+                ));
+            }
+            let mut shardings = Vec::with_capacity(sources.len());
+            for (source, (_, ty)) in sources.iter().zip(&function.arguments) {
+                let layout = match source {
+                    Source::Input(k) => spmd.input_layout(*k, &ty.dims),
+                    Source::Captured(id) => spmd.placement.layout_of(*id),
+                    _ => Layout::Replicated,
+                };
+                layout
+                    .check(mesh, &ty.dims)
+                    .map_err(|e| format!("an argument of type {}: {e}", ty.mlir()))?;
+                shardings.push(layout.hlo_sharding(mesh, ty.dims.len()));
+            }
+            let results = vec![Layout::Replicated.hlo_sharding(mesh, 0); function.results.len()];
+            Ok(function.partitioned(mesh.partitions(), &shardings, &results))
+        });
+        let mut module = match spmd_module {
+            Some(Ok(module)) => module,
+            Some(Err(message)) => {
+                free_released();
+                return Err(CompileError::Placement {
+                    name: name.clone(),
+                    message,
+                });
+            }
+            None => function.module,
+        };
+        let mut replicas = HashMap::new();
+        if let Some(spmd) = &self.spmd {
+            for (i, source) in sources.iter().enumerate() {
+                if let Source::Owned(buffer) = source {
+                    let copies = spmd.placement.devices()[1..]
+                        .iter()
+                        .map(|d| buffer.copy_to_device(d))
+                        .collect::<pjrt::Result<Vec<_>>>();
+                    match copies {
+                        Ok(copies) => {
+                            replicas.insert(i, copies);
+                        }
+                        Err(e) => {
+                            free_released();
+                            return Err(run_error(format!("replicating a constant: {e}")));
+                        }
+                    }
+                }
+            }
+        }
+
         // Donations: mark the argument, check the types.
-        let mut module = function.module;
         let mut donated = Vec::new();
-        for &(input, output) in &self.donations {
+        let donations: &[(usize, usize)] = if self.spmd.is_some() {
+            &[]
+        } else {
+            &self.donations
+        };
+        for &(input, output) in donations {
             let checked = (|| {
                 if input >= irs.len() || output >= out_irs.len() {
                     return Err(format!(
@@ -838,6 +965,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         let disk = self
             .disk_cache
             .as_ref()
+            .filter(|_| self.spmd.is_none())
             .map(|dir| dir.join(format!("{key}.pjrt")));
         let mut rejected = None;
         let loaded = disk.as_ref().and_then(|path| {
@@ -877,7 +1005,18 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             tracing::info!(target: "oxidiff::compile", program = %name, reason = %reason, "compiling");
         }
         let from_disk = loaded.is_some();
-        let options = CompileOptions::on_device(i64::from(pjrt_device.id()));
+        let options = match &self.spmd {
+            Some(spmd) => {
+                let ids: Vec<i64> = spmd
+                    .placement
+                    .devices()
+                    .iter()
+                    .map(|d| i64::from(d.id()))
+                    .collect();
+                CompileOptions::spmd(&ids)
+            }
+            None => CompileOptions::on_device(i64::from(pjrt_device.id())),
+        };
         let compiled = match loaded {
             Some(exe) => Ok(exe),
             None => pjrt_client.compile(&module, &options).inspect(|exe| {
@@ -931,6 +1070,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             sources,
             outputs: out_irs.iter().map(|t| (t.shape.clone(), t.dtype)).collect(),
             donated,
+            replicas,
         });
         // A donated input the closure dropped is freed after the run anyway;
         // one still referenced elsewhere is copied.
@@ -991,6 +1131,9 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         outputs: &[TensorId],
         copies: &HashMap<usize, Buffer>,
     ) -> Result<(), CompileError> {
+        if let Some(spmd) = &self.spmd {
+            return self.run_spmd(spmd, client, device, program, inputs, outputs);
+        }
         let run_error = |message: String| CompileError::Run {
             name: self.name.clone(),
             device: device.clone(),
@@ -1051,6 +1194,189 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         }
         client.with_buffers(|buffers| {
             for (id, buffer) in outputs.iter().zip(results) {
+                buffers.insert(*id, buffer);
+            }
+        });
+        Ok(())
+    }
+
+    /// Executes a partitioned `program` on its mesh: each input split or copied per its
+    /// layout, each weight as placed, one argument list per device; binds partition 0's
+    /// (replicated) results to `outputs`.
+    fn run_spmd(
+        &self,
+        spmd: &SpmdRun,
+        client: &PjrtClient,
+        device: &OxiDevice,
+        program: &Program,
+        inputs: &[TensorIr],
+        outputs: &[TensorId],
+    ) -> Result<(), CompileError> {
+        let run_error = |message: String| CompileError::Run {
+            name: self.name.clone(),
+            device: device.clone(),
+            message,
+        };
+        let placement = &spmd.placement;
+        if placement.device() != *device {
+            return Err(run_error(format!(
+                "its inputs are on {device} but its device mesh starts at {}",
+                placement.device()
+            )));
+        }
+        let mesh = placement.mesh();
+        let devices = placement.devices();
+        let (pjrt_client, _) = client.target().map_err(run_error)?;
+
+        // Each input used, one buffer per partition (`None`: the input's own buffer).
+        let mut input_parts: HashMap<usize, Vec<Option<Buffer>>> = HashMap::new();
+        for source in &program.sources {
+            let Source::Input(k) = *source else {
+                continue;
+            };
+            if input_parts.contains_key(&k) {
+                continue;
+            }
+            let layout = spmd.input_layout(k, &inputs[k].shape);
+            let id = inputs[k].id;
+            let parts = client.with_buffers(|buffers| -> Result<Vec<Option<Buffer>>, String> {
+                let full = buffers.get(&id).ok_or_else(|| {
+                    format!("input {k} (tensor {id}) is not on the device (was it produced by an op that failed?)")
+                })?;
+                if layout == Layout::Replicated {
+                    let mut parts = vec![None];
+                    for d in &devices[1..] {
+                        let copy = full
+                            .copy_to_device(d)
+                            .map_err(|e| format!("copying input {k}: {e}"))?;
+                        parts.push(Some(copy));
+                    }
+                    return Ok(parts);
+                }
+                let shape = full.shape().map_err(|e| e.to_string())?;
+                let dims: Vec<usize> = shape.dims.iter().map(|&d| d as usize).collect();
+                layout
+                    .check(mesh, &dims)
+                    .map_err(|e| format!("input {k}: {e}"))?;
+                let bytes = full.to_host().map_err(|e| e.to_string())?;
+                let part_dims: Vec<i64> = layout
+                    .part_dims(mesh, &dims)
+                    .iter()
+                    .map(|&d| d as i64)
+                    .collect();
+                let part_shape = pjrt::Shape::new(shape.element_type, part_dims);
+                let elem = shape.element_type.byte_size();
+                (0..mesh.partitions())
+                    .map(|p| {
+                        let part = layout.part_of(mesh, p, &bytes, &dims, elem);
+                        pjrt_client
+                            .buffer_from_host(&part, &part_shape, &devices[p])
+                            .map(Some)
+                            .map_err(|e| format!("splitting input {k}: {e}"))
+                    })
+                    .collect()
+            });
+            input_parts.insert(k, parts.map_err(run_error)?);
+        }
+        // The same random state on every device.
+        let mut rng_states = Vec::new();
+        for source in &program.sources {
+            if matches!(source, Source::Rng) {
+                let bytes: Vec<u8> = client
+                    .next_rng_state()
+                    .iter()
+                    .flat_map(|w| w.to_le_bytes())
+                    .collect();
+                let shape = pjrt::Shape::new(ElementType::U64, vec![2]);
+                let states = devices
+                    .iter()
+                    .map(|d| pjrt_client.buffer_from_host(&bytes, &shape, d))
+                    .collect::<pjrt::Result<Vec<_>>>()
+                    .map_err(|e| run_error(format!("uploading a random state failed: {e}")))?;
+                rng_states.push(states);
+            }
+        }
+        // The executable's device order, as partitions.
+        let order = program
+            .executable
+            .addressable_devices()
+            .iter()
+            .map(|d| {
+                devices
+                    .iter()
+                    .position(|m| m.index() == d.index())
+                    .ok_or_else(|| {
+                        format!(
+                            "the executable runs on device {} outside its mesh",
+                            d.index()
+                        )
+                    })
+            })
+            .collect::<Result<Vec<usize>, String>>()
+            .map_err(run_error)?;
+        let captured: Vec<TensorId> = program
+            .sources
+            .iter()
+            .filter_map(|s| match s {
+                Source::Captured(id) => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let results = placement
+            .with_weights(&captured, |view| -> Result<Vec<Vec<Buffer>>, String> {
+                let mut lists: Vec<Vec<&Buffer>> = Vec::with_capacity(order.len());
+                for &p in &order {
+                    let mut rng = rng_states.iter();
+                    let mut args = Vec::with_capacity(program.sources.len());
+                    for (i, source) in program.sources.iter().enumerate() {
+                        let buffer = match source {
+                            Source::Input(k) => match &input_parts[k][p] {
+                                Some(part) => part,
+                                None => view.eager.get(&inputs[*k].id).ok_or_else(|| {
+                                    format!("input {k} is no longer on the device")
+                                })?,
+                            },
+                            Source::Captured(id) => view.weight(*id, p).ok_or_else(|| {
+                                format!("tensor {id}, which the closure captured (a weight), is no longer on the device: keep the module the closure uses alive")
+                            })?,
+                            Source::Owned(buffer) if p == 0 => buffer,
+                            Source::Owned(_) => program
+                                .replicas
+                                .get(&i)
+                                .and_then(|copies| copies.get(p - 1))
+                                .ok_or_else(|| "a constant's copy is missing (a bug)".to_string())?,
+                            Source::Rng => rng
+                                .next()
+                                .map(|states| &states[p])
+                                .ok_or_else(|| "a random state is missing (a bug)".to_string())?,
+                        };
+                        args.push(buffer);
+                    }
+                    lists.push(args);
+                }
+                let lists: Vec<&[&Buffer]> = lists.iter().map(Vec::as_slice).collect();
+                program
+                    .executable
+                    .execute_sharded(&lists)
+                    .map_err(|e| format!("execution failed: {e}"))
+            })
+            .map_err(run_error)?
+            .map_err(run_error)?;
+        let first = order.iter().position(|&p| p == 0).unwrap_or(0);
+        let Some(mine) = results.into_iter().nth(first) else {
+            return Err(run_error(
+                "the program returned no results for the first device".into(),
+            ));
+        };
+        if mine.len() != outputs.len() {
+            return Err(run_error(format!(
+                "the program returned {} outputs, expected {}",
+                mine.len(),
+                outputs.len()
+            )));
+        }
+        client.with_buffers(|buffers| {
+            for (id, buffer) in outputs.iter().zip(mine) {
                 buffers.insert(*id, buffer);
             }
         });

@@ -149,6 +149,11 @@ impl PjrtClient {
         }
     }
 
+    /// Devices of this device's platform (0 when the plugin has none).
+    pub fn platform_device_count(&self) -> usize {
+        self.target().map_or(0, |(client, _)| client.device_count())
+    }
+
     /// What eager mode did so far on this device.
     pub fn stats(&self) -> Stats {
         let state = self.state();

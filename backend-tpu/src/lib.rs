@@ -105,6 +105,7 @@ pub mod device;
 pub mod eager;
 pub mod lowering;
 pub mod pjrt;
+pub mod spmd;
 pub mod trace;
 
 pub use channel::{OxiChannel, OxiClient};

@@ -150,6 +150,42 @@ pub struct LoweredFunction {
     pub results: Vec<(TensorId, TensorType)>,
 }
 
+impl LoweredFunction {
+    /// The module for GSPMD over `partitions` devices: `mhlo.num_partitions` set, and each
+    /// argument and result of `@main` carrying its `mhlo.sharding` (one per argument, one per
+    /// result, in XLA's HloSharding syntax such as `{replicated}` or `{devices=[1,2]0,1}`).
+    pub fn partitioned(
+        &self,
+        partitions: usize,
+        argument_shardings: &[String],
+        result_shardings: &[String],
+    ) -> String {
+        let params = self
+            .arguments
+            .iter()
+            .zip(argument_shardings)
+            .enumerate()
+            .map(|(i, ((_, ty), sharding))| {
+                format!("%arg{i}: {} {{mhlo.sharding = \"{sharding}\"}}", ty.mlir())
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let results = self
+            .results
+            .iter()
+            .zip(result_shardings)
+            .map(|((_, ty), sharding)| format!("{} {{mhlo.sharding = \"{sharding}\"}}", ty.mlir()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        // The first two lines are the module and `@main` headers `finish` wrote.
+        let mut lines = self.module.splitn(3, '\n');
+        let (_, _, body) = (lines.next(), lines.next(), lines.next().unwrap_or(""));
+        format!(
+            "module @oxidiff attributes {{mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32}} {{\n  func.func public @main({params}) -> ({results}) {{\n{body}"
+        )
+    }
+}
+
 /// An SSA value of the function being built.
 #[derive(Clone, Debug)]
 struct Value {

@@ -178,6 +178,12 @@ pub struct FeedForward<B: Backend> {
     pub proj_out: Linear<B>,
     #[module(skip)]
     pub act: FeedForwardActivation,
+    /// GEGLU: how `net.0.proj`'s output columns are grouped. 1, the checkpoint's order: all
+    /// values, then all gates. `n` (tensor parallelism over `n` devices, which places the
+    /// columns so): `n` groups of `[values, gates]`, one per device, so that each device's
+    /// column block holds its values with their gates and the split needs no transfer.
+    #[module(skip)]
+    pub geglu_groups: usize,
 }
 
 impl<B: Backend> FeedForward<B> {
@@ -201,12 +207,21 @@ impl<B: Backend> FeedForward<B> {
             proj_in: Linear::load(&vb.pp("net.0.proj"), dim, proj_width, true)?,
             proj_out: Linear::load(&vb.pp("net.2"), inner, dim, true)?,
             act,
+            geglu_groups: 1,
         })
     }
 
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let projected = self.proj_in.forward(x);
         let hidden = match self.act {
+            FeedForwardActivation::Geglu if self.geglu_groups > 1 => {
+                let [b, s, width] = projected.dims();
+                let (groups, inner) = (self.geglu_groups, width / 2);
+                let grouped = projected.reshape([b, s, groups, 2, inner / groups]);
+                let hidden = grouped.clone().narrow(3, 0, 1).reshape([b, s, inner]);
+                let gate = grouped.narrow(3, 1, 1).reshape([b, s, inner]);
+                hidden * burn::tensor::activation::gelu(gate)
+            }
             FeedForwardActivation::Geglu => {
                 let inner = projected.dims()[2] / 2;
                 let hidden = projected.clone().narrow(2, 0, inner);

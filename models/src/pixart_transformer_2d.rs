@@ -22,7 +22,10 @@ use crate::embeddings::{MicroConditions, PatchEmbed, PixArtAlphaTextProjection};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
 use crate::normalization::{modulate, AdaLayerNormSingle};
+use crate::parallel::block_widths;
+use crate::unet_2d_condition::transformer_block_rules;
 use crate::weights::{VarBuilder, Weights};
+use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
 /// `transformer/config.json`.
 #[derive(Debug, Clone, Deserialize)]
@@ -373,5 +376,33 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
         let x: Tensor<B, 6> = x.reshape([b, gh, gw, p, p, c_out]);
         x.permute([0, 5, 1, 3, 2, 4])
             .reshape([b, c_out, gh * p, gw * p])
+    }
+}
+
+const PIXART_RULES: [ShardRule; 10] = transformer_block_rules!("transformer_blocks.*");
+
+/// PixArt's plan: each transformer block's attentions and feed-forward (GELU, so no packed
+/// value and gate); the patch embedding, caption projection, adaLN-single and the final
+/// projection stay replicated.
+impl<B: Backend> TensorParallel for PixArtTransformer2DModel<B> {
+    fn tensor_parallel_plan() -> TensorParallelPlan {
+        TensorParallelPlan {
+            model: "PixArtTransformer2DModel",
+            rules: &PIXART_RULES,
+        }
+    }
+
+    fn sharded_widths(&self) -> Vec<ShardedWidth> {
+        self.transformer_blocks
+            .iter()
+            .enumerate()
+            .flat_map(|(i, block)| {
+                block_widths(
+                    &format!("transformer_blocks.{i}"),
+                    &[("attn1", &block.attn1), ("attn2", &block.attn2)],
+                    &block.ff,
+                )
+            })
+            .collect()
     }
 }

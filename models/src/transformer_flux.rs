@@ -16,7 +16,7 @@ use burn::module::Module;
 use burn::tensor::activation::gelu_approximate;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use oxidiff_parallel::{ShardRule, TensorParallel, TensorParallelPlan};
+use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 use serde::Deserialize;
 
 use crate::attention::{scaled_dot_product_attention, FeedForward, FeedForwardActivation};
@@ -658,5 +658,37 @@ pub const FLUX_TENSOR_PARALLEL_PLAN: TensorParallelPlan = TensorParallelPlan {
 impl<B: Backend> TensorParallel for FluxTransformer2DModel<B> {
     fn tensor_parallel_plan() -> TensorParallelPlan {
         FLUX_TENSOR_PARALLEL_PLAN
+    }
+
+    fn sharded_widths(&self) -> Vec<ShardedWidth> {
+        let mut widths = Vec::new();
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
+            let prefix = format!("transformer_blocks.{i}");
+            widths.push(ShardedWidth::heads(
+                format!("{prefix}.attn"),
+                block.attn.heads,
+            ));
+            for (name, ff) in [("ff", &block.ff), ("ff_context", &block.ff_context)] {
+                // Burn's Linear weight is [in, out]: net.2's input is the inner width.
+                let width = ff.proj_out.weight.dims()[0];
+                widths.push(ShardedWidth::feed_forward(
+                    format!("{prefix}.{name}"),
+                    width,
+                ));
+            }
+        }
+        for (i, block) in self.single_transformer_blocks.iter().enumerate() {
+            let prefix = format!("single_transformer_blocks.{i}");
+            widths.push(ShardedWidth::heads(
+                format!("{prefix}.attn"),
+                block.attn.heads,
+            ));
+            let width = block.proj_mlp.weight.dims()[1];
+            widths.push(ShardedWidth::feed_forward(
+                format!("{prefix}.proj_mlp"),
+                width,
+            ));
+        }
+        widths
     }
 }

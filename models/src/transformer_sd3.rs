@@ -16,7 +16,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use oxidiff_parallel::{ShardRule, TensorParallel, TensorParallelPlan};
+use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 use serde::Deserialize;
 
 use crate::attention::{FeedForward, FeedForwardActivation, JointAttention, JointAttentionSpec};
@@ -514,5 +514,30 @@ impl<B: Backend> TensorParallel for SD3Transformer2DModel<B> {
             model: "SD3Transformer2DModel",
             rules: RULES,
         }
+    }
+
+    fn sharded_widths(&self) -> Vec<ShardedWidth> {
+        let mut widths = Vec::new();
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
+            let prefix = format!("transformer_blocks.{i}");
+            widths.push(ShardedWidth::heads(
+                format!("{prefix}.attn"),
+                block.attn.heads,
+            ));
+            if let Some(attn2) = &block.attn2 {
+                widths.push(ShardedWidth::heads(format!("{prefix}.attn2"), attn2.heads));
+            }
+            let ffs = std::iter::once(("ff", &block.ff))
+                .chain(block.ff_context.as_ref().map(|ff| ("ff_context", ff)));
+            for (name, ff) in ffs {
+                // Burn's Linear weight is [in, out]: net.2's input is the inner width.
+                let width = ff.proj_out.weight.dims()[0];
+                widths.push(ShardedWidth::feed_forward(
+                    format!("{prefix}.{name}"),
+                    width,
+                ));
+            }
+        }
+        widths
     }
 }

@@ -18,8 +18,10 @@ use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
+use crate::parallel::{block_widths, set_geglu_groups};
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
 use crate::weights::{VarBuilder, Weights};
+use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
 /// `unet/config.json`, with diffusers' defaults.
 #[derive(Debug, Clone, Deserialize)]
@@ -732,5 +734,98 @@ impl<B: Backend> UNet2DConditionModel<B> {
         }
         let x = self.act.forward(self.conv_norm_out.forward(x));
         cast_to(self.conv_out.forward(x), caller)
+    }
+}
+
+/// The tensor-parallel rules of the transformer blocks at each `$block` path (with `*`
+/// segments): attention q/k/v and the first feed-forward projection column-wise, the attention
+/// output and the second projection row-wise (Megatron's split: one all-reduce after each
+/// attention and each feed-forward).
+macro_rules! transformer_block_rules {
+    ($($block:literal),+) => {
+        [$(
+            ShardRule::column(concat!($block, ".attn1.to_q")),
+            ShardRule::column(concat!($block, ".attn1.to_k")),
+            ShardRule::column(concat!($block, ".attn1.to_v")),
+            ShardRule::row(concat!($block, ".attn1.to_out.0")),
+            ShardRule::column(concat!($block, ".attn2.to_q")),
+            ShardRule::column(concat!($block, ".attn2.to_k")),
+            ShardRule::column(concat!($block, ".attn2.to_v")),
+            ShardRule::row(concat!($block, ".attn2.to_out.0")),
+            ShardRule::column(concat!($block, ".ff.net.0.proj")),
+            ShardRule::row(concat!($block, ".ff.net.2")),
+        )+]
+    };
+}
+pub(crate) use transformer_block_rules;
+
+const UNET_RULES: [ShardRule; 30] = transformer_block_rules!(
+    "down_blocks.*.attentions.*.transformer_blocks.*",
+    "mid_block.attentions.*.transformer_blocks.*",
+    "up_blocks.*.attentions.*.transformer_blocks.*"
+);
+
+/// The UNet's plan: the transformer blocks of every cross-attention down, mid and up block.
+/// The ResNets, convolutions, norms and the time embedding stay replicated. GEGLU's
+/// `ff.net.0.proj` packs value and gate side by side; a contiguous column split would put the
+/// values and the gates on different devices (and XLA would move half the projection between
+/// them). So its columns are placed shard-aligned instead: device `t` gets value slice `t`
+/// with gate slice `t` ([`crate::ShardedParam::packed`]), and the forward pass reads them in
+/// that order ([`set_tensor_parallel_degree`](TensorParallel::set_tensor_parallel_degree)).
+impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
+    fn tensor_parallel_plan() -> TensorParallelPlan {
+        TensorParallelPlan {
+            model: "UNet2DConditionModel",
+            rules: &UNET_RULES,
+        }
+    }
+
+    fn set_tensor_parallel_degree(&mut self, tp: usize) {
+        let mut feed_forwards = Vec::new();
+        let attentions = self
+            .down_blocks
+            .iter_mut()
+            .flat_map(|b| b.attentions.iter_mut())
+            .chain(
+                self.mid_block
+                    .iter_mut()
+                    .flat_map(|m| m.attentions.iter_mut()),
+            )
+            .chain(
+                self.up_blocks
+                    .iter_mut()
+                    .flat_map(|b| b.attentions.iter_mut()),
+            );
+        for transformer in attentions {
+            for block in &mut transformer.transformer_blocks {
+                feed_forwards.push(&mut block.ff);
+            }
+        }
+        set_geglu_groups(&mut feed_forwards, tp);
+    }
+
+    fn sharded_widths(&self) -> Vec<ShardedWidth> {
+        let mut widths = Vec::new();
+        let mut add = |prefix: String, attentions: &[crate::attention::Transformer2DModel<B>]| {
+            for (a, transformer) in attentions.iter().enumerate() {
+                for (t, block) in transformer.transformer_blocks.iter().enumerate() {
+                    widths.extend(block_widths(
+                        &format!("{prefix}.attentions.{a}.transformer_blocks.{t}"),
+                        &[("attn1", &block.attn1), ("attn2", &block.attn2)],
+                        &block.ff,
+                    ));
+                }
+            }
+        };
+        for (i, block) in self.down_blocks.iter().enumerate() {
+            add(format!("down_blocks.{i}"), &block.attentions);
+        }
+        if let Some(mid) = &self.mid_block {
+            add("mid_block".into(), &mid.attentions);
+        }
+        for (i, block) in self.up_blocks.iter().enumerate() {
+            add(format!("up_blocks.{i}"), &block.attentions);
+        }
+        widths
     }
 }

@@ -70,6 +70,18 @@ impl TensorParallelPlan {
 /// Implemented by models that can be split across devices; the plan sits beside the model.
 pub trait TensorParallel {
     fn tensor_parallel_plan() -> TensorParallelPlan;
+
+    /// The sizes the tensor-parallel degree must divide (each sharded attention's heads, each
+    /// sharded feed-forward's inner width), checked by
+    /// [`ParallelConfig::validate`](crate::ParallelConfig::validate).
+    fn sharded_widths(&self) -> Vec<crate::ShardedWidth>;
+
+    /// Readies the forward pass for weights split over `tp` devices where the split changes
+    /// how a layer reads its outputs (GEGLU's packed value and gate columns, grouped per
+    /// device); 1 restores the checkpoint's layout. Nothing by default.
+    fn set_tensor_parallel_degree(&mut self, tp: usize) {
+        let _ = tp;
+    }
 }
 
 fn path_matches(pattern: &str, path: &str) -> bool {

@@ -16,7 +16,11 @@ use oxidiff_models::config::PerBlock;
 use oxidiff_models::{UNet2DConditionConfig, UNet2DConditionModel};
 
 use crate::error::{PipelineError, Result};
+use crate::parallel::{split_weights, ParallelConfig, ParallelTarget};
 use crate::stable_diffusion::guided_noise;
+use oxidiff_backend_tpu::spmd::{Layout, Mesh};
+use oxidiff_models::TensorParallel;
+use std::collections::HashMap;
 
 /// CLIP's sequence length, the context rows of SD 1.x/2.x.
 const CONTEXT_LEN: usize = 77;
@@ -36,6 +40,9 @@ pub struct TracedStep {
     pub latents: [usize; 4],
     /// Whether classifier-free guidance is in the step (the UNet then sees batch `2 * batch`).
     pub guidance: bool,
+    /// Devices the module is partitioned over (`mhlo.num_partitions`; 1 unless traced by
+    /// [`trace_parallel_step`]).
+    pub partitions: usize,
 }
 
 /// Traces [`guided_noise`] for the UNet in `unet_dir` (a diffusers `unet/` folder) on latents
@@ -49,15 +56,75 @@ pub fn trace_guided_step(
     latent_width: usize,
     guidance: bool,
 ) -> Result<TracedStep> {
+    trace_step(
+        unet_dir,
+        variant,
+        [batch, latent_height, latent_width],
+        guidance,
+        None,
+    )
+}
+
+/// [`trace_guided_step`] partitioned as
+/// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism)
+/// partitions it, over `devices` devices (a TPU topology's): the UNet's split weights and the
+/// batch inputs carry their `mhlo.sharding`, for `CompileOptions::spmd` over the topology's
+/// first `config.devices()` devices. The config is checked as on a real mesh.
+pub fn trace_parallel_step(
+    unet_dir: &Path,
+    variant: Option<&str>,
+    latents: [usize; 3],
+    guidance: bool,
+    config: &ParallelConfig,
+    devices: usize,
+) -> Result<TracedStep> {
+    trace_step(
+        unet_dir,
+        variant,
+        latents,
+        guidance,
+        Some((config, devices)),
+    )
+}
+
+fn trace_step(
+    unet_dir: &Path,
+    variant: Option<&str>,
+    [batch, latent_height, latent_width]: [usize; 3],
+    guidance: bool,
+    parallel: Option<(&ParallelConfig, usize)>,
+) -> Result<TracedStep> {
     let config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
     let context_dim = match &config.cross_attention_dim {
         PerBlock::One(d) => *d,
         PerBlock::Each(dims) => dims.first().copied().unwrap_or(768),
     };
-    // A device of its own, so recordings of other threads or callers stay apart.
+    // The traced backend records per device, for every thread: one trace at a time, so two
+    // callers tracing at once (tests run in parallel) do not get each other's ops.
+    static TRACING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let device = OxiDevice::Cpu;
-    let unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, variant, &device)?;
+    let mut unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, variant, &device)?;
     let _loading = take_ops(&device);
+    let split: HashMap<_, _> = match parallel {
+        Some((config, devices)) => {
+            let widths = unet.sharded_widths();
+            config.validate(&ParallelTarget {
+                model: "UNet2DConditionModel",
+                widths: &widths,
+                device: "the topology",
+                devices_available: devices,
+                compiled_pjrt: true,
+            })?;
+            unet.set_tensor_parallel_degree(config.tp());
+            split_weights::<Traced, _>(&unet, config)
+                .into_iter()
+                .collect()
+        }
+        None => HashMap::new(),
+    };
 
     let latents = [batch, config.in_channels, latent_height, latent_width];
     let rows = if guidance { 2 * batch } else { batch };
@@ -78,6 +145,44 @@ pub fn trace_guided_step(
     let ops = take_ops(&device);
     let function = lower_recorded(&inputs, &ops, &outputs)
         .map_err(|e| PipelineError::Compile(format!("lowering the traced UNet step: {e}")))?;
+    let (module, partitions) = match parallel {
+        Some((config, _)) => {
+            let mesh = Mesh::new(config.dp(), config.tp());
+            // As the pipeline's step: latents and context split by batch when it divides.
+            let input_layouts = [
+                Layout::BatchSplit(0),
+                Layout::Replicated,
+                Layout::BatchSplit(0),
+                Layout::Replicated,
+            ];
+            let shardings: Vec<String> = function
+                .arguments
+                .iter()
+                .enumerate()
+                .map(|(i, (argument, ty))| {
+                    let layout = match argument {
+                        _ if i < input_layouts.len() => input_layouts[i],
+                        Argument::Tensor(id) => {
+                            split.get(id).copied().unwrap_or(Layout::Replicated)
+                        }
+                        _ => Layout::Replicated,
+                    };
+                    let layout = if layout.check(&mesh, &ty.dims).is_ok() {
+                        layout
+                    } else {
+                        Layout::Replicated
+                    };
+                    layout.hlo_sharding(&mesh, ty.dims.len())
+                })
+                .collect();
+            let results = vec![Layout::Replicated.hlo_sharding(&mesh, 0); function.results.len()];
+            (
+                function.partitioned(mesh.partitions(), &shardings, &results),
+                mesh.partitions(),
+            )
+        }
+        None => (function.module.clone(), 1),
+    };
     let weight_args: Vec<_> = function
         .arguments
         .iter()
@@ -91,8 +196,9 @@ pub fn trace_guided_step(
             .iter()
             .map(|(_, ty)| ty.dims.iter().product::<usize>() * ty.elem.byte_size())
             .sum(),
-        module: function.module,
+        module,
         latents,
         guidance,
+        partitions,
     })
 }

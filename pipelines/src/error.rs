@@ -26,6 +26,8 @@ pub enum PipelineError {
         class: String,
         supported: String,
     },
+    #[error(transparent)]
+    Parallel(#[from] oxidiff_parallel::ParallelError),
     #[error("compiled mode: {0}")]
     Compile(String),
     #[error("invalid input: {0}")]

@@ -50,6 +50,7 @@ pub mod hub;
 pub mod image;
 pub mod loading;
 pub mod metadata;
+pub mod parallel;
 pub mod pixart;
 pub mod pixart_bins;
 pub mod stable_diffusion;

@@ -11,6 +11,10 @@
 //! model, micro-conditions only for Alpha), so one type serves both, told apart by
 //! [`PixArtVariant`].
 
+use std::sync::Arc;
+
+use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
+use oxidiff_parallel::ParallelConfig;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
@@ -522,6 +526,29 @@ impl PixArtPipeline<Oxi> {
     /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; T5,
     /// scheduler and VAE stay eager.
     pub fn compile(&mut self) -> Result<()> {
+        self.compile_on(None)
+    }
+
+    /// Spreads the compiled transformer call over several devices, as diffusers'
+    /// `pipe.enable_parallelism(config)`: tensor parallelism splits each transformer block's
+    /// attentions and feed-forward ([the plan](oxidiff_models::TensorParallel)) over
+    /// `tp_degree` devices, data parallelism splits the batch over `dp_degree`, one `dp x tp`
+    /// mesh from the transformer's device on; see
+    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism).
+    pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        let device = self.transformer.device();
+        let placement =
+            crate::parallel::enable_parallelism(&mut self.transformer, &device, config.into())?;
+        self.compile_on(Some(placement))
+    }
+
+    fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
+        // Every input batch-major: split by batch where it divides, else whole.
+        let layouts = |inputs: usize| {
+            placement
+                .clone()
+                .map(|placement| (placement, vec![Layout::BatchSplit(0); inputs]))
+        };
         let device = self.transformer.device();
         if !device.is_pjrt() {
             return Err(PipelineError::Compile(format!(
@@ -540,12 +567,20 @@ impl PixArtPipeline<Oxi> {
                     transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
                 },
             );
-            Box::new(ConditionedStep(CompiledFn::new("pixart_transformer", step)))
+            let mut f = CompiledFn::new("pixart_transformer", step);
+            if let Some((placement, inputs)) = layouts(6) {
+                f = f.with_spmd(placement, inputs);
+            }
+            Box::new(ConditionedStep(f))
         } else {
             let step: StepFn<PlainInputs> = Box::new(move |(latents, t, caption, bias)| {
                 transformer.forward_checked(latents, t, caption, Some(bias), None)
             });
-            Box::new(PlainStep(CompiledFn::new("pixart_transformer", step)))
+            let mut f = CompiledFn::new("pixart_transformer", step);
+            if let Some((placement, inputs)) = layouts(4) {
+                f = f.with_spmd(placement, inputs);
+            }
+            Box::new(PlainStep(f))
         });
         Ok(())
     }

@@ -8,14 +8,18 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
+use oxidiff_backend_tpu::spmd::{DeviceWeightBytes, Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, ClipTokenizer, ToDevice, UNet2DConditionConfig,
     UNet2DConditionModel,
 };
+use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{
     scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator,
 };
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::error::{PipelineError, Result};
 use crate::guard::{self, CancelToken, Stage};
@@ -157,6 +161,18 @@ pub trait Denoiser<B: Backend> {
 
     /// What was compiled so far.
     fn compile_stats(&self) -> CompileStats;
+
+    /// The device mesh and weight shards, when the denoiser runs partitioned
+    /// ([`StableDiffusionPipeline::enable_parallelism`]).
+    fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>> {
+        None
+    }
+
+    /// Opcode counts of each compiled program's optimized HLO (the collectives of a
+    /// partitioned one among them); empty when not compiled by XLA here.
+    fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>> {
+        Ok(Vec::new())
+    }
 }
 
 /// Counts of compiled mode ([`StableDiffusionPipeline::compile_stats`]).
@@ -557,6 +573,14 @@ impl Denoiser<Oxi> for GuidedStep {
             disk_loads: self.disk_loads(),
         }
     }
+
+    fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>> {
+        CompiledFn::spmd_placement(self)
+    }
+
+    fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>> {
+        CompiledFn::optimized_opcode_counts(self).map_err(|e| PipelineError::Compile(e.to_string()))
+    }
 }
 
 impl StableDiffusionPipeline<Oxi> {
@@ -586,6 +610,46 @@ impl StableDiffusionPipeline<Oxi> {
         let compiled: GuidedStep = CompiledFn::new("unet+cfg", step);
         self.compiled = Some(Box::new(compiled));
         Ok(())
+    }
+
+    /// Spreads the compiled denoising step over several devices, as diffusers'
+    /// `pipe.enable_parallelism(config)`: tensor parallelism splits the UNet's transformer
+    /// blocks (its [plan](oxidiff_models::TensorParallel)) over `tp_degree` devices, data
+    /// parallelism splits each step's batch (latents and text context) over `dp_degree`; both
+    /// form one `dp x tp` mesh of devices from the UNet's device on. The step is then one XLA
+    /// program partitioned by GSPMD (XLA inserts the all-reduces), replacing
+    /// [`compile`](Self::compile)'s; results come back to the UNet's device, where the
+    /// scheduler and the VAE run as before. The split weights leave the UNet's device: each
+    /// device holds its shard ([`parallel_weight_bytes`](Self::parallel_weight_bytes)).
+    /// Errors, before anything moves: a degree that does not divide every sharded layer's
+    /// heads and feed-forward width, more devices than the platform has, a UNet not on a PJRT
+    /// device.
+    pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        let device = self.unet_device();
+        let placement =
+            crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;
+        let unet = self.unet.clone();
+        let step: StepFn = Box::new(move |(sample, timestep, context, guidance)| {
+            guided_noise(&unet, sample, timestep, context, guidance)
+        });
+        // Latents and context split by batch (data parallel); timestep and scale whole.
+        let inputs = vec![
+            Layout::BatchSplit(0),
+            Layout::Replicated,
+            Layout::BatchSplit(0),
+            Layout::Replicated,
+        ];
+        let compiled: GuidedStep = CompiledFn::new("unet+cfg", step).with_spmd(placement, inputs);
+        self.compiled = Some(Box::new(compiled));
+        Ok(())
+    }
+
+    /// Weight bytes on each device of the mesh after
+    /// [`enable_parallelism`](Self::enable_parallelism) (`None` otherwise): the split
+    /// weights' shards, and the replicated ones once the first step ran.
+    pub fn parallel_weight_bytes(&self) -> Option<Vec<DeviceWeightBytes>> {
+        let placement = self.compiled.as_ref()?.spmd_placement()?;
+        Some(placement.weight_bytes())
     }
 
     /// Programs compiled so far in compiled mode (`None` when eager).

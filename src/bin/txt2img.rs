@@ -16,6 +16,7 @@ use oxidiff::pipelines::host::read_f32;
 use oxidiff::pipelines::hub::resolve_model_with_progress;
 use oxidiff::pipelines::image::write_atomic;
 use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags, strip_prompt_tags};
+use oxidiff::pipelines::parallel::ParallelConfig;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::OutputType;
 use oxidiff::pipelines::{
@@ -152,6 +153,14 @@ struct Args {
     /// later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     compile: bool,
+    /// Tensor parallelism with --compile: the denoiser's transformer blocks split over N
+    /// devices from --device on (N must divide every attention's heads and feed-forward width).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    tp: usize,
+    /// Data parallelism with --compile: each step's batch split over N devices (with --tp M,
+    /// a mesh of N x M devices).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    dp: usize,
     /// T5 tokens per prompt for PixArt (default: 120 for Alpha, 300 for Sigma), SD3 (default
     /// 256, at most 512) and Flux (default and most: 512); longer prompts are cut with a warning.
     #[arg(long)]
@@ -514,6 +523,12 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
     if args.compile {
         pipe.compile()?;
     }
+    if args.tp != 1 || args.dp != 1 {
+        if !args.compile {
+            bail!("--tp and --dp partition the compiled step: add --compile (and a PJRT --device)");
+        }
+        pipe.enable_parallelism(ParallelConfig::new(args.dp, args.tp))?;
+    }
     let loaded = started.elapsed();
     tracing::info!(seconds = loaded.as_secs_f64(), %class, "loaded");
     let pixart_options = (
@@ -800,6 +815,16 @@ impl Pipeline {
             Self::PixArt(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not PixArt"),
             Self::Flux(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not Flux"),
             Self::Sd3(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not SD3"),
+        }
+    }
+
+    fn enable_parallelism(&mut self, config: ParallelConfig) -> Result<()> {
+        match self {
+            Self::Sd(pipe) => Ok(pipe.enable_parallelism(config)?),
+            Self::PixArt(pipe) => Ok(pipe.enable_parallelism(config)?),
+            Self::Xl(_) => bail!("--tp and --dp are not supported for SDXL pipelines yet"),
+            Self::Flux(_) => bail!("--tp and --dp are not supported for Flux pipelines yet"),
+            Self::Sd3(_) => bail!("--tp and --dp are not supported for SD3 pipelines yet"),
         }
     }
 

@@ -311,6 +311,40 @@ impl Executable {
         Ok(args.size_in_bytes)
     }
 
+    /// The program after XLA's optimizations (`PJRT_Executable_OptimizedProgram`): its
+    /// format (`hlo_with_config` or `hlo`: a serialized `HloModuleProtoWithConfig` or
+    /// `HloModuleProto`) and bytes. [`hlo::opcode_counts`](super::hlo::opcode_counts) reads
+    /// which instructions it has (the collectives of a partitioned program, for example).
+    pub fn optimized_program(&self) -> Result<(String, Vec<u8>)> {
+        let mut program = Padded::<ffi::PJRT_Program>::new();
+        let mut args = Padded::<ffi::PJRT_Executable_OptimizedProgram_Args>::new();
+        args.executable = self.raw;
+        args.program = program.as_mut_ptr();
+        // SAFETY: a live executable; with `code` null the plugin only sets `code_size` and
+        // `format` (a string it owns, alive as long as the plugin).
+        unsafe {
+            pjrt_call!(
+                self.plugin.api(),
+                PJRT_Executable_OptimizedProgram,
+                &mut args
+            )
+        }?;
+        let mut code = vec![0u8; program.code_size];
+        program.code = code.as_mut_ptr().cast();
+        args.program = program.as_mut_ptr();
+        // SAFETY: `code` is writable for `code_size` bytes and outlives the call.
+        unsafe {
+            pjrt_call!(
+                self.plugin.api(),
+                PJRT_Executable_OptimizedProgram,
+                &mut args
+            )
+        }?;
+        // SAFETY: the plugin's format string, `format_size` bytes.
+        let format = unsafe { copy_slice(program.format.cast::<u8>(), program.format_size) };
+        Ok((String::from_utf8_lossy(&format).into_owned(), code))
+    }
+
     /// The plugin's serialization of the compiled code (not stable across
     /// plugin versions).
     pub fn serialize(&self) -> Result<Vec<u8>> {

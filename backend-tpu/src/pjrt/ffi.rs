@@ -326,6 +326,10 @@ args_struct! {
         pub num_properties: usize,
         pub properties: *const PJRT_NamedValue,
     }
+    pub struct PJRT_Executable_OptimizedProgram_Args {
+        pub executable: *mut PJRT_Executable,
+        pub program: *mut PJRT_Program,
+    }
     pub struct PJRT_Executable_Serialize_Args {
         pub executable: *const PJRT_Executable,
         pub serialized_bytes: *const c_char,
@@ -508,7 +512,7 @@ pub struct PJRT_Api {
         Option<ErrFn<PJRT_Executable_SizeOfGeneratedCodeInBytes_Args>>,
     pub PJRT_Executable_GetCostAnalysis: Option<ErrFn<PJRT_Executable_GetCostAnalysis_Args>>,
     pub PJRT_Executable_OutputMemoryKinds: Unused,
-    pub PJRT_Executable_OptimizedProgram: Unused,
+    pub PJRT_Executable_OptimizedProgram: Option<ErrFn<PJRT_Executable_OptimizedProgram_Args>>,
     pub PJRT_Executable_Serialize: Option<ErrFn<PJRT_Executable_Serialize_Args>>,
 
     pub PJRT_LoadedExecutable_Destroy: Option<ErrFn<PJRT_LoadedExecutable_Destroy_Args>>,

@@ -22,6 +22,7 @@ pub mod discovery;
 pub mod error;
 pub mod executable;
 pub mod ffi;
+pub mod hlo;
 pub mod plugin;
 pub mod topology;
 

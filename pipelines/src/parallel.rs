@@ -1,0 +1,90 @@
+//! Parallelism for a denoiser (diffusers' `enable_parallelism`): a [`ParallelConfig`] checked
+//! against the model's tensor-parallel plan and the devices there are, the split weights placed
+//! as shards on a `dp x tp` device mesh ([`SpmdPlacement`]), and the compiled step run as one
+//! program partitioned by XLA over the mesh.
+//!
+//! [`enable_parallelism`] does this for any model with a plan (the denoiser alone: then wrap
+//! its call with [`CompiledFn::with_spmd`](oxidiff_backend_tpu::CompiledFn::with_spmd));
+//! [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism)
+//! does it for the pipeline's UNet and compiled step.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::TensorPrimitive;
+use oxidiff_backend_tpu::spmd::{HasTensorId, Layout, Mesh, SpmdPlacement, TensorId};
+use oxidiff_backend_tpu::{pjrt_client, Oxi, OxiDevice};
+use oxidiff_models::{sharded_params, TensorParallel};
+pub use oxidiff_parallel::{
+    DataParallelConfig, ParallelConfig, ParallelError, ParallelTarget, TensorParallelConfig,
+};
+
+use crate::error::{PipelineError, Result};
+
+/// The split weights of `model` (on `device`), as tensor ids and layouts, per its plan and
+/// `config`: a [`Layout::TensorSplit`] of the dimension the plan splits (Burn's `Linear` weight
+/// is `[in, out]`: column-wise splits dimension 1, row-wise dimension 0).
+pub fn split_weights<B, M>(model: &M, config: &ParallelConfig) -> Vec<(TensorId, Layout)>
+where
+    B: burn::tensor::backend::Backend,
+    M: Module<B> + TensorParallel,
+    B::FloatTensorPrimitive: HasTensorId,
+{
+    if config.tp() <= 1 {
+        return Vec::new();
+    }
+    sharded_params::<B, M>(model, &M::tensor_parallel_plan())
+        .into_iter()
+        // Quantized weights are not split (no model here loads them).
+        .filter_map(|param| match &param.tensor {
+            TensorPrimitive::Float(t) => Some((
+                t.tensor_id(),
+                match param.packed {
+                    1 => Layout::TensorSplit(param.split_dim),
+                    packed => Layout::PackedTensorSplit(param.split_dim, packed),
+                },
+            )),
+            TensorPrimitive::QFloat(_) => None,
+        })
+        .collect()
+}
+
+/// Checks `config` for `model` on `device`, readies its forward pass for the split
+/// ([`TensorParallel::set_tensor_parallel_degree`]) and places its weights on the mesh it
+/// names (devices `device`, `device + 1`, ...): each split weight as one shard per device (the
+/// whole buffer leaves `device`), the others copied to every device on first use. After this
+/// the model's split weights live only in the returned placement: run the model through a
+/// [`CompiledFn`](oxidiff_backend_tpu::CompiledFn) made [`with_spmd`](oxidiff_backend_tpu::CompiledFn::with_spmd)
+/// on it, not eagerly.
+pub fn enable_parallelism<M>(
+    model: &mut M,
+    device: &OxiDevice,
+    config: ParallelConfig,
+) -> Result<Arc<SpmdPlacement>>
+where
+    M: Module<Oxi> + TensorParallel,
+{
+    let widths = model.sharded_widths();
+    let available = match (device, pjrt_client(device)) {
+        (OxiDevice::Pjrt { index, .. }, Some(client)) => {
+            client.platform_device_count().saturating_sub(*index)
+        }
+        _ => 1,
+    };
+    let device_name = device.to_string();
+    config.validate(&ParallelTarget {
+        model: M::tensor_parallel_plan().model,
+        widths: &widths,
+        device: &device_name,
+        devices_available: available,
+        compiled_pjrt: device.is_pjrt(),
+    })?;
+    model.set_tensor_parallel_degree(config.tp());
+    let split = split_weights::<Oxi, M>(model, &config);
+    let placement = SpmdPlacement::new(device, Mesh::new(config.dp(), config.tp()), &split)
+        .map_err(|e| {
+            model.set_tensor_parallel_degree(1);
+            PipelineError::Device(e)
+        })?;
+    Ok(Arc::new(placement))
+}
