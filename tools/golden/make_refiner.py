@@ -13,12 +13,13 @@ Writes
                                               (cross_attention_dim = text_encoder_2's hidden size,
                                               5 time ids) and symlinks to tiny-sdxl's
                                               text_encoder_2, tokenizer_2, vae and scheduler
-  tests/fixtures/golden/refiner.{json,safetensors}, refiner-xl-refiner-te2.png
+  tests/fixtures/golden/refiner.{json,safetensors}, refiner-CASE.png
 
-Case `xl-refiner-te2`: StableDiffusionXLImg2ImgPipeline.from_pretrained on that folder,
-denoising_start 0.5 on tiny-sdxl's denoising_end 0.5 latents (4 steps, seed 42, guidance 5,
-aesthetic scores 7 / 2, prompt and negative prompt as make_inpaint.py). Reruns give identical
-bytes.
+Cases: StableDiffusionXLImg2ImgPipeline.from_pretrained on that folder (4 steps, seed 42,
+guidance 5, aesthetic scores 7 / 2, prompt and negative prompt as make_inpaint.py)
+  xl-refiner-te2        denoising_start 0.5 on tiny-sdxl's denoising_end 0.5 latents
+  xl-refiner-te2-image  golden/img2img-input.png at strength 0.6 (what the img2img binary does)
+Reruns give identical bytes.
 """
 import json
 import os
@@ -32,6 +33,7 @@ import make_tiny_sdxl as sdxl  # noqa: E402
 import make_inpaint as ip  # noqa: E402
 from common import save_canonical, save_json  # noqa: E402
 
+import PIL.Image  # noqa: E402
 import torch  # noqa: E402
 import diffusers  # noqa: E402
 from diffusers import StableDiffusionXLImg2ImgPipeline, UNet2DConditionModel  # noqa: E402
@@ -39,7 +41,16 @@ from safetensors.torch import load_file  # noqa: E402
 
 NAME = "tiny-sdxl-refiner"
 CASE = "xl-refiner-te2"
+STRENGTH = 0.6
 SHARED = ("text_encoder_2", "tokenizer_2", "vae", "scheduler")
+
+
+def record(tensors, info, name, steps, ts, image, png):
+    for i, st in enumerate(steps):
+        tensors[f"{name}.step{i}"] = st
+    tensors[f"{name}.image"] = image
+    info["timesteps"][name] = ts
+    png.save(os.path.join(sd.GOLDEN, f"refiner-{name}.png"))
 
 
 def build_unet(seed):
@@ -115,12 +126,12 @@ def main():
         "xl_guidance_scale": ip.XL_GUIDANCE,
         "refiner": ip.REFINER,
     }
-    steps, ts, image, png = ip.run_both(pipe, kwargs)
-    for i, st in enumerate(steps):
-        tensors[f"{CASE}.step{i}"] = st
-    tensors[f"{CASE}.image"] = image
-    info["timesteps"][CASE] = ts
-    png.save(os.path.join(sd.GOLDEN, f"refiner-{CASE}.png"))
+    info["settings"]["strength"] = STRENGTH
+    record(tensors, info, CASE, *ip.run_both(pipe, kwargs))
+    kwargs.pop("denoising_start")
+    kwargs["image"] = PIL.Image.open(os.path.join(sd.GOLDEN, "img2img-input.png")).convert("RGB")
+    kwargs["strength"] = STRENGTH
+    record(tensors, info, f"{CASE}-image", *ip.run_both(pipe, kwargs))
     save_canonical(os.path.join(sd.GOLDEN, "refiner.safetensors"), tensors)
     info["keys"] = sorted(tensors)
     save_json(os.path.join(sd.GOLDEN, "refiner.json"), info)
