@@ -1,5 +1,6 @@
-//! The `img2img` binary's inpainting (`--mask`) and SDXL dispatch: each run's PNG matches
-//! diffusers' (`tools/golden/make_inpaint.py`) within 2 levels, the pipeline is picked from
+//! The `img2img` binary's inpainting (`--mask`) and SDXL dispatch (a refiner with only
+//! `text_encoder_2` too): each run's PNG matches diffusers' (`tools/golden/make_inpaint.py`,
+//! `make_refiner.py`) within 2 levels, the pipeline is picked from
 //! `model_index.json`; a mask of another size, an unreadable mask and a bad strength are
 //! errors that write nothing.
 
@@ -127,6 +128,44 @@ fn sdxl_checkpoints_go_to_the_sdxl_img2img_and_inpaint_pipelines() {
         &["--mask", mask.to_str().unwrap(), "--strength", "0.8"],
         "inpaint-xl-inpaint.png",
     );
+}
+
+/// stabilityai's refiner layout: no first text encoder (`text_encoder: [null, null]`), only
+/// `text_encoder_2` (`tools/golden/make_refiner.py`).
+#[test]
+fn a_refiner_with_only_text_encoder_2_loads_and_matches_diffusers() {
+    let log = check(
+        &model_dir("tiny-sdxl-refiner"),
+        &[
+            "--strength",
+            "0.6",
+            "--aesthetic-score",
+            "7",
+            "--negative-aesthetic-score",
+            "2",
+        ],
+        "refiner-xl-refiner-te2-image.png",
+    );
+    assert!(log.contains("StableDiffusionXLImg2ImgPipeline, "), "{log}");
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let log = check(
+        &model_dir("tiny-sdxl-refiner"),
+        &[
+            "--strength",
+            "0.6",
+            "--aesthetic-score",
+            "7",
+            "--negative-aesthetic-score",
+            "2",
+            "--device",
+            "xla:cpu",
+            "--compile",
+        ],
+        "refiner-xl-refiner-te2-image.png",
+    );
+    assert!(log.contains("compiled: 1 program(s)"), "{log}");
 }
 
 #[test]

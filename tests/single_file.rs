@@ -129,7 +129,10 @@ fn sdxl_single_file_matches_diffusers_from_single_file() {
         &Default::default(),
     )
     .unwrap();
-    for (key, encoder) in [("te1", &pipe.text_encoder), ("te2", &pipe.text_encoder_2)] {
+    for (key, encoder) in [
+        ("te1", pipe.text_encoder.as_ref().unwrap()),
+        ("te2", &pipe.text_encoder_2),
+    ] {
         let out = encoder
             .forward(&golden.token_rows(&format!("{key}.input_ids")), true)
             .unwrap();

@@ -3,7 +3,7 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::interpolate;
-use burn::tensor::ops::{InterpolateMode, InterpolateOptions, PadMode};
+use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
 use burn::tensor::Tensor;
 
 use crate::error::Result;
@@ -106,7 +106,13 @@ impl<B: Backend> Downsample2D<B> {
 
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let x = if self.pad_asymmetric {
-            x.pad((0, 1, 0, 1), PadMode::Constant(0.0))
+            // Zeros of x's own dtype concatenated right and bottom: burn-flex's `pad` fills
+            // with an f32 constant and panics on bf16/f16 tensors.
+            let [n, c, h, _] = x.dims();
+            let column = x.clone().slice([0..n, 0..c, 0..h, 0..1]).zeros_like();
+            let x = Tensor::cat(vec![x, column], 3);
+            let row = x.clone().slice([0..n, 0..c, 0..1]).zeros_like();
+            Tensor::cat(vec![x, row], 2)
         } else {
             x
         };

@@ -470,9 +470,9 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         })?;
         src.warn_unmapped(te_config.num_hidden_layers, te2_config.num_hidden_layers)?;
         Ok(Self {
-            tokenizer,
+            tokenizer: Some(tokenizer),
             tokenizer_2,
-            text_encoder,
+            text_encoder: Some(text_encoder),
             text_encoder_2,
             unet,
             vae,

@@ -3,7 +3,8 @@
 //!
 //! Two CLIP encoders (`text_encoder`: penultimate hidden state; `text_encoder_2`, with
 //! projection: penultimate hidden state and the pooled `text_embeds`), concatenated on the
-//! feature axis; the UNet's added condition (pooled embeds and `add_time_ids` from the original
+//! feature axis (a refiner folder without the first encoder, as stabilityai's, uses
+//! `text_encoder_2`'s alone); the UNet's added condition (pooled embeds and `add_time_ids` from the original
 //! size, crop and target size); the scheduler loop and VAE decode shared with
 //! [`StableDiffusionPipeline`](crate::StableDiffusionPipeline). No invisible watermark is applied
 //! (diffusers applies one only when the `invisible-watermark` package is installed).
@@ -77,6 +78,16 @@ struct XlModelIndex {
     /// stabilityai's refiner).
     #[serde(default)]
     text_encoder: Option<serde_json::Value>,
+    /// `[null, null]` with `text_encoder` (stabilityai's refiner).
+    #[serde(default)]
+    tokenizer: Option<serde_json::Value>,
+}
+
+/// Whether a `model_index.json` entry is `[null, null]` (the component is absent).
+fn listed_as_absent(entry: Option<&serde_json::Value>) -> bool {
+    entry
+        .and_then(|v| v.as_array())
+        .is_some_and(|pair| pair.iter().all(|v| v.is_null()))
 }
 
 fn default_true() -> bool {
@@ -92,9 +103,12 @@ pub struct XlPromptEmbeds<B: Backend> {
 
 /// Stable Diffusion XL text-to-image.
 pub struct StableDiffusionXLPipeline<B: Backend> {
-    pub tokenizer: ClipTokenizer,
+    /// `None` with `text_encoder` in a refiner folder that ships only the second encoder.
+    pub tokenizer: Option<ClipTokenizer>,
     pub tokenizer_2: ClipTokenizer,
-    pub text_encoder: ClipTextModel<B>,
+    /// `None` in a refiner folder that ships only `text_encoder_2` (stabilityai's
+    /// `stable-diffusion-xl-refiner-1.0`): the prompt embeddings are then its alone.
+    pub text_encoder: Option<ClipTextModel<B>>,
     pub text_encoder_2: ClipTextModel<B>,
     pub unet: UNet2DConditionModel<B>,
     pub vae: AutoencoderKL<B>,
@@ -160,19 +174,13 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 supported: SDXL_CLASSES.join(", "),
             });
         }
-        let no_text_encoder = index
-            .text_encoder
-            .as_ref()
-            .and_then(|v| v.as_array())
-            .is_some_and(|pair| pair.iter().all(|v| v.is_null()));
-        if no_text_encoder {
-            return Err(PipelineError::UnsupportedPipeline {
-                path: index_path,
-                class: format!("{} without `text_encoder`", index.class_name),
-                supported: "SDXL folders with both text encoders; refiners that ship only \
-                            text_encoder_2 (stabilityai's) are not supported yet"
-                    .into(),
-            });
+        let no_text_encoder = listed_as_absent(index.text_encoder.as_ref());
+        if no_text_encoder != listed_as_absent(index.tokenizer.as_ref()) {
+            return Err(PipelineError::InvalidInput(format!(
+                "{}: `text_encoder` and `tokenizer` must both be listed or both be \
+                 `[null, null]` (a refiner that ships only text_encoder_2 has neither)",
+                index_path.display()
+            )));
         }
         let component = |name: &str| -> Result<PathBuf> {
             let path = dir.join(name);
@@ -187,24 +195,31 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         };
         let variant = options.variant.as_deref();
         // Every folder is checked before any weight is read.
-        let dirs = [
-            "tokenizer",
-            "tokenizer_2",
-            "text_encoder",
-            "text_encoder_2",
-            "unet",
-            "vae",
-            "scheduler",
-        ]
-        .map(component);
-        let [tok_dir, tok2_dir, te_dir, te2_dir, unet_dir, vae_dir, sched_dir] = dirs;
-        let (tok_dir, tok2_dir, te_dir, te2_dir) = (tok_dir?, tok2_dir?, te_dir?, te2_dir?);
+        let first = if no_text_encoder {
+            None
+        } else {
+            Some((component("tokenizer")?, component("text_encoder")?))
+        };
+        let dirs = ["tokenizer_2", "text_encoder_2", "unet", "vae", "scheduler"].map(component);
+        let [tok2_dir, te2_dir, unet_dir, vae_dir, sched_dir] = dirs;
+        let (tok2_dir, te2_dir) = (tok2_dir?, te2_dir?);
         let (unet_dir, vae_dir, sched_dir) = (unet_dir?, vae_dir?, sched_dir?);
 
-        let tokenizer = ClipTokenizer::from_dir(&tok_dir)?;
-        let tokenizer_2 = ClipTokenizer::from_dir(&tok2_dir)?;
-        let text_encoder = ClipTextModel::from_dir(&te_dir, false, variant, device)?;
         let te2_config = ClipTextConfig::from_file(&te2_dir.join("config.json"))?;
+        let te1_hidden = match &first {
+            Some((_, te_dir)) => {
+                Some(ClipTextConfig::from_file(&te_dir.join("config.json"))?.hidden_size)
+            }
+            None => None,
+        };
+        let (tokenizer, text_encoder) = match &first {
+            Some((tok_dir, te_dir)) => (
+                Some(ClipTokenizer::from_dir(tok_dir)?),
+                Some(ClipTextModel::from_dir(te_dir, false, variant, device)?),
+            ),
+            None => (None, None),
+        };
+        let tokenizer_2 = ClipTokenizer::from_dir(&tok2_dir)?;
         let text_encoder_2 = ClipTextModel::from_dir(&te2_dir, true, variant, device)?;
         let unet_config_path = unet_dir.join("config.json");
         let unet_config = UNet2DConditionConfig::from_file(&unet_config_path)?;
@@ -241,6 +256,27 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 te2_config.projection_dim + time_ids * addition_time_embed_dim
             )));
         }
+        // The context is the encoders' penultimate states side by side.
+        let context_dim = te1_hidden.unwrap_or(0) + te2_config.hidden_size;
+        if let PerBlock::One(cross) = unet_config.cross_attention_dim {
+            if cross != context_dim {
+                let encoders = match te1_hidden {
+                    Some(h1) => format!(
+                        "text_encoder's hidden size {h1} plus text_encoder_2's {}",
+                        te2_config.hidden_size
+                    ),
+                    None => format!(
+                        "text_encoder_2's hidden size {} (the folder has no text_encoder)",
+                        te2_config.hidden_size
+                    ),
+                };
+                return Err(PipelineError::InvalidInput(format!(
+                    "{}: `cross_attention_dim` is {cross}, but {encoders} make {context_dim}: \
+                     the UNet and the text encoders do not belong together",
+                    unet_config_path.display()
+                )));
+            }
+        }
         let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
         let vae_config = AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
         let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
@@ -259,7 +295,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         Ok(Self {
             tokenizer,
             tokenizer_2,
-            text_encoder: cast.apply(text_encoder),
+            text_encoder: text_encoder.map(|te| cast.apply(te)),
             text_encoder_2: cast.apply(text_encoder_2),
             unet: cast.apply(unet),
             vae: cast.apply(vae),
@@ -283,8 +319,9 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.sample_size * self.vae_scale_factor
     }
 
-    /// Fuses a LoRA file (diffusers/PEFT or kohya/A1111 format) into the UNet and both text
-    /// encoders at `scale`, as diffusers' `load_lora_weights(path)` +
+    /// Fuses a LoRA file (diffusers/PEFT or kohya/A1111 format) into the UNet and the text
+    /// encoders at `scale` (a LoRA with `text_encoder` layers is an error for a folder without
+    /// one), as diffusers' `load_lora_weights(path)` +
     /// `fuse_lora(lora_scale=scale)`. Call it several times for several LoRAs, before
     /// [`compile`](StableDiffusionXLPipeline::compile). Keys that fit no layer are an error
     /// naming them, and the pipeline is left unchanged.
@@ -294,17 +331,29 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         scale: f32,
     ) -> Result<crate::lora::LoraReport> {
         use oxidiff_models::lora::LoraComponent;
-        crate::lora::fuse_into(
-            path.as_ref(),
-            scale,
-            &mut self.unet,
-            &mut [
-                (LoraComponent::TextEncoder, &mut self.text_encoder),
-                (LoraComponent::TextEncoder2, &mut self.text_encoder_2),
-            ],
-            "SDXL pipeline",
-            self.compiled.is_some(),
-        )
+        let compiled = self.compiled.is_some();
+        match &mut self.text_encoder {
+            Some(text_encoder) => crate::lora::fuse_into(
+                path.as_ref(),
+                scale,
+                &mut self.unet,
+                &mut [
+                    (LoraComponent::TextEncoder, text_encoder),
+                    (LoraComponent::TextEncoder2, &mut self.text_encoder_2),
+                ],
+                "SDXL pipeline",
+                compiled,
+            ),
+            None => crate::lora::fuse_into(
+                path.as_ref(),
+                scale,
+                &mut self.unet,
+                &mut [(LoraComponent::TextEncoder2, &mut self.text_encoder_2)],
+                "SDXL pipeline without a first text encoder (a refiner with only \
+                 text_encoder_2)",
+                compiled,
+            ),
+        }
     }
 
     /// Swaps the scheduler, keeping the checkpoint's betas config.
@@ -323,7 +372,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         unet: &B::Device,
         vae: &B::Device,
     ) -> Self {
-        self.text_encoder = self.text_encoder.to(text_encoders);
+        self.text_encoder = self.text_encoder.map(|te| te.to(text_encoders));
         self.text_encoder_2 = self.text_encoder_2.to(text_encoders);
         self.unet = self.unet.to(unet);
         self.vae = self.vae.to(vae);
@@ -336,7 +385,9 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
     /// diffusers' `encode_prompt` for one side (positive or negative): each prompt through
     /// both encoders (`prompts_2[i]` for the second), penultimate hidden states concatenated
     /// on the feature axis, the second encoder's `text_embeds` as the pooled embedding; each
-    /// row repeated `images_per_prompt` times.
+    /// row repeated `images_per_prompt` times. Without a first encoder (a refiner) the
+    /// context is `text_encoder_2`'s states of `prompts`, and `prompts_2` is unused, as
+    /// diffusers pairs its prompt list with the encoders present.
     pub fn encode_prompts(
         &self,
         prompts: &[String],
@@ -377,20 +428,29 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             }
             Ok(out.hidden_states[n - 2].clone())
         };
-        let out_1 = self
-            .text_encoder
-            .forward(&ids(&self.tokenizer, prompts)?, true)?;
+        let (first, prompts_2) = match (&self.tokenizer, &self.text_encoder) {
+            (Some(tokenizer), Some(text_encoder)) => (
+                Some(text_encoder.forward(&ids(tokenizer, prompts)?, true)?),
+                prompts_2,
+            ),
+            _ => (None, prompts),
+        };
         let out_2 = self
             .text_encoder_2
             .forward(&ids(&self.tokenizer_2, prompts_2)?, true)?;
-        let h1 = penultimate(&out_1, "text_encoder")?;
         let h2 = penultimate(&out_2, "text_encoder_2")?;
-        let h1 = h1.to_device(&h2.device());
         let pooled = out_2.text_embeds.clone().ok_or_else(|| {
             PipelineError::InvalidInput("text_encoder_2 has no text_projection".into())
         })?;
+        let prompt_embeds = match first {
+            Some(out_1) => {
+                let h1 = penultimate(&out_1, "text_encoder")?.to_device(&h2.device());
+                Tensor::cat(vec![h1, h2], 2)
+            }
+            None => h2,
+        };
         Ok(XlPromptEmbeds {
-            prompt_embeds: Tensor::cat(vec![h1, h2], 2),
+            prompt_embeds,
             pooled_prompt_embeds: pooled,
         })
     }

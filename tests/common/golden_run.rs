@@ -1,5 +1,5 @@
-//! Checks of a whole golden run (`tools/golden/make_inpaint.py`'s cases), shared by the
-//! inpainting and SDXL image-to-image tests.
+//! Checks of a whole golden run (`tools/golden/make_inpaint.py`'s and `make_refiner.py`'s
+//! cases, PNGs `GOLDEN-CASE.png`), shared by the inpainting and SDXL image-to-image tests.
 
 use burn::tensor::Tensor;
 use oxidiff::pipelines::Images;
@@ -28,7 +28,7 @@ pub fn check_run(golden: &Golden, case: &str, steps: Vec<(f64, Tensor<B, 4>)>, i
     assert!(err <= TOL, "{case}: image relative error {err:e}");
     assert_png_close(
         &images.to_rgb8(0).unwrap(),
-        &format!("inpaint-{case}.png"),
+        &format!("{}-{case}.png", golden.name),
         2,
     );
 }
