@@ -110,6 +110,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    oxidiff::tune_allocator();
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

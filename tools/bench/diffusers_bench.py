@@ -71,14 +71,17 @@ def timed(fn, repeat, first=None):
         start = time.perf_counter()
         fn()
         first = time.perf_counter() - start
-    times = []
+    times, cpu_times = [], []
     for _ in range(max(repeat, 1)):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu)
     times.sort()
+    cpu_times.sort()
     return {"first_s": first, "min_s": times[0], "median_s": times[len(times) // 2],
-            "max_s": times[-1], "repeats": len(times), "times_s": times}
+            "max_s": times[-1], "repeats": len(times), "times_s": times,
+            "cpu_times_s": cpu_times}
 
 
 def main():

@@ -30,18 +30,22 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# name -> (diffusers folder, image size, steps)
+# name -> (diffusers folder, image size, steps, timed calls per stage and process, rounds)
 CONFIGS = {
-    "tiny": ("tests/fixtures/tiny-sd1", 64, 20),
-    "sd15-256": ("/work/sd15-random", 256, 4),
-    "sd15-512": ("/work/sd15-random", 512, 4),
+    "tiny": ("tests/fixtures/tiny-sd1", 64, 20, 10, 3),
+    "sd15-256": ("/work/sd15-random", 256, 4, 2, 1),
+    "sd15-512": ("/work/sd15-random", 512, 4, 2, 1),
 }
 STAGES = ["unet_step", "vae_decode", "text_encode", "end_to_end"]
+# The same stages' process CPU time (all threads): with 1 thread on one pinned core it is the
+# work done, whatever else the machine runs.
+CPU = [s + "_cpu" for s in STAGES]
 SINGLE = ["load_s", "time_to_first_image_s", "peak_rss_bytes"]
 LABELS = {
     "unet_step": "UNet step (CFG)", "vae_decode": "VAE decode", "text_encode": "text encode",
     "end_to_end": "end to end", "load_s": "load", "time_to_first_image_s": "first image",
     "peak_rss_bytes": "peak RSS",
+    **{s + "_cpu": "  CPU time" for s in STAGES},
 }
 
 
@@ -50,12 +54,12 @@ def loadavg():
         return [float(x) for x in f.read().split()[:3]]
 
 
-def run_one(side, dir_, size, steps, threads, args):
+def run_one(side, dir_, size, steps, repeat, threads, args):
     env = dict(os.environ)
     env["RAYON_NUM_THREADS"] = str(threads)
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    common = ["--size", str(size), "--steps", str(steps), "--repeat", str(args.repeat),
+    common = ["--size", str(size), "--steps", str(steps), "--repeat", str(repeat),
               "--e2e-repeat", str(args.e2e_repeat)]
     if side == "diffusers":
         cmd = [sys.executable, "tools/bench/diffusers_bench.py", dir_, "--threads", str(threads)]
@@ -85,6 +89,10 @@ def summarize(runs):
         if times:
             out[stage] = {"min": min(times), "median": statistics.median(times), "max": max(times),
                           "n": len(times), "first_s": [r[stage]["first_s"] for r in runs]}
+        cpu = [t for r in runs if stage in r for t in r[stage].get("cpu_times_s", [])]
+        if cpu:
+            out[stage + "_cpu"] = {"min": min(cpu), "median": statistics.median(cpu),
+                                   "max": max(cpu), "n": len(cpu)}
     for key in SINGLE:
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
@@ -107,7 +115,7 @@ def report(result):
                      f"round(s); load avg before runs {min(case['loadavg'])}-{max(case['loadavg'])}")
         lines.append(f"{'':24}" + "".join(f"{s:>30}" for s in sides) + "".join(
             f"{s + '/diffusers':>20}" for s in sides if s != "diffusers"))
-        for key in STAGES + SINGLE:
+        for key in [k for s, c in zip(STAGES, CPU) for k in (s, c)] + SINGLE:
             if key not in base:
                 continue
             cells = "".join(
@@ -132,7 +140,7 @@ def svg_chart(result, path):
         base = case["sides"]["diffusers"]
         title = f"{case['config']}, {case['threads']} thread(s)"
         rows.append(("title", title, None))
-        for key in STAGES + SINGLE:
+        for key in [k for s, c in zip(STAGES, CPU) for k in (s, c)] + SINGLE:
             if key not in base:
                 continue
             vals = [(m, case["sides"][m][key]["median"] / base[key]["median"])
@@ -181,8 +189,10 @@ def main():
     ap.add_argument("--configs", default="tiny,sd15-256", help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--modes", default="cpu,compiled", help="oxidiff modes: cpu, eager, compiled")
-    ap.add_argument("--rounds", type=int, default=2, help="processes per side and case")
-    ap.add_argument("--repeat", type=int, default=3, help="timed calls per stage and process")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="processes per side and case (default: 3 tiny, 1 SD 1.5)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="timed calls per stage and process (default: 10 tiny, 2 SD 1.5)")
     ap.add_argument("--e2e-repeat", type=int, default=1, help="timed generations after the first")
     ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
@@ -198,7 +208,8 @@ def main():
         "command": " ".join(sys.argv), "modes": modes, "cases": [],
     }
     for name in args.configs.split(","):
-        dir_, size, steps = CONFIGS[name]
+        dir_, size, steps, repeat, rounds = CONFIGS[name]
+        repeat, rounds = args.repeat or repeat, args.rounds or rounds
         if name.startswith("sd15") and args.sd15_dir:
             dir_ = args.sd15_dir
         if not os.path.isfile(os.path.join(dir_, "model_index.json")):
@@ -208,17 +219,18 @@ def main():
             print(f"{name}, {threads} thread(s)", file=sys.stderr, flush=True)
             runs = {side: [] for side in ["diffusers"] + modes}
             loads = []
-            for round_ in range(args.rounds):
+            for round_ in range(rounds):
                 order = ["diffusers"] + modes
                 if round_ % 2:
                     order.reverse()
                 for side in order:
-                    r = run_one(side, dir_, size, steps, threads, args)
+                    r = run_one(side, dir_, size, steps, repeat, threads, args)
                     loads.append(r["loadavg_before"][0])
                     runs[side].append(r)
             result["cases"].append({
-                "config": name, "dir": dir_, "size": size, "steps": steps, "threads": threads,
-                "rounds": args.rounds, "loadavg": loads,
+                "config": name, "dir": dir_, "size": size, "steps": steps, "repeat": repeat,
+                "threads": threads,
+                "rounds": rounds, "loadavg": loads,
                 "sides": {side: summarize(rs) for side, rs in runs.items()},
                 "runs": runs,
             })

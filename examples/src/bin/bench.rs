@@ -15,9 +15,11 @@
 //! - `text_encode`: tokenizing and encoding the prompt and the empty negative prompt;
 //! - `vae_decode`: decoding `[1, 4, h/8, w/8]` latents;
 //! - `end_to_end`: a whole generation (DDIM, `--steps`, guidance 7.5, 8-bit image out);
-//! - `peak_rss_bytes`: the process's `VmHWM` at the end.
+//! - `peak_rss_bytes`: the process's `VmHWM` at the end (`peak_rss_after_load_bytes` and
+//!   `peak_rss_after_first_image_bytes`: at those points).
 //!
-//! Each timing is `{first_s, min_s, median_s, max_s, repeats, times_s}`: `first_s` is the warm-up call,
+//! Each timing is `{first_s, min_s, median_s, max_s, repeats, times_s, cpu_times_s}` (wall
+//! clock; `cpu_times_s`: the process's CPU time per call, all threads): `first_s` is the warm-up call,
 //! the others are over `--repeat` calls after it (for end to end: `--e2e-repeat` generations
 //! after the first one, which is its warm-up).
 //!
@@ -34,7 +36,7 @@ use burn::tensor::{Tensor, TensorData};
 use oxidiff::pipelines::{guided_noise, GenerateRequest, LoadOptions, StableDiffusionPipeline};
 use oxidiff::schedulers::{NoiseSource, TorchCpuGenerator};
 use oxidiff::{Cpu, Oxi, OxiDevice};
-use oxidiff_examples::peak_rss_bytes;
+use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
                      [--mode cpu|eager|compiled] [--unet-only] [--load-only]";
@@ -55,6 +57,7 @@ fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
 struct Timed {
     first: f64,
     times: Vec<f64>,
+    cpu_times: Vec<f64>,
 }
 
 impl Timed {
@@ -66,14 +69,20 @@ impl Timed {
 
     /// `repeat` timed runs after a warm-up that took `first` seconds.
     fn after_warmup(first: f64, repeat: usize, mut f: impl FnMut() -> Result<()>) -> Result<Self> {
-        let mut times = Vec::new();
+        let (mut times, mut cpu_times) = (Vec::new(), Vec::new());
         for _ in 0..repeat.max(1) {
-            let start = Instant::now();
+            let (start, cpu) = (Instant::now(), process_cpu_seconds());
             f()?;
             times.push(start.elapsed().as_secs_f64());
+            cpu_times.push(process_cpu_seconds() - cpu);
         }
         times.sort_by(f64::total_cmp);
-        Ok(Self { first, times })
+        cpu_times.sort_by(f64::total_cmp);
+        Ok(Self {
+            first,
+            times,
+            cpu_times,
+        })
     }
 
     fn json(&self) -> serde_json::Value {
@@ -85,6 +94,7 @@ impl Timed {
             "max_s": self.times[n - 1],
             "repeats": n,
             "times_s": self.times,
+            "cpu_times_s": self.cpu_times,
         })
     }
 }
@@ -102,6 +112,7 @@ struct Options {
 
 fn main() -> Result<()> {
     let started = Instant::now();
+    oxidiff::tune_allocator();
     let args: Vec<String> = std::env::args().collect();
     let dir = args
         .get(1)
@@ -159,6 +170,7 @@ fn bench<B: Backend>(
         "impl": "oxidiff", "mode": options.mode,
         "threads": std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse::<usize>().ok()),
         "size": options.size, "steps": options.steps, "load_s": load,
+        "peak_rss_after_load_bytes": peak_rss_bytes(),
     });
     if options.load_only {
         report["peak_rss_bytes"] = peak_rss_bytes().into();
@@ -182,6 +194,7 @@ fn bench<B: Backend>(
         first_generation = start.elapsed().as_secs_f64();
         report["first_generation_s"] = first_generation.into();
         report["time_to_first_image_s"] = started.elapsed().as_secs_f64().into();
+        report["peak_rss_after_first_image_bytes"] = peak_rss_bytes().into();
     }
 
     let prompts = vec![String::new(), prompt];
