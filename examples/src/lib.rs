@@ -18,3 +18,19 @@ pub fn arg(flag: &str) -> Option<String> {
     let i = args.iter().position(|a| a == flag)?;
     args.get(i + 1).cloned()
 }
+
+/// CPU time this process has used so far, all threads, in seconds
+/// (`CLOCK_PROCESS_CPUTIME_ID`): with one thread pinned to one core it is the work a step
+/// took, whatever else the machine runs.
+pub fn process_cpu_seconds() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to write into.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}

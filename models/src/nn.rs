@@ -126,16 +126,18 @@ impl<B: Backend> GroupNorm<B> {
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let dims = x.dims();
-        let (n, c) = (dims[0], dims[1]);
-        let grouped: Tensor<B, 3> = x.reshape([n as i64, self.num_groups as i64, -1]);
+        let (n, c, g) = (dims[0], dims[1], self.num_groups);
+        let grouped: Tensor<B, 3> = x.reshape([n as i64, g as i64, -1]);
         let (var, mean) = grouped.clone().var_mean_bias(2);
-        let normed = grouped
-            .sub(mean)
-            .div(var.add_scalar(self.eps).sqrt())
-            .reshape(dims);
-        let mut affine_shape = [1usize; D];
-        affine_shape[1] = c;
-        normed * self.weight.val().reshape(affine_shape) + self.bias.val().reshape(affine_shape)
+        // As PyTorch's CPU kernel: per (sample, channel) `scale = weight / std` and
+        // `shift = bias - mean * scale`, then one multiply-add over the activations (two passes
+        // over the big tensor instead of four).
+        let per_channel = |t: Tensor<B, 3>| t.expand([n, g, c / g]).reshape([n, c]);
+        let scale = per_channel(var.add_scalar(self.eps).sqrt().recip())
+            * self.weight.val().reshape([1, c]);
+        let shift = self.bias.val().reshape([1, c]) - per_channel(mean) * scale.clone();
+        let flat: Tensor<B, 3> = grouped.reshape([n as i64, c as i64, -1]);
+        (flat * scale.reshape([n, c, 1]) + shift.reshape([n, c, 1])).reshape(dims)
     }
 }
 

@@ -83,6 +83,7 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    oxidiff::tune_allocator();
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -250,6 +250,7 @@ impl Precision {
 const REDUCED_PRECISION_CLASSES: [&str; 2] = ["StableDiffusionPipeline", SDXL_CLASS];
 
 fn main() -> ExitCode {
+    oxidiff::tune_allocator();
     let args = Args::parse();
     let progress = Progress::new(args.quiet);
     // Logs: `RUST_LOG` (default `warn`; `RUST_LOG=info` adds load, compile and timing events).

@@ -1,0 +1,250 @@
+"""The benchmark suite's driver: oxidiff (target/release/bench) and diffusers
+(tools/bench/diffusers_bench.py) side by side on this machine, alternately, at the same thread
+count; prints the ratios oxidiff / diffusers, writes a JSON result file and an SVG chart.
+
+    tools/bench/run.sh [--configs tiny,sd15-256] [--threads 1,2] [--rounds 2] ...
+    python3 tools/bench/run.py --help
+
+Each round runs one process per side (diffusers, then every oxidiff mode; the order flips
+every round so neither side always runs first on a warmer machine). Each process loads the
+pipeline, makes a first image, then times the UNet step, text encoding and VAE decode
+`--repeat` times after a warm-up, and end to end. Times of all rounds are pooled: the tables
+give min / median / max over every timed call; load, time to first image and peak RSS give
+min / median / max over processes. Ratios are medians (below 1: oxidiff is faster).
+
+Threads: 1 thread means RAYON_NUM_THREADS=1 (burn-flex), torch.set_num_threads(1) and
+OMP_NUM_THREADS=1 (torch), and every process pinned to one core with `taskset -c 0`: XLA's CPU
+plugin sizes its intra-op thread pool from the cores the process may run on (it has no thread
+option of its own), so pinning is how it gets one thread. With 2 threads nothing is pinned.
+The load average (`/proc/loadavg`) is recorded before every process.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name -> (diffusers folder, image size, steps, timed calls per stage and process, rounds)
+CONFIGS = {
+    "tiny": ("tests/fixtures/tiny-sd1", 64, 20, 10, 3),
+    "sd15-256": ("/work/sd15-random", 256, 4, 2, 1),
+    "sd15-512": ("/work/sd15-random", 512, 4, 2, 1),
+}
+STAGES = ["unet_step", "vae_decode", "text_encode", "end_to_end"]
+# The same stages' process CPU time (all threads): with 1 thread on one pinned core it is the
+# work done, whatever else the machine runs.
+CPU = [s + "_cpu" for s in STAGES]
+SINGLE = ["load_s", "time_to_first_image_s", "peak_rss_bytes"]
+LABELS = {
+    "unet_step": "UNet step (CFG)", "vae_decode": "VAE decode", "text_encode": "text encode",
+    "end_to_end": "end to end", "load_s": "load", "time_to_first_image_s": "first image",
+    "peak_rss_bytes": "peak RSS",
+    **{s + "_cpu": "  CPU time" for s in STAGES},
+}
+
+
+def loadavg():
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
+def run_one(side, dir_, size, steps, repeat, threads, args):
+    env = dict(os.environ)
+    env["RAYON_NUM_THREADS"] = str(threads)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    common = ["--size", str(size), "--steps", str(steps), "--repeat", str(repeat),
+              "--e2e-repeat", str(args.e2e_repeat)]
+    if side == "diffusers":
+        cmd = [sys.executable, "tools/bench/diffusers_bench.py", dir_, "--threads", str(threads)]
+    else:
+        cmd = [args.bench_bin, dir_, "--mode", side]
+    cmd += common
+    if threads == 1 and shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0"] + cmd
+    load = loadavg()
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    line = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
+    result = json.loads(line)
+    result["loadavg_before"] = load
+    result["command"] = " ".join(cmd)
+    print(f"  {side:10} load {load[0]:.2f}  unet median {result['unet_step']['median_s']:.4f} s",
+          file=sys.stderr, flush=True)
+    return result
+
+
+def summarize(runs):
+    """Pools the processes of one side: stage times over all calls, single values over runs."""
+    out = {}
+    for stage in STAGES:
+        times = [t for r in runs if stage in r for t in r[stage]["times_s"]]
+        if times:
+            out[stage] = {"min": min(times), "median": statistics.median(times), "max": max(times),
+                          "n": len(times), "first_s": [r[stage]["first_s"] for r in runs]}
+        cpu = [t for r in runs if stage in r for t in r[stage].get("cpu_times_s", [])]
+        if cpu:
+            out[stage + "_cpu"] = {"min": min(cpu), "median": statistics.median(cpu),
+                                   "max": max(cpu), "n": len(cpu)}
+    for key in SINGLE:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            out[key] = {"min": min(values), "median": statistics.median(values),
+                        "max": max(values), "n": len(values)}
+    return out
+
+
+def fmt(key, v):
+    return f"{v / 1e9:.2f}G" if key == "peak_rss_bytes" else f"{v:.4g}"
+
+
+def report(result):
+    lines = []
+    for case in result["cases"]:
+        sides = case["sides"]
+        base = sides["diffusers"]
+        lines.append(f"\n{case['config']} ({case['size']}x{case['size']}, {case['steps']} DDIM "
+                     f"steps, guidance 7.5), {case['threads']} thread(s), {case['rounds']} "
+                     f"round(s); load avg before runs {min(case['loadavg'])}-{max(case['loadavg'])}")
+        lines.append(f"{'':24}" + "".join(f"{s:>30}" for s in sides) + "".join(
+            f"{s + '/diffusers':>20}" for s in sides if s != "diffusers"))
+        for key in [k for s, c in zip(STAGES, CPU) for k in (s, c)] + SINGLE:
+            if key not in base:
+                continue
+            cells = "".join(
+                f"{fmt(key, d[key]['min']) + ' ' + fmt(key, d[key]['median']) + ' ' + fmt(key, d[key]['max']):>30}"
+                for d in sides.values())
+            ratios = "".join(f"{sides[s][key]['median'] / base[key]['median']:>20.2f}"
+                             for s in sides if s != "diffusers" and key in sides[s])
+            unit = "" if key == "peak_rss_bytes" else " (s)"
+            lines.append(f"{LABELS[key] + unit:24}{cells}{ratios}")
+    lines.append("\ncells: min median max; ratios: medians, oxidiff / diffusers (below 1: oxidiff is faster or smaller)")
+    return "\n".join(lines)
+
+
+def svg_chart(result, path):
+    """Ratios oxidiff / diffusers (medians) as horizontal bars on a log scale, 1.0 marked."""
+    import math
+
+    modes = [m for m in result["modes"]]
+    colors = {"cpu": "#1f77b4", "compiled": "#ff7f0e", "eager": "#2ca02c"}
+    rows = []
+    for case in result["cases"]:
+        base = case["sides"]["diffusers"]
+        title = f"{case['config']}, {case['threads']} thread(s)"
+        rows.append(("title", title, None))
+        for key in [k for s, c in zip(STAGES, CPU) for k in (s, c)] + SINGLE:
+            if key not in base:
+                continue
+            vals = [(m, case["sides"][m][key]["median"] / base[key]["median"])
+                    for m in modes if key in case["sides"].get(m, {})]
+            rows.append(("row", LABELS[key], vals))
+    bar_h, gap, left, width = 9, 6, 170, 420
+    lo, hi = math.log2(1 / 8), math.log2(8)
+    x = lambda r: left + (math.log2(min(max(r, 1 / 8), 8)) - lo) / (hi - lo) * width
+    y, parts = 40, []
+    for kind, label, vals in rows:
+        if kind == "title":
+            y += 8
+            parts.append(f'<text x="4" y="{y + 10}" font-weight="bold">{label}</text>')
+            y += 16
+            continue
+        h = bar_h * len(vals)
+        parts.append(f'<text x="{left - 6}" y="{y + h / 2 + 4}" text-anchor="end">{label}</text>')
+        for i, (m, r) in enumerate(vals):
+            x0, x1 = sorted([x(1.0), x(r)])
+            parts.append(f'<rect x="{x0:.1f}" y="{y + i * bar_h}" width="{max(x1 - x0, 1):.1f}" '
+                         f'height="{bar_h - 1}" fill="{colors.get(m, "#888")}"/>')
+            parts.append(f'<text x="{x1 + 4:.1f}" y="{y + i * bar_h + bar_h - 1}" font-size="9">'
+                         f'{r:.2f}</text>')
+        y += h + gap
+    height = y + 30
+    axis = []
+    for r in [1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8]:
+        xr = x(r)
+        axis.append(f'<line x1="{xr:.1f}" y1="30" x2="{xr:.1f}" y2="{height - 20}" '
+                    f'stroke="{"#000" if r == 1 else "#ddd"}" stroke-width="{1.5 if r == 1 else 1}"/>')
+        axis.append(f'<text x="{xr:.1f}" y="{height - 6}" text-anchor="middle" font-size="10">'
+                    f'{r:g}</text>')
+    legend = "".join(
+        f'<rect x="{left + 120 * i}" y="14" width="10" height="10" fill="{colors.get(m, "#888")}"/>'
+        f'<text x="{left + 14 + 120 * i}" y="23">oxidiff {m}</text>' for i, m in enumerate(modes))
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 50}" height="{height}" '
+           f'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>'
+           f'<text x="4" y="12" font-size="10">oxidiff / diffusers (median; log scale; left of 1: '
+           f'oxidiff faster or smaller)</text>{legend}{"".join(axis)}{"".join(parts)}</svg>\n')
+    with open(path, "w") as f:
+        f.write(svg)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="tiny,sd15-256", help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--modes", default="cpu,compiled", help="oxidiff modes: cpu, eager, compiled")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="processes per side and case (default: 3 tiny, 1 SD 1.5)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="timed calls per stage and process (default: 10 tiny, 2 SD 1.5)")
+    ap.add_argument("--e2e-repeat", type=int, default=1, help="timed generations after the first")
+    ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder")
+    ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
+    ap.add_argument("--json", default="tools/bench/results.json")
+    ap.add_argument("--svg", default="docs/bench.svg")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                                 if line.startswith("model name")), None)},
+        "command": " ".join(sys.argv), "modes": modes, "cases": [],
+    }
+    for name in args.configs.split(","):
+        dir_, size, steps, repeat, rounds = CONFIGS[name]
+        repeat, rounds = args.repeat or repeat, args.rounds or rounds
+        if name.startswith("sd15") and args.sd15_dir:
+            dir_ = args.sd15_dir
+        if not os.path.isfile(os.path.join(dir_, "model_index.json")):
+            subprocess.run([sys.executable, "tools/bench/diffusers_bench.py", dir_, "--make-only"],
+                           cwd=ROOT, check=True)
+        for threads in [int(t) for t in args.threads.split(",")]:
+            print(f"{name}, {threads} thread(s)", file=sys.stderr, flush=True)
+            runs = {side: [] for side in ["diffusers"] + modes}
+            loads = []
+            for round_ in range(rounds):
+                order = ["diffusers"] + modes
+                if round_ % 2:
+                    order.reverse()
+                for side in order:
+                    r = run_one(side, dir_, size, steps, repeat, threads, args)
+                    loads.append(r["loadavg_before"][0])
+                    runs[side].append(r)
+            result["cases"].append({
+                "config": name, "dir": dir_, "size": size, "steps": steps, "repeat": repeat,
+                "threads": threads,
+                "rounds": rounds, "loadavg": loads,
+                "sides": {side: summarize(rs) for side, rs in runs.items()},
+                "runs": runs,
+            })
+            # Written after every case, so an interrupted run keeps what it measured.
+            with open(os.path.join(ROOT, args.json), "w") as f:
+                json.dump(result, f, indent=1)
+    text = report(result)
+    print(text)
+    result["table"] = text
+    with open(os.path.join(ROOT, args.json), "w") as f:
+        json.dump(result, f, indent=1)
+    svg_chart(result, os.path.join(ROOT, args.svg))
+    print(f"\nwrote {args.json} and {args.svg}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
