@@ -217,7 +217,8 @@ impl<B: Backend> PatchEmbed<B> {
             return tokens + pos;
         }
         let pos = sincos_pos_embed_2d(dim, gh, gw, self.base_size, self.interpolation_scale);
-        let pos = Tensor::<B, 2>::from_data(TensorData::new(pos, [gh * gw, dim]), &tokens.device());
+        let pos = Tensor::<B, 2>::from_data(TensorData::new(pos, [gh * gw, dim]), &tokens.device())
+            .cast(dtype_of(&tokens));
         tokens + pos.unsqueeze::<3>()
     }
 }
