@@ -127,12 +127,17 @@ impl<B: Backend> GroupNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let dims = x.dims();
         let (n, c) = (dims[0], dims[1]);
+        // The statistics in f32 whatever the weights' dtype, as torch's group norm accumulates
+        // (an f16 variance overflows past |x| ~ 256), then back to the input's dtype.
+        let dtype = crate::dtype::dtype_of(&x);
         let grouped: Tensor<B, 3> = x.reshape([n as i64, self.num_groups as i64, -1]);
+        let grouped = crate::dtype::cast_to(grouped, burn::tensor::FloatDType::F32);
         let (var, mean) = grouped.clone().var_mean_bias(2);
         let normed = grouped
             .sub(mean)
             .div(var.add_scalar(self.eps).sqrt())
             .reshape(dims);
+        let normed = crate::dtype::cast_to(normed, dtype);
         let mut affine_shape = [1usize; D];
         affine_shape[1] = c;
         normed * self.weight.val().reshape(affine_shape) + self.bias.val().reshape(affine_shape)
