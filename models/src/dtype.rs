@@ -4,9 +4,11 @@
 //!
 //! Burn 0.21 refuses binary ops between tensors of different float dtypes (`DTypeMismatch`), on
 //! burn-flex and on the PJRT backend alike, so the casts sit at the model boundary:
-//! [`UNet2DConditionModel`](crate::UNet2DConditionModel) and
-//! [`AutoencoderKL`](crate::AutoencoderKL) do it; the CLIP text encoder's output is in its
-//! weights' dtype (its input is token ids).
+//! [`UNet2DConditionModel`](crate::UNet2DConditionModel), the Flux, SD3 and PixArt
+//! transformers and [`AutoencoderKL`](crate::AutoencoderKL) do it; the CLIP and T5 text
+//! encoders' outputs are in their weights' dtype (their input is token ids). Inside, what
+//! diffusers keeps in f32 stays f32 and is cast where it meets the weights: sinusoidal
+//! timestep projections, Flux's rotary embedding, group-norm statistics.
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;

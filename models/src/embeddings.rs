@@ -7,8 +7,9 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 
+use crate::dtype::{cast_to, dtype_of};
 use crate::error::Result;
 use crate::nn::{Activation, Linear};
 use crate::weights::VarBuilder;
@@ -19,6 +20,11 @@ pub struct Timesteps<B: Backend> {
     /// `exp(-ln(max_period) * i / (half - shift))` for `i < half`, shape `[1, half]`.
     pub freqs: Param<Tensor<B, 2>>,
     pub flip_sin_to_cos: bool,
+    /// The table in f32 on the host: with reduced-precision weights the projection is still
+    /// computed in f32 (as diffusers' `get_timestep_embedding`), since `t * freq` for
+    /// `t ~ 1000` leaves no correct phase in bf16.
+    #[module(skip)]
+    pub host_freqs: Vec<f32>,
 }
 
 impl<B: Backend> Timesteps<B> {
@@ -31,22 +37,36 @@ impl<B: Backend> Timesteps<B> {
                 (exponent / (half as f32 - freq_shift as f32)).exp()
             })
             .collect();
-        let freqs = Tensor::from_data(TensorData::new(freqs, [1, half]), device);
+        let table = Tensor::from_data(TensorData::new(freqs.clone(), [1, half]), device);
         Self {
-            freqs: Param::from_tensor(freqs).set_require_grad(false),
+            freqs: Param::from_tensor(table).set_require_grad(false),
             flip_sin_to_cos,
+            host_freqs: freqs,
         }
     }
 
-    /// `timesteps` of shape `[batch]` to embeddings `[batch, dim]`.
+    /// `timesteps` of shape `[batch]` to embeddings `[batch, dim]`, computed in f32 and
+    /// returned in the dtype of the module's weights (`freqs`).
     pub fn forward(&self, timesteps: Tensor<B, 1>) -> Tensor<B, 2> {
-        let args = timesteps.unsqueeze_dim::<2>(1) * self.freqs.val();
+        let freqs = self.freqs.val();
+        let dtype = dtype_of(&freqs);
+        let freqs = if dtype == FloatDType::F32 {
+            freqs
+        } else {
+            let half = self.host_freqs.len();
+            Tensor::from_data(
+                TensorData::new(self.host_freqs.clone(), [1, half]),
+                &freqs.device(),
+            )
+        };
+        let args = cast_to(timesteps, FloatDType::F32).unsqueeze_dim::<2>(1) * freqs;
         let (sin, cos) = (args.clone().sin(), args.cos());
-        if self.flip_sin_to_cos {
+        let emb = if self.flip_sin_to_cos {
             Tensor::cat(vec![cos, sin], 1)
         } else {
             Tensor::cat(vec![sin, cos], 1)
-        }
+        };
+        cast_to(emb, dtype)
     }
 }
 
@@ -197,7 +217,8 @@ impl<B: Backend> PatchEmbed<B> {
             return tokens + pos;
         }
         let pos = sincos_pos_embed_2d(dim, gh, gw, self.base_size, self.interpolation_scale);
-        let pos = Tensor::<B, 2>::from_data(TensorData::new(pos, [gh * gw, dim]), &tokens.device());
+        let pos = Tensor::<B, 2>::from_data(TensorData::new(pos, [gh * gw, dim]), &tokens.device())
+            .cast(dtype_of(&tokens));
         tokens + pos.unsqueeze::<3>()
     }
 }
@@ -493,12 +514,16 @@ impl FluxPosEmbed {
 }
 
 /// diffusers' `apply_rotary_emb` (`use_real`, `use_real_unbind_dim=-1`: channel pairs
-/// `(2i, 2i + 1)` rotate together) on `x` `[batch, heads, seq, head_dim]`.
+/// `(2i, 2i + 1)` rotate together) on `x` `[batch, heads, seq, head_dim]`. As diffusers, the
+/// rotation is computed in the tables' dtype (f32) and returned in `x`'s.
 pub fn apply_rotary_emb<B: Backend>(x: Tensor<B, 4>, rope: &RotaryEmbedding<B>) -> Tensor<B, 4> {
+    let dtype = dtype_of(&x);
+    let x = cast_to(x, dtype_of(&rope.cos));
     let [b, h, s, d] = x.dims();
     let pairs: Tensor<B, 5> = x.clone().reshape([b, h, s, d / 2, 2]);
     let real = pairs.clone().narrow(4, 0, 1);
     let imag = pairs.narrow(4, 1, 1);
     let rotated: Tensor<B, 4> = Tensor::cat(vec![imag.neg(), real], 4).reshape([b, h, s, d]);
-    x * rope.cos.clone().unsqueeze::<4>() + rotated * rope.sin.clone().unsqueeze::<4>()
+    let out = x * rope.cos.clone().unsqueeze::<4>() + rotated * rope.sin.clone().unsqueeze::<4>();
+    cast_to(out, dtype)
 }

@@ -127,17 +127,24 @@ impl<B: Backend> GroupNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let dims = x.dims();
         let (n, c, g) = (dims[0], dims[1], self.num_groups);
+        // The statistics in f32 whatever the weights' dtype, as torch's group norm accumulates
+        // (an f16 variance overflows past |x| ~ 256), then back to the input's dtype.
+        let dtype = crate::dtype::dtype_of(&x);
+        let f32 = burn::tensor::FloatDType::F32;
         let grouped: Tensor<B, 3> = x.reshape([n as i64, g as i64, -1]);
+        let grouped = crate::dtype::cast_to(grouped, f32);
         let (var, mean) = grouped.clone().var_mean_bias(2);
         // As PyTorch's CPU kernel: per (sample, channel) `scale = weight / std` and
         // `shift = bias - mean * scale`, then one multiply-add over the activations (two passes
         // over the big tensor instead of four).
         let per_channel = |t: Tensor<B, 3>| t.expand([n, g, c / g]).reshape([n, c]);
-        let scale = per_channel(var.add_scalar(self.eps).sqrt().recip())
-            * self.weight.val().reshape([1, c]);
-        let shift = self.bias.val().reshape([1, c]) - per_channel(mean) * scale.clone();
+        let weight = crate::dtype::cast_to(self.weight.val(), f32).reshape([1, c]);
+        let bias = crate::dtype::cast_to(self.bias.val(), f32).reshape([1, c]);
+        let scale = per_channel(var.add_scalar(self.eps).sqrt().recip()) * weight;
+        let shift = bias - per_channel(mean) * scale.clone();
         let flat: Tensor<B, 3> = grouped.reshape([n as i64, c as i64, -1]);
-        (flat * scale.reshape([n, c, 1]) + shift.reshape([n, c, 1])).reshape(dims)
+        let out = (flat * scale.reshape([n, c, 1]) + shift.reshape([n, c, 1])).reshape(dims);
+        crate::dtype::cast_to(out, dtype)
     }
 }
 

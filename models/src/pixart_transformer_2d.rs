@@ -18,6 +18,7 @@ use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec, FeedForward, FeedForwardActivation};
 use crate::config::load_json;
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{MicroConditions, PatchEmbed, PixArtAlphaTextProjection};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
@@ -353,6 +354,14 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
         caption_bias: Option<Tensor<B, 4>>,
         conditions: Option<&MicroConditions<B>>,
     ) -> Tensor<B, 4> {
+        // Computed in the weights' dtype, returned in the caller's (see `crate::dtype`); the
+        // timestep and micro-conditions stay as given: their sinusoidal projections are
+        // computed in f32.
+        let caller = dtype_of(&latents);
+        let dtype = dtype_of(&self.proj_out.weight.val());
+        let latents = cast_to(latents, dtype);
+        let caption = cast_to(caption, dtype);
+        let caption_bias = caption_bias.map(|bias| cast_to(bias, dtype));
         let [b, _, h, w] = latents.dims();
         let p = self.patch_size;
         let (gh, gw) = (h / p, w / p);
@@ -374,8 +383,11 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
         // Un-patch: [b, gh, gw, p, q, c] -> [b, c, gh, p, gw, q].
         let c_out = self.out_channels;
         let x: Tensor<B, 6> = x.reshape([b, gh, gw, p, p, c_out]);
-        x.permute([0, 5, 1, 3, 2, 4])
-            .reshape([b, c_out, gh * p, gw * p])
+        cast_to(
+            x.permute([0, 5, 1, 3, 2, 4])
+                .reshape([b, c_out, gh * p, gw * p]),
+            caller,
+        )
     }
 }
 

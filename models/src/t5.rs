@@ -13,7 +13,7 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use serde::Deserialize;
 
 use crate::config::load_json;
@@ -360,14 +360,22 @@ impl<B: Backend> T5EncoderModel<B> {
         let position_bias = self.position_bias(seq)?; // [1, heads, seq, seq]
         let bias = match attention_mask {
             Some(mask) => {
-                // transformers adds the dtype's lowest value where the mask is 0.
+                // transformers adds the dtype's lowest value where the mask is 0 (the bias
+                // follows the weights' dtype: burn refuses mixed-dtype sums).
+                let dtype = crate::dtype::dtype_of(&position_bias);
+                let lowest = match dtype {
+                    FloatDType::F16 => -65504.0,
+                    FloatDType::BF16 => -3.389_531_4e38,
+                    _ => f32::MIN,
+                };
                 let values: Vec<f32> = mask
                     .iter()
                     .flatten()
-                    .map(|&m| if m == 0 { f32::MIN } else { 0.0 })
+                    .map(|&m| if m == 0 { lowest } else { 0.0 })
                     .collect();
                 let mask_bias =
                     Tensor::<B, 2>::from_data(TensorData::new(values, [batch, seq]), &device)
+                        .cast(dtype)
                         .reshape([batch, 1, 1, seq]);
                 position_bias.expand([batch, heads, seq, seq])
                     + mask_bias.expand([batch, heads, seq, seq])

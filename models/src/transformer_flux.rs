@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use crate::attention::{scaled_dot_product_attention, FeedForward, FeedForwardActivation};
 use crate::config::load_json;
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{
     apply_rotary_emb, CombinedTimestepGuidanceTextProjEmbeddings,
     CombinedTimestepTextProjEmbeddings, FluxPosEmbed, RotaryEmbedding,
@@ -598,11 +599,18 @@ impl<B: Backend> FluxTransformer2DModel<B> {
         guidance: Option<Tensor<B, 1>>,
         image_rotary_emb: &RotaryEmbedding<B>,
     ) -> Tensor<B, 3> {
+        // Computed in the weights' dtype, returned in the caller's (see `crate::dtype`); the
+        // rotary tables stay as given (f32), as diffusers applies them in f32.
+        let caller = dtype_of(&hidden_states);
+        let dtype = dtype_of(&self.proj_out.weight.val());
+        let hidden_states = cast_to(hidden_states, dtype);
+        let encoder_hidden_states = cast_to(encoder_hidden_states, dtype);
+        let pooled_projections = cast_to(pooled_projections, dtype);
         let mut image = self.x_embedder.forward(hidden_states);
-        let timestep = timestep.mul_scalar(1000.0);
+        let timestep = cast_to(timestep, dtype).mul_scalar(1000.0);
         let guidance = guidance
             .filter(|_| self.guidance_embeds())
-            .map(|g| g.mul_scalar(1000.0));
+            .map(|g| cast_to(g, dtype).mul_scalar(1000.0));
         let temb = self
             .time_text_embed
             .forward(timestep, guidance, pooled_projections);
@@ -619,7 +627,10 @@ impl<B: Backend> FluxTransformer2DModel<B> {
             joined = block.forward(joined, temb.clone(), image_rotary_emb);
         }
         let image = joined.narrow(1, text_len, image_len);
-        self.proj_out.forward(self.norm_out.forward(image, temb))
+        cast_to(
+            self.proj_out.forward(self.norm_out.forward(image, temb)),
+            caller,
+        )
     }
 }
 

@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use crate::attention::{FeedForward, FeedForwardActivation, JointAttention, JointAttentionSpec};
 use crate::config::load_json;
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{CombinedTimestepTextProjEmbeddings, PatchEmbed};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
@@ -460,6 +461,13 @@ impl<B: Backend> SD3Transformer2DModel<B> {
         pooled_projections: Tensor<B, 2>,
         skip_layers: &[usize],
     ) -> Tensor<B, 4> {
+        // Computed in the weights' dtype, returned in the caller's (see `crate::dtype`); the
+        // timestep stays as given: its sinusoidal projection is computed in f32.
+        let caller = dtype_of(&latents);
+        let dtype = dtype_of(&self.proj_out.weight.val());
+        let latents = cast_to(latents, dtype);
+        let encoder_hidden_states = cast_to(encoder_hidden_states, dtype);
+        let pooled_projections = cast_to(pooled_projections, dtype);
         let [b, _, h, w] = latents.dims();
         let p = self.patch_size;
         let (gh, gw) = (h / p, w / p);
@@ -481,8 +489,11 @@ impl<B: Backend> SD3Transformer2DModel<B> {
         // Un-patch: [b, gh, gw, p, q, c] -> [b, c, gh, p, gw, q].
         let c_out = self.out_channels;
         let x: Tensor<B, 6> = x.reshape([b, gh, gw, p, p, c_out]);
-        x.permute([0, 5, 1, 3, 2, 4])
-            .reshape([b, c_out, gh * p, gw * p])
+        cast_to(
+            x.permute([0, 5, 1, 3, 2, 4])
+                .reshape([b, c_out, gh * p, gw * p]),
+            caller,
+        )
     }
 }
 

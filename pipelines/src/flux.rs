@@ -230,13 +230,14 @@ impl<B: Backend> FluxPipeline<B> {
             oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
         let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
         let (scheduler_config, scheduler) = load_scheduler(dir, options)?;
+        let cast = crate::loading::Cast(options.dtype);
         Ok(Self {
             tokenizer,
-            text_encoder,
+            text_encoder: cast.apply(text_encoder),
             tokenizer_2,
-            text_encoder_2,
-            transformer,
-            vae,
+            text_encoder_2: cast.apply(text_encoder_2),
+            transformer: cast.apply(transformer),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),

@@ -174,16 +174,4 @@ impl Cast {
             None => module,
         }
     }
-
-    /// Refuses any dtype but f32, for pipelines whose models build f32 constants inside
-    /// (masks, position embeddings) and so cannot run in another precision yet.
-    pub fn require_f32(self, class: &str) -> Result<()> {
-        match self.0 {
-            None | Some(burn::tensor::FloatDType::F32) => Ok(()),
-            Some(other) => Err(PipelineError::InvalidInput(format!(
-                "{class} runs in f32 only (dtype {other:?} was asked for); \
-                 f16 and bf16 work with Stable Diffusion 1.x/2.x and SDXL"
-            ))),
-        }
-    }
 }

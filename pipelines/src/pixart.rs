@@ -167,7 +167,6 @@ impl<B: Backend> PixArtPipeline<B> {
     /// Loads a diffusers-format `PixArtAlphaPipeline` or `PixArtSigmaPipeline` folder.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let class = check_pipeline_class(dir, &PIXART_CLASSES)?;
-        crate::loading::Cast(options.dtype).require_f32(&class)?;
         let variant = PixArtVariant::from_class(&class).unwrap_or(PixArtVariant::Alpha);
         let weights_variant = options.variant.as_deref();
         let tokenizer = T5Tokenizer::from_dir(&component(dir, "tokenizer")?)?;
@@ -182,12 +181,13 @@ impl<B: Backend> PixArtPipeline<B> {
         let vae_config = AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
         let vae = AutoencoderKL::from_dir(&vae_dir, weights_variant, device)?;
         let (scheduler_config, scheduler) = load_scheduler(dir, options)?;
+        let cast = crate::loading::Cast(options.dtype);
         Ok(Self {
             variant,
             tokenizer,
-            text_encoder,
-            transformer,
-            vae,
+            text_encoder: cast.apply(text_encoder),
+            transformer: cast.apply(transformer),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),

@@ -42,9 +42,8 @@ pub struct LoadOptions {
     /// a short/A1111 name, with A1111's option words (`ddim`, `euler_a`, `DPM++ 2M Karras`).
     pub scheduler: Option<String>,
     /// Cast the weights to this float dtype after loading (diffusers' `torch_dtype`); `None`
-    /// keeps f32 (weights stored as f16/bf16 are read into f32). Stable Diffusion and SDXL
-    /// compute in it and keep latents and scheduler math in f32; PixArt refuses anything but
-    /// f32.
+    /// keeps f32 (weights stored as f16/bf16 are read into f32). Stable Diffusion, SDXL, Flux,
+    /// SD3 and PixArt compute in it and keep latents and scheduler math in f32.
     pub dtype: Option<FloatDType>,
 }
 

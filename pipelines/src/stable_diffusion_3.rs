@@ -223,15 +223,16 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         }
         let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
         let (scheduler_config, scheduler) = crate::loading::load_scheduler(dir, options)?;
+        let cast = crate::loading::Cast(options.dtype);
         Ok(Self {
             tokenizer,
             tokenizer_2,
-            text_encoder,
-            text_encoder_2,
-            text_encoder_3,
+            text_encoder: cast.apply(text_encoder),
+            text_encoder_2: cast.apply(text_encoder_2),
+            text_encoder_3: text_encoder_3.map(|t5| cast.apply(t5)),
             tokenizer_3,
-            transformer,
-            vae,
+            transformer: cast.apply(transformer),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),
@@ -364,6 +365,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
 
         let width = self.transformer.joint_attention_dim;
         let rows = n * images_per_prompt;
+        let clip_dtype = burn::tensor::FloatDType::from(clip.dtype());
         let t5 = match (&self.text_encoder_3, &self.tokenizer_3) {
             (Some(t5), Some(tokenizer)) => {
                 let mut ids = Vec::with_capacity(rows);
@@ -383,7 +385,10 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
                 }
                 t5.forward(&ids, None)?.to_device(&device)
             }
-            _ => Tensor::zeros([rows, max_sequence_length, width], &device),
+            // In the encoders' dtype, as diffusers' zeros (burn refuses mixed-dtype concats).
+            _ => {
+                Tensor::<B, 3>::zeros([rows, max_sequence_length, width], &device).cast(clip_dtype)
+            }
         };
         let t5_width = t5.dims()[2];
         // diffusers' `F.pad(clip, (0, t5_width - clip_width))`: zeros, or a cut if negative.
@@ -394,7 +399,8 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             Tensor::cat(
                 vec![
                     clip,
-                    Tensor::zeros([rows, clip_seq, t5_width - clip_width], &device),
+                    Tensor::<B, 3>::zeros([rows, clip_seq, t5_width - clip_width], &device)
+                        .cast(clip_dtype),
                 ],
                 2,
             )

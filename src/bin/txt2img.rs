@@ -190,7 +190,7 @@ struct Args {
     output_type: OutputKind,
     /// Precision of the weights: f32, or bf16 / f16 (weights cast after loading; the models
     /// compute in it, latents and scheduler math stay f32). bf16 and f16 work for Stable
-    /// Diffusion 1.x/2.x and SDXL on every device; PixArt runs in f32 only.
+    /// Diffusion 1.x/2.x, SDXL, SD3, Flux and PixArt on every device.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     dtype: Precision,
     /// Hub revision (branch, tag or commit) of a Hub --model; the same as `org/name@REV`.
@@ -247,7 +247,14 @@ impl Precision {
 }
 
 /// The pipelines whose models compute in --dtype bf16/f16.
-const REDUCED_PRECISION_CLASSES: [&str; 2] = ["StableDiffusionPipeline", SDXL_CLASS];
+const REDUCED_PRECISION_CLASSES: [&str; 6] = [
+    "StableDiffusionPipeline",
+    SDXL_CLASS,
+    SD3_CLASS,
+    FLUX_CLASSES[0],
+    PIXART_CLASSES[0],
+    PIXART_CLASSES[1],
+];
 
 fn main() -> ExitCode {
     oxidiff::tune_allocator();
@@ -430,7 +437,7 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
             "--dtype {} is not supported for {class}, which computes in f32 only; use --dtype f32 \
              (bf16 and f16 work with {})",
             args.dtype.name(),
-            REDUCED_PRECISION_CLASSES.join(" and ")
+            REDUCED_PRECISION_CLASSES.join(", ")
         );
     }
     let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
