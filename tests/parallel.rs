@@ -438,3 +438,48 @@ fn txt2img_tp_and_dp_need_compile_and_a_fitting_degree() {
         "{stderr}"
     );
 }
+
+#[test]
+fn txt2img_tp_and_dp_write_the_image_of_one_device() {
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let out_path = tmp.path().join(name);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+            .args(["--model"])
+            .arg(model_dir("tiny-sd1"))
+            .args([
+                "--steps",
+                "2",
+                "--seed",
+                "7",
+                "--device",
+                "xla:cpu",
+                "--compile",
+            ])
+            .args(extra)
+            .arg("-o")
+            .arg(&out_path)
+            .arg("a horse")
+            .output()
+            .expect("txt2img runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{extra:?}: {stderr}");
+        image::open(&out_path).unwrap().to_rgb8()
+    };
+    let single = run("single.png", &[]);
+    // Guidance 7.5 doubles the batch, so dp 2 splits the two CFG halves over the devices.
+    for (name, extra) in [("tp.png", ["--tp", "2"]), ("dp.png", ["--dp", "2"])] {
+        let split = run(name, &extra);
+        let worst = single
+            .as_raw()
+            .iter()
+            .zip(split.as_raw())
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap();
+        assert!(worst <= 1, "{extra:?}: {worst} PNG levels off one device");
+    }
+}
