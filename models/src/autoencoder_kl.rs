@@ -420,6 +420,17 @@ impl<B: Backend> AutoencoderKL<B> {
         }
     }
 
+    /// Decodes the latents a denoising loop ends with: undoes the checkpoint's
+    /// `scaling_factor` and `shift_factor` (SD3, Flux), then [`decode`](Self::decode)s.
+    pub fn decode_scaled(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        let unscaled = latents.div_scalar(self.scaling_factor);
+        if self.shift_factor == 0.0 {
+            self.decode(unscaled)
+        } else {
+            self.decode(unscaled.add_scalar(self.shift_factor))
+        }
+    }
+
     /// Decodes unscaled latents to images in about `[-1, 1]`.
     /// Computed in the weights' dtype; the images are in `latents`' dtype.
     pub fn decode(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {

@@ -422,7 +422,7 @@ impl<B: Backend> PixArtPipeline<B> {
             OutputType::Latents => None,
             OutputType::Images => {
                 let on_vae = latents.clone().to_device(&self.vae_device());
-                let decoded = self.vae.decode(on_vae.div_scalar(self.vae.scaling_factor));
+                let decoded = self.vae.decode_scaled(on_vae);
                 guard::ensure_finite(&decoded, guard::Stage::VaeDecode)?;
                 let decoded = if req.resolution_binning {
                     resize_and_crop(decoded, requested.0, requested.1)?

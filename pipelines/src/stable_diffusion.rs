@@ -529,7 +529,7 @@ pub(crate) fn decode_latents<B: Backend>(
         OutputType::Images => {
             let device = vae.decoder.conv_in.weight.device();
             let on_vae = latents.clone().to_device(&device);
-            let decoded = vae.decode(on_vae.div_scalar(vae.scaling_factor));
+            let decoded = vae.decode_scaled(on_vae);
             guard::ensure_finite(&decoded, Stage::VaeDecode)?;
             Ok(Some(postprocess(decoded)?))
         }

@@ -579,10 +579,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             OutputType::Latents => None,
             OutputType::Images => {
                 let on_vae = latents.clone().to_device(&self.vae_device());
-                let unscaled = on_vae
-                    .div_scalar(self.vae.scaling_factor)
-                    .add_scalar(self.vae.shift_factor);
-                let decoded = self.vae.decode(unscaled);
+                let decoded = self.vae.decode_scaled(on_vae);
                 guard::ensure_finite(&decoded, guard::Stage::VaeDecode)?;
                 Some(postprocess(decoded)?)
             }

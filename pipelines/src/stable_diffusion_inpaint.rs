@@ -319,10 +319,16 @@ pub(crate) fn prepare_inpaint<B: Backend>(
             blend: None,
         }
     } else {
+        let image_latents = image_latents.ok_or_else(|| {
+            PipelineError::InvalidInput(format!(
+                "inpainting needs a UNet with 4 input channels (masked-latent blending) or 9 \
+                 (an inpainting UNet); this one has {unet_channels}"
+            ))
+        })?;
         InpaintCondition {
             unet_extra: None,
             blend: Some(LatentBlend {
-                image_latents: image_latents.expect("4-channel UNets encode the image"),
+                image_latents,
                 noise: initial_noise,
                 mask: mask.repeat_dim(1, 4),
             }),
