@@ -373,6 +373,24 @@ fn png_parameters_round_trip_through_from_png() {
         std::fs::read(&again).unwrap()
     );
 
+    // Without --model, the PNG's `Model:` is used (here the fixture's folder).
+    let same_model = tmp.path().join("same-model.png");
+    let result = txt2img(
+        &[
+            "--from-png",
+            first.to_str().unwrap(),
+            "--quiet",
+            "-o",
+            same_model.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(result.status.success(), "{}", stderr(&result));
+    assert_eq!(
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&same_model).unwrap()
+    );
+
     // A flag given with --from-png wins over the file's value.
     let other = tmp.path().join("other.png");
     let result = txt2img(
@@ -427,6 +445,31 @@ fn from_png_without_parameters_and_missing_prompt_are_clear_errors() {
             o,
         ],
         "not a readable PNG file",
+        &out,
+    );
+    // A PNG whose model is not here names it and the fix.
+    let params = oxidiff::pipelines::GenerationParameters {
+        prompt: "a cat".into(),
+        negative_prompt: String::new(),
+        steps: 2,
+        sampler: "PNDMScheduler".into(),
+        guidance_scale: 7.5,
+        seed: 1,
+        width: 64,
+        height: 64,
+        model: tmp.path().join("gone/model").to_str().unwrap().into(),
+        extra: Vec::new(),
+    };
+    let elsewhere = tmp.path().join("elsewhere.png");
+    let png = oxidiff::pipelines::metadata::encode_png(
+        &image::RgbImage::new(8, 8),
+        &[("parameters", params.to_text())],
+    )
+    .unwrap();
+    std::fs::write(&elsewhere, png).unwrap();
+    fails_with(
+        &["--from-png", elsewhere.to_str().unwrap(), "-o", o],
+        "pass --model",
         &out,
     );
 }

@@ -7,7 +7,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use burn::tensor::{FloatDType, Tensor, TensorData};
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 
@@ -73,9 +74,9 @@ const DEFAULT_OUTPUT: &str = "txt2img.png";
 struct Args {
     /// The prompt (optional with --from-png).
     prompt: Option<String>,
-    /// Take prompt, negative prompt, steps, sampler, guidance, seed and size from the
-    /// `parameters` text of a PNG that oxidiff (or an A1111-compatible tool) wrote; flags given
-    /// as well override them.
+    /// Take prompt, negative prompt, steps, sampler, guidance, seed, size and (without
+    /// --model) the model from the `parameters` text of a PNG that oxidiff (or an
+    /// A1111-compatible tool) wrote; flags given as well override them.
     #[arg(long, value_name = "FILE.png")]
     from_png: Option<PathBuf>,
     /// A diffusers-format model folder, a Hugging Face Hub id (`org/name[@revision]`) found in
@@ -83,6 +84,9 @@ struct Args {
     /// (`.safetensors` in the original LDM / A1111 layout: SD 1.x, 2.x, SDXL base).
     #[arg(long, default_value = DEFAULT_MODEL)]
     model: String,
+    /// Whether `--model` was on the command line (else `--from-png` may name the model).
+    #[arg(skip)]
+    model_given: bool,
     /// For a single-file --model: a diffusers pipeline folder whose configs, scheduler and
     /// tokenizers to use (diffusers' `config=`); without it they come from the architecture's
     /// diffusers repository in the Hub cache, else built-in configs sized from the tensors.
@@ -258,7 +262,9 @@ const REDUCED_PRECISION_CLASSES: [&str; 6] = [
 
 fn main() -> ExitCode {
     oxidiff::tune_allocator();
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let mut args = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    args.model_given = matches.value_source("model") == Some(ValueSource::CommandLine);
     let progress = Progress::new(args.quiet);
     // Logs: `RUST_LOG` (default `warn`; `RUST_LOG=info` adds load, compile and timing events).
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -324,7 +330,33 @@ fn apply_from_png(args: &mut Args) -> Result<()> {
     if args.scheduler.is_none() && !p.sampler.is_empty() {
         args.scheduler = Some(p.sampler);
     }
+    if !args.model_given && !p.model.is_empty() {
+        if !model_exists(&p.model) {
+            bail!(
+                "{} was made with model `{}`, which is neither a folder here nor a Hub id; \
+                 pass --model PATH|ORG/NAME to make it again with that model",
+                path.display(),
+                p.model
+            );
+        }
+        args.model = p.model;
+    }
     Ok(())
+}
+
+/// Whether a model named in a PNG's parameters can be loaded: a path that exists here, or a
+/// Hub id (`org/name[@rev]`, resolved from the cache or the network later).
+fn model_exists(model: &str) -> bool {
+    let path = Path::new(model);
+    if path.exists() {
+        return true;
+    }
+    let id = model.split('@').next().unwrap_or(model);
+    let mut parts = id.split('/');
+    matches!(
+        (parts.next(), parts.next(), parts.next()),
+        (Some(org), Some(name), None) if !org.is_empty() && !name.is_empty() && !model.starts_with('.')
+    )
 }
 
 fn run(mut args: Args, progress: &Progress) -> Result<()> {
