@@ -16,14 +16,18 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::embeddings::RotaryEmbedding;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, ClipTokenizer, FluxTransformer2DModel, T5EncoderModel,
     T5Tokenizer, ToDevice,
 };
+use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{
     calculate_shift, NoiseSource, Scheduler, SchedulerConfig, TimestepOptions, TorchCpuGenerator,
 };
@@ -548,6 +552,23 @@ impl FluxPipeline<Oxi> {
     /// compiles once more. Needs the transformer on a PJRT device; text encoders, scheduler and
     /// VAE stay eager.
     pub fn compile(&mut self) -> Result<()> {
+        self.compile_on(None)
+    }
+
+    /// Spreads the compiled transformer call over several devices, as diffusers'
+    /// `pipe.enable_parallelism(config)`: tensor parallelism splits each double and single
+    /// block's attention and feed-forward ([the plan](oxidiff_models::TensorParallel)) over
+    /// `tp_degree` devices, data parallelism splits the batch over `dp_degree`, one `dp x tp`
+    /// mesh from the transformer's device on; see
+    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism).
+    pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        let device = self.transformer.device();
+        let placement =
+            crate::parallel::enable_parallelism(&mut self.transformer, &device, config.into())?;
+        self.compile_on(Some(placement))
+    }
+
+    fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         let device = self.transformer.device();
         if !device.is_pjrt() {
             return Err(PipelineError::Compile(format!(
@@ -570,10 +591,15 @@ impl FluxPipeline<Oxi> {
                 &RotaryEmbedding { cos, sin },
             )
         });
-        self.compiled = Some(Box::new(CompiledStep(CompiledFn::new(
-            "flux_transformer",
-            step,
-        ))));
+        let mut f = CompiledFn::new("flux_transformer", step);
+        if let Some(placement) = placement {
+            // Latents, timestep, guidance and text split by batch where it divides; the
+            // rotary tables (one per position, not per image) whole on every device.
+            let mut inputs = vec![Layout::BatchSplit(0); 5];
+            inputs.extend([Layout::Replicated, Layout::Replicated]);
+            f = f.with_spmd(placement, inputs);
+        }
+        self.compiled = Some(Box::new(CompiledStep(f)));
         Ok(())
     }
 

@@ -11,14 +11,18 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::config::load_json;
 use oxidiff_models::{
     AutoencoderKL, AutoencoderKLConfig, ClipTextModel, ClipTextOutput, ClipTokenizer,
     SD3Transformer2DConfig, SD3Transformer2DModel, T5EncoderModel, T5Tokenizer, ToDevice,
 };
+use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{
     calculate_shift, scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig,
     TimestepOptions, TorchCpuGenerator,
@@ -633,6 +637,23 @@ impl StableDiffusion3Pipeline<Oxi> {
     /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; the
     /// text encoders, scheduler and VAE stay eager.
     pub fn compile(&mut self) -> Result<()> {
+        self.compile_on(None)
+    }
+
+    /// Spreads the compiled transformer call over several devices, as diffusers'
+    /// `pipe.enable_parallelism(config)`: tensor parallelism splits each joint block's
+    /// attentions and feed-forwards ([the plan](oxidiff_models::TensorParallel)) over
+    /// `tp_degree` devices, data parallelism splits the batch (both guidance halves) over
+    /// `dp_degree`, one `dp x tp` mesh from the transformer's device on; see
+    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism).
+    pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        let device = self.transformer.device();
+        let placement =
+            crate::parallel::enable_parallelism(&mut self.transformer, &device, config.into())?;
+        self.compile_on(Some(placement))
+    }
+
+    fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         let device = self.transformer.device();
         if !device.is_pjrt() {
             return Err(PipelineError::Compile(format!(
@@ -644,7 +665,12 @@ impl StableDiffusion3Pipeline<Oxi> {
         let step: StepFn = Box::new(move |(latents, t, context, pooled)| {
             transformer.forward_checked(latents, t, context, pooled)
         });
-        self.compiled = Some(Box::new(Sd3Step(CompiledFn::new("sd3_transformer", step))));
+        let mut f = CompiledFn::new("sd3_transformer", step);
+        if let Some(placement) = placement {
+            // Every input batch-major: split by batch where it divides, else whole.
+            f = f.with_spmd(placement, vec![Layout::BatchSplit(0); 4]);
+        }
+        self.compiled = Some(Box::new(Sd3Step(f)));
         Ok(())
     }
 

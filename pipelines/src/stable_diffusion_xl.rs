@@ -11,14 +11,18 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::config::{load_json, PerBlock};
 use oxidiff_models::{
     AddedCondition, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel,
     ClipTokenizer, ToDevice, UNet2DConditionConfig, UNet2DConditionModel,
 };
+use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{
     scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator,
 };
@@ -760,6 +764,22 @@ impl StableDiffusionXLPipeline<Oxi> {
     /// each UNet call (both guidance halves, with the added condition as runtime inputs) is one
     /// XLA program per input shape. Needs the UNet on a PJRT device.
     pub fn compile(&mut self) -> Result<()> {
+        self.compile_on(None)
+    }
+
+    /// Spreads the compiled UNet call over several devices, as
+    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism):
+    /// tensor parallelism splits the UNet's transformer blocks over `tp_degree` devices, data
+    /// parallelism splits the batch (both guidance halves, with their added conditions) over
+    /// `dp_degree`, one `dp x tp` mesh from the UNet's device on.
+    pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        let device = self.unet.conv_in.weight.device();
+        let placement =
+            crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;
+        self.compile_on(Some(placement))
+    }
+
+    fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         let device = self.unet.conv_in.weight.device();
         if !device.is_pjrt() {
             return Err(PipelineError::Compile(format!(
@@ -777,9 +797,14 @@ impl StableDiffusionXLPipeline<Oxi> {
             unet.forward_with_condition(sample, timestep, context, Some(&added))
                 .expect("added condition checked before tracing")
         });
+        let mut step = CompiledFn::new("sdxl-unet", step);
+        if let Some(placement) = placement {
+            // Every input batch-major: split by batch where it divides, else whole.
+            step = step.with_spmd(placement, vec![Layout::BatchSplit(0); 5]);
+        }
         self.compiled = Some(Box::new(XlUNetStep {
             unet: self.unet.clone(),
-            step: CompiledFn::new("sdxl-unet", step),
+            step,
         }));
         Ok(())
     }

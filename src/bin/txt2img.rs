@@ -862,9 +862,9 @@ impl Pipeline {
         match self {
             Self::Sd(pipe) => Ok(pipe.enable_parallelism(config)?),
             Self::PixArt(pipe) => Ok(pipe.enable_parallelism(config)?),
-            Self::Xl(_) => bail!("--tp and --dp are not supported for SDXL pipelines yet"),
-            Self::Flux(_) => bail!("--tp and --dp are not supported for Flux pipelines yet"),
-            Self::Sd3(_) => bail!("--tp and --dp are not supported for SD3 pipelines yet"),
+            Self::Xl(pipe) => Ok(pipe.enable_parallelism(config)?),
+            Self::Flux(pipe) => Ok(pipe.enable_parallelism(config)?),
+            Self::Sd3(pipe) => Ok(pipe.enable_parallelism(config)?),
         }
     }
 
