@@ -593,6 +593,34 @@ fn txt2img_takes_a_single_file_model_and_matches_diffusers_png() {
         assert!(result.status.success(), "{name}: {err}");
         let ours = image::open(&out).unwrap().to_rgb8();
         common::assert_png_close(&ours, &format!("single-file-{name}.png"), 2);
+        // --dtype f16 casts the single file's components as it does a folder's: the same
+        // image within 2 levels (observed: 1).
+        let half = tmp.path().join(format!("{name}-f16.png"));
+        let mut args = vec![
+            "--model",
+            model.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--guidance",
+            &guidance,
+            "--negative-prompt",
+            s["negative_prompt"].as_str().unwrap(),
+            "--quiet",
+            "--dtype",
+            "f16",
+            "-o",
+            half.to_str().unwrap(),
+        ];
+        args.push(s["prompt"].as_str().unwrap());
+        let result = txt2img(&args);
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert!(result.status.success(), "{name} f16: {err}");
+        let half = image::open(&half).unwrap().to_rgb8();
+        common::assert_png_close(&half, &format!("single-file-{name}.png"), 2);
     }
 
     // A pickle is refused with the reason, exit status 1, nothing written.

@@ -27,7 +27,8 @@ use crate::stable_diffusion_xl::StableDiffusionXLPipeline;
 /// How a single-file checkpoint is loaded.
 #[derive(Debug, Clone, Default)]
 pub struct SingleFileOptions {
-    /// The scheduler override, as for folders (`variant` does not apply to one file).
+    /// The scheduler override and the weights' `dtype` (cast after loading), as for folders
+    /// (`variant` does not apply to one file).
     pub load: LoadOptions,
     /// A diffusers pipeline folder whose component configs, scheduler config and tokenizers
     /// are used (diffusers' `config=`); needed for checkpoints whose sizes differ from the
@@ -386,11 +387,12 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             AutoencoderKL::load(&vae_config, &vae_path, vb)
         })?;
         src.warn_unmapped(layers, 0)?;
+        let cast = crate::loading::Cast(options.load.dtype);
         Ok(Self {
             tokenizer,
-            text_encoder,
-            unet,
-            vae,
+            text_encoder: cast.apply(text_encoder),
+            unet: cast.apply(unet),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),
@@ -469,13 +471,14 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             AutoencoderKL::load(&vae_config, &vae_path, vb)
         })?;
         src.warn_unmapped(te_config.num_hidden_layers, te2_config.num_hidden_layers)?;
+        let cast = crate::loading::Cast(options.load.dtype);
         Ok(Self {
             tokenizer: Some(tokenizer),
             tokenizer_2,
-            text_encoder: Some(text_encoder),
-            text_encoder_2,
-            unet,
-            vae,
+            text_encoder: Some(cast.apply(text_encoder)),
+            text_encoder_2: cast.apply(text_encoder_2),
+            unet: cast.apply(unet),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),

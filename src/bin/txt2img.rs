@@ -374,13 +374,6 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
             args.model
         );
     }
-    if single_file.is_some() && options.dtype.is_some() {
-        bail!(
-            "--dtype {} is not supported for single-file checkpoints yet; use --dtype f32 or a \
-             diffusers folder",
-            args.dtype.name()
-        );
-    }
     let (dir, class, model) = match &single_file {
         Some(_) => {
             let path = PathBuf::from(&args.model);
