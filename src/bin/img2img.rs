@@ -13,9 +13,10 @@ use oxidiff::pipelines::stable_diffusion::SUPPORTED_CLASSES as SD_CLASSES;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
 use oxidiff::pipelines::{
     is_single_file, pipeline_class, resolve_model, single_file_pipeline_class, GenerateRequest,
-    GenerationParameters, Images, LoadOptions, SingleFileOptions, StableDiffusionImg2ImgPipeline,
-    StableDiffusionInpaintPipeline, StableDiffusionXLImg2ImgPipeline,
-    StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage, XlOptions,
+    GenerationParameters, Images, InpaintOptions, LoadOptions, SingleFileOptions,
+    StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
+    StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage,
+    XlOptions,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 use oxidiff::{Oxi, OxiDevice};
@@ -36,6 +37,11 @@ struct Args {
     /// converted to grayscale and binarized at half intensity), keep the black part.
     #[arg(long)]
     mask: Option<PathBuf>,
+    /// With --mask: inpaint only the box around the mask's nonzero pixels, grown by N pixels
+    /// and to the output's aspect ratio, at the output size, then paste it back into the
+    /// image (diffusers' `padding_mask_crop`); the output keeps the input image's size.
+    #[arg(long, value_name = "N")]
+    padding_mask_crop: Option<usize>,
     /// How much to change the image, in (0, 1]: the fraction of the steps that are run.
     /// Default as diffusers: 0.8 (SD image to image), 1 (SD inpainting), 0.3 (SDXL image to
     /// image), 0.9999 (SDXL inpainting).
@@ -109,6 +115,12 @@ fn run(args: Args) -> Result<()> {
         bail!(
             "{} already exists; pass --force to overwrite it or choose another --output",
             args.output.display()
+        );
+    }
+    if args.padding_mask_crop.is_some() && args.mask.is_none() {
+        bail!(
+            "--padding-mask-crop crops to the mask's region: it needs --mask (the part to \
+             repaint, white)"
         );
     }
     // Inputs are read and checked before the model is loaded.
@@ -226,6 +238,7 @@ fn run(args: Args) -> Result<()> {
         strength,
         aesthetic_score: args.aesthetic_score,
         negative_aesthetic_score: args.negative_aesthetic_score,
+        padding_mask_crop: args.padding_mask_crop,
         ..Default::default()
     };
     let no_callback = |_: oxidiff::pipelines::StepInfo<'_, Oxi>| {};
@@ -249,11 +262,15 @@ fn run(args: Args) -> Result<()> {
             if args.compile {
                 pipe.pipe.compile()?;
             }
-            let out = pipe.generate_with(
+            let inpaint = InpaintOptions {
+                strength,
+                padding_mask_crop: args.padding_mask_crop,
+            };
+            let out = pipe.generate_with_options(
                 &request,
                 &image,
                 mask,
-                strength,
+                &inpaint,
                 &mut generator,
                 no_callback,
             )?;
