@@ -9,6 +9,10 @@
 //! - Text embeddings, one UNet call, a VAE decode and the final image of a 4-step run match
 //!   diffusers' `from_single_file(config=folder)` on the same file within 1e-4 relative (f32
 //!   compute on both sides; 1 vs 2 torch threads differ by about 1e-5), the PNG within 2 levels.
+//! - An SD 1.x inpainting file (9-channel UNet) and an SDXL refiner file, derived from those
+//!   (`tools/golden/make_single_file_edit.py`), match diffusers' `from_single_file` in the
+//!   inpaint and img2img pipelines step by step within 1e-4, the PNGs within 2 levels, also
+//!   through the `img2img` binary; diffusers' inpainting model types are detected.
 //! - Pickles, corrupt files and unknown architectures are refused with errors that say why.
 
 mod common;
@@ -1263,6 +1267,29 @@ fn img2img_takes_single_file_inpainting_and_refiner_checkpoints() {
         assert!(err.contains("use the img2img binary"), "{err}");
         assert!(!never.exists());
     }
+
+    // --config belongs to single files in img2img too.
+    let folder = model_dir("tiny-sd1-inpaint");
+    let never = tmp.path().join("never.png");
+    let result = std::process::Command::new(env!("CARGO_BIN_EXE_img2img"))
+        .args([
+            "--model",
+            folder.to_str().unwrap(),
+            "--config",
+            folder.to_str().unwrap(),
+            "--image",
+            input.to_str().unwrap(),
+            "-o",
+            never.to_str().unwrap(),
+            "a prompt",
+        ])
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{err}");
+    assert!(err.contains("single-file"), "{err}");
+    assert!(!never.exists());
 }
 
 #[test]
@@ -1300,4 +1327,79 @@ fn instruct_pix2pix_and_inpainting_refiner_files_are_refused() {
     );
     let file = SingleFile::open(&sd9).unwrap();
     assert!(file.inpainting && file.arch == SingleFileArch::Sd1);
+}
+
+#[test]
+fn inpainting_model_types_follow_diffusers() {
+    // diffusers' infer_diffusers_model_type: a 9-channel `input_blocks.0.0` makes `inpainting`,
+    // `inpainting_v2` (with SD 2's 1024-wide context) or `xl_inpaint` (with SDXL's keys), whose
+    // default repositories give configs and tokenizers; SD 2 inpainting predicts noise.
+    let dir = tempfile::tempdir().unwrap();
+    let conv_in = (
+        "model.diffusion_model.input_blocks.0.0.weight",
+        vec![8, 9, 3, 3],
+    );
+    type Case<'a> = (
+        &'a str,
+        Vec<(&'a str, Vec<usize>)>,
+        SingleFileArch,
+        &'a str,
+        &'a str,
+    );
+    let cases: [Case; 3] = [
+        (
+            "sd1",
+            vec![
+                conv_in.clone(),
+                (
+                    "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+                    vec![77, 8],
+                ),
+            ],
+            SingleFileArch::Sd1,
+            "inpainting",
+            "stable-diffusion-v1-5/stable-diffusion-inpainting",
+        ),
+        (
+            "sd2",
+            vec![
+                conv_in.clone(),
+                (oxidiff::models::single_file::KEY_V2, vec![320, 1024]),
+            ],
+            SingleFileArch::Sd2,
+            "inpainting_v2",
+            "stabilityai/stable-diffusion-2-inpainting",
+        ),
+        (
+            "sdxl",
+            vec![
+                conv_in.clone(),
+                (oxidiff::models::single_file::KEY_XL_BASE, vec![1280]),
+                (
+                    "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight",
+                    vec![77, 8],
+                ),
+            ],
+            SingleFileArch::SdxlBase,
+            "xl_inpaint",
+            "diffusers/stable-diffusion-xl-1.0-inpainting-0.1",
+        ),
+    ];
+    for (name, tensors, arch, model_type, repo) in cases {
+        let path = dir.path().join(format!("{name}.safetensors"));
+        write_shaped(&path, &tensors);
+        let file = SingleFile::open(&path).unwrap();
+        assert_eq!(file.arch, arch, "{name}");
+        assert!(file.inpainting, "{name}");
+        assert_eq!(file.model_type(), model_type, "{name}");
+        assert_eq!(file.default_repo(), repo, "{name}");
+        assert!(!file.predicts_v(), "{name}: inpainting predicts noise");
+        let class = oxidiff::pipelines::single_file_pipeline_class(&path).unwrap();
+        let want = if arch == SingleFileArch::SdxlBase {
+            "StableDiffusionXLInpaintPipeline"
+        } else {
+            "StableDiffusionInpaintPipeline"
+        };
+        assert_eq!(class, want, "{name}");
+    }
 }
