@@ -9,10 +9,10 @@
 //! - Text embeddings, one UNet call, a VAE decode and the final image of a 4-step run match
 //!   diffusers' `from_single_file(config=folder)` on the same file within 1e-4 relative (f32
 //!   compute on both sides; 1 vs 2 torch threads differ by about 1e-5), the PNG within 2 levels.
-//! - An SD 1.x inpainting file (9-channel UNet) and an SDXL refiner file, derived from those
-//!   (`tools/golden/make_single_file_edit.py`), match diffusers' `from_single_file` in the
-//!   inpaint and img2img pipelines step by step within 1e-4, the PNGs within 2 levels, also
-//!   through the `img2img` binary; diffusers' inpainting model types are detected.
+//! - SD 1.x and SDXL inpainting files (9-channel UNets) and an SDXL refiner file, derived from
+//!   those (`tools/golden/make_single_file_edit.py`), match diffusers' `from_single_file` in
+//!   the inpaint and img2img pipelines step by step within 1e-4, the PNGs within 2 levels,
+//!   also through the `img2img` binary; diffusers' inpainting model types are detected.
 //! - Pickles, corrupt files and unknown architectures are refused with errors that say why.
 
 mod common;
@@ -1402,4 +1402,52 @@ fn inpainting_model_types_follow_diffusers() {
         };
         assert_eq!(class, want, "{name}");
     }
+}
+
+#[test]
+fn sdxl_inpainting_single_file_matches_diffusers_from_single_file() {
+    use oxidiff::pipelines::{StableDiffusionXLInpaintPipeline, XlEditOptions};
+    let golden = edit_golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = compose(&golden, "xl-inpaint", tmp.path());
+    let file = SingleFile::open(&path).unwrap();
+    assert_eq!(file.model_type(), "xl_inpaint");
+    assert_eq!(
+        oxidiff::pipelines::single_file_pipeline_class(&path).unwrap(),
+        "StableDiffusionXLInpaintPipeline"
+    );
+    let mut pipe = StableDiffusionXLInpaintPipeline::<B>::from_single_file(
+        &path,
+        &edit_options(&golden, "xl-inpaint"),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(pipe.unet_in_channels(), 9);
+    let edit = XlEditOptions {
+        strength: golden.json["settings"]["xl_inpaint_strength"]
+            .as_f64()
+            .unwrap(),
+        ..Default::default()
+    };
+    let (image, mask) = edit_inputs();
+    let req = edit_request(&golden, "xl_guidance_scale");
+    let steps = Steps::default();
+    let mut generator = oxidiff::schedulers::TorchCpuGenerator::new(req.seed);
+    let out = pipe
+        .generate_with(
+            &req,
+            &XlOptions::default(),
+            &edit,
+            &image,
+            &mask,
+            &mut generator,
+            recorder(&steps),
+        )
+        .unwrap();
+    common::golden_run::check_run(
+        &golden,
+        "xl9-inpaint",
+        steps.into_inner(),
+        out.images.unwrap(),
+    );
 }
