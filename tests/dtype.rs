@@ -8,7 +8,8 @@ use burn::tensor::FloatDType;
 use common::{model_dir, relative_error};
 use oxidiff::pipelines::{
     FluxPipeline, FluxRequest, GenerateRequest, LoadOptions, PixArtPipeline, PixArtRequest,
-    Sd3Request, StableDiffusion3Pipeline, StableDiffusionPipeline,
+    Sd3Request, SingleFileOptions, StableDiffusion3Pipeline, StableDiffusionPipeline,
+    StableDiffusionXLPipeline, XlOptions,
 };
 use oxidiff::{Oxi, OxiDevice};
 
@@ -313,5 +314,72 @@ fn flux_f16_and_bf16_compiled_on_xla_cpu() {
         // (0.3 off, see above; the two bf16 runs differ by as much).
         let tolerance = if dtype == FloatDType::F16 { 1e-2 } else { 8e-2 };
         assert!(err > 0.0 && err <= tolerance, "{dtype:?}: {err:e}");
+    }
+}
+
+/// A single-file pipeline (`tests/fixtures/single-file/NAME.safetensors`, configs from the
+/// folder) with `dtype`: its latents and image.
+fn generate_single_file(
+    name: &str,
+    dtype: Option<FloatDType>,
+    device: &OxiDevice,
+) -> (Vec<f32>, Vec<f32>) {
+    let path = common::fixtures()
+        .join("single-file")
+        .join(format!("{name}.safetensors"));
+    let options = SingleFileOptions {
+        load: LoadOptions {
+            dtype,
+            ..Default::default()
+        },
+        config: Some(model_dir(name)),
+        ..Default::default()
+    };
+    let want = dtype.unwrap_or(FloatDType::F32);
+    let check = |weights: &[burn::tensor::DType]| {
+        for w in weights {
+            assert_eq!(FloatDType::from(*w), want, "{name}: weights not cast");
+        }
+    };
+    let out = if name == "tiny-sdxl" {
+        let mut pipe =
+            StableDiffusionXLPipeline::<Oxi>::from_single_file(&path, &options, device).unwrap();
+        check(&[
+            pipe.unet.conv_in.weight.val().dtype(),
+            pipe.vae.decoder.conv_in.weight.val().dtype(),
+            pipe.text_encoder_2.token_embedding.weight.val().dtype(),
+        ]);
+        pipe.generate(&request(), &XlOptions::default()).unwrap()
+    } else {
+        let mut pipe =
+            StableDiffusionPipeline::<Oxi>::from_single_file(&path, &options, device).unwrap();
+        check(&[
+            pipe.unet.conv_in.weight.val().dtype(),
+            pipe.vae.decoder.conv_in.weight.val().dtype(),
+            pipe.text_encoder.token_embedding.weight.val().dtype(),
+        ]);
+        pipe.generate(&request()).unwrap()
+    };
+    assert_eq!(FloatDType::from(out.latents.dtype()), FloatDType::F32);
+    let latents = out.latents.into_data().convert::<f32>().to_vec().unwrap();
+    (latents, out.images.unwrap().data)
+}
+
+#[test]
+fn single_file_pipelines_in_f16_and_bf16_stay_as_close_to_f32_as_folders() {
+    let cpu = OxiDevice::Cpu;
+    // The folder pipeline's bounds (bf16_and_f16_pipelines_stay_close_to_f32_on_the_cpu).
+    for name in ["tiny-sd1", "tiny-sdxl"] {
+        let (latents, image) = generate_single_file(name, None, &cpu);
+        for (dtype, tolerance) in [(FloatDType::F16, 1.5e-2), (FloatDType::BF16, 8e-2)] {
+            let (l, i) = generate_single_file(name, Some(dtype), &cpu);
+            let (el, ei) = (relative_error(&l, &latents), relative_error(&i, &image));
+            eprintln!("{name} single file {dtype:?}: latents {el:e}, image {ei:e}");
+            assert!(
+                el <= tolerance && ei <= tolerance,
+                "{name} {dtype:?}: {el:e} {ei:e}"
+            );
+            assert!(el > 0.0, "{name} {dtype:?} equals f32 exactly");
+        }
     }
 }

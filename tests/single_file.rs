@@ -9,6 +9,10 @@
 //! - Text embeddings, one UNet call, a VAE decode and the final image of a 4-step run match
 //!   diffusers' `from_single_file(config=folder)` on the same file within 1e-4 relative (f32
 //!   compute on both sides; 1 vs 2 torch threads differ by about 1e-5), the PNG within 2 levels.
+//! - SD 1.x and SDXL inpainting files (9-channel UNets) and an SDXL refiner file, derived from
+//!   those (`tools/golden/make_single_file_edit.py`), match diffusers' `from_single_file` in
+//!   the inpaint and img2img pipelines step by step within 1e-4, the PNGs within 2 levels,
+//!   also through the `img2img` binary; diffusers' inpainting model types are detected.
 //! - Pickles, corrupt files and unknown architectures are refused with errors that say why.
 
 mod common;
@@ -593,6 +597,34 @@ fn txt2img_takes_a_single_file_model_and_matches_diffusers_png() {
         assert!(result.status.success(), "{name}: {err}");
         let ours = image::open(&out).unwrap().to_rgb8();
         common::assert_png_close(&ours, &format!("single-file-{name}.png"), 2);
+        // --dtype f16 casts the single file's components as it does a folder's: the same
+        // image within 2 levels (observed: 1).
+        let half = tmp.path().join(format!("{name}-f16.png"));
+        let mut args = vec![
+            "--model",
+            model.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--latents",
+            latents.to_str().unwrap(),
+            "--steps",
+            "4",
+            "--guidance",
+            &guidance,
+            "--negative-prompt",
+            s["negative_prompt"].as_str().unwrap(),
+            "--quiet",
+            "--dtype",
+            "f16",
+            "-o",
+            half.to_str().unwrap(),
+        ];
+        args.push(s["prompt"].as_str().unwrap());
+        let result = txt2img(&args);
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert!(result.status.success(), "{name} f16: {err}");
+        let half = image::open(&half).unwrap().to_rgb8();
+        common::assert_png_close(&half, &format!("single-file-{name}.png"), 2);
     }
 
     // A pickle is refused with the reason, exit status 1, nothing written.
@@ -923,4 +955,499 @@ fn hostile_layouts_are_errors_not_panics() {
         );
         assert!(err.is_err(), "case {i}");
     }
+}
+
+// ---- Inpainting and SDXL refiner single files (`tools/golden/make_single_file_edit.py`) -------
+
+fn edit_golden() -> Golden {
+    Golden::load("single-file-edit")
+}
+
+/// The checkpoint of `recipe` in single-file-edit.json, written into `dir` as the golden script
+/// wrote it: the base single file without the dropped prefixes, renamed, plus the stored UNet
+/// part (the same tensors, bit for bit; only the header's order may differ).
+fn compose(golden: &Golden, recipe: &str, dir: &Path) -> PathBuf {
+    let r = &golden.json["recipes"][recipe];
+    let read = |key: &str| {
+        std::fs::read(
+            fixtures()
+                .join("single-file")
+                .join(r[key].as_str().unwrap()),
+        )
+        .unwrap()
+    };
+    let strings = |key: &str| -> Vec<String> {
+        r[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (drop, rename) = (strings("drop"), r["rename"].as_array().unwrap());
+    let (base, unet) = (read("base"), read("unet"));
+    let base = safetensors::SafeTensors::deserialize(&base).unwrap();
+    let unet = safetensors::SafeTensors::deserialize(&unet).unwrap();
+    let mut tensors = Vec::new();
+    for (mut name, view) in base.tensors() {
+        if drop.iter().any(|p| name.starts_with(p.as_str())) {
+            continue;
+        }
+        for pair in rename {
+            let (old, new) = (pair[0].as_str().unwrap(), pair[1].as_str().unwrap());
+            if let Some(rest) = name.strip_prefix(old) {
+                name = format!("{new}{rest}");
+            }
+        }
+        tensors.push((name, view));
+    }
+    tensors.extend(unet.tensors());
+    assert_eq!(
+        tensors.len() as u64,
+        r["tensors"].as_u64().unwrap(),
+        "{recipe}"
+    );
+    let path = dir.join(format!("{recipe}.safetensors"));
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    path
+}
+
+fn edit_options(golden: &Golden, recipe: &str) -> SingleFileOptions {
+    SingleFileOptions {
+        config: Some(model_dir(
+            golden.json["recipes"][recipe]["config"].as_str().unwrap(),
+        )),
+        ..Default::default()
+    }
+}
+
+fn edit_request(golden: &Golden, guidance: &str) -> GenerateRequest<B> {
+    let s = &golden.json["settings"];
+    GenerateRequest {
+        prompts: vec![s["prompt"].as_str().unwrap().into()],
+        negative_prompts: vec![s["negative_prompt"].as_str().unwrap().into()],
+        num_inference_steps: s["num_inference_steps"].as_u64().unwrap() as usize,
+        guidance_scale: s[guidance].as_f64().unwrap(),
+        seed: s["seed"].as_u64().unwrap(),
+        width: Some(64),
+        height: Some(64),
+        ..Default::default()
+    }
+}
+
+fn edit_inputs() -> (image::DynamicImage, image::DynamicImage) {
+    use oxidiff::pipelines::image::{load_image, load_mask};
+    (
+        load_image(&fixtures().join("golden/img2img-input.png")).unwrap(),
+        load_mask(&fixtures().join("golden/inpaint-mask.png")).unwrap(),
+    )
+}
+
+type Steps = std::cell::RefCell<Vec<(f64, Tensor<B, 4>)>>;
+
+fn recorder(steps: &Steps) -> impl FnMut(oxidiff::pipelines::StepInfo<'_, B>) + '_ {
+    |info| {
+        steps
+            .borrow_mut()
+            .push((info.timestep, info.latents.clone()))
+    }
+}
+
+#[test]
+fn inpainting_single_file_matches_diffusers_from_single_file() {
+    let golden = edit_golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = compose(&golden, "inpaint", tmp.path());
+    let file = SingleFile::open(&path).unwrap();
+    assert_eq!(file.arch, SingleFileArch::Sd1);
+    assert!(file.inpainting);
+    assert_eq!(file.model_type(), "inpainting");
+    assert_eq!(
+        oxidiff::pipelines::single_file_pipeline_class(&path).unwrap(),
+        "StableDiffusionInpaintPipeline"
+    );
+    // The built-in config reads the 9 input channels from the tensors.
+    let want =
+        UNet2DConditionConfig::from_file(&model_dir("tiny-sd1-inpaint-unet").join("config.json"))
+            .unwrap();
+    let got = file.unet_config(false).unwrap();
+    assert_eq!(got.in_channels, 9);
+    assert_eq!(got.block_out_channels, want.block_out_channels);
+    assert_eq!(got.down_block_types, want.down_block_types);
+
+    let mut pipe = oxidiff::pipelines::StableDiffusionInpaintPipeline::<B>::from_single_file(
+        &path,
+        &edit_options(&golden, "inpaint"),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(pipe.unet_in_channels(), 9);
+    let (image, mask) = edit_inputs();
+    let req = edit_request(&golden, "sd_guidance_scale");
+    let strength = golden.json["settings"]["inpaint_strength"]
+        .as_f64()
+        .unwrap();
+    let steps = Steps::default();
+    let mut generator = oxidiff::schedulers::TorchCpuGenerator::new(req.seed);
+    let out = pipe
+        .generate_with(
+            &req,
+            &image,
+            &mask,
+            strength,
+            &mut generator,
+            recorder(&steps),
+        )
+        .unwrap();
+    common::golden_run::check_run(
+        &golden,
+        "sd9-inpaint",
+        steps.into_inner(),
+        out.images.unwrap(),
+    );
+}
+
+#[test]
+fn sdxl_refiner_single_file_matches_diffusers_from_single_file() {
+    use oxidiff::pipelines::{StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage};
+    let golden = edit_golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = compose(&golden, "refiner", tmp.path());
+    let file = SingleFile::open(&path).unwrap();
+    assert_eq!(file.arch, SingleFileArch::SdxlRefiner);
+    assert!(!file.inpainting);
+    assert_eq!(file.model_type(), "xl_refiner");
+    assert_eq!(file.time_ids(), Some(5));
+    assert_eq!(
+        oxidiff::pipelines::single_file_pipeline_class(&path).unwrap(),
+        "StableDiffusionXLImg2ImgPipeline"
+    );
+    // Built-in configs: the refiner's one encoder under `conditioner.embedders.0.model.`, and
+    // its UNet's added condition of 5 time ids (pooled width + 5 x 4 = 28).
+    let want =
+        UNet2DConditionConfig::from_file(&model_dir("tiny-sdxl-refiner").join("unet/config.json"))
+            .unwrap();
+    let got = file.unet_config(false).unwrap();
+    assert_eq!(got.addition_time_embed_dim, want.addition_time_embed_dim);
+    assert_eq!(
+        got.projection_class_embeddings_input_dim,
+        want.projection_class_embeddings_input_dim
+    );
+    assert_eq!(got.cross_attention_dim, want.cross_attention_dim);
+    let err = file.text_encoder_2_config().unwrap_err().to_string();
+    assert!(err.contains("8 wide"), "{err}");
+
+    let mut pipe = StableDiffusionXLImg2ImgPipeline::<B>::from_single_file(
+        &path,
+        &edit_options(&golden, "refiner"),
+        &Default::default(),
+    )
+    .unwrap();
+    assert!(pipe.pipe.text_encoder.is_none() && pipe.pipe.tokenizer.is_none());
+    assert!(pipe.pipe.requires_aesthetics_score);
+    assert!(!pipe.pipe.force_zeros_for_empty_prompt);
+    let s = &golden.json["settings"];
+    let edit = XlEditOptions {
+        strength: s["refiner_strength"].as_f64().unwrap(),
+        aesthetic_score: s["aesthetic_score"].as_f64().unwrap(),
+        negative_aesthetic_score: s["negative_aesthetic_score"].as_f64().unwrap(),
+        ..Default::default()
+    };
+    let (image, _) = edit_inputs();
+    let mut req = edit_request(&golden, "xl_guidance_scale");
+    (req.width, req.height) = (None, None);
+    let steps = Steps::default();
+    let mut generator = oxidiff::schedulers::TorchCpuGenerator::new(req.seed);
+    let out = pipe
+        .generate_with(
+            &req,
+            &XlOptions::default(),
+            &edit,
+            XlInitImage::Image(&image),
+            &mut generator,
+            recorder(&steps),
+        )
+        .unwrap();
+    common::golden_run::check_run(
+        &golden,
+        "refiner-image",
+        steps.into_inner(),
+        out.images.unwrap(),
+    );
+
+    // The refiner is not a text-to-image checkpoint for the SD loader.
+    let err = StableDiffusionPipeline::<B>::from_single_file(
+        &path,
+        &edit_options(&golden, "refiner"),
+        &Default::default(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("SDXL refiner"), "{err}");
+}
+
+#[test]
+fn img2img_takes_single_file_inpainting_and_refiner_checkpoints() {
+    let golden = edit_golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let s = &golden.json["settings"];
+    let input = fixtures().join("golden/img2img-input.png");
+    let mask = fixtures().join("golden/inpaint-mask.png");
+    let (steps, seed) = (s["num_inference_steps"].to_string(), s["seed"].to_string());
+    for (recipe, case, guidance, strength) in [
+        (
+            "inpaint",
+            "sd9-inpaint",
+            "sd_guidance_scale",
+            "inpaint_strength",
+        ),
+        (
+            "refiner",
+            "refiner-image",
+            "xl_guidance_scale",
+            "refiner_strength",
+        ),
+    ] {
+        let path = compose(&golden, recipe, tmp.path());
+        let config = model_dir(golden.json["recipes"][recipe]["config"].as_str().unwrap());
+        let out = tmp.path().join(format!("{case}.png"));
+        let (guidance, strength) = (s[guidance].to_string(), s[strength].to_string());
+        let mut args = vec![
+            "--model",
+            path.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--image",
+            input.to_str().unwrap(),
+            "--steps",
+            &steps,
+            "--seed",
+            &seed,
+            "--guidance",
+            &guidance,
+            "--strength",
+            &strength,
+            "--negative-prompt",
+            s["negative_prompt"].as_str().unwrap(),
+            "--aesthetic-score",
+            "7",
+            "--negative-aesthetic-score",
+            "2",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        if recipe == "inpaint" {
+            args.extend(["--mask", mask.to_str().unwrap()]);
+        }
+        args.push(s["prompt"].as_str().unwrap());
+        let result = std::process::Command::new(env!("CARGO_BIN_EXE_img2img"))
+            .args(&args)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert!(result.status.success(), "{recipe}: {err}");
+        let ours = image::open(&out).unwrap().to_rgb8();
+        common::assert_png_close(&ours, &format!("single-file-edit-{case}.png"), 2);
+
+        // txt2img sends edit-only checkpoints to img2img.
+        let never = tmp.path().join("never.png");
+        let result = txt2img(&[
+            "--model",
+            path.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "-o",
+            never.to_str().unwrap(),
+            "a prompt",
+        ]);
+        let err = String::from_utf8_lossy(&result.stderr);
+        assert_eq!(result.status.code(), Some(1), "{err}");
+        assert!(err.contains("use the img2img binary"), "{err}");
+        assert!(!never.exists());
+    }
+
+    // --config belongs to single files in img2img too.
+    let folder = model_dir("tiny-sd1-inpaint");
+    let never = tmp.path().join("never.png");
+    let result = std::process::Command::new(env!("CARGO_BIN_EXE_img2img"))
+        .args([
+            "--model",
+            folder.to_str().unwrap(),
+            "--config",
+            folder.to_str().unwrap(),
+            "--image",
+            input.to_str().unwrap(),
+            "-o",
+            never.to_str().unwrap(),
+            "a prompt",
+        ])
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{err}");
+    assert!(err.contains("single-file"), "{err}");
+    assert!(!never.exists());
+}
+
+#[test]
+fn instruct_pix2pix_and_inpainting_refiner_files_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, conv_in: Vec<usize>, extra: &str| {
+        let path = dir.path().join(name);
+        write_shaped(
+            &path,
+            &[
+                ("model.diffusion_model.input_blocks.0.0.weight", conv_in),
+                (extra, vec![4, 4]),
+            ],
+        );
+        path
+    };
+    let p2p = write(
+        "p2p.safetensors",
+        vec![8, 8, 3, 3],
+        "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+    );
+    let msg = open_err(&p2p);
+    assert!(msg.contains("InstructPix2Pix"), "{msg}");
+    let refiner9 = write(
+        "refiner9.safetensors",
+        vec![8, 9, 3, 3],
+        "conditioner.embedders.0.model.text_projection",
+    );
+    let msg = open_err(&refiner9);
+    assert!(msg.contains("refiner with a 9-channel"), "{msg}");
+    let sd9 = write(
+        "sd9.safetensors",
+        vec![8, 9, 3, 3],
+        "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+    );
+    let file = SingleFile::open(&sd9).unwrap();
+    assert!(file.inpainting && file.arch == SingleFileArch::Sd1);
+}
+
+#[test]
+fn inpainting_model_types_follow_diffusers() {
+    // diffusers' infer_diffusers_model_type: a 9-channel `input_blocks.0.0` makes `inpainting`,
+    // `inpainting_v2` (with SD 2's 1024-wide context) or `xl_inpaint` (with SDXL's keys), whose
+    // default repositories give configs and tokenizers; SD 2 inpainting predicts noise.
+    let dir = tempfile::tempdir().unwrap();
+    let conv_in = (
+        "model.diffusion_model.input_blocks.0.0.weight",
+        vec![8, 9, 3, 3],
+    );
+    type Case<'a> = (
+        &'a str,
+        Vec<(&'a str, Vec<usize>)>,
+        SingleFileArch,
+        &'a str,
+        &'a str,
+    );
+    let cases: [Case; 3] = [
+        (
+            "sd1",
+            vec![
+                conv_in.clone(),
+                (
+                    "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight",
+                    vec![77, 8],
+                ),
+            ],
+            SingleFileArch::Sd1,
+            "inpainting",
+            "stable-diffusion-v1-5/stable-diffusion-inpainting",
+        ),
+        (
+            "sd2",
+            vec![
+                conv_in.clone(),
+                (oxidiff::models::single_file::KEY_V2, vec![320, 1024]),
+            ],
+            SingleFileArch::Sd2,
+            "inpainting_v2",
+            "stabilityai/stable-diffusion-2-inpainting",
+        ),
+        (
+            "sdxl",
+            vec![
+                conv_in.clone(),
+                (oxidiff::models::single_file::KEY_XL_BASE, vec![1280]),
+                (
+                    "conditioner.embedders.0.transformer.text_model.embeddings.position_embedding.weight",
+                    vec![77, 8],
+                ),
+            ],
+            SingleFileArch::SdxlBase,
+            "xl_inpaint",
+            "diffusers/stable-diffusion-xl-1.0-inpainting-0.1",
+        ),
+    ];
+    for (name, tensors, arch, model_type, repo) in cases {
+        let path = dir.path().join(format!("{name}.safetensors"));
+        write_shaped(&path, &tensors);
+        let file = SingleFile::open(&path).unwrap();
+        assert_eq!(file.arch, arch, "{name}");
+        assert!(file.inpainting, "{name}");
+        assert_eq!(file.model_type(), model_type, "{name}");
+        assert_eq!(file.default_repo(), repo, "{name}");
+        assert!(!file.predicts_v(), "{name}: inpainting predicts noise");
+        let class = oxidiff::pipelines::single_file_pipeline_class(&path).unwrap();
+        let want = if arch == SingleFileArch::SdxlBase {
+            "StableDiffusionXLInpaintPipeline"
+        } else {
+            "StableDiffusionInpaintPipeline"
+        };
+        assert_eq!(class, want, "{name}");
+    }
+}
+
+#[test]
+fn sdxl_inpainting_single_file_matches_diffusers_from_single_file() {
+    use oxidiff::pipelines::{StableDiffusionXLInpaintPipeline, XlEditOptions};
+    let golden = edit_golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = compose(&golden, "xl-inpaint", tmp.path());
+    let file = SingleFile::open(&path).unwrap();
+    assert_eq!(file.model_type(), "xl_inpaint");
+    assert_eq!(
+        oxidiff::pipelines::single_file_pipeline_class(&path).unwrap(),
+        "StableDiffusionXLInpaintPipeline"
+    );
+    let mut pipe = StableDiffusionXLInpaintPipeline::<B>::from_single_file(
+        &path,
+        &edit_options(&golden, "xl-inpaint"),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!(pipe.unet_in_channels(), 9);
+    let edit = XlEditOptions {
+        strength: golden.json["settings"]["xl_inpaint_strength"]
+            .as_f64()
+            .unwrap(),
+        ..Default::default()
+    };
+    let (image, mask) = edit_inputs();
+    let req = edit_request(&golden, "xl_guidance_scale");
+    let steps = Steps::default();
+    let mut generator = oxidiff::schedulers::TorchCpuGenerator::new(req.seed);
+    let out = pipe
+        .generate_with(
+            &req,
+            &XlOptions::default(),
+            &edit,
+            &image,
+            &mask,
+            &mut generator,
+            recorder(&steps),
+        )
+        .unwrap();
+    common::golden_run::check_run(
+        &golden,
+        "xl9-inpaint",
+        steps.into_inner(),
+        out.images.unwrap(),
+    );
 }

@@ -7,7 +7,8 @@
 //! models ask for (the inverse of nothing: the same renaming as diffusers'
 //! `convert_ldm_unet_checkpoint`, `convert_ldm_vae_checkpoint`, `convert_ldm_clip_checkpoint` and
 //! `convert_open_clip_checkpoint`), so the models load unchanged. The architecture is detected
-//! from the keys as diffusers' `infer_diffusers_model_type` does, and configs are the released
+//! from the keys as diffusers' `infer_diffusers_model_type` does (also inpainting checkpoints,
+//! whose UNet takes 9 input channels, and the SDXL refiner), and configs are the released
 //! models' with every size that the tensors show taken from the tensors.
 
 use std::collections::{BTreeSet, HashSet};
@@ -32,8 +33,11 @@ pub const KEY_XL_BASE: &str =
     "conditioner.embedders.1.model.transformer.resblocks.9.mlp.c_proj.bias";
 /// diffusers' `CHECKPOINT_KEY_NAMES["open_clip_sdxl"]`: SDXL's OpenCLIP encoder, any depth.
 pub const KEY_OPEN_CLIP_SDXL: &str = "conditioner.embedders.1.model.positional_embedding";
-/// diffusers' `CHECKPOINT_KEY_NAMES["xl_refiner"]` / `["open_clip_sdxl_refiner"]`.
-pub const KEY_XL_REFINER: &str = "conditioner.embedders.0.model.text_projection";
+/// diffusers' `CHECKPOINT_KEY_NAMES["xl_refiner"]`: the refiner's OpenCLIP bigG, block 9.
+pub const KEY_XL_REFINER: &str =
+    "conditioner.embedders.0.model.transformer.resblocks.9.mlp.c_proj.bias";
+/// diffusers' `CHECKPOINT_KEY_NAMES["open_clip_sdxl_refiner"]`: the refiner's OpenCLIP, any depth.
+pub const KEY_OPEN_CLIP_SDXL_REFINER: &str = "conditioner.embedders.0.model.text_projection";
 /// diffusers' `CHECKPOINT_KEY_NAMES["open_clip"]`: SD 2's OpenCLIP encoder.
 pub const KEY_OPEN_CLIP: &str = "cond_stage_model.model.token_embedding.weight";
 /// diffusers' `CHECKPOINT_KEY_NAMES["clip"]`: SD 1's CLIP encoder.
@@ -46,10 +50,12 @@ const CLIP_PREFIX: &str = "cond_stage_model.transformer.";
 const CLIP_SDXL_PREFIX: &str = "conditioner.embedders.0.transformer.";
 const OPEN_CLIP_PREFIX: &str = "cond_stage_model.model.";
 const OPEN_CLIP_SDXL_PREFIX: &str = "conditioner.embedders.1.model.";
+const OPEN_CLIP_REFINER_PREFIX: &str = "conditioner.embedders.0.model.";
 /// diffusers' `LDM_VAE_KEYS`.
 const VAE_PREFIXES: [&str; 2] = ["first_stage_model.", "vae."];
 
-/// The architectures a single file can hold (diffusers' model types `v1`, `v2`, `xl_base`).
+/// The architectures a single file can hold (diffusers' model types `v1`, `v2`, `xl_base`,
+/// `xl_refiner`; inpainting checkpoints of the first three are [`SingleFile::inpainting`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SingleFileArch {
     /// Stable Diffusion 1.x: CLIP ViT-L text encoder under `cond_stage_model.transformer.`.
@@ -59,6 +65,9 @@ pub enum SingleFileArch {
     /// SDXL base: CLIP ViT-L (`conditioner.embedders.0`) and OpenCLIP ViT-bigG
     /// (`conditioner.embedders.1`).
     SdxlBase,
+    /// The SDXL refiner: only OpenCLIP ViT-bigG with projection (`conditioner.embedders.0.model.`)
+    /// and a UNet whose added condition takes 5 time ids (the aesthetic score).
+    SdxlRefiner,
 }
 
 impl SingleFileArch {
@@ -68,6 +77,7 @@ impl SingleFileArch {
             Self::Sd1 => "v1",
             Self::Sd2 => "v2",
             Self::SdxlBase => "xl_base",
+            Self::SdxlRefiner => "xl_refiner",
         }
     }
 
@@ -78,7 +88,13 @@ impl SingleFileArch {
             Self::Sd1 => "stable-diffusion-v1-5/stable-diffusion-v1-5",
             Self::Sd2 => "stabilityai/stable-diffusion-2-1",
             Self::SdxlBase => "stabilityai/stable-diffusion-xl-base-1.0",
+            Self::SdxlRefiner => "stabilityai/stable-diffusion-xl-refiner-1.0",
         }
+    }
+
+    /// Whether this is an SDXL architecture (base or refiner).
+    pub fn is_sdxl(self) -> bool {
+        matches!(self, Self::SdxlBase | Self::SdxlRefiner)
     }
 }
 
@@ -87,6 +103,9 @@ impl SingleFileArch {
 pub struct SingleFile {
     pub path: PathBuf,
     pub arch: SingleFileArch,
+    /// An inpainting checkpoint: the UNet takes 9 input channels (latents, mask, masked-image
+    /// latents), diffusers' model types `inpainting`, `inpainting_v2`, `xl_inpaint`.
+    pub inpainting: bool,
     weights: Weights,
 }
 
@@ -133,11 +152,35 @@ impl SingleFile {
     /// `path` names them in messages.
     pub fn from_weights(path: &Path, weights: Weights) -> Result<Self> {
         let arch = detect(&weights, path)?;
+        let inpainting = weights.shape(KEY_CONV_IN).and_then(|s| s.get(1)) == Some(&9);
         Ok(Self {
             path: path.to_path_buf(),
             arch,
+            inpainting,
             weights,
         })
+    }
+
+    /// diffusers' model type (`infer_diffusers_model_type`): `v1`, `v2`, `xl_base`,
+    /// `xl_refiner`, or for inpainting checkpoints `inpainting`, `inpainting_v2`, `xl_inpaint`.
+    pub fn model_type(&self) -> &'static str {
+        match (self.arch, self.inpainting) {
+            (SingleFileArch::Sd1, true) => "inpainting",
+            (SingleFileArch::Sd2, true) => "inpainting_v2",
+            (SingleFileArch::SdxlBase, true) => "xl_inpaint",
+            (arch, _) => arch.diffusers_name(),
+        }
+    }
+
+    /// The Hub repository diffusers takes configs and tokenizers from for this checkpoint
+    /// (`DIFFUSERS_DEFAULT_PIPELINE_PATHS` of its model type).
+    pub fn default_repo(&self) -> &'static str {
+        match (self.arch, self.inpainting) {
+            (SingleFileArch::Sd1, true) => "stable-diffusion-v1-5/stable-diffusion-inpainting",
+            (SingleFileArch::Sd2, true) => "stabilityai/stable-diffusion-2-inpainting",
+            (SingleFileArch::SdxlBase, true) => "diffusers/stable-diffusion-xl-1.0-inpainting-0.1",
+            (arch, _) => arch.default_repo(),
+        }
     }
 
     /// All tensors of the file, under their own names.
@@ -229,7 +272,7 @@ impl SingleFile {
         match self.arch {
             SingleFileArch::Sd1 => Some(CLIP_PREFIX),
             SingleFileArch::SdxlBase => Some(CLIP_SDXL_PREFIX),
-            SingleFileArch::Sd2 => None,
+            SingleFileArch::Sd2 | SingleFileArch::SdxlRefiner => None,
         }
     }
 
@@ -238,6 +281,7 @@ impl SingleFile {
         match self.arch {
             SingleFileArch::Sd2 => Some(OPEN_CLIP_PREFIX),
             SingleFileArch::SdxlBase => Some(OPEN_CLIP_SDXL_PREFIX),
+            SingleFileArch::SdxlRefiner => Some(OPEN_CLIP_REFINER_PREFIX),
             SingleFileArch::Sd1 => None,
         }
     }
@@ -354,7 +398,8 @@ impl SingleFile {
         }
     }
 
-    /// SDXL's `text_encoder_2` (OpenCLIP bigG with projection) of `layers` layers.
+    /// SDXL's `text_encoder_2` (OpenCLIP bigG with projection; the refiner's only encoder) of
+    /// `layers` layers.
     pub fn text_encoder_2_weights(&self, layers: usize) -> Result<Weights> {
         self.weights.view(self.open_clip_names(layers, true)?)
     }
@@ -370,7 +415,9 @@ impl SingleFile {
         all.extend(self.clip_names());
         match self.arch {
             SingleFileArch::Sd2 => all.extend(self.open_clip_names(text_layers, false)?),
-            SingleFileArch::SdxlBase => all.extend(self.open_clip_names(text_2_layers, true)?),
+            SingleFileArch::SdxlBase | SingleFileArch::SdxlRefiner => {
+                all.extend(self.open_clip_names(text_2_layers, true)?)
+            }
             SingleFileArch::Sd1 => {}
         }
         used.extend(all.into_iter().map(|(_, source, _)| source));
@@ -523,19 +570,21 @@ impl SingleFile {
             upcast_attention: self.arch == SingleFileArch::Sd2 && prediction_v,
             ..UNet2DConditionConfig::default()
         };
-        if self.arch == SingleFileArch::SdxlBase {
+        if let Some(ids) = self.time_ids() {
             config.addition_embed_type = Some("text_time".into());
-            // `add_embedding` takes the pooled text embeds and 6 sinusoidal time ids:
-            // 2816 = 1280 + 6 * 256 for SDXL base.
+            // `add_embedding` takes the pooled text embeds and 6 sinusoidal time ids (5 for the
+            // refiner, whose last id is the aesthetic score): 2816 = 1280 + 6 * 256 for SDXL
+            // base, 2560 = 1280 + 5 * 256 for the refiner.
             let input = self.dim(&format!("{p}label_emb.0.0.weight"), 1)?;
-            let pooled = self.dim(&format!("{OPEN_CLIP_SDXL_PREFIX}text_projection"), 1)?;
-            let per_id = input.saturating_sub(pooled) / 6;
-            if per_id == 0 || pooled + 6 * per_id != input {
+            let prefix = self.open_clip_prefix().unwrap_or(OPEN_CLIP_SDXL_PREFIX);
+            let pooled = self.dim(&format!("{prefix}text_projection"), 1)?;
+            let per_id = input.saturating_sub(pooled) / ids;
+            if per_id == 0 || pooled + ids * per_id != input {
                 return Err(ModelError::UnknownArchitecture {
                     path: self.path.clone(),
                     reason: format!(
                         "the UNet's `label_emb.0.0.weight` takes {input} inputs, which is not \
-                         the pooled text width {pooled} plus 6 time-id embeddings"
+                         the pooled text width {pooled} plus {ids} time-id embeddings"
                     ),
                     looked_for: format!("`{p}label_emb.0.0.weight`"),
                     found: first_keys(&self.weights),
@@ -545,6 +594,16 @@ impl SingleFile {
             config.projection_class_embeddings_input_dim = Some(input);
         }
         Ok(config)
+    }
+
+    /// How many time ids SDXL's added condition embeds: 6 for the base (original size, crop,
+    /// target size), 5 for the refiner (original size, crop, aesthetic score); `None` for SD.
+    pub fn time_ids(&self) -> Option<usize> {
+        match self.arch {
+            SingleFileArch::SdxlBase => Some(6),
+            SingleFileArch::SdxlRefiner => Some(5),
+            SingleFileArch::Sd1 | SingleFileArch::Sd2 => None,
+        }
     }
 
     /// The VAE config: channels, depth and latent width from the tensors, the scaling factor of
@@ -564,7 +623,7 @@ impl SingleFile {
             layers_per_block: self.count_indices(&format!("{p}encoder.down.0.block.")),
             latent_channels: self.dim(&format!("{p}decoder.conv_in.weight"), 1)?,
             sample_size: Some(self.default_image_size(prediction_v)),
-            scaling_factor: if self.arch == SingleFileArch::SdxlBase {
+            scaling_factor: if self.arch.is_sdxl() {
                 0.13025
             } else {
                 0.18215
@@ -626,12 +685,16 @@ impl SingleFile {
         Ok(hidden / 64)
     }
 
-    /// SDXL's `text_encoder_2` config (OpenCLIP bigG, every block, with projection).
+    /// SDXL's `text_encoder_2` config (OpenCLIP bigG, every block, with projection; the
+    /// refiner's from `conditioner.embedders.0.model.`).
     pub fn text_encoder_2_config(&self) -> Result<ClipTextConfig> {
-        let mut config = self.open_clip_config(OPEN_CLIP_SDXL_PREFIX)?;
-        config.num_hidden_layers =
-            self.count_indices(&format!("{OPEN_CLIP_SDXL_PREFIX}transformer.resblocks."));
-        config.projection_dim = self.dim(&format!("{OPEN_CLIP_SDXL_PREFIX}text_projection"), 1)?;
+        let prefix = match self.arch {
+            SingleFileArch::SdxlRefiner => OPEN_CLIP_REFINER_PREFIX,
+            _ => OPEN_CLIP_SDXL_PREFIX,
+        };
+        let mut config = self.open_clip_config(prefix)?;
+        config.num_hidden_layers = self.count_indices(&format!("{prefix}transformer.resblocks."));
+        config.projection_dim = self.dim(&format!("{prefix}text_projection"), 1)?;
         Ok(config)
     }
 
@@ -658,20 +721,22 @@ impl SingleFile {
     }
 
     /// The image size the released model was trained at (diffusers'
-    /// `DIFFUSERS_TO_LDM_DEFAULT_IMAGE_SIZE_MAP`; 512 for SD 2 base, an epsilon model).
+    /// `DIFFUSERS_TO_LDM_DEFAULT_IMAGE_SIZE_MAP`; 512 for SD 2 base, an epsilon model, and for
+    /// SD 2 inpainting).
     pub fn default_image_size(&self, prediction_v: bool) -> usize {
         match self.arch {
             SingleFileArch::Sd1 => 512,
             SingleFileArch::Sd2 if prediction_v => 768,
             SingleFileArch::Sd2 => 512,
-            SingleFileArch::SdxlBase => 1024,
+            SingleFileArch::SdxlBase | SingleFileArch::SdxlRefiner => 1024,
         }
     }
 
     /// Whether an SD 2 checkpoint predicts v, as diffusers decides without a config: v unless
-    /// the checkpoint's `global_step` is 875000 (SD 2 base). Other architectures predict noise.
+    /// the checkpoint's `global_step` is 875000 (SD 2 base). SD 2 inpainting (released as
+    /// `stable-diffusion-2-inpainting`, epsilon) and other architectures predict noise.
     pub fn predicts_v(&self) -> bool {
-        if self.arch != SingleFileArch::Sd2 {
+        if self.arch != SingleFileArch::Sd2 || self.inpainting {
             return false;
         }
         match self.weights.read_f32("global_step") {
@@ -843,7 +908,8 @@ fn ignorable(key: &str, arch: SingleFileArch) -> bool {
 fn detect(weights: &Weights, path: &Path) -> Result<SingleFileArch> {
     let looked_for = format!(
         "`{KEY_CONV_IN}` (the UNet), then `{KEY_V2}` of width 1024 or `{KEY_OPEN_CLIP}` \
-         (SD 2), `{KEY_XL_BASE}` or `{KEY_OPEN_CLIP_SDXL}` (SDXL base), `{KEY_CLIP}` (SD 1)"
+         (SD 2), `{KEY_XL_BASE}` or `{KEY_OPEN_CLIP_SDXL}` (SDXL base), `{KEY_XL_REFINER}` or \
+         `{KEY_OPEN_CLIP_SDXL_REFINER}` (SDXL refiner), `{KEY_CLIP}` (SD 1)"
     );
     let unknown = |reason: String| ModelError::UnknownArchitecture {
         path: path.to_path_buf(),
@@ -862,22 +928,12 @@ fn detect(weights: &Weights, path: &Path) -> Result<SingleFileArch> {
             };
         return Err(unknown(reason));
     };
-    match conv_in.get(1) {
-        Some(9) => {
-            return Err(unknown(
-                "it is an inpainting checkpoint (a 9-channel UNet input), which \
-                 from_single_file does not load yet"
-                    .into(),
-            ))
-        }
-        Some(8) => {
-            return Err(unknown(
-                "it is an InstructPix2Pix checkpoint (an 8-channel UNet input), which \
-                 from_single_file does not load"
-                    .into(),
-            ))
-        }
-        _ => {}
+    if conv_in.get(1) == Some(&8) {
+        return Err(unknown(
+            "it is an InstructPix2Pix checkpoint (an 8-channel UNet input), which \
+             from_single_file does not load"
+                .into(),
+        ));
     }
     if weights.shape(KEY_V2).and_then(|s| s.last()) == Some(&1024)
         || weights.contains(KEY_OPEN_CLIP)
@@ -897,12 +953,15 @@ fn detect(weights: &Weights, path: &Path) -> Result<SingleFileArch> {
         }
         return Ok(SingleFileArch::SdxlBase);
     }
-    if weights.contains(KEY_XL_REFINER) {
-        return Err(unknown(
-            "it is an SDXL refiner (only `conditioner.embedders.0.model.`), which \
-             from_single_file does not load yet"
-                .into(),
-        ));
+    if weights.contains(KEY_XL_REFINER) || weights.contains(KEY_OPEN_CLIP_SDXL_REFINER) {
+        if conv_in.get(1) == Some(&9) {
+            return Err(unknown(
+                "it is an SDXL refiner with a 9-channel (inpainting) UNet, which diffusers has \
+                 no pipeline for"
+                    .into(),
+            ));
+        }
+        return Ok(SingleFileArch::SdxlRefiner);
     }
     if weights.contains(KEY_CLIP) {
         return Ok(SingleFileArch::Sd1);

@@ -92,3 +92,5 @@ pub use stable_diffusion_xl_inpaint::StableDiffusionXLInpaintPipeline;
 pub mod lora;
 pub mod resample;
 pub use lora::{LoraReport, LoraSpec};
+pub mod mask_crop;
+pub use stable_diffusion_inpaint::InpaintOptions;

@@ -31,6 +31,44 @@ fn lanczos(x: f64) -> f64 {
     }
 }
 
+/// Pillow's bicubic kernel (`a = -0.5`, support [-2, 2]): `Image.resize`'s default filter.
+fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// A resampling filter of Pillow's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Filter {
+    /// `Image.LANCZOS` (a = 3), what diffusers' image processor asks for.
+    Lanczos,
+    /// `Image.BICUBIC`, `Image.resize`'s default.
+    Bicubic,
+}
+
+impl Filter {
+    fn support(self) -> f64 {
+        match self {
+            Self::Lanczos => 3.0,
+            Self::Bicubic => 2.0,
+        }
+    }
+
+    fn weight(self, x: f64) -> f64 {
+        match self {
+            Self::Lanczos => lanczos(x),
+            Self::Bicubic => bicubic(x),
+        }
+    }
+}
+
 /// For each output pixel along one axis: the first source pixel and the fixed-point weights
 /// of the source pixels from there on.
 struct Taps {
@@ -38,20 +76,22 @@ struct Taps {
 }
 
 impl Taps {
-    fn new(in_size: usize, out_size: usize) -> Self {
-        let scale = in_size as f64 / out_size as f64;
+    /// Taps sampling the source span `[start, end)` (Pillow's resize `box` along this axis)
+    /// of `in_size` pixels into `out_size`.
+    fn new(filter: Filter, in_size: usize, (start, end): (f64, f64), out_size: usize) -> Self {
+        let scale = (end - start) / out_size as f64;
         let filter_scale = scale.max(1.0);
-        let support = 3.0 * filter_scale;
+        let support = filter.support() * filter_scale;
         // Multiplied by the reciprocal, as Pillow does (not divided: the roundings differ).
         let inverse = 1.0 / filter_scale;
         let windows = (0..out_size)
             .map(|out| {
-                let center = (out as f64 + 0.5) * scale;
+                let center = start + (out as f64 + 0.5) * scale;
                 // C's `(int)` truncates toward zero, as `as i64` does.
                 let first = ((center - support + 0.5) as i64).max(0) as usize;
                 let end = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
                 let weights: Vec<f64> = (first..end)
-                    .map(|x| lanczos((x as f64 - center + 0.5) * inverse))
+                    .map(|x| filter.weight((x as f64 - center + 0.5) * inverse))
                     .collect();
                 let mut total = 0.0;
                 for w in &weights {
@@ -94,10 +134,34 @@ pub fn resize_lanczos(
     (width, height): (usize, usize),
     (new_width, new_height): (usize, usize),
 ) -> Vec<u8> {
+    let whole = [0.0, 0.0, width as f64, height as f64];
+    resize_box(
+        Filter::Lanczos,
+        pixels,
+        channels,
+        (width, height),
+        (new_width, new_height),
+        whole,
+    )
+}
+
+/// PIL's `resize(size, filter, box=region)` (`region` = `[x0, y0, x1, y1]` of the source): a
+/// pass runs when its size changes or the box does not span the source along it, as Pillow
+/// decides. A box of zero height (or width) samples the rows next to its edge, which is how
+/// diffusers' `resize_mode="fill"` extends an image's first and last rows.
+pub fn resize_box(
+    filter: Filter,
+    pixels: &[u8],
+    channels: usize,
+    (width, height): (usize, usize),
+    (new_width, new_height): (usize, usize),
+    region: [f64; 4],
+) -> Vec<u8> {
+    let [x0, y0, x1, y1] = region;
     let mut data = pixels.to_vec();
     let mut w = width;
-    if new_width != width {
-        let taps = Taps::new(width, new_width);
+    if new_width != width || x0 != 0.0 || x1 != new_width as f64 {
+        let taps = Taps::new(filter, width, (x0, x1), new_width);
         let mut out = Vec::with_capacity(new_width * height * channels);
         for row in data.chunks_exact(width * channels) {
             for (first, weights) in &taps.windows {
@@ -110,8 +174,8 @@ pub fn resize_lanczos(
         data = out;
         w = new_width;
     }
-    if new_height != height {
-        let taps = Taps::new(height, new_height);
+    if new_height != height || y0 != 0.0 || y1 != new_height as f64 {
+        let taps = Taps::new(filter, height, (y0, y1), new_height);
         let stride = w * channels;
         let mut out = Vec::with_capacity(stride * new_height);
         for (first, weights) in &taps.windows {

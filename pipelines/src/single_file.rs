@@ -1,5 +1,6 @@
-//! `from_single_file`: Stable Diffusion 1.x/2.x and SDXL pipelines from one `.safetensors` in the
-//! original LDM / A1111 layout, as diffusers' `from_single_file`.
+//! `from_single_file`: Stable Diffusion 1.x/2.x and SDXL pipelines (text to image, image to
+//! image, inpainting with 9-channel inpainting checkpoints, the SDXL refiner) from one
+//! `.safetensors` in the original LDM / A1111 layout, as diffusers' `from_single_file`.
 //!
 //! The weights come from the file through [`SingleFile`]'s renaming views, so the models load
 //! exactly as from a diffusers folder. Configs come from, in order: the `config` folder given
@@ -22,12 +23,17 @@ use serde::Deserialize;
 
 use crate::error::{PipelineError, Result};
 use crate::stable_diffusion::{LoadOptions, StableDiffusionPipeline};
+use crate::stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
+use crate::stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 use crate::stable_diffusion_xl::StableDiffusionXLPipeline;
+use crate::stable_diffusion_xl_img2img::StableDiffusionXLImg2ImgPipeline;
+use crate::stable_diffusion_xl_inpaint::StableDiffusionXLInpaintPipeline;
 
 /// How a single-file checkpoint is loaded.
 #[derive(Debug, Clone, Default)]
 pub struct SingleFileOptions {
-    /// The scheduler override, as for folders (`variant` does not apply to one file).
+    /// The scheduler override and the weights' `dtype` (cast after loading), as for folders
+    /// (`variant` does not apply to one file).
     pub load: LoadOptions,
     /// A diffusers pipeline folder whose component configs, scheduler config and tokenizers
     /// are used (diffusers' `config=`); needed for checkpoints whose sizes differ from the
@@ -57,12 +63,18 @@ pub fn is_single_file(path: &Path) -> bool {
             ))
 }
 
-/// Which pipeline type a single file needs: `StableDiffusionPipeline` or
-/// `StableDiffusionXLPipeline`.
+/// The diffusers pipeline class a single file is made for, as diffusers' default repository
+/// of its model type names it: `StableDiffusionPipeline`, `StableDiffusionXLPipeline`, for
+/// inpainting checkpoints `StableDiffusionInpaintPipeline` / `StableDiffusionXLInpaintPipeline`,
+/// for the SDXL refiner `StableDiffusionXLImg2ImgPipeline`.
 pub fn single_file_pipeline_class(path: &Path) -> Result<&'static str> {
-    Ok(match SingleFile::open(path)?.arch {
-        SingleFileArch::SdxlBase => crate::stable_diffusion_xl::SDXL_CLASS,
-        SingleFileArch::Sd1 | SingleFileArch::Sd2 => "StableDiffusionPipeline",
+    let file = SingleFile::open(path)?;
+    Ok(match (file.arch, file.inpainting) {
+        (SingleFileArch::SdxlRefiner, _) => "StableDiffusionXLImg2ImgPipeline",
+        (SingleFileArch::SdxlBase, true) => "StableDiffusionXLInpaintPipeline",
+        (SingleFileArch::SdxlBase, false) => crate::stable_diffusion_xl::SDXL_CLASS,
+        (_, true) => "StableDiffusionInpaintPipeline",
+        (_, false) => "StableDiffusionPipeline",
     })
 }
 
@@ -90,7 +102,7 @@ impl Sources {
                 }
                 Some(dir.clone())
             }
-            None => default_repo(file.arch),
+            None => default_repo(&file),
         };
         let predicts_v = match options.prediction_type {
             Some(p) => p == PredictionType::VPrediction,
@@ -183,7 +195,7 @@ impl Sources {
             }
             tried.push(sub);
         }
-        let repo = self.file.arch.default_repo();
+        let repo = self.file.default_repo();
         let looked = if tried.is_empty() {
             String::new()
         } else {
@@ -203,7 +215,7 @@ impl Sources {
                  a folder holding `{name}/` as the tokenizer (or config) folder, for this {} \
                  checkpoint for example a diffusers copy of `{repo}`, which is also used when it \
                  is in the Hub cache ({})",
-                arch_name(self.file.arch),
+                describe(&self.file),
                 crate::hub::hub_cache_dir().display()
             ),
         })
@@ -231,8 +243,10 @@ impl Sources {
                 ) => PipelineError::SingleFile {
                     path: self.file.path.clone(),
                     reason: format!(
-                        "the {component} does not fit the built-in config of the released {}                          model (sizes read from the tensors, the rest as released): {e}; pass                          the matching diffusers folder as `config`",
-                        arch_name(self.file.arch)
+                        "the {component} does not fit the built-in config of the released {} \
+                         model (sizes read from the tensors, the rest as released): {e}; pass \
+                         the matching diffusers folder as `config`",
+                        describe(&self.file)
                     ),
                 },
                 (_, e) => e.into(),
@@ -278,20 +292,27 @@ impl Sources {
         Ok(())
     }
 
-    fn force_zeros_for_empty_prompt(&self) -> Result<bool> {
+    /// SDXL's `model_index.json` flags `(force_zeros_for_empty_prompt,
+    /// requires_aesthetics_score)` from the config folder (diffusers' class defaults `true`
+    /// and `false` where it leaves them out), else the released model's: the base
+    /// `(true, false)`, the refiner `(false, true)`.
+    fn sdxl_flags(&self) -> Result<(bool, bool)> {
         #[derive(Deserialize)]
         struct Index {
-            #[serde(default = "yes")]
-            force_zeros_for_empty_prompt: bool,
+            force_zeros_for_empty_prompt: Option<bool>,
+            requires_aesthetics_score: Option<bool>,
         }
-        fn yes() -> bool {
-            true
-        }
+        let released = self.file.arch != SingleFileArch::SdxlRefiner;
+        let released = (released, !released);
         match self.config.as_ref().map(|d| d.join("model_index.json")) {
             Some(path) if path.is_file() => {
-                Ok(load_json::<Index>(&path)?.force_zeros_for_empty_prompt)
+                let index = load_json::<Index>(&path)?;
+                Ok((
+                    index.force_zeros_for_empty_prompt.unwrap_or(true),
+                    index.requires_aesthetics_score.unwrap_or(false),
+                ))
             }
-            _ => Ok(true),
+            _ => Ok(released),
         }
     }
 }
@@ -301,13 +322,23 @@ fn arch_name(arch: SingleFileArch) -> &'static str {
         SingleFileArch::Sd1 => "SD 1.x",
         SingleFileArch::Sd2 => "SD 2.x",
         SingleFileArch::SdxlBase => "SDXL base",
+        SingleFileArch::SdxlRefiner => "SDXL refiner",
     }
 }
 
-/// The diffusers repository of `arch` in the Hub cache, used for configs and tokenizers as
-/// diffusers does (never downloaded here).
-fn default_repo(arch: SingleFileArch) -> Option<PathBuf> {
-    crate::hub::cached_snapshot(&crate::hub::hub_cache_dir(), arch.default_repo(), "main")
+/// The checkpoint's kind in words (`SD 1.x inpainting`).
+fn describe(file: &SingleFile) -> String {
+    if file.inpainting {
+        format!("{} inpainting", arch_name(file.arch))
+    } else {
+        arch_name(file.arch).to_string()
+    }
+}
+
+/// The diffusers repository of the file's model type in the Hub cache, used for configs and
+/// tokenizers as diffusers does (never downloaded here).
+fn default_repo(file: &SingleFile) -> Option<PathBuf> {
+    crate::hub::cached_snapshot(&crate::hub::hub_cache_dir(), file.default_repo(), "main")
 }
 
 /// The released models' `scheduler_config.json` (SD 1.5, SD 2.1 / 2 base, SDXL base).
@@ -327,7 +358,7 @@ fn default_scheduler(arch: SingleFileArch, predicts_v: bool) -> String {
             };
             format!(r#"{{"_class_name": "DDIMScheduler", "prediction_type": "{p}", {common}}}"#)
         }
-        SingleFileArch::SdxlBase => format!(
+        SingleFileArch::SdxlBase | SingleFileArch::SdxlRefiner => format!(
             r#"{{"_class_name": "EulerDiscreteScheduler", "prediction_type": "epsilon",
                 "interpolation_type": "linear", "use_karras_sigmas": false, {common}}}"#
         ),
@@ -351,10 +382,10 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let src = Sources::open(path, options)?;
-        if src.file.arch == SingleFileArch::SdxlBase {
+        if src.file.arch.is_sdxl() {
             return Err(PipelineError::UnsupportedPipeline {
                 path: path.to_path_buf(),
-                class: "an SDXL base checkpoint".into(),
+                class: format!("an {} checkpoint", describe(&src.file)),
                 supported: "SD 1.x/2.x here: load SDXL with \
                             StableDiffusionXLPipeline::from_single_file"
                     .into(),
@@ -386,11 +417,12 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             AutoencoderKL::load(&vae_config, &vae_path, vb)
         })?;
         src.warn_unmapped(layers, 0)?;
+        let cast = crate::loading::Cast(options.load.dtype);
         Ok(Self {
             tokenizer,
-            text_encoder,
-            unet,
-            vae,
+            text_encoder: cast.apply(text_encoder),
+            unet: cast.apply(unet),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),
@@ -403,7 +435,8 @@ impl<B: Backend> StableDiffusionPipeline<B> {
 }
 
 impl<B: Backend> StableDiffusionXLPipeline<B> {
-    /// Loads an SDXL base single-file checkpoint (`.safetensors` in the LDM / A1111 layout), as
+    /// Loads an SDXL single-file checkpoint (`.safetensors` in the LDM / A1111 layout): the
+    /// base (also its inpainting variant) or the refiner, which has no first text encoder, as
     /// diffusers' `StableDiffusionXLPipeline.from_single_file`; pickles are refused.
     pub fn from_single_file(
         path: &Path,
@@ -411,18 +444,24 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let src = Sources::open(path, options)?;
-        if src.file.arch != SingleFileArch::SdxlBase {
+        if !src.file.arch.is_sdxl() {
             return Err(PipelineError::UnsupportedPipeline {
                 path: path.to_path_buf(),
-                class: format!("an {} checkpoint", arch_name(src.file.arch)),
-                supported: "SDXL base here: load SD 1.x/2.x with \
+                class: format!("an {} checkpoint", describe(&src.file)),
+                supported: "SDXL base and refiner here: load SD 1.x/2.x with \
                             StableDiffusionPipeline::from_single_file"
                     .into(),
             });
         }
-        let tokenizer = src.tokenizer(options, "tokenizer")?;
+        let first = if src.file.arch == SingleFileArch::SdxlRefiner {
+            None
+        } else {
+            Some((
+                src.tokenizer(options, "tokenizer")?,
+                src.text_config("text_encoder")?,
+            ))
+        };
         let tokenizer_2 = src.tokenizer(options, "tokenizer_2")?;
-        let te_config = src.text_config("text_encoder")?;
         let te2_config = src.text_config("text_encoder_2")?;
         let (unet_config, unet_path) = src.unet_config()?;
         let (Some(addition_time_embed_dim), Some(add_embedding_dim)) = (
@@ -435,26 +474,37 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 supported: "SDXL UNet configs for an SDXL checkpoint".into(),
             });
         };
-        if add_embedding_dim != te2_config.projection_dim + 6 * addition_time_embed_dim {
+        let (force_zeros_for_empty_prompt, requires_aesthetics_score) = src.sdxl_flags()?;
+        let time_ids = if requires_aesthetics_score { 5 } else { 6 };
+        if add_embedding_dim != te2_config.projection_dim + time_ids * addition_time_embed_dim {
             return Err(PipelineError::SingleFile {
                 path: path.to_path_buf(),
                 reason: format!(
                     "the UNet's `projection_class_embeddings_input_dim` {add_embedding_dim} is \
-                     not text_encoder_2's `projection_dim` {} plus 6 time ids of \
-                     `addition_time_embed_dim` {addition_time_embed_dim}: pass the matching \
-                     diffusers folder as `config`",
-                    te2_config.projection_dim
+                     not text_encoder_2's `projection_dim` {} plus {time_ids} time ids of \
+                     `addition_time_embed_dim` {addition_time_embed_dim} (an {} checkpoint, \
+                     `requires_aesthetics_score` {requires_aesthetics_score}): pass the \
+                     matching diffusers folder as `config`",
+                    te2_config.projection_dim,
+                    describe(&src.file),
                 ),
             });
         }
         let (vae_config, vae_path) = src.vae_config()?;
         let (scheduler_config, scheduler) = src.scheduler::<B>(options)?;
-        let text_encoder = src.load(
-            src.file.text_encoder_weights(te_config.num_hidden_layers)?,
-            "text encoder",
-            device,
-            |vb| ClipTextModel::load(&te_config, false, vb),
-        )?;
+        let (tokenizer, text_encoder, te_layers) = match first {
+            Some((tokenizer, te_config)) => {
+                let layers = te_config.num_hidden_layers;
+                let text_encoder = src.load(
+                    src.file.text_encoder_weights(layers)?,
+                    "text encoder",
+                    device,
+                    |vb| ClipTextModel::load(&te_config, false, vb),
+                )?;
+                (Some(tokenizer), Some(text_encoder), layers)
+            }
+            None => (None, None, 0),
+        };
         let text_encoder_2 = src.load(
             src.file
                 .text_encoder_2_weights(te2_config.num_hidden_layers)?,
@@ -468,14 +518,15 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         let vae = src.load(src.file.vae_weights()?, "VAE", device, |vb| {
             AutoencoderKL::load(&vae_config, &vae_path, vb)
         })?;
-        src.warn_unmapped(te_config.num_hidden_layers, te2_config.num_hidden_layers)?;
+        src.warn_unmapped(te_layers, te2_config.num_hidden_layers)?;
+        let cast = crate::loading::Cast(options.load.dtype);
         Ok(Self {
-            tokenizer: Some(tokenizer),
+            tokenizer,
             tokenizer_2,
-            text_encoder: Some(text_encoder),
-            text_encoder_2,
-            unet,
-            vae,
+            text_encoder: text_encoder.map(|te| cast.apply(te)),
+            text_encoder_2: cast.apply(text_encoder_2),
+            unet: cast.apply(unet),
+            vae: cast.apply(vae),
             scheduler_config,
             scheduler,
             vae_scale_factor: vae_config.scale_factor(),
@@ -483,12 +534,61 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             projection_dim: te2_config.projection_dim,
             addition_time_embed_dim,
             add_embedding_dim,
-            force_zeros_for_empty_prompt: src.force_zeros_for_empty_prompt()?,
-            // Single files are refused for the refiner, so these are base time ids.
-            requires_aesthetics_score: false,
+            force_zeros_for_empty_prompt,
+            requires_aesthetics_score,
             device: device.clone(),
             source: path.to_path_buf(),
             compiled: None,
         })
+    }
+}
+
+impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
+    /// Loads an SD 1.x/2.x single file for image to image (diffusers'
+    /// `StableDiffusionImg2ImgPipeline.from_single_file`).
+    pub fn from_single_file(
+        path: &Path,
+        options: &SingleFileOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        StableDiffusionPipeline::from_single_file(path, options, device).map(Self::from)
+    }
+}
+
+impl<B: Backend> StableDiffusionInpaintPipeline<B> {
+    /// Loads an SD 1.x/2.x single file for inpainting (diffusers'
+    /// `StableDiffusionInpaintPipeline.from_single_file`): an inpainting checkpoint (its UNet
+    /// takes 9 channels) or an ordinary one (the masked-latent method).
+    pub fn from_single_file(
+        path: &Path,
+        options: &SingleFileOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        StableDiffusionPipeline::from_single_file(path, options, device).map(Self::from)
+    }
+}
+
+impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
+    /// Loads an SDXL single file, the base or the refiner, for image to image (diffusers'
+    /// `StableDiffusionXLImg2ImgPipeline.from_single_file`).
+    pub fn from_single_file(
+        path: &Path,
+        options: &SingleFileOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        StableDiffusionXLPipeline::from_single_file(path, options, device).map(Self::from)
+    }
+}
+
+impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
+    /// Loads an SDXL single file for inpainting (diffusers'
+    /// `StableDiffusionXLInpaintPipeline.from_single_file`): an inpainting checkpoint (9
+    /// channels) or the base (the masked-latent method).
+    pub fn from_single_file(
+        path: &Path,
+        options: &SingleFileOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        StableDiffusionXLPipeline::from_single_file(path, options, device).map(Self::from)
     }
 }

@@ -337,6 +337,60 @@ pub(crate) fn prepare_inpaint<B: Backend>(
     Ok((latents, condition))
 }
 
+/// What an SD inpainting call takes besides prompt, image and mask; `Default` is diffusers'
+/// (strength 1, no crop).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InpaintOptions {
+    /// In (0, 1]: the part of the schedule that is run (1: from pure noise).
+    pub strength: f64,
+    /// diffusers' `padding_mask_crop`: inpaint only the box around the mask's nonzero pixels,
+    /// grown by this many pixels and to the output's aspect ratio, at the output size, then
+    /// paste the result back into the original image, blended by the mask
+    /// ([`crate::mask_crop`]); the images come back at the original image's size.
+    pub padding_mask_crop: Option<usize>,
+}
+
+impl Default for InpaintOptions {
+    fn default() -> Self {
+        Self {
+            strength: 1.0,
+            padding_mask_crop: None,
+        }
+    }
+}
+
+/// The output size of an inpainting run (`req` size, else the image's rounded down to a
+/// multiple of `factor`) and, with `padding_mask_crop`, image and mask cut to the crop region
+/// and filled to that size.
+pub(crate) fn crop_for_request<'a>(
+    image: &'a image::DynamicImage,
+    mask: &'a image::DynamicImage,
+    (width, height): (Option<usize>, Option<usize>),
+    factor: usize,
+    padding_mask_crop: Option<usize>,
+    output: crate::stable_diffusion::OutputType,
+) -> Result<Option<crate::mask_crop::CroppedInputs>> {
+    let Some(padding) = padding_mask_crop else {
+        return Ok(None);
+    };
+    if output == crate::stable_diffusion::OutputType::Latents {
+        return Err(PipelineError::InvalidInput(
+            "padding_mask_crop pastes decoded images back into the original: it needs image \
+             output, not latents"
+                .into(),
+        ));
+    }
+    let round = |v: u32| {
+        let v = v as usize;
+        v - v % factor.max(1)
+    };
+    let size = (
+        width.unwrap_or(round(image.width())),
+        height.unwrap_or(round(image.height())),
+    );
+    crate::mask_crop::crop_inputs(image, mask, size, padding).map(Some)
+}
+
 /// SD 1.x/2.x inpainting over a [`StableDiffusionPipeline`]'s components (diffusers'
 /// `StableDiffusionInpaintPipeline.from_pipe`).
 pub struct StableDiffusionInpaintPipeline<B: Backend> {
@@ -390,8 +444,26 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
         mask: &image::DynamicImage,
         strength: f64,
         noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        let options = InpaintOptions {
+            strength,
+            ..Default::default()
+        };
+        self.generate_with_options(req, image, mask, &options, noise, callback)
+    }
+
+    /// [`generate_with`](Self::generate_with) with every option, `padding_mask_crop` too.
+    pub fn generate_with_options(
+        &mut self,
+        req: &GenerateRequest<B>,
+        image: &image::DynamicImage,
+        mask: &image::DynamicImage,
+        options: &InpaintOptions,
+        noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
+        let strength = options.strength;
         check_strength(strength)?;
         check_strength_steps(strength, req.num_inference_steps)?;
         check_mask_size(image, mask)?;
@@ -399,6 +471,19 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
         let pipe = &mut self.pipe;
         let f = pipe.vae_scale_factor;
         let vae_device = pipe.vae_device();
+        let (original, original_mask) = (image, mask);
+        let cropped = crop_for_request(
+            image,
+            mask,
+            (req.width, req.height),
+            f,
+            options.padding_mask_crop,
+            req.output,
+        )?;
+        let (image, mask) = match &cropped {
+            Some(c) => (&c.image, &c.mask),
+            None => (image, mask),
+        };
         let image = preprocess::<B>(image, req.width, req.height, f, &vae_device)?;
         let [_, _, h, w] = image.dims();
         let mask = preprocess_mask::<B>(mask, w, h, &vae_device)?;
@@ -436,7 +521,7 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
             noise,
             &pipe.device,
         )?;
-        pipe.denoise_and_decode(
+        let mut out = pipe.denoise_and_decode(
             &timesteps,
             latents,
             &context,
@@ -444,7 +529,16 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
             req,
             noise,
             &mut callback,
-        )
+        )?;
+        if let Some(c) = cropped {
+            out.images = out
+                .images
+                .map(|images| {
+                    crate::mask_crop::paste_back(images, original_mask, original, c.region)
+                })
+                .transpose()?;
+        }
+        Ok(out)
     }
 }
 

@@ -36,6 +36,9 @@ pub struct XlEditOptions {
     /// the negative time ids.
     pub aesthetic_score: f64,
     pub negative_aesthetic_score: f64,
+    /// Inpainting only: diffusers' `padding_mask_crop` (see
+    /// [`InpaintOptions`](crate::InpaintOptions)); image to image refuses it.
+    pub padding_mask_crop: Option<usize>,
 }
 
 impl Default for XlEditOptions {
@@ -45,6 +48,7 @@ impl Default for XlEditOptions {
             denoising_start: None,
             aesthetic_score: 6.0,
             negative_aesthetic_score: 2.5,
+            padding_mask_crop: None,
         }
     }
 }
@@ -196,6 +200,13 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         check_edit(edit, xl)?;
+        if edit.padding_mask_crop.is_some() {
+            return Err(PipelineError::InvalidInput(
+                "padding_mask_crop crops to a mask's region: it applies to inpainting \
+                 (StableDiffusionXLInpaintPipeline, `img2img --mask`), not to image to image"
+                    .into(),
+            ));
+        }
         if req.latents.is_some() {
             return Err(PipelineError::InvalidInput(
                 "image to image starts from the image's latents; pass latents as \

@@ -17,7 +17,7 @@ use crate::image::{preprocess, preprocess_mask};
 use crate::stable_diffusion::{GenerateRequest, LoadOptions, PipelineOutput, StepInfo};
 use crate::stable_diffusion_img2img::check_strength_steps;
 use crate::stable_diffusion_inpaint::{
-    check_mask_size, inpaint_channels, prepare_inpaint, InpaintStart,
+    check_mask_size, crop_for_request, inpaint_channels, prepare_inpaint, InpaintStart,
 };
 use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions};
 use crate::stable_diffusion_xl_img2img::{
@@ -91,6 +91,19 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
         pipe.check_options(req, xl)?;
         let f = pipe.vae_scale_factor;
         let vae_device = pipe.vae.decoder.conv_in.weight.device();
+        let (original, original_mask) = (image, mask);
+        let cropped = crop_for_request(
+            image,
+            mask,
+            (req.width, req.height),
+            f,
+            edit.padding_mask_crop,
+            req.output,
+        )?;
+        let (image, mask) = match &cropped {
+            Some(c) => (&c.image, &c.mask),
+            None => (image, mask),
+        };
         let image = preprocess::<B>(image, req.width, req.height, f, &vae_device)?;
         let [_, _, height, width] = image.dims();
         let mask = preprocess_mask::<B>(mask, width, height, &vae_device)?;
@@ -130,7 +143,7 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
             &pipe.device,
         )?;
         let timesteps = pipe.cut_at_denoising_end(timesteps, xl);
-        pipe.denoise_and_decode(
+        let mut out = pipe.denoise_and_decode(
             &timesteps,
             latents,
             &condition,
@@ -138,7 +151,16 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
             req,
             noise,
             &mut callback,
-        )
+        )?;
+        if let Some(c) = cropped {
+            out.images = out
+                .images
+                .map(|images| {
+                    crate::mask_crop::paste_back(images, original_mask, original, c.region)
+                })
+                .transpose()?;
+        }
+        Ok(out)
     }
 }
 

@@ -1,8 +1,9 @@
 //! `img2img`: edit an input image with a diffusers-format Stable Diffusion 1.x/2.x or SDXL
-//! model (image to image, or inpainting with `--mask`). The pipeline follows
-//! `model_index.json`'s class, as `txt2img` does.
+//! model, or a single-file checkpoint (image to image, or inpainting with `--mask`). The
+//! pipeline follows `model_index.json`'s class (a single file's detected architecture), as
+//! `txt2img` does.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -11,7 +12,8 @@ use oxidiff::pipelines::image::{load_image, load_mask};
 use oxidiff::pipelines::stable_diffusion::SUPPORTED_CLASSES as SD_CLASSES;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
 use oxidiff::pipelines::{
-    pipeline_class, resolve_model, GenerateRequest, GenerationParameters, Images, LoadOptions,
+    is_single_file, pipeline_class, resolve_model, single_file_pipeline_class, GenerateRequest,
+    GenerationParameters, Images, InpaintOptions, LoadOptions, SingleFileOptions,
     StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
     StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage,
     XlOptions,
@@ -35,14 +37,29 @@ struct Args {
     /// converted to grayscale and binarized at half intensity), keep the black part.
     #[arg(long)]
     mask: Option<PathBuf>,
+    /// With --mask: inpaint only the box around the mask's nonzero pixels, grown by N pixels
+    /// and to the output's aspect ratio, at the output size, then paste it back into the
+    /// image (diffusers' `padding_mask_crop`); the output keeps the input image's size.
+    #[arg(long, value_name = "N")]
+    padding_mask_crop: Option<usize>,
     /// How much to change the image, in (0, 1]: the fraction of the steps that are run.
     /// Default as diffusers: 0.8 (SD image to image), 1 (SD inpainting), 0.3 (SDXL image to
     /// image), 0.9999 (SDXL inpainting).
     #[arg(long)]
     strength: Option<f64>,
-    /// A diffusers-format model folder or a Hub id in the local Hub cache.
+    /// A diffusers-format model folder, a Hub id in the local Hub cache, or a single-file
+    /// checkpoint (`.safetensors` in the LDM / A1111 layout: SD 1.x/2.x, SDXL base, their
+    /// inpainting versions, the SDXL refiner).
     #[arg(long)]
     model: String,
+    /// For a single-file --model: a diffusers pipeline folder whose configs, scheduler and
+    /// tokenizers to use (diffusers' `config=`), as txt2img's --config.
+    #[arg(long, value_name = "DIR")]
+    config: Option<PathBuf>,
+    /// For a single-file --model: the folder with `tokenizer/` (SDXL also `tokenizer_2/`), or a
+    /// tokenizer folder itself (SD 1.x/2.x).
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
     #[arg(long)]
     variant: Option<String>,
     #[arg(long)]
@@ -100,6 +117,12 @@ fn run(args: Args) -> Result<()> {
             args.output.display()
         );
     }
+    if args.padding_mask_crop.is_some() && args.mask.is_none() {
+        bail!(
+            "--padding-mask-crop crops to the mask's region: it needs --mask (the part to \
+             repaint, white)"
+        );
+    }
     // Inputs are read and checked before the model is loaded.
     let image = load_image(&args.image)?;
     let mask = match &args.mask {
@@ -136,9 +159,38 @@ fn run(args: Args) -> Result<()> {
         scheduler: args.scheduler.clone(),
         ..Default::default()
     };
-    let dir = resolve_model(&args.model, args.variant.as_deref())
-        .with_context(|| format!("loading {}", args.model))?;
-    let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
+    let single_file = is_single_file(Path::new(&args.model)).then(|| SingleFileOptions {
+        load: options.clone(),
+        config: args.config.clone(),
+        tokenizer: args.tokenizer.clone(),
+        prediction_type: None,
+    });
+    let (dir, class) = match &single_file {
+        Some(_) => {
+            if args.variant.is_some() {
+                bail!(
+                    "--variant picks weight files in a diffusers folder; {} is one file",
+                    args.model
+                );
+            }
+            let path = PathBuf::from(&args.model);
+            let class = single_file_pipeline_class(&path)
+                .with_context(|| format!("loading {}", args.model))?;
+            (path, class.to_string())
+        }
+        None => {
+            if args.config.is_some() || args.tokenizer.is_some() {
+                bail!(
+                    "--config and --tokenizer apply to a single-file --model (a .safetensors \
+                     file)"
+                );
+            }
+            let dir = resolve_model(&args.model, args.variant.as_deref())
+                .with_context(|| format!("loading {}", args.model))?;
+            let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
+            (dir, class)
+        }
+    };
     let xl = SDXL_CLASSES.contains(&class.as_str());
     if !xl && !SD_CLASSES.contains(&class.as_str()) {
         bail!(
@@ -171,18 +223,28 @@ fn run(args: Args) -> Result<()> {
         ..Default::default()
     };
     let load = |e| anyhow::Error::new(e).context(format!("loading {}", args.model));
+    // A folder through `from_dir`, a single file through `from_single_file`.
+    macro_rules! load {
+        ($pipeline:ident) => {
+            match &single_file {
+                Some(sf) => $pipeline::<Oxi>::from_single_file(&dir, sf, &device),
+                None => $pipeline::<Oxi>::from_dir(&dir, &options, &device),
+            }
+            .map_err(load)?
+        };
+    }
     let mut generator = TorchCpuGenerator::new(args.seed);
     let edit = XlEditOptions {
         strength,
         aesthetic_score: args.aesthetic_score,
         negative_aesthetic_score: args.negative_aesthetic_score,
+        padding_mask_crop: args.padding_mask_crop,
         ..Default::default()
     };
     let no_callback = |_: oxidiff::pipelines::StepInfo<'_, Oxi>| {};
     let (output, sampler, pipeline, compiled) = match (xl, &mask) {
         (false, None) => {
-            let mut pipe = StableDiffusionImg2ImgPipeline::<Oxi>::from_dir(&dir, &options, &device)
-                .map_err(load)?;
+            let mut pipe = load!(StableDiffusionImg2ImgPipeline);
             if args.compile {
                 pipe.pipe.compile()?;
             }
@@ -196,16 +258,19 @@ fn run(args: Args) -> Result<()> {
             )
         }
         (false, Some(mask)) => {
-            let mut pipe = StableDiffusionInpaintPipeline::<Oxi>::from_dir(&dir, &options, &device)
-                .map_err(load)?;
+            let mut pipe = load!(StableDiffusionInpaintPipeline);
             if args.compile {
                 pipe.pipe.compile()?;
             }
-            let out = pipe.generate_with(
+            let inpaint = InpaintOptions {
+                strength,
+                padding_mask_crop: args.padding_mask_crop,
+            };
+            let out = pipe.generate_with_options(
                 &request,
                 &image,
                 mask,
-                strength,
+                &inpaint,
                 &mut generator,
                 no_callback,
             )?;
@@ -217,9 +282,7 @@ fn run(args: Args) -> Result<()> {
             )
         }
         (true, None) => {
-            let mut pipe =
-                StableDiffusionXLImg2ImgPipeline::<Oxi>::from_dir(&dir, &options, &device)
-                    .map_err(load)?;
+            let mut pipe = load!(StableDiffusionXLImg2ImgPipeline);
             if args.compile {
                 pipe.pipe.compile()?;
             }
@@ -239,9 +302,7 @@ fn run(args: Args) -> Result<()> {
             )
         }
         (true, Some(mask)) => {
-            let mut pipe =
-                StableDiffusionXLInpaintPipeline::<Oxi>::from_dir(&dir, &options, &device)
-                    .map_err(load)?;
+            let mut pipe = load!(StableDiffusionXLInpaintPipeline);
             if args.compile {
                 pipe.pipe.compile()?;
             }

@@ -81,7 +81,8 @@ struct Args {
     from_png: Option<PathBuf>,
     /// A diffusers-format model folder, a Hugging Face Hub id (`org/name[@revision]`) found in
     /// the local Hub cache or downloaded when online, or a single-file checkpoint
-    /// (`.safetensors` in the original LDM / A1111 layout: SD 1.x, 2.x, SDXL base).
+    /// (`.safetensors` in the original LDM / A1111 layout: SD 1.x, 2.x, SDXL base; inpainting
+    /// checkpoints and the SDXL refiner go to `img2img`).
     #[arg(long, default_value = DEFAULT_MODEL)]
     model: String,
     /// Whether `--model` was on the command line (else `--from-png` may name the model).
@@ -406,18 +407,19 @@ fn run(mut args: Args, progress: &Progress) -> Result<()> {
             args.model
         );
     }
-    if single_file.is_some() && options.dtype.is_some() {
-        bail!(
-            "--dtype {} is not supported for single-file checkpoints yet; use --dtype f32 or a \
-             diffusers folder",
-            args.dtype.name()
-        );
-    }
     let (dir, class, model) = match &single_file {
         Some(_) => {
             let path = PathBuf::from(&args.model);
             let class = single_file_pipeline_class(&path)
                 .with_context(|| format!("loading {}", args.model))?;
+            if class != "StableDiffusionPipeline" && class != SDXL_CLASS {
+                bail!(
+                    "{} is a checkpoint for {class} (an inpainting UNet or the SDXL refiner), \
+                     which edits images: use the img2img binary (--image, and --mask for \
+                     inpainting)",
+                    args.model
+                );
+            }
             (path, class.to_string(), args.model.clone())
         }
         None => {
