@@ -476,3 +476,134 @@ fn flux_kohya_single_block_linear1_splits_into_qkv_and_mlp() {
         }
     }
 }
+
+fn txt2img(args: &[String]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+        .args(args)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .expect("txt2img runs")
+}
+
+/// `txt2img --lora FILE:0.75` on `model` with the golden run's settings (`flags`, then the
+/// prompt): its PNG within 2 levels of diffusers' `png`, the LoRA recorded as A1111 does.
+fn check_cli(model: &str, flags: &[String], file: &str, png: &str, prompt: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let mut args: Vec<String> = vec!["--model".into(), model_dir(model).display().to_string()];
+    args.extend_from_slice(flags);
+    args.extend([
+        "--lora".into(),
+        format!("{}:0.75", lora(file).display()),
+        "--quiet".into(),
+        "-o".into(),
+        out.display().to_string(),
+        prompt.into(),
+    ]);
+    let result = txt2img(&args);
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(result.status.success(), "{stderr}");
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, png, 2);
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&out).unwrap();
+    let name = file.strip_suffix(".safetensors").unwrap();
+    assert_eq!(params.prompt, format!("{prompt} <lora:{name}:0.75>"));
+    assert!(
+        params
+            .extra
+            .iter()
+            .any(|(k, v)| k == "Lora hashes" && v.starts_with(&format!("{name}: "))),
+        "{:?}",
+        params.extra
+    );
+}
+
+fn run_flags(run: &serde_json::Value, flags: &[(&str, &str)]) -> Vec<String> {
+    flags
+        .iter()
+        .flat_map(|(flag, key)| {
+            [
+                flag.to_string(),
+                run[*key].to_string().trim_matches('"').to_string(),
+            ]
+        })
+        .collect()
+}
+
+#[test]
+fn txt2img_lora_on_sd3_matches_diffusers_png() {
+    let golden = Golden::load(GOLDEN);
+    let run = &golden.json["sd3.run"];
+    let tmp = tempfile::tempdir().unwrap();
+    let (values, shape) = Golden::load("tiny-sd3").host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    std::fs::write(&latents, oxidiff::latents::encode_npy(&values, &shape)).unwrap();
+    let mut flags = run_flags(
+        run,
+        &[
+            ("--steps", "num_inference_steps"),
+            ("--guidance", "guidance_scale"),
+            ("--negative-prompt", "negative_prompt"),
+            ("--max-sequence-length", "max_sequence_length"),
+            ("--width", "width"),
+            ("--height", "height"),
+        ],
+    );
+    flags.extend(["--latents".into(), latents.display().to_string()]);
+    check_cli(
+        "tiny-sd3",
+        &flags,
+        "tiny-sd3-peft.safetensors",
+        "tiny-dit-lora-sd3.png",
+        run["prompt"].as_str().unwrap(),
+    );
+}
+
+#[test]
+fn txt2img_lora_on_flux_matches_diffusers_png() {
+    let golden = Golden::load(GOLDEN);
+    let run = &golden.json["flux.run"];
+    let flags = run_flags(
+        run,
+        &[
+            ("--steps", "num_inference_steps"),
+            ("--seed", "seed"),
+            ("--width", "width"),
+            ("--height", "height"),
+            ("--max-sequence-length", "max_sequence_length"),
+        ],
+    );
+    check_cli(
+        "tiny-flux-dev",
+        &flags,
+        "tiny-flux-peft.safetensors",
+        "tiny-dit-lora-flux.png",
+        run["prompt"].as_str().unwrap(),
+    );
+}
+
+#[test]
+fn txt2img_lora_on_pixart_matches_peft_png() {
+    let golden = Golden::load(GOLDEN);
+    let run = &golden.json["pixart.run"];
+    let tmp = tempfile::tempdir().unwrap();
+    let (values, shape) = Golden::load("tiny-pixart-alpha").host("pipe.latents");
+    let latents = tmp.path().join("latents.npy");
+    std::fs::write(&latents, oxidiff::latents::encode_npy(&values, &shape)).unwrap();
+    let mut flags = run_flags(
+        run,
+        &[
+            ("--steps", "num_inference_steps"),
+            ("--width", "width"),
+            ("--height", "height"),
+        ],
+    );
+    flags.extend(["--latents".into(), latents.display().to_string()]);
+    check_cli(
+        "tiny-pixart-alpha",
+        &flags,
+        "tiny-pixart-peft.safetensors",
+        "tiny-dit-lora-pixart.png",
+        run["prompt"].as_str().unwrap(),
+    );
+}

@@ -18,6 +18,8 @@ Writes (tests/fixtures/lora/ and tests/fixtures/golden/):
   tiny-dit-lora.safetensors     reference tensors (transformer outputs, SD3 prompt embeddings)
   tiny-dit-lora.json            settings, versions, layer counts
   tiny-dit-lora-{flux,sd3,pixart}.png  the pipelines' images with the PEFT LoRA fused
+  tiny-sd1-lora-img2img.png     diffusers' StableDiffusionImg2ImgPipeline (make_img2img.py's
+                                run) with make_lora.py's tiny-sd1-kohya LoRA fused at 0.75
 
 The reference is what diffusers makes of each file: `pipe.load_lora_weights(path)` +
 `pipe.fuse_lora(lora_scale=s)` for Flux (with `components=["transformer", "text_encoder"]`:
@@ -364,6 +366,25 @@ def make_pixart(tensors, info):
     info["pixart.run"] = s
 
 
+def make_img2img():
+    """The img2img binary's --lora: make_img2img.py's run with tiny-sd1-kohya fused."""
+    import PIL.Image
+    from diffusers import StableDiffusionImg2ImgPipeline
+    from make_img2img import SETTINGS
+
+    pipe = StableDiffusionImg2ImgPipeline.from_pretrained(
+        os.path.join(FIXTURES, "tiny-sd1"), local_files_only=True, safety_checker=None)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(os.path.join(LORA, "tiny-sd1-kohya.safetensors"))
+    pipe.fuse_lora(lora_scale=SCALE)
+    image = PIL.Image.open(os.path.join(GOLDEN, "img2img-input.png")).convert("RGB")
+    s = SETTINGS
+    out = pipe(prompt=s["prompt"], negative_prompt=s["negative_prompt"], image=image,
+               strength=s["strength"], num_inference_steps=s["num_inference_steps"],
+               guidance_scale=s["guidance_scale"], generator=gen(s["seed"]), output_type="pil")
+    out.images[0].save(os.path.join(GOLDEN, "tiny-sd1-lora-img2img.png"))
+
+
 def main():
     os.makedirs(LORA, exist_ok=True)
     tensors, info = {}, {
@@ -377,6 +398,8 @@ def main():
     print("ok sd3")
     make_pixart(tensors, info)
     print("ok pixart")
+    make_img2img()
+    print("ok img2img")
     for k, v in tensors.items():
         tensors[k] = v.to(torch.float32).contiguous()
     save_canonical(os.path.join(GOLDEN, f"{NAME}.safetensors"), tensors)
