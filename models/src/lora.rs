@@ -1,4 +1,5 @@
-//! LoRA files (diffusers/PEFT and kohya/A1111 format), fused into a model's weights.
+//! LoRA files (diffusers/PEFT and kohya/A1111 format), fused into a model's weights: the
+//! UNet, the SD3/Flux/PixArt transformers and the CLIP text encoders.
 //!
 //! Where this sits: pipelines open a file with [`LoraFile::open`], resolve it against each of
 //! their models with [`plan`] (every key must name an existing layer of the right shape) and
@@ -18,7 +19,9 @@
 //! [`LoraTarget`] impl, how a Burn field path maps to that name, so a kohya key
 //! (`lora_unet_down_blocks_0_..._attn1_to_q`) is the same name with `_` for `.`; kohya's SDXL
 //! files, which use the original (SGM) UNet's block names, go through
-//! [`LoraTarget::kohya_alias`].
+//! [`LoraTarget::kohya_alias`]; kohya's Flux files, which use the original (BFL) Flux's
+//! names and fused projections (`double_blocks_0_img_attn_qkv`), through `kohya_alias` and
+//! [`LoraTarget::kohya_split`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -187,7 +190,8 @@ impl LoraFile {
         if !unknown.is_empty() {
             return Err(err(format!(
                 "{} key(s) are not LoRA weights oxidiff can fuse: {}. oxidiff reads diffusers/PEFT \
-                 LoRAs (`unet.<module>.lora_A.weight` / `lora_B.weight`) and kohya/A1111 LoRAs \
+                 LoRAs (`unet.<module>.lora_A.weight` / `lora_B.weight`, `transformer.<module>...`) \
+                 and kohya/A1111 LoRAs \
                  (`lora_unet_<module>.lora_down.weight` / `lora_up.weight` / `alpha`, also \
                  `lora_te_`, `lora_te1_`, `lora_te2_`); LoHa, LoKr, DoRA and LoRA biases are not \
                  supported",
@@ -1169,4 +1173,73 @@ pub fn fuse<B: Backend, M: LoraTarget<B>>(model: M, plan: &LoraPlan) -> (M, usiz
     let model = model.map(&mut fuser);
     let applied = fuser.applied;
     (model, applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn module(name: &str, d_out: usize) -> LoraModule {
+        LoraModule {
+            name: name.into(),
+            path: name.into(),
+            kind: LoraLayerKind::Linear { d_in: 2, d_out },
+        }
+    }
+
+    /// A rank-1 layer whose up column is `0, 1, 2, ...` (one value per output row).
+    fn layer(rows: usize) -> LoraLayer {
+        LoraLayer {
+            name: "x".into(),
+            key: "lora_unet_x".into(),
+            down: (vec![1.0, 1.0], vec![1, 2]),
+            up: ((0..rows).map(|i| i as f32).collect(), vec![rows, 1]),
+            scaling: 0.5,
+        }
+    }
+
+    #[test]
+    fn kohya_splits_take_their_rows_of_up_and_share_down() {
+        let modules = [module("q", 2), module("k", 2), module("mlp", 4)];
+        let find = |name: &str| modules.iter().find(|m| m.name == name);
+        let split = KohyaSplit::Concat(vec!["q".into(), "k".into(), "mlp".into()]);
+        let Ok(parts) = split_layer(&layer(8), &split, find) else {
+            panic!("8 rows split into 2 + 2 + 4");
+        };
+        let ups: Vec<(&str, Vec<f32>)> = parts
+            .iter()
+            .map(|(p, m)| (m.name.as_str(), p.up.0.clone()))
+            .collect();
+        assert_eq!(
+            ups,
+            vec![
+                ("q", vec![0.0, 1.0]),
+                ("k", vec![2.0, 3.0]),
+                ("mlp", vec![4.0, 5.0, 6.0, 7.0])
+            ]
+        );
+        assert!(parts
+            .iter()
+            .all(|(p, _)| p.down == layer(8).down && p.scaling == 0.5));
+        assert!(matches!(
+            split_layer(&layer(7), &split, find),
+            Err(SplitError::Rows(_))
+        ));
+        let missing = KohyaSplit::Concat(vec!["q".into(), "v".into()]);
+        assert!(matches!(
+            split_layer(&layer(4), &missing, find),
+            Err(SplitError::Absent(name)) if name == "v"
+        ));
+    }
+
+    #[test]
+    fn kohya_final_modulation_swaps_shift_and_scale() {
+        let modules = [module("norm_out_linear", 4)];
+        let find = |name: &str| modules.iter().find(|m| m.name == name);
+        let split = KohyaSplit::SwapHalves("norm_out_linear".into());
+        let Ok(parts) = split_layer(&layer(4), &split, find) else {
+            panic!("4 rows fit");
+        };
+        assert_eq!(parts[0].0.up, (vec![2.0, 3.0, 0.0, 1.0], vec![4, 1]));
+    }
 }
