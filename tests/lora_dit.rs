@@ -607,3 +607,57 @@ fn txt2img_lora_on_pixart_matches_peft_png() {
         run["prompt"].as_str().unwrap(),
     );
 }
+
+#[test]
+fn flux_lora_fused_on_xla_cpu_then_compiled_matches_diffusers_png() {
+    use oxidiff::pipelines::{FluxRequest, GenerateRequest};
+    use oxidiff::{Oxi, OxiDevice, ToDevice};
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let device: OxiDevice = "xla:cpu:0"
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));
+    let golden = Golden::load(GOLDEN);
+    let mut pipe = FluxPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-flux-dev"),
+        &LoadOptions::default(),
+        &OxiDevice::Cpu,
+    )
+    .unwrap()
+    .to(&device);
+    // fused where the weights live (on the XLA device), before compile()
+    pipe.load_lora(lora("tiny-flux-peft.safetensors"), scale(&golden))
+        .unwrap();
+    pipe.compile().unwrap();
+    let run = &golden.json["flux.run"];
+    let int = |k: &str| run[k].as_u64().unwrap() as usize;
+    let request = FluxRequest::<Oxi> {
+        common: GenerateRequest {
+            prompts: vec![run["prompt"].as_str().unwrap().into()],
+            num_inference_steps: int("num_inference_steps"),
+            guidance_scale: run["guidance_scale"].as_f64().unwrap(),
+            width: Some(int("width")),
+            height: Some(int("height")),
+            seed: run["seed"].as_u64().unwrap(),
+            ..Default::default()
+        },
+        max_sequence_length: int("max_sequence_length"),
+        ..Default::default()
+    };
+    let out = pipe.generate(&request).unwrap();
+    assert_eq!(pipe.compiles(), Some(1));
+    common::assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        "tiny-dit-lora-flux.png",
+        2,
+    );
+    let err = pipe
+        .load_lora(lora("tiny-flux-kohya.safetensors"), 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("before compile()") && err.contains("transformer"),
+        "{err}"
+    );
+}
