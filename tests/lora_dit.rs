@@ -661,3 +661,31 @@ fn flux_lora_fused_on_xla_cpu_then_compiled_matches_diffusers_png() {
         "{err}"
     );
 }
+
+#[test]
+fn flux_kohya_keys_over_diffusers_names_match_diffusers() {
+    // `lora_transformer_transformer_blocks_0_attn_to_q.lora_down.weight`, ... with alphas:
+    // attention layers of both block kinds and the embedders, norm_out and proj_out.
+    let golden = Golden::load(GOLDEN);
+    let mut pipe = flux();
+    let report = pipe
+        .load_lora(
+            lora("tiny-flux-kohya-transformer.safetensors"),
+            scale(&golden),
+        )
+        .unwrap();
+    assert_eq!(report.format, LoraFormat::Kohya);
+    assert_eq!(
+        report.layers,
+        vec![(
+            "transformer",
+            count(&golden, "flux-kohya-transformer.transformer_modules")
+        )]
+    );
+    assert_close(
+        &golden,
+        "flux-kohya-transformer.transformer.out",
+        flux_out(&pipe.transformer),
+        TOL,
+    );
+}

@@ -193,7 +193,7 @@ impl LoraFile {
                  LoRAs (`unet.<module>.lora_A.weight` / `lora_B.weight`, `transformer.<module>...`) \
                  and kohya/A1111 LoRAs \
                  (`lora_unet_<module>.lora_down.weight` / `lora_up.weight` / `alpha`, also \
-                 `lora_te_`, `lora_te1_`, `lora_te2_`); LoHa, LoKr, DoRA and LoRA biases are not \
+                 `lora_transformer_`, `lora_te_`, `lora_te1_`, `lora_te2_`); LoHa, LoKr, DoRA and LoRA biases are not \
                  supported",
                 unknown.len(),
                 list(&unknown)
@@ -335,8 +335,11 @@ enum Part {
 
 /// `(component, (key prefix, module name), part, is_kohya)` of a LoRA key, or `None`.
 fn classify(key: &str) -> Option<(LoraComponent, (&str, String), Part, bool)> {
-    const KOHYA: [(&str, LoraComponent); 4] = [
+    const KOHYA: [(&str, LoraComponent); 5] = [
         ("lora_unet_", LoraComponent::Unet),
+        // kohya-style keys over diffusers' transformer module names, a Flux layout diffusers
+        // reads in `_convert_mixture_state_dict_to_diffusers`
+        ("lora_transformer_", LoraComponent::Transformer),
         ("lora_te_", LoraComponent::TextEncoder),
         ("lora_te1_", LoraComponent::TextEncoder),
         ("lora_te2_", LoraComponent::TextEncoder2),

@@ -13,6 +13,9 @@ Writes (tests/fixtures/lora/ and tests/fixtures/golden/):
                                 img_attn_qkv` ...), written with the inverse of diffusers'
                                 `_convert_kohya_flux_lora_to_diffusers`; one qkv LoRA is
                                 block-sparse (rank 3r), the layout diffusers splits per projection
+  tiny-flux-kohya-transformer.safetensors  kohya-style keys over diffusers' module names
+                                (`lora_transformer_transformer_blocks_0_attn_to_q`, the layout
+                                diffusers reads in `_convert_mixture_state_dict_to_diffusers`)
   tiny-sd3-peft.safetensors     SD3 LoRA: transformer, text_encoder, text_encoder_2
   tiny-pixart-peft.safetensors  PixArt-alpha LoRA: transformer
   tiny-dit-lora.safetensors     reference tensors (transformer outputs, SD3 prompt embeddings)
@@ -226,7 +229,19 @@ def make_flux(tensors, info):
 
     base_out = call(base)
     factor = SCALE * ALPHA / RANK
-    for tag, path, want in (("flux-peft", peft_path, lora), ("flux-kohya", kohya_path, kohya_lora)):
+    # diffusers' "mixture" reader takes attention layers inside blocks and the top-level layers
+    mixture = {n: v for n, v in random_lora(linears(base.transformer), RANK, 303).items()
+               if ".attn." in n or not n.startswith(("transformer_blocks", "single_transformer_blocks"))}
+    mixture_path = os.path.join(LORA, "tiny-flux-kohya-transformer.safetensors")
+    tensors_m = {}
+    for name, (down, up) in mixture.items():
+        k = "lora_transformer_" + name.replace(".", "_")
+        tensors_m[k + ".lora_down.weight"] = down
+        tensors_m[k + ".lora_up.weight"] = up
+        tensors_m[k + ".alpha"] = torch.tensor(ALPHA)
+    save_canonical(mixture_path, tensors_m)
+    for tag, path, want in (("flux-peft", peft_path, lora), ("flux-kohya", kohya_path, kohya_lora),
+                            ("flux-kohya-transformer", mixture_path, mixture)):
         pipe = load()
         pipe.load_lora_weights(path)
         unfused = call(pipe, joint_attention_kwargs={"scale": SCALE})
