@@ -189,12 +189,12 @@ impl LoraFile {
         }
         if !unknown.is_empty() {
             return Err(err(format!(
-                "{} key(s) are not LoRA weights oxidiff can fuse: {}. oxidiff reads diffusers/PEFT \
-                 LoRAs (`unet.<module>.lora_A.weight` / `lora_B.weight`, `transformer.<module>...`) \
-                 and kohya/A1111 LoRAs \
+                "{} key(s) are not LoRA weights oxidiff can fuse: {}. oxidiff reads \
+                 diffusers/PEFT LoRAs (`unet.<module>.lora_A.weight` / `lora_B.weight`, \
+                 `transformer.<module>...`) and kohya/A1111 LoRAs \
                  (`lora_unet_<module>.lora_down.weight` / `lora_up.weight` / `alpha`, also \
-                 `lora_transformer_`, `lora_te_`, `lora_te1_`, `lora_te2_`); LoHa, LoKr, DoRA and LoRA biases are not \
-                 supported",
+                 `lora_transformer_`, `lora_te_`, `lora_te1_`, `lora_te2_`); LoHa, LoKr, DoRA \
+                 and LoRA biases are not supported",
                 unknown.len(),
                 list(&unknown)
             )));

@@ -1,6 +1,6 @@
 //! LoRAs on a pipeline: `pipe.load_lora(path, scale)` fuses a LoRA file into the denoiser
-//! (UNet or transformer) and the CLIP text encoders (see `oxidiff_models::lora` for the formats and why fused), and what the CLI
-//! records of it.
+//! (UNet or transformer) and the CLIP text encoders (see `oxidiff_models::lora` for the
+//! formats and why fused), and what the CLI records of it.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -58,7 +58,8 @@ pub struct LoraReport {
     pub name: String,
     pub scale: f32,
     pub format: LoraFormat,
-    /// Layers changed per component (`unet`, `text_encoder`, `text_encoder_2`).
+    /// Layers changed per component (`unet` or `transformer`, `text_encoder`,
+    /// `text_encoder_2`).
     pub layers: Vec<(&'static str, usize)>,
     /// A1111's short LoRA hash: the first 12 hex digits of the SHA-256 of the file's tensor
     /// data (everything after the header), as its `Lora hashes` field records it.
