@@ -256,3 +256,62 @@ fn compiled_inpainting_on_xla_cpu_matches_diffusers_png() {
     );
     assert!(!out.exists());
 }
+
+#[test]
+fn lora_flag_fuses_like_diffusers_and_is_recorded_in_the_png() {
+    // tools/golden/make_lora_dit.py: make_img2img.py's run (strength 0.75, PNDM) with
+    // make_lora.py's kohya LoRA fused at 0.75.
+    let lora = fixtures().join("lora/tiny-sd1-kohya.safetensors");
+    let spec = format!("{}:0.75", lora.display());
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.png");
+    let input = golden("img2img-input.png");
+    let model = model_dir("tiny-sd1");
+    let base = [
+        "--model",
+        model.to_str().unwrap(),
+        "--image",
+        input.to_str().unwrap(),
+        "--strength",
+        "0.75",
+        "--steps",
+        "4",
+        "--seed",
+        "42",
+        "--negative-prompt",
+        "blurry",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--lora", &spec, "-o", out.to_str().unwrap(), PROMPT]);
+    let result = img2img(&args);
+    assert!(result.status.success(), "{}", stderr(&result));
+    assert!(
+        stderr(&result).contains("fused LoRA"),
+        "{}",
+        stderr(&result)
+    );
+    let ours = image::open(&out).unwrap().to_rgb8();
+    common::assert_png_close(&ours, "tiny-sd1-lora-img2img.png", 2);
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&out).unwrap();
+    assert_eq!(
+        params.prompt,
+        format!("{PROMPT} <lora:tiny-sd1-kohya:0.75>")
+    );
+    assert!(params.extra.iter().any(|(k, _)| k == "Lora hashes"));
+
+    // an SD 1.x LoRA on SDXL is an error naming the file; nothing is written
+    let bad = tmp.path().join("bad.png");
+    let xl = model_dir("tiny-sdxl");
+    let mut args = base.to_vec();
+    args[1] = xl.to_str().unwrap();
+    args.extend(["--lora", &spec, "-o", bad.to_str().unwrap(), PROMPT]);
+    let result = img2img(&args);
+    assert!(!result.status.success());
+    assert!(
+        stderr(&result).contains("tiny-sd1-kohya.safetensors")
+            && stderr(&result).contains("do not match this model"),
+        "{}",
+        stderr(&result)
+    );
+    assert!(!bad.exists());
+}

@@ -1,4 +1,5 @@
-//! LoRA files (diffusers/PEFT and kohya/A1111 format), fused into a model's weights.
+//! LoRA files (diffusers/PEFT and kohya/A1111 format), fused into a model's weights: the
+//! UNet, the SD3/Flux/PixArt transformers and the CLIP text encoders.
 //!
 //! Where this sits: pipelines open a file with [`LoraFile::open`], resolve it against each of
 //! their models with [`plan`] (every key must name an existing layer of the right shape) and
@@ -18,7 +19,9 @@
 //! [`LoraTarget`] impl, how a Burn field path maps to that name, so a kohya key
 //! (`lora_unet_down_blocks_0_..._attn1_to_q`) is the same name with `_` for `.`; kohya's SDXL
 //! files, which use the original (SGM) UNet's block names, go through
-//! [`LoraTarget::kohya_alias`].
+//! [`LoraTarget::kohya_alias`]; kohya's Flux files, which use the original (BFL) Flux's
+//! names and fused projections (`double_blocks_0_img_attn_qkv`), through `kohya_alias` and
+//! [`LoraTarget::kohya_split`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -29,6 +32,9 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::clip::ClipTextModel;
 use crate::error::{ModelError, Result};
+use crate::pixart_transformer_2d::PixArtTransformer2DModel;
+use crate::transformer_flux::FluxTransformer2DModel;
+use crate::transformer_sd3::SD3Transformer2DModel;
 use crate::unet_2d_condition::UNet2DConditionModel;
 use crate::weights::Weights;
 
@@ -36,6 +42,9 @@ use crate::weights::Weights;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum LoraComponent {
     Unet,
+    /// The denoiser of SD3, Flux and PixArt (`transformer.`; kohya files call it `lora_unet_`
+    /// too, see [`LoraFile::kohya_denoiser`]).
+    Transformer,
     TextEncoder,
     /// SDXL's second text encoder (`text_encoder_2.`, kohya `lora_te2_`).
     TextEncoder2,
@@ -46,6 +55,7 @@ impl LoraComponent {
     pub fn name(self) -> &'static str {
         match self {
             Self::Unet => "unet",
+            Self::Transformer => "transformer",
             Self::TextEncoder => "text_encoder",
             Self::TextEncoder2 => "text_encoder_2",
         }
@@ -179,11 +189,12 @@ impl LoraFile {
         }
         if !unknown.is_empty() {
             return Err(err(format!(
-                "{} key(s) are not LoRA weights oxidiff can fuse: {}. oxidiff reads diffusers/PEFT \
-                 LoRAs (`unet.<module>.lora_A.weight` / `lora_B.weight`) and kohya/A1111 LoRAs \
+                "{} key(s) are not LoRA weights oxidiff can fuse: {}. oxidiff reads \
+                 diffusers/PEFT LoRAs (`unet.<module>.lora_A.weight` / `lora_B.weight`, \
+                 `transformer.<module>...`) and kohya/A1111 LoRAs \
                  (`lora_unet_<module>.lora_down.weight` / `lora_up.weight` / `alpha`, also \
-                 `lora_te_`, `lora_te1_`, `lora_te2_`); LoHa, LoKr, DoRA and LoRA biases are not \
-                 supported",
+                 `lora_transformer_`, `lora_te_`, `lora_te1_`, `lora_te2_`); LoHa, LoKr, DoRA \
+                 and LoRA biases are not supported",
                 unknown.len(),
                 list(&unknown)
             )));
@@ -271,6 +282,18 @@ impl LoraFile {
         })
     }
 
+    /// kohya files name every denoiser `lora_unet_`, a DiT's too: for a pipeline whose
+    /// denoiser is a transformer, this files a kohya file's UNet layers under
+    /// [`LoraComponent::Transformer`].
+    pub fn kohya_denoiser(mut self, denoiser: LoraComponent) -> Self {
+        if self.format == LoraFormat::Kohya && denoiser != LoraComponent::Unet {
+            if let Some(layers) = self.layers.remove(&LoraComponent::Unet) {
+                self.layers.entry(denoiser).or_default().extend(layers);
+            }
+        }
+        self
+    }
+
     /// The components this file has layers for.
     pub fn components(&self) -> Vec<LoraComponent> {
         self.layers.keys().copied().collect()
@@ -312,8 +335,11 @@ enum Part {
 
 /// `(component, (key prefix, module name), part, is_kohya)` of a LoRA key, or `None`.
 fn classify(key: &str) -> Option<(LoraComponent, (&str, String), Part, bool)> {
-    const KOHYA: [(&str, LoraComponent); 4] = [
+    const KOHYA: [(&str, LoraComponent); 5] = [
         ("lora_unet_", LoraComponent::Unet),
+        // kohya-style keys over diffusers' transformer module names, a Flux layout diffusers
+        // reads in `_convert_mixture_state_dict_to_diffusers`
+        ("lora_transformer_", LoraComponent::Transformer),
         ("lora_te_", LoraComponent::TextEncoder),
         ("lora_te1_", LoraComponent::TextEncoder),
         ("lora_te2_", LoraComponent::TextEncoder2),
@@ -330,8 +356,9 @@ fn classify(key: &str) -> Option<(LoraComponent, (&str, String), Part, bool)> {
             return (!name.is_empty()).then(|| (component, (prefix, name.to_string()), part, true));
         }
     }
-    const DIFFUSERS: [(&str, LoraComponent); 3] = [
+    const DIFFUSERS: [(&str, LoraComponent); 4] = [
         ("unet.", LoraComponent::Unet),
+        ("transformer.", LoraComponent::Transformer),
         ("text_encoder.", LoraComponent::TextEncoder),
         ("text_encoder_2.", LoraComponent::TextEncoder2),
     ];
@@ -398,6 +425,7 @@ fn adapter_configs(
     };
     for component in [
         LoraComponent::Unet,
+        LoraComponent::Transformer,
         LoraComponent::TextEncoder,
         LoraComponent::TextEncoder2,
     ] {
@@ -499,24 +527,122 @@ pub trait LoraTarget<B: Backend>: Module<B> {
     fn kohya_alias(&self, _name: &str) -> Option<String> {
         None
     }
+
+    /// A kohya layer that stands for several of this model's layers, or for one with its
+    /// output rows in another order (Flux's fused `img_attn_qkv` is diffusers' `to_q`,
+    /// `to_k`, `to_v`); `None` when `name` is no such layer.
+    fn kohya_split(&self, _name: &str) -> Option<KohyaSplit> {
+        None
+    }
+}
+
+/// How one kohya layer maps onto several layers of the model (kohya-style names).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KohyaSplit {
+    /// The layer's output is the targets' outputs one after another (a fused qkv): each
+    /// target takes its rows of the up matrix, all share the down matrix (a block-diagonal
+    /// up, the "sparse" layout, comes out the same).
+    Concat(Vec<String>),
+    /// One target whose output halves come in the other order (the original Flux's final
+    /// modulation is `shift, scale`, diffusers' `norm_out.linear` is `scale, shift`).
+    SwapHalves(String),
+}
+
+enum SplitError {
+    Absent(String),
+    Rows(String),
+}
+
+/// The per-target pairs of a kohya layer that [`KohyaSplit`] maps onto several layers.
+fn split_layer<'m>(
+    layer: &LoraLayer,
+    split: &KohyaSplit,
+    find: impl Fn(&str) -> Option<&'m LoraModule>,
+) -> std::result::Result<Vec<(LoraLayer, &'m LoraModule)>, SplitError> {
+    let names: Vec<&String> = match split {
+        KohyaSplit::Concat(names) => names.iter().collect(),
+        KohyaSplit::SwapHalves(name) => vec![name],
+    };
+    let modules = names
+        .iter()
+        .map(|name| find(name).ok_or_else(|| SplitError::Absent(name.to_string())))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let (rows, rank) = (layer.up.1[0], layer.rank());
+    let outs: Vec<usize> = modules.iter().map(|m| m.kind.out()).collect();
+    let described = || {
+        modules
+            .iter()
+            .map(|m| format!("{} {:?}", m.name, m.kind.torch_shape()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if outs.iter().sum::<usize>() != rows
+        || (matches!(split, KohyaSplit::SwapHalves(_)) && !rows.is_multiple_of(2))
+    {
+        return Err(SplitError::Rows(described()));
+    }
+    // `(start, end)` row ranges of `up`, in order
+    let take = |ranges: &[(usize, usize)]| -> (Vec<f32>, Vec<usize>) {
+        let mut values = Vec::new();
+        let mut n = 0;
+        for &(start, end) in ranges {
+            values.extend_from_slice(&layer.up.0[start * rank..end * rank]);
+            n += end - start;
+        }
+        let mut shape = layer.up.1.clone();
+        shape[0] = n;
+        (values, shape)
+    };
+    let part = |up, module: &LoraModule| LoraLayer {
+        name: module.name.clone(),
+        key: format!("{} ({})", layer.key, module.name),
+        down: layer.down.clone(),
+        up,
+        scaling: layer.scaling,
+    };
+    Ok(match split {
+        KohyaSplit::Concat(_) => {
+            let mut start = 0;
+            modules
+                .into_iter()
+                .zip(outs)
+                .map(|(module, out)| {
+                    let up = take(&[(start, start + out)]);
+                    start += out;
+                    (part(up, module), module)
+                })
+                .collect()
+        }
+        KohyaSplit::SwapHalves(_) => {
+            let up = take(&[(rows / 2, rows), (0, rows / 2)]);
+            vec![(part(up, modules[0]), modules[0])]
+        }
+    })
+}
+
+/// The diffusers module name of a Burn field path in oxidiff's diffusers models: field names
+/// equal checkpoint keys except `to_out` (`to_out.0`) and a feed-forward's `proj_in` /
+/// `proj_out` (`net.0.proj` / `net.2`, also in Flux's and SD3's `ff_context`); PixArt's
+/// optional size embedders sit in a `sizes` field that the checkpoint has no level for.
+fn diffusers_module(path: &str) -> String {
+    let segments: Vec<&str> = path.split('.').collect();
+    let mut out = Vec::with_capacity(segments.len() + 2);
+    for (i, segment) in segments.iter().enumerate() {
+        let parent = i.checked_sub(1).map(|j| segments[j]);
+        match (parent, *segment) {
+            (_, "to_out") => out.extend(["to_out", "0"]),
+            (Some("ff" | "ff_context"), "proj_in") => out.extend(["net", "0", "proj"]),
+            (Some("ff" | "ff_context"), "proj_out") => out.extend(["net", "2"]),
+            (Some("emb"), "sizes") => {}
+            _ => out.push(segment),
+        }
+    }
+    out.join(".")
 }
 
 impl<B: Backend> LoraTarget<B> for UNet2DConditionModel<B> {
-    /// Field names equal checkpoint keys except `to_out` (`to_out.0`) and the feed-forward's
-    /// `proj_in` / `proj_out` (`ff.net.0.proj` / `ff.net.2`).
     fn checkpoint_module(path: &str) -> String {
-        let segments: Vec<&str> = path.split('.').collect();
-        let mut out = Vec::with_capacity(segments.len() + 2);
-        for (i, segment) in segments.iter().enumerate() {
-            let parent = i.checked_sub(1).map(|j| segments[j]);
-            match (parent, *segment) {
-                (_, "to_out") => out.extend(["to_out", "0"]),
-                (Some("ff"), "proj_in") => out.extend(["net", "0", "proj"]),
-                (Some("ff"), "proj_out") => out.extend(["net", "2"]),
-                _ => out.push(segment),
-            }
-        }
-        out.join(".")
+        diffusers_module(path)
     }
 
     /// kohya's SDXL LoRAs name UNet layers as the original (SGM/LDM) UNet does:
@@ -585,6 +711,119 @@ impl<B: Backend> LoraTarget<B> for UNet2DConditionModel<B> {
                 (2, "conv") => Some(format!("up_blocks_{block}_upsamplers_0_conv")),
                 _ => None,
             };
+        }
+        None
+    }
+}
+
+impl<B: Backend> LoraTarget<B> for SD3Transformer2DModel<B> {
+    fn checkpoint_module(path: &str) -> String {
+        diffusers_module(path)
+    }
+}
+
+impl<B: Backend> LoraTarget<B> for PixArtTransformer2DModel<B> {
+    fn checkpoint_module(path: &str) -> String {
+        diffusers_module(path)
+    }
+}
+
+impl<B: Backend> LoraTarget<B> for FluxTransformer2DModel<B> {
+    fn checkpoint_module(path: &str) -> String {
+        diffusers_module(path)
+    }
+
+    /// kohya/sd-scripts Flux LoRAs name layers as the original (BFL) Flux model does; this
+    /// maps them as diffusers' `_convert_kohya_flux_lora_to_diffusers` does
+    /// (`double_blocks_0_img_attn_proj` is `transformer_blocks.0.attn.to_out.0`, ...).
+    fn kohya_alias(&self, name: &str) -> Option<String> {
+        let fixed = [
+            ("img_in", "x_embedder"),
+            ("txt_in", "context_embedder"),
+            (
+                "time_in_in_layer",
+                "time_text_embed_timestep_embedder_linear_1",
+            ),
+            (
+                "time_in_out_layer",
+                "time_text_embed_timestep_embedder_linear_2",
+            ),
+            (
+                "vector_in_in_layer",
+                "time_text_embed_text_embedder_linear_1",
+            ),
+            (
+                "vector_in_out_layer",
+                "time_text_embed_text_embedder_linear_2",
+            ),
+            (
+                "guidance_in_in_layer",
+                "time_text_embed_guidance_embedder_linear_1",
+            ),
+            (
+                "guidance_in_out_layer",
+                "time_text_embed_guidance_embedder_linear_2",
+            ),
+            ("final_layer_linear", "proj_out"),
+        ];
+        if let Some((_, ours)) = fixed.iter().find(|(bfl, _)| *bfl == name) {
+            return Some(ours.to_string());
+        }
+        if let Some(rest) = name.strip_prefix("double_blocks_") {
+            let (i, rest) = leading_number(rest)?;
+            let block = format!("transformer_blocks_{i}");
+            let layer = match rest {
+                "img_attn_proj" => "attn_to_out_0",
+                "img_mlp_0" => "ff_net_0_proj",
+                "img_mlp_2" => "ff_net_2",
+                "img_mod_lin" => "norm1_linear",
+                "txt_attn_proj" => "attn_to_add_out",
+                "txt_mlp_0" => "ff_context_net_0_proj",
+                "txt_mlp_2" => "ff_context_net_2",
+                "txt_mod_lin" => "norm1_context_linear",
+                _ => return None,
+            };
+            return Some(format!("{block}_{layer}"));
+        }
+        if let Some(rest) = name.strip_prefix("single_blocks_") {
+            let (i, rest) = leading_number(rest)?;
+            let layer = match rest {
+                "linear2" => "proj_out",
+                "modulation_lin" => "norm_linear",
+                _ => return None,
+            };
+            return Some(format!("single_transformer_blocks_{i}_{layer}"));
+        }
+        None
+    }
+
+    /// The fused projections of the original Flux: a double block's `img_attn_qkv` /
+    /// `txt_attn_qkv`, a single block's `linear1` (q, k, v and the MLP's input), and the
+    /// final modulation with its halves swapped (diffusers' `swap_scale_shift`).
+    fn kohya_split(&self, name: &str) -> Option<KohyaSplit> {
+        if name == "final_layer_adaLN_modulation_1" {
+            return Some(KohyaSplit::SwapHalves("norm_out_linear".into()));
+        }
+        let concat = |block: String, layers: &[&str]| {
+            Some(KohyaSplit::Concat(
+                layers.iter().map(|l| format!("{block}_{l}")).collect(),
+            ))
+        };
+        if let Some(rest) = name.strip_prefix("double_blocks_") {
+            let (i, rest) = leading_number(rest)?;
+            let block = format!("transformer_blocks_{i}_attn");
+            return match rest {
+                "img_attn_qkv" => concat(block, &["to_q", "to_k", "to_v"]),
+                "txt_attn_qkv" => concat(block, &["add_q_proj", "add_k_proj", "add_v_proj"]),
+                _ => None,
+            };
+        }
+        if let Some(rest) = name.strip_prefix("single_blocks_") {
+            let (i, rest) = leading_number(rest)?;
+            let block = format!("single_transformer_blocks_{i}");
+            return (rest == "linear1")
+                .then(|| concat(block, &["attn_to_q", "attn_to_k", "attn_to_v", "proj_mlp"]))
+                .flatten();
         }
         None
     }
@@ -796,11 +1035,35 @@ pub fn plan<B: Backend, M: LoraTarget<B>>(
     };
     let mut deltas = HashMap::new();
     let (mut misfits, mut absent) = (Vec::new(), Vec::new());
+    let mut resolved: Vec<(std::borrow::Cow<LoraLayer>, &LoraModule)> = Vec::new();
     for layer in layers {
-        let Some(module) = find(&layer.name) else {
+        if let Some(module) = find(&layer.name) {
+            resolved.push((std::borrow::Cow::Borrowed(layer), module));
+            continue;
+        }
+        let split = (file.format == LoraFormat::Kohya)
+            .then(|| model.kohya_split(&layer.name))
+            .flatten();
+        let Some(split) = split else {
             absent.push(format!("`{}`", layer.key));
             continue;
         };
+        match split_layer(layer, &split, |name| by_name.get(name).copied()) {
+            Ok(parts) => resolved.extend(
+                parts
+                    .into_iter()
+                    .map(|(part, module)| (std::borrow::Cow::Owned(part), module)),
+            ),
+            Err(SplitError::Absent(name)) => {
+                absent.push(format!("`{}` (its part `{name}`)", layer.key))
+            }
+            Err(SplitError::Rows(targets)) => misfits.push(format!(
+                "`{}` (up {:?}) against `{}` together",
+                layer.key, layer.up.1, targets
+            )),
+        }
+    }
+    for (layer, module) in resolved {
         let (kind, rank) = (module.kind, layer.rank());
         // Checked: a hostile header may pair a zero dimension with huge ones.
         let down_fan_in = layer.down.1[1..]
@@ -913,4 +1176,73 @@ pub fn fuse<B: Backend, M: LoraTarget<B>>(model: M, plan: &LoraPlan) -> (M, usiz
     let model = model.map(&mut fuser);
     let applied = fuser.applied;
     (model, applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn module(name: &str, d_out: usize) -> LoraModule {
+        LoraModule {
+            name: name.into(),
+            path: name.into(),
+            kind: LoraLayerKind::Linear { d_in: 2, d_out },
+        }
+    }
+
+    /// A rank-1 layer whose up column is `0, 1, 2, ...` (one value per output row).
+    fn layer(rows: usize) -> LoraLayer {
+        LoraLayer {
+            name: "x".into(),
+            key: "lora_unet_x".into(),
+            down: (vec![1.0, 1.0], vec![1, 2]),
+            up: ((0..rows).map(|i| i as f32).collect(), vec![rows, 1]),
+            scaling: 0.5,
+        }
+    }
+
+    #[test]
+    fn kohya_splits_take_their_rows_of_up_and_share_down() {
+        let modules = [module("q", 2), module("k", 2), module("mlp", 4)];
+        let find = |name: &str| modules.iter().find(|m| m.name == name);
+        let split = KohyaSplit::Concat(vec!["q".into(), "k".into(), "mlp".into()]);
+        let Ok(parts) = split_layer(&layer(8), &split, find) else {
+            panic!("8 rows split into 2 + 2 + 4");
+        };
+        let ups: Vec<(&str, Vec<f32>)> = parts
+            .iter()
+            .map(|(p, m)| (m.name.as_str(), p.up.0.clone()))
+            .collect();
+        assert_eq!(
+            ups,
+            vec![
+                ("q", vec![0.0, 1.0]),
+                ("k", vec![2.0, 3.0]),
+                ("mlp", vec![4.0, 5.0, 6.0, 7.0])
+            ]
+        );
+        assert!(parts
+            .iter()
+            .all(|(p, _)| p.down == layer(8).down && p.scaling == 0.5));
+        assert!(matches!(
+            split_layer(&layer(7), &split, find),
+            Err(SplitError::Rows(_))
+        ));
+        let missing = KohyaSplit::Concat(vec!["q".into(), "v".into()]);
+        assert!(matches!(
+            split_layer(&layer(4), &missing, find),
+            Err(SplitError::Absent(name)) if name == "v"
+        ));
+    }
+
+    #[test]
+    fn kohya_final_modulation_swaps_shift_and_scale() {
+        let modules = [module("norm_out_linear", 4)];
+        let find = |name: &str| modules.iter().find(|m| m.name == name);
+        let split = KohyaSplit::SwapHalves("norm_out_linear".into());
+        let Ok(parts) = split_layer(&layer(4), &split, find) else {
+            panic!("4 rows fit");
+        };
+        assert_eq!(parts[0].0.up, (vec![2.0, 3.0, 0.0, 1.0], vec![4, 1]));
+    }
 }

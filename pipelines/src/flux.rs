@@ -202,6 +202,32 @@ impl<B: Backend> FluxPipeline<B> {
         Self::from_dir(&dir, options, device)
     }
 
+    /// Fuses a LoRA file into the transformer and the CLIP text encoder at `scale`, as
+    /// diffusers' `load_lora_weights(path)` + `fuse_lora(lora_scale=scale,
+    /// components=["transformer", "text_encoder"])`: `W += scale * alpha / rank * up @ down`.
+    /// Reads diffusers/PEFT files (`transformer.<module>.lora_A.weight`, `text_encoder.…`) and
+    /// kohya/sd-scripts Flux files (`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`,
+    /// `lora_te1_…`), whose fused projections are split as diffusers splits them. Call it once
+    /// per LoRA, before [`compile`](FluxPipeline::compile); keys that fit no layer are an error
+    /// naming them, and the pipeline is left unchanged.
+    pub fn load_lora(
+        &mut self,
+        path: impl AsRef<Path>,
+        scale: f32,
+    ) -> Result<crate::lora::LoraReport> {
+        crate::lora::fuse_into(
+            path.as_ref(),
+            scale,
+            crate::lora::Denoiser::transformer(&mut self.transformer),
+            &mut [(
+                oxidiff_models::lora::LoraComponent::TextEncoder,
+                &mut self.text_encoder,
+            )],
+            "Flux pipeline",
+            self.compiled.is_some(),
+        )
+    }
+
     /// Loads a diffusers-format `FluxPipeline` folder. Every component is required, as in
     /// diffusers (only the IP-Adapter image encoder is optional there, and unsupported here).
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {

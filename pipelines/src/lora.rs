@@ -1,14 +1,14 @@
-//! LoRAs on a pipeline: `pipe.load_lora(path, scale)` fuses a LoRA file into the UNet and the
-//! text encoders (see `oxidiff_models::lora` for the formats and why fused), and what the CLI
-//! records of it.
+//! LoRAs on a pipeline: `pipe.load_lora(path, scale)` fuses a LoRA file into the denoiser
+//! (UNet or transformer) and the CLIP text encoders (see `oxidiff_models::lora` for the
+//! formats and why fused), and what the CLI records of it.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use burn::tensor::backend::Backend;
-use oxidiff_models::lora::{self, LoraComponent, LoraFile, LoraFormat};
-use oxidiff_models::{ClipTextModel, ModelError, UNet2DConditionModel};
+use oxidiff_models::lora::{self, LoraComponent, LoraFile, LoraFormat, LoraTarget};
+use oxidiff_models::{ClipTextModel, ModelError};
 use sha2::{Digest, Sha256};
 
 use crate::error::{PipelineError, Result};
@@ -58,7 +58,8 @@ pub struct LoraReport {
     pub name: String,
     pub scale: f32,
     pub format: LoraFormat,
-    /// Layers changed per component (`unet`, `text_encoder`, `text_encoder_2`).
+    /// Layers changed per component (`unet` or `transformer`, `text_encoder`,
+    /// `text_encoder_2`).
     pub layers: Vec<(&'static str, usize)>,
     /// A1111's short LoRA hash: the first 12 hex digits of the SHA-256 of the file's tensor
     /// data (everything after the header), as its `Lora hashes` field records it.
@@ -147,20 +148,45 @@ fn short_hash(path: &Path) -> Result<String> {
     Ok(digest.iter().take(6).map(|b| format!("{b:02x}")).collect())
 }
 
-/// Fuses the LoRA at `path` into `unet` and `encoders`: the whole file is checked against
-/// every model before any weight changes, so an error leaves the pipeline as it was.
-pub(crate) fn fuse_into<B: Backend>(
+/// The model a pipeline denoises with, as a LoRA names it: the UNet (`unet.`) or a DiT
+/// (`transformer.`; kohya files call both `lora_unet_`).
+pub(crate) struct Denoiser<'a, M> {
+    pub model: &'a mut M,
+    pub component: LoraComponent,
+}
+
+impl<'a, M> Denoiser<'a, M> {
+    pub fn unet(model: &'a mut M) -> Self {
+        Self {
+            model,
+            component: LoraComponent::Unet,
+        }
+    }
+
+    pub fn transformer(model: &'a mut M) -> Self {
+        Self {
+            model,
+            component: LoraComponent::Transformer,
+        }
+    }
+}
+
+/// Fuses the LoRA at `path` into the denoiser and `encoders`: the whole file is checked
+/// against every model before any weight changes, so an error leaves the pipeline as it was.
+pub(crate) fn fuse_into<B: Backend, M: LoraTarget<B> + Clone>(
     path: &Path,
     scale: f32,
-    unet: &mut UNet2DConditionModel<B>,
+    denoiser: Denoiser<'_, M>,
     encoders: &mut [(LoraComponent, &mut ClipTextModel<B>)],
     pipeline: &str,
     compiled: bool,
 ) -> Result<LoraReport> {
+    let component = denoiser.component;
     if compiled {
         return Err(PipelineError::InvalidInput(format!(
-            "load LoRAs before compile(): the compiled step of this {pipeline} holds the UNet's \
-             current weights, so a LoRA fused now would not reach it"
+            "load LoRAs before compile(): the compiled step of this {pipeline} holds the {}'s \
+             current weights, so a LoRA fused now would not reach it",
+            component.name()
         )));
     }
     if !scale.is_finite() {
@@ -169,21 +195,21 @@ pub(crate) fn fuse_into<B: Backend>(
             path.display()
         )));
     }
-    let file = LoraFile::open(path)?;
-    let mut available = vec![LoraComponent::Unet];
+    let file = LoraFile::open(path)?.kohya_denoiser(component);
+    let mut available = vec![component];
     available.extend(encoders.iter().map(|(c, _)| *c));
     file.expect_components(&available, pipeline)?;
-    let unet_plan = lora::plan(unet, &file, LoraComponent::Unet, scale)?;
+    let denoiser_plan = lora::plan(&*denoiser.model, &file, component, scale)?;
     let encoder_plans = encoders
         .iter()
         .map(|(component, encoder)| lora::plan(&**encoder, &file, *component, scale))
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let short_hash = short_hash(path)?;
     let mut layers = Vec::new();
-    let (fused, n) = lora::fuse(unet.clone(), &unet_plan);
-    *unet = fused;
+    let (fused, n) = lora::fuse(denoiser.model.clone(), &denoiser_plan);
+    *denoiser.model = fused;
     if n > 0 {
-        layers.push((LoraComponent::Unet.name(), n));
+        layers.push((component.name(), n));
     }
     for ((component, encoder), plan) in encoders.iter_mut().zip(&encoder_plans) {
         let (fused, n) = lora::fuse((**encoder).clone(), plan);

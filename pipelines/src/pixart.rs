@@ -164,6 +164,26 @@ impl<B: Backend> PixArtPipeline<B> {
         Self::from_dir(&dir, options, device)
     }
 
+    /// Fuses a diffusers/PEFT LoRA file (`transformer.<module>.lora_A.weight` /
+    /// `lora_B.weight`) into the transformer at `scale`: `W += scale * alpha / rank * up @
+    /// down`, what peft computes for it (diffusers has no LoRA loader for PixArt; T5 takes
+    /// none). Call it once per LoRA, before [`compile`](PixArtPipeline::compile); keys that fit
+    /// no layer are an error naming them, and the pipeline is left unchanged.
+    pub fn load_lora(
+        &mut self,
+        path: impl AsRef<Path>,
+        scale: f32,
+    ) -> Result<crate::lora::LoraReport> {
+        crate::lora::fuse_into(
+            path.as_ref(),
+            scale,
+            crate::lora::Denoiser::transformer(&mut self.transformer),
+            &mut [],
+            "PixArt pipeline",
+            self.compiled.is_some(),
+        )
+    }
+
     /// Loads a diffusers-format `PixArtAlphaPipeline` or `PixArtSigmaPipeline` folder.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let class = check_pipeline_class(dir, &PIXART_CLASSES)?;

@@ -300,7 +300,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         crate::lora::fuse_into(
             path.as_ref(),
             scale,
-            &mut self.unet,
+            crate::lora::Denoiser::unet(&mut self.unet),
             &mut [(
                 oxidiff_models::lora::LoraComponent::TextEncoder,
                 &mut self.text_encoder,

@@ -152,6 +152,32 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         Self::from_dir(&dir, options, device)
     }
 
+    /// Fuses a LoRA file (diffusers/PEFT: `transformer.<module>.lora_A.weight`,
+    /// `text_encoder.…`, `text_encoder_2.…`) into the transformer and the two CLIP text
+    /// encoders at `scale`, as diffusers' `load_lora_weights(path)` +
+    /// `fuse_lora(lora_scale=scale)`: `W += scale * alpha / rank * up @ down` (T5 takes no
+    /// LoRA, as in diffusers). Call it once per LoRA, before
+    /// [`compile`](StableDiffusion3Pipeline::compile); keys that fit no layer are an error
+    /// naming them, and the pipeline is left unchanged.
+    pub fn load_lora(
+        &mut self,
+        path: impl AsRef<Path>,
+        scale: f32,
+    ) -> Result<crate::lora::LoraReport> {
+        use oxidiff_models::lora::LoraComponent;
+        crate::lora::fuse_into(
+            path.as_ref(),
+            scale,
+            crate::lora::Denoiser::transformer(&mut self.transformer),
+            &mut [
+                (LoraComponent::TextEncoder, &mut self.text_encoder),
+                (LoraComponent::TextEncoder2, &mut self.text_encoder_2),
+            ],
+            "SD3 pipeline",
+            self.compiled.is_some(),
+        )
+    }
+
     /// Loads a diffusers-format `StableDiffusion3Pipeline` folder. `text_encoder_3` and
     /// `tokenizer_3` may be `[null, null]` in `model_index.json` (diffusers'
     /// `text_encoder_3=None`); every other component is required.

@@ -340,7 +340,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             Some(text_encoder) => crate::lora::fuse_into(
                 path.as_ref(),
                 scale,
-                &mut self.unet,
+                crate::lora::Denoiser::unet(&mut self.unet),
                 &mut [
                     (LoraComponent::TextEncoder, text_encoder),
                     (LoraComponent::TextEncoder2, &mut self.text_encoder_2),
@@ -351,7 +351,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             None => crate::lora::fuse_into(
                 path.as_ref(),
                 scale,
-                &mut self.unet,
+                crate::lora::Denoiser::unet(&mut self.unet),
                 &mut [(LoraComponent::TextEncoder2, &mut self.text_encoder_2)],
                 "SDXL pipeline without a first text encoder (a refiner with only \
                  text_encoder_2)",

@@ -9,12 +9,13 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use oxidiff::pipelines::image::{load_image, load_mask};
+use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags};
 use oxidiff::pipelines::stable_diffusion::SUPPORTED_CLASSES as SD_CLASSES;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
 use oxidiff::pipelines::{
     is_single_file, pipeline_class, resolve_model, single_file_pipeline_class, GenerateRequest,
-    GenerationParameters, Images, InpaintOptions, LoadOptions, SingleFileOptions,
-    StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
+    GenerationParameters, Images, InpaintOptions, LoadOptions, LoraReport, LoraSpec,
+    SingleFileOptions, StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
     StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage,
     XlOptions,
 };
@@ -97,6 +98,36 @@ struct Args {
     /// 9-channel inpainting UNets, the mask channels) is one XLA program.
     #[arg(long)]
     compile: bool,
+    /// A LoRA to fuse into the UNet and text encoders, diffusers/PEFT or kohya/A1111 format,
+    /// at SCALE (default 1); repeat for several. Recorded in the PNG as txt2img records it
+    /// (`<lora:NAME:SCALE>` after the prompt, a `Lora hashes` field).
+    #[arg(long, value_name = "FILE[:SCALE]")]
+    lora: Vec<LoraSpec>,
+}
+
+/// Fuses each `--lora` with `load` (the pipeline's `load_lora`), before any compile.
+fn fuse_loras(
+    specs: &[LoraSpec],
+    mut load: impl FnMut(&Path, f32) -> oxidiff::pipelines::Result<LoraReport>,
+) -> Result<Vec<LoraReport>> {
+    let mut reports = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let report = load(&spec.path, spec.scale)
+            .with_context(|| format!("--lora {}", spec.path.display()))?;
+        let layers: Vec<String> = report
+            .layers
+            .iter()
+            .map(|(component, n)| format!("{n} {component} layers"))
+            .collect();
+        eprintln!(
+            "fused LoRA {} at scale {} ({})",
+            report.path.display(),
+            report.scale,
+            layers.join(", ")
+        );
+        reports.push(report);
+    }
+    Ok(reports)
 }
 
 fn main() -> ExitCode {
@@ -242,9 +273,11 @@ fn run(args: Args) -> Result<()> {
         ..Default::default()
     };
     let no_callback = |_: oxidiff::pipelines::StepInfo<'_, Oxi>| {};
+    let loras: Vec<LoraReport>;
     let (output, sampler, pipeline, compiled) = match (xl, &mask) {
         (false, None) => {
             let mut pipe = load!(StableDiffusionImg2ImgPipeline);
+            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
             if args.compile {
                 pipe.pipe.compile()?;
             }
@@ -259,6 +292,7 @@ fn run(args: Args) -> Result<()> {
         }
         (false, Some(mask)) => {
             let mut pipe = load!(StableDiffusionInpaintPipeline);
+            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
             if args.compile {
                 pipe.pipe.compile()?;
             }
@@ -283,6 +317,7 @@ fn run(args: Args) -> Result<()> {
         }
         (true, None) => {
             let mut pipe = load!(StableDiffusionXLImg2ImgPipeline);
+            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
             if args.compile {
                 pipe.pipe.compile()?;
             }
@@ -303,6 +338,7 @@ fn run(args: Args) -> Result<()> {
         }
         (true, Some(mask)) => {
             let mut pipe = load!(StableDiffusionXLInpaintPipeline);
+            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
             if args.compile {
                 pipe.pipe.compile()?;
             }
@@ -324,8 +360,16 @@ fn run(args: Args) -> Result<()> {
         }
     };
     let images: Images = output.images.context("the pipeline returned no images")?;
+    let mut extra = vec![("Denoising strength".into(), strength.to_string())];
+    if !loras.is_empty() {
+        extra.push(("Lora hashes".to_string(), hashes_field(&loras)));
+    }
+    extra.push((
+        "Version".into(),
+        format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
+    ));
     let parameters = GenerationParameters {
-        prompt: args.prompt.clone(),
+        prompt: prompt_with_tags(&args.prompt, &loras),
         negative_prompt,
         steps: args.steps,
         sampler: args
@@ -337,13 +381,7 @@ fn run(args: Args) -> Result<()> {
         width: images.width,
         height: images.height,
         model: args.model.clone(),
-        extra: vec![
-            ("Denoising strength".into(), strength.to_string()),
-            (
-                "Version".into(),
-                format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-            ),
-        ],
+        extra,
     };
     images.save_png_with_parameters(0, &args.output, Some(&parameters))?;
     let mode = match compiled {

@@ -201,9 +201,10 @@ struct Args {
     /// Hub revision (branch, tag or commit) of a Hub --model; the same as `org/name@REV`.
     #[arg(long, value_name = "REV")]
     revision: Option<String>,
-    /// A LoRA to fuse into the UNet and text encoders (SD 1.x/2.x, SDXL), diffusers/PEFT or
-    /// kohya/A1111 format, at SCALE (default 1); repeat for several. Recorded in the PNG as
-    /// A1111 does: `<lora:NAME:SCALE>` after the prompt and a `Lora hashes` field.
+    /// A LoRA to fuse into the UNet or transformer and the CLIP text encoders (SD 1.x/2.x,
+    /// SDXL, SD3, Flux, PixArt), diffusers/PEFT or kohya/A1111 format (kohya: SD, SDXL and
+    /// Flux), at SCALE (default 1); repeat for several. Recorded in the PNG as A1111 does:
+    /// `<lora:NAME:SCALE>` after the prompt and a `Lora hashes` field.
     #[arg(long, value_name = "FILE[:SCALE]")]
     lora: Vec<LoraSpec>,
 }
@@ -849,15 +850,16 @@ impl Pipeline {
         })
     }
 
-    /// Fuses a LoRA into the UNet and text encoders (SD and SDXL).
+    /// Fuses a LoRA into the denoiser (UNet or transformer) and the CLIP text encoders.
     fn load_lora(&mut self, spec: &LoraSpec) -> Result<LoraReport> {
-        match self {
-            Self::Sd(pipe) => Ok(pipe.load_lora(&spec.path, spec.scale)?),
-            Self::Xl(pipe) => Ok(pipe.load_lora(&spec.path, spec.scale)?),
-            Self::PixArt(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not PixArt"),
-            Self::Flux(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not Flux"),
-            Self::Sd3(_) => bail!("LoRAs apply to Stable Diffusion and SDXL models, not SD3"),
-        }
+        let (path, scale) = (&spec.path, spec.scale);
+        Ok(match self {
+            Self::Sd(pipe) => pipe.load_lora(path, scale)?,
+            Self::Xl(pipe) => pipe.load_lora(path, scale)?,
+            Self::PixArt(pipe) => pipe.load_lora(path, scale)?,
+            Self::Flux(pipe) => pipe.load_lora(path, scale)?,
+            Self::Sd3(pipe) => pipe.load_lora(path, scale)?,
+        })
     }
 
     fn enable_parallelism(&mut self, config: ParallelConfig) -> Result<()> {

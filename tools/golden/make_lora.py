@@ -202,6 +202,8 @@ def make_sdxl():
                                  (pipe.text_encoder_2, base.text_encoder_2, te2)):
             ref_mods = dict(ref.named_modules())
             for name, m in model.named_modules():
+                # peft wraps each LoRA'd layer: its fused weight is the wrapper's `base_layer`
+                name = name.removesuffix(".base_layer")
                 if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and name in ref_mods:
                     want = ref_mods[name].weight.detach().clone()
                     if name in lora:
@@ -293,6 +295,8 @@ def main():
         for model, ref, loras in parts:
             ref_sd = dict(ref.named_modules())
             for name, m in model.named_modules():
+                # peft wraps each LoRA'd layer: its fused weight is the wrapper's `base_layer`
+                name = name.removesuffix(".base_layer")
                 if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) or name not in ref_sd:
                     continue
                 want = ref_sd[name].weight.detach().clone()
