@@ -581,12 +581,9 @@ impl FluxPipeline<Oxi> {
         self.compile_on(None)
     }
 
-    /// Spreads the compiled transformer call over several devices, as diffusers'
-    /// `pipe.enable_parallelism(config)`: tensor parallelism splits each double and single
-    /// block's attention and feed-forward ([the plan](oxidiff_models::TensorParallel)) over
-    /// `tp_degree` devices, data parallelism splits the batch over `dp_degree`, one `dp x tp`
-    /// mesh from the transformer's device on; see
-    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism).
+    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism)
+    /// for the transformer: its double and single blocks split over `tp_degree` devices, the
+    /// batch over `dp_degree`.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
         let device = self.transformer.device();
         let placement =
@@ -595,13 +592,7 @@ impl FluxPipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
-        let device = self.transformer.device();
-        if !device.is_pjrt() {
-            return Err(PipelineError::Compile(format!(
-                "the transformer is on {device}; compiled mode needs a PJRT device \
-                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
-            )));
-        }
+        crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         let transformer = self.transformer.clone();
         let step: StepFn = Box::new(move |(latents, t, g, prompt_embeds, pooled, (cos, sin))| {
             let text = FluxPromptEmbeds {
@@ -617,14 +608,15 @@ impl FluxPipeline<Oxi> {
                 &RotaryEmbedding { cos, sin },
             )
         });
-        let mut f = CompiledFn::new("flux_transformer", step);
-        if let Some(placement) = placement {
-            // Latents, timestep, guidance and text split by batch where it divides; the
-            // rotary tables (one per position, not per image) whole on every device.
-            let mut inputs = vec![Layout::BatchSplit(0); 5];
-            inputs.extend([Layout::Replicated, Layout::Replicated]);
-            f = f.with_spmd(placement, inputs);
-        }
+        // Latents, timestep, guidance and text split by batch where it divides; the rotary
+        // tables (one per position, not per image) whole on every device.
+        let mut inputs = vec![Layout::BatchSplit(0); 5];
+        inputs.extend([Layout::Replicated, Layout::Replicated]);
+        let f = crate::parallel::partitioned(
+            CompiledFn::new("flux_transformer", step),
+            placement,
+            inputs,
+        );
         self.compiled = Some(Box::new(CompiledStep(f)));
         Ok(())
     }

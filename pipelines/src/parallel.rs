@@ -12,8 +12,9 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::TensorPrimitive;
+use oxidiff_backend_tpu::compiled::Tensors;
 use oxidiff_backend_tpu::spmd::{HasTensorId, Layout, Mesh, SpmdPlacement, TensorId};
-use oxidiff_backend_tpu::{pjrt_client, Oxi, OxiDevice};
+use oxidiff_backend_tpu::{pjrt_client, CompiledFn, Oxi, OxiDevice};
 use oxidiff_models::{sharded_params, TensorParallel};
 pub use oxidiff_parallel::{
     DataParallelConfig, ParallelConfig, ParallelError, ParallelTarget, TensorParallelConfig,
@@ -87,4 +88,29 @@ where
             PipelineError::Device(e)
         })?;
     Ok(Arc::new(placement))
+}
+
+/// Compiled mode's first check: the denoiser (`component`: `UNet`, `transformer`) must be on a
+/// PJRT device; the error otherwise names where it is and the fix.
+pub(crate) fn require_pjrt(component: &str, device: &OxiDevice) -> Result<()> {
+    if device.is_pjrt() {
+        return Ok(());
+    }
+    Err(PipelineError::Compile(format!(
+        "the {component} is on {device}; compiled mode needs a PJRT device \
+         (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
+    )))
+}
+
+/// `f` partitioned over `placement` with input `k` laid out as `inputs[k]`
+/// ([`CompiledFn::with_spmd`]) when there is a placement, else `f` as it is.
+pub(crate) fn partitioned<I: Tensors, O: Tensors, F: Fn(I) -> O>(
+    f: CompiledFn<I, O, F>,
+    placement: Option<Arc<SpmdPlacement>>,
+    inputs: Vec<Layout>,
+) -> CompiledFn<I, O, F> {
+    match placement {
+        Some(placement) => f.with_spmd(placement, inputs),
+        None => f,
+    }
 }

@@ -549,12 +549,9 @@ impl PixArtPipeline<Oxi> {
         self.compile_on(None)
     }
 
-    /// Spreads the compiled transformer call over several devices, as diffusers'
-    /// `pipe.enable_parallelism(config)`: tensor parallelism splits each transformer block's
-    /// attentions and feed-forward ([the plan](oxidiff_models::TensorParallel)) over
-    /// `tp_degree` devices, data parallelism splits the batch over `dp_degree`, one `dp x tp`
-    /// mesh from the transformer's device on; see
-    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism).
+    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism)
+    /// for the transformer: its blocks split over `tp_degree` devices, the batch over
+    /// `dp_degree`.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
         let device = self.transformer.device();
         let placement =
@@ -563,19 +560,7 @@ impl PixArtPipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
-        // Every input batch-major: split by batch where it divides, else whole.
-        let layouts = |inputs: usize| {
-            placement
-                .clone()
-                .map(|placement| (placement, vec![Layout::BatchSplit(0); inputs]))
-        };
-        let device = self.transformer.device();
-        if !device.is_pjrt() {
-            return Err(PipelineError::Compile(format!(
-                "the transformer is on {device}; compiled mode needs a PJRT device \
-                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
-            )));
-        }
+        crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         let transformer = self.transformer.clone();
         self.compiled = Some(if transformer.uses_micro_conditions() {
             let step: StepFn<ConditionedInputs> = Box::new(
@@ -587,20 +572,21 @@ impl PixArtPipeline<Oxi> {
                     transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
                 },
             );
-            let mut f = CompiledFn::new("pixart_transformer", step);
-            if let Some((placement, inputs)) = layouts(6) {
-                f = f.with_spmd(placement, inputs);
-            }
-            Box::new(ConditionedStep(f))
+            // Every input batch-major: split by batch where it divides, else whole.
+            Box::new(ConditionedStep(crate::parallel::partitioned(
+                CompiledFn::new("pixart_transformer", step),
+                placement,
+                vec![Layout::BatchSplit(0); 6],
+            )))
         } else {
             let step: StepFn<PlainInputs> = Box::new(move |(latents, t, caption, bias)| {
                 transformer.forward_checked(latents, t, caption, Some(bias), None)
             });
-            let mut f = CompiledFn::new("pixart_transformer", step);
-            if let Some((placement, inputs)) = layouts(4) {
-                f = f.with_spmd(placement, inputs);
-            }
-            Box::new(PlainStep(f))
+            Box::new(PlainStep(crate::parallel::partitioned(
+                CompiledFn::new("pixart_transformer", step),
+                placement,
+                vec![Layout::BatchSplit(0); 4],
+            )))
         });
         Ok(())
     }

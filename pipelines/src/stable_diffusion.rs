@@ -593,13 +593,7 @@ impl StableDiffusionPipeline<Oxi> {
     /// processes. Needs the UNet on a PJRT device (`xla:cpu`, `tpu`, `cuda`); the scheduler
     /// step and the VAE stay eager.
     pub fn compile(&mut self) -> Result<()> {
-        let device = self.unet_device();
-        if !device.is_pjrt() {
-            return Err(PipelineError::Compile(format!(
-                "the UNet is on {device}; compiled mode needs a PJRT device \
-                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
-            )));
-        }
+        crate::parallel::require_pjrt("UNet", &self.unet_device())?;
         let unet = self.unet.clone();
         // The traced structure depends only on the input shapes (guidance on or off is the
         // context's batch), which key the program cache, so a cached program always matches.

@@ -666,12 +666,9 @@ impl StableDiffusion3Pipeline<Oxi> {
         self.compile_on(None)
     }
 
-    /// Spreads the compiled transformer call over several devices, as diffusers'
-    /// `pipe.enable_parallelism(config)`: tensor parallelism splits each joint block's
-    /// attentions and feed-forwards ([the plan](oxidiff_models::TensorParallel)) over
-    /// `tp_degree` devices, data parallelism splits the batch (both guidance halves) over
-    /// `dp_degree`, one `dp x tp` mesh from the transformer's device on; see
-    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism).
+    /// [`StableDiffusionPipeline::enable_parallelism`](crate::StableDiffusionPipeline::enable_parallelism)
+    /// for the transformer: its joint blocks split over `tp_degree` devices, the batch (both
+    /// guidance halves) over `dp_degree`.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
         let device = self.transformer.device();
         let placement =
@@ -680,22 +677,17 @@ impl StableDiffusion3Pipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
-        let device = self.transformer.device();
-        if !device.is_pjrt() {
-            return Err(PipelineError::Compile(format!(
-                "the transformer is on {device}; compiled mode needs a PJRT device \
-                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
-            )));
-        }
+        crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         let transformer = self.transformer.clone();
         let step: StepFn = Box::new(move |(latents, t, context, pooled)| {
             transformer.forward_checked(latents, t, context, pooled)
         });
-        let mut f = CompiledFn::new("sd3_transformer", step);
-        if let Some(placement) = placement {
-            // Every input batch-major: split by batch where it divides, else whole.
-            f = f.with_spmd(placement, vec![Layout::BatchSplit(0); 4]);
-        }
+        // Every input batch-major: split by batch where it divides, else whole.
+        let f = crate::parallel::partitioned(
+            CompiledFn::new("sd3_transformer", step),
+            placement,
+            vec![Layout::BatchSplit(0); 4],
+        );
         self.compiled = Some(Box::new(Sd3Step(f)));
         Ok(())
     }

@@ -780,13 +780,7 @@ impl StableDiffusionXLPipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
-        let device = self.unet.conv_in.weight.device();
-        if !device.is_pjrt() {
-            return Err(PipelineError::Compile(format!(
-                "the UNet is on {device}; compiled mode needs a PJRT device \
-                 (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
-            )));
-        }
+        crate::parallel::require_pjrt("UNet", &self.unet.conv_in.weight.device())?;
         let unet = self.unet.clone();
         let step: XlUNetFn = Box::new(move |(sample, timestep, context, text_embeds, time_ids)| {
             let added = AddedCondition {
@@ -797,11 +791,12 @@ impl StableDiffusionXLPipeline<Oxi> {
             unet.forward_with_condition(sample, timestep, context, Some(&added))
                 .expect("added condition checked before tracing")
         });
-        let mut step = CompiledFn::new("sdxl-unet", step);
-        if let Some(placement) = placement {
-            // Every input batch-major: split by batch where it divides, else whole.
-            step = step.with_spmd(placement, vec![Layout::BatchSplit(0); 5]);
-        }
+        // Every input batch-major: split by batch where it divides, else whole.
+        let step = crate::parallel::partitioned(
+            CompiledFn::new("sdxl-unet", step),
+            placement,
+            vec![Layout::BatchSplit(0); 5],
+        );
         self.compiled = Some(Box::new(XlUNetStep {
             unet: self.unet.clone(),
             step,
