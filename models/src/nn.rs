@@ -10,6 +10,7 @@ use burn::tensor::module::{conv2d, embedding, linear};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Int, Tensor};
 
+use crate::cpu_conv::{self, ConvGeometry};
 use crate::error::{ModelError, Result};
 use crate::weights::VarBuilder;
 
@@ -84,11 +85,27 @@ impl<B: Backend> Conv2d<B> {
         })
     }
 
+    /// On burn-flex in f32 through [`crate::cpu_conv`] (NCHW, no per-call weight or layout
+    /// copies), elsewhere Burn's `conv2d`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let weight = self.weight.val();
+        let bias = self.bias.as_ref().map(|b| b.val());
+        let (x, weight, bias) = if self.groups == 1 {
+            let geometry = ConvGeometry {
+                stride: self.stride,
+                padding: self.padding,
+            };
+            match cpu_conv::conv2d(x, weight, bias, geometry) {
+                Ok(out) => return out,
+                Err(inputs) => inputs,
+            }
+        } else {
+            (x, weight, bias)
+        };
         conv2d(
             x,
-            self.weight.val(),
-            self.bias.as_ref().map(|b| b.val()),
+            weight,
+            bias,
             ConvOptions::new(
                 [self.stride, self.stride],
                 [self.padding, self.padding],

@@ -1,0 +1,562 @@
+//! A faster 2-D convolution for the burn-flex CPU backend in f32, used by [`crate::nn::Conv2d`].
+//!
+//! burn-flex 0.21 convolves by converting the input to NHWC, building im2col tiles element by
+//! element, flattening the weight again on every call, and scattering each tile's gemm result
+//! into the NCHW output one strided element at a time (then a separate bias pass). Profiles of
+//! the SD 1.5 UNet step and VAE decode put those copies at a large share of the time. Here the
+//! convolution stays in NCHW: the weight `[c_out, c_in * k * k]` is the gemm's left side as it
+//! lies in memory, a tile of output rows gets a column buffer `[c_in * k * k, rows * w_out]`
+//! filled with whole contiguous row segments (stride 1) and zeros for the padding, and gemm
+//! writes straight into the output, whose channels were prefilled with the bias. 1x1
+//! convolutions read the input plane directly.
+//!
+//! [`conv2d`] applies only when the backend's float tensor is burn-flex's [`FlexTensor`], the
+//! dtype is f32, `groups == 1` and dilation is 1; otherwise it hands the tensors back and the
+//! caller uses Burn's `conv2d`. Any other backend (the PJRT one, compiled traces) never sees
+//! this code.
+
+use std::any::{Any, TypeId};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn_flex::{FlexTensor, Layout};
+
+/// Target number of output positions per tile: large enough for gemm to reach its peak,
+/// small enough that the column buffer (`c_in * k * k` rows of it) stays near the caches.
+const TILE_COLUMNS: usize = 1024;
+
+/// Below this many input positions (`n * h * w`) a 3x3 convolution takes the im2col path:
+/// transforming the weights on every call (`16 * c_out * c_in` values) then costs more than the
+/// 2.25x fewer multiplies save.
+const WINOGRAD_MIN_POSITIONS: usize = 1024;
+
+/// Which kernel `nn::Conv2d` uses on burn-flex in f32, from `OXIDIFF_CPU_CONV` (read once): `burn`
+/// (Burn's own `conv2d`), `im2col` (this module without Winograd) or, by default, `winograd`
+/// (Winograd for 3x3 stride-1 convolutions of at least [`WINOGRAD_MIN_POSITIONS`] positions).
+/// A diagnostic switch for comparing the kernels in one build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvPath {
+    Burn,
+    Im2col,
+    Winograd,
+}
+
+impl ConvPath {
+    pub fn from_env() -> Self {
+        static PATH: std::sync::OnceLock<ConvPath> = std::sync::OnceLock::new();
+        *PATH.get_or_init(|| match std::env::var("OXIDIFF_CPU_CONV").as_deref() {
+            Ok("burn") => Self::Burn,
+            Ok("im2col") => Self::Im2col,
+            _ => Self::Winograd,
+        })
+    }
+}
+
+/// Stride and padding of a square-kernel convolution (dilation 1, one group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvGeometry {
+    pub stride: usize,
+    pub padding: usize,
+}
+
+/// The inputs handed back when [`conv2d`] does not apply.
+pub type Unhandled<B> = (Tensor<B, 4>, Tensor<B, 4>, Option<Tensor<B, 1>>);
+
+/// Convolves `x` `[n, c_in, h, w]` with `weight` `[c_out, c_in, k, k]` (plus `bias` `[c_out]`)
+/// through the NCHW kernels of this module when the backend is burn-flex in f32; otherwise
+/// returns the inputs untouched (`Err`) for Burn's own `conv2d`. The kernel follows
+/// [`ConvPath::from_env`].
+pub fn conv2d<B: Backend>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    geometry: ConvGeometry,
+) -> Result<Tensor<B, 4>, Unhandled<B>> {
+    conv2d_with(x, weight, bias, geometry, ConvPath::from_env())
+}
+
+/// [`conv2d`] with the kernel chosen by the caller (`ConvPath::Burn` always hands back).
+pub fn conv2d_with<B: Backend>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    geometry: ConvGeometry,
+    path: ConvPath,
+) -> Result<Tensor<B, 4>, Unhandled<B>> {
+    let square = weight.dims()[2] == weight.dims()[3];
+    let f32_only = x.dtype() == DType::F32
+        && weight.dtype() == DType::F32
+        && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+    if TypeId::of::<B::FloatTensorPrimitive>() != TypeId::of::<FlexTensor>()
+        || !f32_only
+        || !square
+        || geometry.stride == 0
+        || x.dims()[1] != weight.dims()[1]
+        || path == ConvPath::Burn
+    {
+        return Err((x, weight, bias));
+    }
+    let to_flex = |t: B::FloatTensorPrimitive| -> FlexTensor {
+        *(Box::new(t) as Box<dyn Any>)
+            .downcast::<FlexTensor>()
+            .expect("checked by TypeId above")
+    };
+    let [h, w] = [x.dims()[2], x.dims()[3]];
+    let k = weight.dims()[2];
+    if h + 2 * geometry.padding < k || w + 2 * geometry.padding < k {
+        return Err((x, weight, bias));
+    }
+    let out = conv2d_nchw_f32(
+        &to_flex(x.into_primitive().tensor()),
+        &to_flex(weight.into_primitive().tensor()),
+        bias.map(|b| to_flex(b.into_primitive().tensor())).as_ref(),
+        geometry,
+        path,
+    );
+    let out = *(Box::new(out) as Box<dyn Any>)
+        .downcast::<B::FloatTensorPrimitive>()
+        .expect("checked by TypeId above");
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// The kernel on burn-flex tensors (f32, NCHW; any layout, made contiguous first).
+fn conv2d_nchw_f32(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    bias: Option<&FlexTensor>,
+    geometry: ConvGeometry,
+    path: ConvPath,
+) -> FlexTensor {
+    let x = x.to_contiguous();
+    let weight = weight.to_contiguous();
+    let xs = x.layout().shape();
+    let ws = weight.layout().shape();
+    let (n, c_in, h, w) = (xs[0], xs[1], xs[2], xs[3]);
+    let (c_out, k) = (ws[0], ws[2]);
+    let (s, p) = (geometry.stride, geometry.padding);
+    let h_out = (h + 2 * p - k) / s + 1;
+    let w_out = (w + 2 * p - k) / s + 1;
+    let plane_out = h_out * w_out;
+
+    let mut out = vec![0.0f32; n * c_out * plane_out];
+    if let Some(bias) = bias {
+        let bias = bias.to_contiguous();
+        let bias: &[f32] = bias.storage();
+        for (channel, value) in out.chunks_exact_mut(plane_out).zip(bias.iter().cycle()) {
+            channel.fill(*value);
+        }
+    }
+    if plane_out > 0
+        && c_out > 0
+        && k == 3
+        && s == 1
+        && p == 1
+        && path == ConvPath::Winograd
+        && n * h * w >= WINOGRAD_MIN_POSITIONS
+    {
+        let u = winograd::transform_weight(weight.storage(), c_out, c_in);
+        let x: &[f32] = x.storage();
+        for (x, out) in x
+            .chunks_exact(c_in * h * w)
+            .zip(out.chunks_exact_mut(c_out * plane_out))
+        {
+            winograd::conv_sample(x, &u, out, c_in, c_out, h, w);
+        }
+    } else if plane_out > 0 && c_out > 0 {
+        let problem = Problem {
+            x: x.storage(),
+            weight: weight.storage(),
+            c_in,
+            h,
+            w,
+            c_out,
+            k,
+            s,
+            p,
+            h_out,
+            w_out,
+        };
+        problem.run(&mut out, n);
+    }
+    FlexTensor::new(
+        burn::tensor::Bytes::from_elems(out),
+        Layout::contiguous(vec![n, c_out, h_out, w_out].into()),
+        DType::F32,
+    )
+}
+
+/// One convolution's sizes and data.
+struct Problem<'a> {
+    x: &'a [f32],
+    weight: &'a [f32],
+    c_in: usize,
+    h: usize,
+    w: usize,
+    c_out: usize,
+    k: usize,
+    s: usize,
+    p: usize,
+    h_out: usize,
+    w_out: usize,
+}
+
+/// A raw output pointer that tiles write disjoint parts of.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl Problem<'_> {
+    fn pointwise(&self) -> bool {
+        self.k == 1 && self.s == 1 && self.p == 0
+    }
+
+    /// Every (sample, tile of output rows), in parallel on rayon's pool.
+    fn run(&self, out: &mut [f32], n: usize) {
+        use rayon::prelude::*;
+        let rows = (TILE_COLUMNS / self.w_out).clamp(1, self.h_out);
+        let tiles = self.h_out.div_ceil(rows);
+        let ptr = OutPtr(out.as_mut_ptr());
+        let col_len = self.c_in * self.k * self.k;
+        (0..n * tiles).into_par_iter().for_each_init(
+            || {
+                vec![
+                    0.0f32;
+                    if self.pointwise() {
+                        0
+                    } else {
+                        col_len * rows * self.w_out
+                    }
+                ]
+            },
+            |col, job| {
+                let (b, tile) = (job / tiles, job % tiles);
+                let row0 = tile * rows;
+                let row1 = (row0 + rows).min(self.h_out);
+                // SAFETY: tiles cover disjoint output rows of disjoint samples.
+                unsafe { self.tile(ptr, col, b, row0, row1) };
+            },
+        );
+    }
+
+    /// Output rows `row0..row1` of sample `b`: gather the column buffer, one gemm into `out`.
+    ///
+    /// # Safety
+    /// `out` points to `n * c_out * h_out * w_out` floats, and no other thread writes rows
+    /// `row0..row1` of sample `b`.
+    unsafe fn tile(&self, out: OutPtr, col: &mut [f32], b: usize, row0: usize, row1: usize) {
+        let plane_in = self.h * self.w;
+        let plane_out = self.h_out * self.w_out;
+        let cols = (row1 - row0) * self.w_out;
+        let col_len = self.c_in * self.k * self.k;
+        let x = &self.x[b * self.c_in * plane_in..(b + 1) * self.c_in * plane_in];
+        let (rhs, rhs_rs): (&[f32], usize) = if self.pointwise() {
+            (&x[row0 * self.w..], plane_in)
+        } else {
+            self.gather(&mut col[..col_len * cols], x, row0, row1);
+            (&col[..col_len * cols], cols)
+        };
+        let dst = out.0.add(b * self.c_out * plane_out + row0 * self.w_out);
+        gemm::gemm(
+            self.c_out,
+            cols,
+            col_len,
+            dst,
+            1,
+            plane_out as isize,
+            true,
+            self.weight.as_ptr(),
+            1,
+            col_len as isize,
+            rhs.as_ptr(),
+            1,
+            rhs_rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+
+    /// Fills `col` `[c_in * k * k, (row1 - row0) * w_out]`: row `(c, kh, kw)`, column
+    /// `(oh, ow)` holds `x[c, oh * s + kh - p, ow * s + kw - p]`, zero outside the input.
+    fn gather(&self, col: &mut [f32], x: &[f32], row0: usize, row1: usize) {
+        let (k, s, p, w, w_out) = (self.k, self.s, self.p, self.w, self.w_out);
+        let cols = (row1 - row0) * w_out;
+        for (r, dst) in col.chunks_exact_mut(cols).enumerate() {
+            let (c, kh, kw) = (r / (k * k), (r / k) % k, r % k);
+            let plane = &x[c * self.h * w..(c + 1) * self.h * w];
+            // Output columns whose input column `ow * s + kw - p` lies inside `0..w`.
+            let ow_lo = p.saturating_sub(kw).div_ceil(s).min(w_out);
+            let ow_hi = if w + p > kw {
+                ((w + p - kw - 1) / s + 1).min(w_out)
+            } else {
+                0
+            }
+            .max(ow_lo);
+            for (oh, line) in (row0..row1).zip(dst.chunks_exact_mut(w_out)) {
+                let ih = (oh * s + kh) as isize - p as isize;
+                if ih < 0 || ih as usize >= self.h {
+                    line.fill(0.0);
+                    continue;
+                }
+                let src = &plane[ih as usize * w..(ih as usize + 1) * w];
+                line[..ow_lo].fill(0.0);
+                line[ow_hi..].fill(0.0);
+                if ow_lo == ow_hi {
+                    continue;
+                }
+                let first = ow_lo * s + kw - p;
+                if s == 1 {
+                    line[ow_lo..ow_hi].copy_from_slice(&src[first..first + (ow_hi - ow_lo)]);
+                } else {
+                    for (o, v) in line[ow_lo..ow_hi]
+                        .iter_mut()
+                        .zip(src[first..].iter().step_by(s))
+                    {
+                        *o = *v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Winograd F(2x2, 3x3) for 3x3, stride 1, padding 1 convolutions: each 2x2 output tile from a
+/// 4x4 input tile with 16 multiplies per (input, output) channel pair instead of 36, so the
+/// gemm work is 2.25x smaller; the transforms are additions over contiguous rows (vectorised).
+///
+/// Per chunk of tile rows: `v[xi][c][t]` = `B^T d B` of every input tile, 16 gemms
+/// `m[xi] = u[xi] @ v[xi]` with `u[xi][co][c]` = `G g G^T` of the weights, then `A^T m A` into
+/// the output. Errors stay at f32 rounding (the transforms' coefficients are 0, +-1 and 1/2).
+mod winograd {
+    use rayon::prelude::*;
+
+    /// Tiles (2x2 output blocks) per gemm column block.
+    const TILE_CHUNK: usize = 256;
+
+    /// `u[xi][co][c]`: the weight `[co, c, 3, 3]` transformed by `G g G^T`.
+    pub fn transform_weight(weight: &[f32], c_out: usize, c_in: usize) -> Vec<f32> {
+        let plane = c_out * c_in;
+        let mut u = vec![0.0f32; 16 * plane];
+        for (pair, g) in weight.chunks_exact(9).enumerate() {
+            // G g (4x3), then (G g) G^T (4x4); G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1].
+            let mut gg = [[0.0f32; 3]; 4];
+            for col in 0..3 {
+                let (g0, g1, g2) = (g[col], g[3 + col], g[6 + col]);
+                gg[0][col] = g0;
+                gg[1][col] = 0.5 * (g0 + g1 + g2);
+                gg[2][col] = 0.5 * (g0 - g1 + g2);
+                gg[3][col] = g2;
+            }
+            for (row, r) in gg.iter().enumerate() {
+                let vals = [
+                    r[0],
+                    0.5 * (r[0] + r[1] + r[2]),
+                    0.5 * (r[0] - r[1] + r[2]),
+                    r[2],
+                ];
+                for (col, v) in vals.into_iter().enumerate() {
+                    u[(row * 4 + col) * plane + pair] = v;
+                }
+            }
+        }
+        u
+    }
+
+    /// Convolves one sample `x` `[c_in, h, w]` into `out` `[c_out, h, w]`, which holds the bias.
+    pub fn conv_sample(
+        x: &[f32],
+        u: &[f32],
+        out: &mut [f32],
+        c_in: usize,
+        c_out: usize,
+        h: usize,
+        w: usize,
+    ) {
+        let (th, tw) = (h.div_ceil(2), w.div_ceil(2));
+        let rows_per_chunk = (TILE_CHUNK / tw).clamp(1, th);
+        let chunks = th.div_ceil(rows_per_chunk);
+        let out_ptr = super::OutPtr(out.as_mut_ptr());
+        (0..chunks).into_par_iter().for_each_init(
+            || Scratch::new(c_in, c_out, rows_per_chunk * tw, tw),
+            |scratch, chunk| {
+                let row0 = chunk * rows_per_chunk;
+                let row1 = (row0 + rows_per_chunk).min(th);
+                // SAFETY: chunks write disjoint output rows.
+                unsafe { chunk_rows(x, u, out_ptr, scratch, c_in, c_out, h, w, row0, row1) };
+            },
+        );
+    }
+
+    struct Scratch {
+        v: Vec<f32>,
+        m: Vec<f32>,
+        even: Vec<f32>,
+        odd: Vec<f32>,
+        cols: Vec<f32>,
+    }
+
+    impl Scratch {
+        fn new(c_in: usize, c_out: usize, tiles: usize, tw: usize) -> Self {
+            Self {
+                v: vec![0.0; 16 * c_in * tiles],
+                m: vec![0.0; 16 * c_out * tiles],
+                even: vec![0.0; 4 * (tw + 1)],
+                odd: vec![0.0; 4 * (tw + 1)],
+                cols: vec![0.0; 16 * tw],
+            }
+        }
+    }
+
+    /// Tile rows `row0..row1` of one sample.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn chunk_rows(
+        x: &[f32],
+        u: &[f32],
+        out: super::OutPtr,
+        s: &mut Scratch,
+        c_in: usize,
+        c_out: usize,
+        h: usize,
+        w: usize,
+        row0: usize,
+        row1: usize,
+    ) {
+        let tw = w.div_ceil(2);
+        let tiles = (row1 - row0) * tw;
+        // Input transform into v[xi][c][t].
+        for c in 0..c_in {
+            let plane = &x[c * h * w..(c + 1) * h * w];
+            for ti in row0..row1 {
+                input_tile_row(plane, h, w, ti, tw, s);
+                let t0 = (ti - row0) * tw;
+                for xi in 0..16 {
+                    let dst = &mut s.v[(xi * c_in + c) * tiles + t0..][..tw];
+                    dst.copy_from_slice(&s.cols[xi * tw..(xi + 1) * tw]);
+                }
+            }
+        }
+        // 16 gemms: m[xi] [c_out, tiles] = u[xi] [c_out, c_in] @ v[xi] [c_in, tiles].
+        for xi in 0..16 {
+            gemm::gemm(
+                c_out,
+                tiles,
+                c_in,
+                s.m.as_mut_ptr().add(xi * c_out * tiles),
+                1,
+                tiles as isize,
+                false,
+                u.as_ptr().add(xi * c_out * c_in),
+                1,
+                c_in as isize,
+                s.v.as_ptr().add(xi * c_in * tiles),
+                1,
+                tiles as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        // Output transform A^T m A, A^T = [1 1 1 0; 0 1 -1 -1], added onto the bias.
+        let plane_out = h * w;
+        let mut y = vec![0.0f32; 4 * tw];
+        for co in 0..c_out {
+            let base = out.0.add(co * plane_out);
+            for ti in row0..row1 {
+                let t0 = (ti - row0) * tw;
+                let m: [&[f32]; 16] =
+                    std::array::from_fn(|xi| &s.m[(xi * c_out + co) * tiles + t0..][..tw]);
+                let (y0, rest) = y.split_at_mut(tw);
+                let (y1, rest) = rest.split_at_mut(tw);
+                let (y2, y3) = rest.split_at_mut(tw);
+                for j in 0..tw {
+                    let s0 = |b: usize| m[b][j] + m[4 + b][j] + m[8 + b][j];
+                    let s1 = |b: usize| m[4 + b][j] - m[8 + b][j] - m[12 + b][j];
+                    y0[j] = s0(0) + s0(1) + s0(2);
+                    y1[j] = s0(1) - s0(2) - s0(3);
+                    y2[j] = s1(0) + s1(1) + s1(2);
+                    y3[j] = s1(1) - s1(2) - s1(3);
+                }
+                for dy in 0..2 {
+                    let oh = 2 * ti + dy;
+                    if oh >= h {
+                        break;
+                    }
+                    let row = std::slice::from_raw_parts_mut(base.add(oh * w), w);
+                    let even = &y[2 * dy * tw..][..tw];
+                    let odd = &y[(2 * dy + 1) * tw..][..tw];
+                    let mut pairs = row.chunks_exact_mut(2);
+                    for ((pair, e), o) in (&mut pairs).zip(even).zip(odd) {
+                        pair[0] += e;
+                        pair[1] += o;
+                    }
+                    if let [last] = pairs.into_remainder() {
+                        *last += even[tw - 1];
+                    }
+                }
+            }
+        }
+    }
+
+    /// `B^T d B` of the `tw` tiles of tile row `ti` of one channel plane into
+    /// `s.cols[xi][j]`; B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+    fn input_tile_row(plane: &[f32], h: usize, w: usize, ti: usize, tw: usize, s: &mut Scratch) {
+        let n = tw + 1;
+        // Input rows 2 ti - 1 .. 2 ti + 3, split into padded even / odd columns:
+        // even[m] = row[2m - 1], odd[m] = row[2m] (zero outside the plane).
+        for r in 0..4 {
+            let ih = (2 * ti + r) as isize - 1;
+            let (even, odd) = (
+                &mut s.even[r * n..(r + 1) * n],
+                &mut s.odd[r * n..(r + 1) * n],
+            );
+            if ih < 0 || ih as usize >= h {
+                even.fill(0.0);
+                odd.fill(0.0);
+                continue;
+            }
+            let row = &plane[ih as usize * w..(ih as usize + 1) * w];
+            even.fill(0.0);
+            odd.fill(0.0);
+            for (e, v) in even[1..].iter_mut().zip(row.iter().skip(1).step_by(2)) {
+                *e = *v;
+            }
+            for (o, v) in odd.iter_mut().zip(row.iter().step_by(2)) {
+                *o = *v;
+            }
+        }
+        // Tile j's columns are even[j], odd[j], even[j + 1], odd[j + 1]: d B per input row,
+        // then B^T over the four rows.
+        let even: [&[f32]; 4] = std::array::from_fn(|r| &s.even[r * n..][..n]);
+        let odd: [&[f32]; 4] = std::array::from_fn(|r| &s.odd[r * n..][..n]);
+        let (cols, _) = s.cols.split_at_mut(16 * tw);
+        let out: [&mut [f32]; 16] = {
+            let mut rest = cols;
+            std::array::from_fn(|_| {
+                let (head, tail) = std::mem::take(&mut rest).split_at_mut(tw);
+                rest = tail;
+                head
+            })
+        };
+        for j in 0..tw {
+            // d B for each input row r: columns even[j], odd[j], even[j + 1], odd[j + 1].
+            let db = |r: usize| {
+                let (d0, d1, d2, d3) = (even[r][j], odd[r][j], even[r][j + 1], odd[r][j + 1]);
+                [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
+            };
+            let (a0, a1, a2, a3) = (db(0), db(1), db(2), db(3));
+            for b in 0..4 {
+                out[b][j] = a0[b] - a2[b];
+                out[4 + b][j] = a1[b] + a2[b];
+                out[8 + b][j] = a2[b] - a1[b];
+                out[12 + b][j] = a1[b] - a3[b];
+            }
+        }
+    }
+}

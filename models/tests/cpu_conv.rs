@@ -1,0 +1,164 @@
+//! `cpu_conv`, the burn-flex f32 fast path of `nn::Conv2d`, against Burn's own `conv2d` on the
+//! same backend: random shapes with padding, stride 2, 1x1 and 5x5 kernels, batch > 1, several
+//! row tiles, with and without bias, on the im2col and the Winograd path; and the fallback for
+//! what it does not cover.
+//!
+//! Tolerance 1e-5 relative to the output's largest magnitude for im2col (the same products in
+//! f32, summed in another order) and 2e-5 for Winograd (its transforms add a few roundings per
+//! value).
+
+use burn::tensor::module::conv2d as burn_conv2d;
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_flex::Flex;
+use oxidiff_models::cpu_conv::{conv2d_with, ConvGeometry, ConvPath};
+
+type B = Flex;
+
+/// Deterministic values in [-1, 1) from a 64-bit LCG.
+fn random(shape: &[usize], seed: u64) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..shape.iter().product::<usize>())
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn tensor<const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+    Tensor::from_data(
+        TensorData::new(random(&shape, seed), shape),
+        &Default::default(),
+    )
+}
+
+/// One case: `[n, c_in, h, w]` convolved by `c_out` kernels of `k x k`.
+#[allow(clippy::too_many_arguments)]
+fn check(n: usize, c_in: usize, h: usize, w: usize, c_out: usize, k: usize, s: usize, p: usize) {
+    check_path(ConvPath::Im2col, [n, c_in, h, w], c_out, k, s, p, true);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_path(
+    path: ConvPath,
+    [n, c_in, h, w]: [usize; 4],
+    c_out: usize,
+    k: usize,
+    s: usize,
+    p: usize,
+    bias: bool,
+) {
+    let seed = (n * 1000 + c_in * 100 + h * 10 + w + c_out + k + s + p) as u64;
+    let x = tensor([n, c_in, h, w], seed);
+    let weight = tensor([c_out, c_in, k, k], seed + 1);
+    let b = bias.then(|| tensor([c_out], seed + 2));
+    let expected = burn_conv2d(
+        x.clone(),
+        weight.clone(),
+        b.clone(),
+        ConvOptions::new([s, s], [p, p], [1, 1], 1),
+    );
+    let got = conv2d_with(
+        x,
+        weight,
+        b,
+        ConvGeometry {
+            stride: s,
+            padding: p,
+        },
+        path,
+    )
+    .unwrap_or_else(|_| panic!("burn-flex f32 must take the fast path"));
+    assert_eq!(got.dims(), expected.dims(), "output shape");
+    let got = got.into_data().to_vec::<f32>().unwrap();
+    let expected = expected.into_data().to_vec::<f32>().unwrap();
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let err = got
+        .iter()
+        .zip(&expected)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let tol = if path == ConvPath::Winograd {
+        2e-5
+    } else {
+        1e-5
+    };
+    assert!(
+        err <= tol * scale,
+        "{path:?}: n {n} c_in {c_in} {h}x{w} c_out {c_out} k {k} s {s} p {p}: max error {err} (scale {scale})"
+    );
+}
+
+#[test]
+fn conv3x3_same_padding_matches_burn() {
+    check(1, 3, 7, 9, 5, 3, 1, 1);
+    check(2, 16, 12, 12, 24, 3, 1, 1);
+    check(1, 4, 1, 1, 3, 3, 1, 1);
+}
+
+#[test]
+fn conv3x3_stride2_with_and_without_padding_matches_burn() {
+    check(2, 4, 8, 8, 6, 3, 2, 1);
+    check(2, 8, 9, 7, 4, 3, 2, 0);
+    check_path(ConvPath::Im2col, [1, 5, 10, 11], 7, 3, 2, 1, false);
+}
+
+#[test]
+fn pointwise_and_5x5_kernels_match_burn() {
+    check(2, 16, 5, 6, 8, 1, 1, 0);
+    check(1, 3, 6, 6, 4, 5, 1, 2);
+    check(1, 3, 6, 6, 4, 1, 2, 0);
+    check(1, 2, 4, 4, 3, 3, 1, 3);
+}
+
+#[test]
+fn several_row_tiles_and_no_bias_match_burn() {
+    // 1024 output columns a tile: 27 rows of 37, so 40 rows make two tiles per sample.
+    check_path(ConvPath::Im2col, [2, 6, 40, 37], 10, 3, 1, 1, false);
+    check(3, 2, 70, 20, 3, 3, 1, 1);
+}
+
+#[test]
+fn winograd_3x3_matches_burn() {
+    let path = ConvPath::Winograd;
+    check_path(path, [2, 16, 24, 24], 24, 3, 1, 1, true);
+    // Odd height and width (a half tile at the edges), no bias.
+    check_path(path, [1, 5, 33, 35], 7, 3, 1, 1, false);
+    // Two chunks of tile rows per sample.
+    check_path(path, [2, 3, 40, 37], 10, 3, 1, 1, true);
+    // The SD 1.5 VAE's width: 512 input channels summed per output.
+    check_path(path, [1, 512, 32, 32], 16, 3, 1, 1, true);
+}
+
+#[test]
+fn non_f32_tensors_fall_back_to_burn() {
+    let x = tensor([1, 2, 4, 4], 1).cast(FloatDType::F16);
+    let weight = tensor([3, 2, 3, 3], 2).cast(FloatDType::F16);
+    let geometry = ConvGeometry {
+        stride: 1,
+        padding: 1,
+    };
+    let (x, weight, _) =
+        conv2d_with(x, weight, None, geometry, ConvPath::Winograd).expect_err("f16 is not covered");
+    // The inputs come back as they were, for Burn's conv2d.
+    assert_eq!(x.dims(), [1, 2, 4, 4]);
+    assert_eq!(weight.dims(), [3, 2, 3, 3]);
+}
+
+#[test]
+fn mismatched_channels_fall_back_to_burn() {
+    let x = tensor([1, 2, 4, 4], 1);
+    let weight = tensor([3, 5, 3, 3], 2);
+    let geometry = ConvGeometry {
+        stride: 1,
+        padding: 1,
+    };
+    assert!(conv2d_with(x.clone(), weight.clone(), None, geometry, ConvPath::Im2col).is_err());
+    // `Burn` always hands back.
+    let weight = tensor([3, 2, 3, 3], 2);
+    assert!(conv2d_with(x, weight, None, geometry, ConvPath::Burn).is_err());
+}
