@@ -16,7 +16,8 @@ use crate::weights::VarBuilder;
 /// Multi-head scaled dot-product attention over `[batch, seq, heads * head_dim]` inputs.
 ///
 /// Heads are split, attended with Burn's fused `attention` op (one op in the backend, so the
-/// PJRT lowering and CPU kernels can fuse it), and merged back.
+/// PJRT lowering and CPU kernels can fuse it), and merged back; on burn-flex in f32,
+/// [`crate::cpu_attention`] reads the heads in place instead.
 pub fn multi_head_attention<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -47,6 +48,15 @@ fn attend<B: Backend>(
     causal: bool,
     bias: Option<Tensor<B, 4>>,
 ) -> Tensor<B, 3> {
+    // On burn-flex in f32 without bias or mask: heads read in place, gemm-based blocks.
+    let (q, k, v) = if bias.is_none() && !causal {
+        match crate::cpu_attention::attention(q, k, v, heads) {
+            Ok(out) => return out,
+            Err(inputs) => inputs,
+        }
+    } else {
+        (q, k, v)
+    };
     let [b, s_q, inner] = q.dims();
     let s_kv = k.dims()[1];
     let head_dim = inner / heads;

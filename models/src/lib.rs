@@ -11,6 +11,7 @@ pub mod attention;
 pub mod autoencoder_kl;
 pub mod clip;
 pub mod config;
+pub mod cpu_attention;
 pub mod cpu_conv;
 pub mod device;
 pub mod dtype;
