@@ -301,7 +301,7 @@ impl PjrtClient {
         let mut scalar_keys = Vec::new();
         for (argument, ty) in &function.arguments {
             let (bytes, cached) = match argument {
-                Argument::Tensor(_) => continue,
+                Argument::Tensor(_) | Argument::Permuted { .. } => continue,
                 Argument::Scalar(scalar) => (scalar_bytes(*scalar, ty.elem), true),
                 Argument::RngState => {
                     state.draws += 1;
@@ -334,6 +334,8 @@ impl PjrtClient {
         for (argument, _) in &function.arguments {
             let buffer = match argument {
                 Argument::Tensor(id) => state.buffers.get(id),
+                // Eager lowering keeps Burn's layouts.
+                Argument::Permuted { .. } => None,
                 Argument::Scalar(_) => scalars.next().and_then(|key| state.scalars.get(key)),
                 Argument::RngState => rng_states.next(),
             };

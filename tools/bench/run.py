@@ -13,7 +13,7 @@ give min / median / max over every timed call; load, time to first image and pea
 min / median / max over processes. Ratios are medians (below 1: oxidiff is faster).
 
 Threads: 1 thread means RAYON_NUM_THREADS=1 (burn-flex), torch.set_num_threads(1) and
-OMP_NUM_THREADS=1 (torch), and every process pinned to one core with `taskset -c 0`: XLA's CPU
+OMP_NUM_THREADS=1 (torch), and every process pinned to one core with `taskset -c 0` (`--pin-cpu`): XLA's CPU
 plugin sizes its intra-op thread pool from the cores the process may run on (it has no thread
 option of its own), so pinning is how it gets one thread. With 2 threads nothing is pinned.
 The load average (`/proc/loadavg`) is recorded before every process.
@@ -67,7 +67,7 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
         cmd = [args.bench_bin, dir_, "--mode", side]
     cmd += common
     if threads == 1 and shutil.which("taskset"):
-        cmd = ["taskset", "-c", "0"] + cmd
+        cmd = ["taskset", "-c", str(args.pin_cpu)] + cmd
     load = loadavg()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -196,6 +196,8 @@ def main():
     ap.add_argument("--e2e-repeat", type=int, default=1, help="timed generations after the first")
     ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
+    ap.add_argument("--pin-cpu", type=int, default=0,
+                    help="the core 1-thread runs are pinned to (another one than a concurrent run's)")
     ap.add_argument("--json", default="tools/bench/results.json")
     ap.add_argument("--svg", default="docs/bench.svg")
     args = ap.parse_args()

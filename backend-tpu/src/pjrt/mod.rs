@@ -33,5 +33,7 @@ pub use compile_options::CompileOptions;
 pub use discovery::{PluginKind, PluginSearch};
 pub use error::{Error, ErrorCode, Result};
 pub use executable::{CostAnalysis, Executable, LoadedExecutable};
-pub use plugin::{tpu_device_present, Plugin, MIN_API_MINOR};
+pub use plugin::{
+    tpu_device_present, Plugin, MIN_API_MINOR, XLA_CPU_DEFAULT_FLAGS, XLA_CPU_FLAGS_ENV,
+};
 pub use topology::{Topology, TopologyDevice};
