@@ -581,9 +581,9 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     }
 
     /// Keeps serialized executables in `dir` (created if missing), keyed by
-    /// a hash of the module text, the plugin's platform and version, and the
-    /// device: a later process skips the XLA compile of a program it traces
-    /// again. The default is [`COMPILE_CACHE_ENV`], if set.
+    /// a hash of the module text, the plugin's platform and version, the
+    /// compiler flags (`XLA_FLAGS`, `LIBTPU_INIT_ARGS`) and the device: a later
+    /// process skips the XLA compile of a program it traces again. The default is [`COMPILE_CACHE_ENV`], if set.
     pub fn with_disk_cache(mut self, dir: impl Into<PathBuf>) -> Self {
         self.disk_cache = Some(dir.into());
         self
@@ -1588,11 +1588,17 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 /// The on-disk cache key of `module` compiled by `client` for `device_id`:
 /// the module's hash and that of the plugin version and device.
 fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> String {
+    // The compiler's options are part of the target: an executable built under other
+    // `XLA_FLAGS` (oxidiff's XLA CPU defaults included, set before the plugin loaded) or
+    // `LIBTPU_INIT_ARGS` is not the one this process would build.
+    let flags = |name: &str| std::env::var(name).unwrap_or_default();
     let target = fnv1a(&[
         client.platform_name().as_bytes(),
         client.platform_version().as_bytes(),
         &device_id.to_le_bytes(),
         env!("CARGO_PKG_VERSION").as_bytes(),
+        flags("XLA_FLAGS").as_bytes(),
+        flags("LIBTPU_INIT_ARGS").as_bytes(),
     ]);
     format!("{:016x}-{target:016x}", fnv1a(&[module.as_bytes()]))
 }

@@ -155,13 +155,7 @@ fn conv2d_nchw_f32(
         && n * h * w >= WINOGRAD_MIN_POSITIONS
     {
         let u = winograd::transform_weight(weight.storage(), c_out, c_in);
-        let x: &[f32] = x.storage();
-        for (x, out) in x
-            .chunks_exact(c_in * h * w)
-            .zip(out.chunks_exact_mut(c_out * plane_out))
-        {
-            winograd::conv_sample(x, &u, out, c_in, c_out, h, w);
-        }
+        winograd::conv(x.storage(), &u, &mut out, n, c_in, c_out, h, w);
     } else if plane_out > 0 && c_out > 0 {
         let problem = Problem {
             x: x.storage(),
@@ -206,6 +200,17 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer `count` floats further (a method, so closures capture the whole `Sync`
+    /// wrapper rather than its raw field).
+    ///
+    /// # Safety
+    /// As `pointer::add`: the result stays inside the same allocation.
+    unsafe fn add(self, count: usize) -> Self {
+        Self(self.0.add(count))
+    }
+}
+
 impl Problem<'_> {
     fn pointwise(&self) -> bool {
         self.k == 1 && self.s == 1 && self.p == 0
@@ -214,7 +219,12 @@ impl Problem<'_> {
     /// Every (sample, tile of output rows), in parallel on rayon's pool.
     fn run(&self, out: &mut [f32], n: usize) {
         use rayon::prelude::*;
-        let rows = (TILE_COLUMNS / self.w_out).clamp(1, self.h_out);
+        let mut rows = (TILE_COLUMNS / self.w_out).clamp(1, self.h_out);
+        // With several threads, about four tiles per thread where the rows allow.
+        let threads = rayon::current_num_threads();
+        while threads > 1 && rows > 1 && n * self.h_out.div_ceil(rows) < 4 * threads {
+            rows = rows.div_ceil(2);
+        }
         let tiles = self.h_out.div_ceil(rows);
         let ptr = OutPtr(out.as_mut_ptr());
         let col_len = self.c_in * self.k * self.k;
@@ -366,27 +376,40 @@ mod winograd {
         u
     }
 
-    /// Convolves one sample `x` `[c_in, h, w]` into `out` `[c_out, h, w]`, which holds the bias.
-    pub fn conv_sample(
+    /// Convolves `x` `[n, c_in, h, w]` into `out` `[n, c_out, h, w]`, which holds the bias,
+    /// in parallel over (sample, chunk of tile rows) on rayon's pool. With several threads the
+    /// chunks shrink until there are about four per thread (a 32x32 input is one chunk of
+    /// [`TILE_CHUNK`] tiles otherwise, and would run on one thread).
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv(
         x: &[f32],
         u: &[f32],
         out: &mut [f32],
+        n: usize,
         c_in: usize,
         c_out: usize,
         h: usize,
         w: usize,
     ) {
         let (th, tw) = (h.div_ceil(2), w.div_ceil(2));
-        let rows_per_chunk = (TILE_CHUNK / tw).clamp(1, th);
+        let mut rows_per_chunk = (TILE_CHUNK / tw).clamp(1, th);
+        let threads = rayon::current_num_threads();
+        while threads > 1 && rows_per_chunk > 1 && n * th.div_ceil(rows_per_chunk) < 4 * threads {
+            rows_per_chunk = rows_per_chunk.div_ceil(2);
+        }
         let chunks = th.div_ceil(rows_per_chunk);
         let out_ptr = super::OutPtr(out.as_mut_ptr());
-        (0..chunks).into_par_iter().for_each_init(
+        (0..n * chunks).into_par_iter().for_each_init(
             || Scratch::new(c_in, c_out, rows_per_chunk * tw, tw),
-            |scratch, chunk| {
+            |scratch, job| {
+                let (b, chunk) = (job / chunks, job % chunks);
+                let x = &x[b * c_in * h * w..(b + 1) * c_in * h * w];
+                // SAFETY: `out` holds `n * c_out * h * w` floats; sample `b`'s part starts here.
+                let out = unsafe { out_ptr.add(b * c_out * h * w) };
                 let row0 = chunk * rows_per_chunk;
                 let row1 = (row0 + rows_per_chunk).min(th);
-                // SAFETY: chunks write disjoint output rows.
-                unsafe { chunk_rows(x, u, out_ptr, scratch, c_in, c_out, h, w, row0, row1) };
+                // SAFETY: jobs write disjoint output rows of disjoint samples.
+                unsafe { chunk_rows(x, u, out, scratch, c_in, c_out, h, w, row0, row1) };
             },
         );
     }
