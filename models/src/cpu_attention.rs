@@ -15,11 +15,13 @@
 //! the inputs are f32, without bias or causal mask; otherwise it hands the tensors back and the
 //! caller uses Burn's `attention`. Other backends (the PJRT one, compiled traces) never see it.
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
+
+use crate::cpu_conv::{from_flex, into_flex, OutPtr};
 
 /// Queries per block: the block's scores (`QUERY_BLOCK * seq_kv` floats, 1 MiB at 4096 keys)
 /// stay in the L2 cache between the two gemms.
@@ -52,13 +54,7 @@ pub fn attention<B: Backend>(
     {
         return Err((q, k, v));
     }
-    let to_flex = |t: Tensor<B, 3>| -> FlexTensor {
-        let t = t.into_primitive().tensor();
-        (Box::new(t) as Box<dyn Any>)
-            .downcast::<FlexTensor>()
-            .expect("checked by TypeId above")
-            .to_contiguous()
-    };
+    let to_flex = |t: Tensor<B, 3>| into_flex(t).to_contiguous();
     let (q, k, v) = (to_flex(q), to_flex(k), to_flex(v));
     let shape = Shape {
         batch: b,
@@ -74,10 +70,7 @@ pub fn attention<B: Backend>(
         Layout::contiguous(vec![b, s_q, inner].into()),
         DType::F32,
     );
-    let out = *(Box::new(out) as Box<dyn Any>)
-        .downcast::<B::FloatTensorPrimitive>()
-        .expect("checked by TypeId above");
-    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+    Ok(from_flex(out))
 }
 
 /// The sizes of one attention call.
@@ -89,12 +82,6 @@ struct Shape {
     heads: usize,
     head_dim: usize,
 }
-
-/// A raw output pointer that blocks write disjoint parts of.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
 
 impl Shape {
     /// Every (sample, head, block of queries), in parallel on rayon's pool.

@@ -96,27 +96,34 @@ pub fn conv2d_with<B: Backend>(
     {
         return Err((x, weight, bias));
     }
-    let to_flex = |t: B::FloatTensorPrimitive| -> FlexTensor {
-        *(Box::new(t) as Box<dyn Any>)
-            .downcast::<FlexTensor>()
-            .expect("checked by TypeId above")
-    };
     let [h, w] = [x.dims()[2], x.dims()[3]];
     let k = weight.dims()[2];
     if h + 2 * geometry.padding < k || w + 2 * geometry.padding < k {
         return Err((x, weight, bias));
     }
     let out = conv2d_nchw_f32(
-        &to_flex(x.into_primitive().tensor()),
-        &to_flex(weight.into_primitive().tensor()),
-        bias.map(|b| to_flex(b.into_primitive().tensor())).as_ref(),
+        &into_flex(x),
+        &into_flex(weight),
+        bias.map(into_flex).as_ref(),
         geometry,
         path,
     );
-    let out = *(Box::new(out) as Box<dyn Any>)
+    Ok(from_flex(out))
+}
+
+/// `t`'s burn-flex tensor. The caller has checked that `B`'s float tensor is [`FlexTensor`].
+pub(crate) fn into_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> FlexTensor {
+    *(Box::new(t.into_primitive().tensor()) as Box<dyn Any>)
+        .downcast::<FlexTensor>()
+        .expect("the caller checked the backend's tensor type")
+}
+
+/// The [`Tensor`] of a burn-flex tensor, as [`into_flex`]'s inverse (same precondition).
+pub(crate) fn from_flex<B: Backend, const D: usize>(t: FlexTensor) -> Tensor<B, D> {
+    let t = *(Box::new(t) as Box<dyn Any>)
         .downcast::<B::FloatTensorPrimitive>()
-        .expect("checked by TypeId above");
-    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+        .expect("the caller checked the backend's tensor type");
+    Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 /// The kernel on burn-flex tensors (f32, NCHW; any layout, made contiguous first).
@@ -194,9 +201,9 @@ struct Problem<'a> {
     w_out: usize,
 }
 
-/// A raw output pointer that tiles write disjoint parts of.
+/// A raw output pointer that tiles (and `cpu_attention`'s blocks) write disjoint parts of.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
