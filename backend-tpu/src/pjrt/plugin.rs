@@ -260,10 +260,19 @@ fn prepare_xla_cpu_environment(library: &Path) {
             .map(|flag| flag.to_string())
             .collect(),
     };
+    let user = std::env::var("XLA_FLAGS").unwrap_or_default();
+    // A flag the user's XLA_FLAGS already names (or that a parent process put there, and a
+    // child inherited) is not added again: the environment, and the compile cache key made
+    // from it, stay the same however often this runs.
+    let flag_name = |flag: &str| flag.split('=').next().unwrap_or(flag).to_string();
+    let named: Vec<String> = user.split_whitespace().map(flag_name).collect();
+    let ours: Vec<String> = ours
+        .into_iter()
+        .filter(|flag| !named.contains(&flag_name(flag)))
+        .collect();
     if ours.is_empty() {
         return;
     }
-    let user = std::env::var("XLA_FLAGS").unwrap_or_default();
     let flags = ours.join(" ") + if user.is_empty() { "" } else { " " } + &user;
     tracing::debug!(target: "oxidiff::pjrt", xla_flags = %flags, "XLA CPU flags");
     std::env::set_var("XLA_FLAGS", flags);
