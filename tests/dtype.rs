@@ -13,6 +13,33 @@ use oxidiff::pipelines::{
 };
 use oxidiff::{Oxi, OxiDevice};
 
+/// Runs `generate` at each `(dtype, tolerance)` and checks its latents and image against the
+/// f32 `reference` (relative to the largest value): within the tolerance, and not equal
+/// (equal would mean the run did not compute in that dtype).
+fn assert_close_to_f32(
+    label: &str,
+    reference: &(Vec<f32>, Vec<f32>),
+    cases: [(FloatDType, f32); 2],
+    mut generate: impl FnMut(FloatDType) -> (Vec<f32>, Vec<f32>),
+) {
+    for (dtype, tolerance) in cases {
+        let (l, i) = generate(dtype);
+        let (el, ei) = (
+            relative_error(&l, &reference.0),
+            relative_error(&i, &reference.1),
+        );
+        eprintln!("{label} {dtype:?}: latents {el:e}, image {ei:e}");
+        assert!(
+            el <= tolerance && ei <= tolerance,
+            "{label} {dtype:?}: {el:e} {ei:e}"
+        );
+        assert!(
+            el > 0.0,
+            "{label} {dtype:?} equals f32 exactly: not computed in {dtype:?}"
+        );
+    }
+}
+
 fn request() -> GenerateRequest<Oxi> {
     GenerateRequest {
         prompts: vec!["a red apple".into()],
@@ -50,22 +77,15 @@ fn generate(dtype: Option<FloatDType>, device: &OxiDevice) -> (Vec<f32>, Vec<f32
 #[test]
 fn bf16_and_f16_pipelines_stay_close_to_f32_on_the_cpu() {
     let cpu = OxiDevice::Cpu;
-    let (latents, image) = generate(None, &cpu);
+    let reference = generate(None, &cpu);
     // Relative to the largest value: bf16 keeps 8 mantissa bits (2^-8 = 0.4% a rounding, which
     // compounds through the UNet), f16 11. Observed: bf16 2.7e-2 / f16 4e-3 on a UNet call.
-    for (dtype, tolerance) in [(FloatDType::BF16, 8e-2), (FloatDType::F16, 1.5e-2)] {
-        let (l, i) = generate(Some(dtype), &cpu);
-        let (el, ei) = (relative_error(&l, &latents), relative_error(&i, &image));
-        eprintln!("{dtype:?}: latents {el:e}, image {ei:e}");
-        assert!(
-            el <= tolerance && ei <= tolerance,
-            "{dtype:?}: {el:e} {ei:e}"
-        );
-        assert!(
-            el > 0.0,
-            "{dtype:?} equals f32 exactly: not computed in {dtype:?}"
-        );
-    }
+    assert_close_to_f32(
+        "sd",
+        &reference,
+        [(FloatDType::BF16, 8e-2), (FloatDType::F16, 1.5e-2)],
+        |dtype| generate(Some(dtype), &cpu),
+    );
 }
 
 #[test]
@@ -207,22 +227,15 @@ fn generate_sd3(dtype: Option<FloatDType>, device: &OxiDevice) -> (Vec<f32>, Vec
 #[test]
 fn sd3_bf16_and_f16_stay_close_to_f32_on_the_cpu() {
     let cpu = OxiDevice::Cpu;
-    let (latents, image) = generate_sd3(None, &cpu);
+    let reference = generate_sd3(None, &cpu);
     // Observed: f16 latents 3.6e-3 (image 9.5e-3), bf16 3.5e-2 (image 6.1e-2: the VAE adds
     // its own bf16 rounding to the latents').
-    for (dtype, tolerance) in [(FloatDType::F16, 1.5e-2), (FloatDType::BF16, 1.5e-1)] {
-        let (l, i) = generate_sd3(Some(dtype), &cpu);
-        let (el, ei) = (relative_error(&l, &latents), relative_error(&i, &image));
-        eprintln!("sd3 {dtype:?}: latents {el:e}, image {ei:e}");
-        assert!(
-            el <= tolerance && ei <= tolerance,
-            "{dtype:?}: {el:e} {ei:e}"
-        );
-        assert!(
-            el > 0.0,
-            "{dtype:?} equals f32 exactly: not computed in {dtype:?}"
-        );
-    }
+    assert_close_to_f32(
+        "sd3",
+        &reference,
+        [(FloatDType::F16, 1.5e-2), (FloatDType::BF16, 1.5e-1)],
+        |dtype| generate_sd3(Some(dtype), &cpu),
+    );
 }
 
 fn generate_pixart(dtype: Option<FloatDType>, device: &OxiDevice) -> (Vec<f32>, Vec<f32>) {
@@ -266,23 +279,16 @@ fn generate_pixart(dtype: Option<FloatDType>, device: &OxiDevice) -> (Vec<f32>, 
 #[test]
 fn pixart_bf16_and_f16_stay_close_to_f32_on_the_cpu() {
     let cpu = OxiDevice::Cpu;
-    let (latents, image) = generate_pixart(None, &cpu);
+    let reference = generate_pixart(None, &cpu);
     // Observed: f16 latents 3.0e-3 (image 2.5e-3), bf16 2.6e-2 (image 2.1e-2). Before the
     // group norms kept their statistics in f32 this VAE's f16 image was 0.51 off (an f16
     // variance overflows).
-    for (dtype, tolerance) in [(FloatDType::F16, 1.5e-2), (FloatDType::BF16, 8e-2)] {
-        let (l, i) = generate_pixart(Some(dtype), &cpu);
-        let (el, ei) = (relative_error(&l, &latents), relative_error(&i, &image));
-        eprintln!("pixart {dtype:?}: latents {el:e}, image {ei:e}");
-        assert!(
-            el <= tolerance && ei <= tolerance,
-            "{dtype:?}: {el:e} {ei:e}"
-        );
-        assert!(
-            el > 0.0,
-            "{dtype:?} equals f32 exactly: not computed in {dtype:?}"
-        );
-    }
+    assert_close_to_f32(
+        "pixart",
+        &reference,
+        [(FloatDType::F16, 1.5e-2), (FloatDType::BF16, 8e-2)],
+        |dtype| generate_pixart(Some(dtype), &cpu),
+    );
 }
 
 #[test]
@@ -370,16 +376,10 @@ fn single_file_pipelines_in_f16_and_bf16_stay_as_close_to_f32_as_folders() {
     let cpu = OxiDevice::Cpu;
     // The folder pipeline's bounds (bf16_and_f16_pipelines_stay_close_to_f32_on_the_cpu).
     for name in ["tiny-sd1", "tiny-sdxl"] {
-        let (latents, image) = generate_single_file(name, None, &cpu);
-        for (dtype, tolerance) in [(FloatDType::F16, 1.5e-2), (FloatDType::BF16, 8e-2)] {
-            let (l, i) = generate_single_file(name, Some(dtype), &cpu);
-            let (el, ei) = (relative_error(&l, &latents), relative_error(&i, &image));
-            eprintln!("{name} single file {dtype:?}: latents {el:e}, image {ei:e}");
-            assert!(
-                el <= tolerance && ei <= tolerance,
-                "{name} {dtype:?}: {el:e} {ei:e}"
-            );
-            assert!(el > 0.0, "{name} {dtype:?} equals f32 exactly");
-        }
+        let reference = generate_single_file(name, None, &cpu);
+        let cases = [(FloatDType::F16, 1.5e-2), (FloatDType::BF16, 8e-2)];
+        assert_close_to_f32(&format!("{name} single file"), &reference, cases, |dtype| {
+            generate_single_file(name, Some(dtype), &cpu)
+        });
     }
 }
