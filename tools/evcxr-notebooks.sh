@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runs the notebooks of examples/notebooks/ in evcxr itself, one evaluation per code cell as the
+# evcxr Jupyter kernel runs them, and fails if a cell fails.
+#
+#   tools/evcxr-notebooks.sh [NOTEBOOK.ipynb ...]     (default: every notebook)
+#
+# Needs `evcxr` (cargo install --locked evcxr_repl; evcxr_jupyter shares its engine) and python3
+# (only to read the notebooks' JSON). The first run builds oxidiff inside evcxr, about ten minutes
+# here; EVCXR_TMPDIR (default target/evcxr) keeps that build for the next run.
+#
+# How: each code cell becomes one input line of `evcxr --disable-readline --ide-mode`, its line
+# breaks written as U+2028, which evcxr turns back into line breaks before evaluating the line as
+# one unit. In IDE mode evcxr prints U+0091 after each unit that succeeded and U+0092 after each
+# that failed; a notebook passes when every cell printed U+0091.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+evcxr="${EVCXR:-evcxr}"
+if ! command -v "$evcxr" >/dev/null; then
+    echo "error: evcxr not found; install it with: cargo install --locked evcxr_repl" >&2
+    exit 1
+fi
+export EVCXR_TMPDIR="${EVCXR_TMPDIR:-$root/target/evcxr}"
+mkdir -p "$EVCXR_TMPDIR"
+
+if [ "$#" -eq 0 ]; then
+    set -- "$root"/examples/notebooks/*.ipynb
+fi
+
+failed=0
+for notebook in "$@"; do
+    notebook="$(cd "$(dirname "$notebook")" && pwd)/$(basename "$notebook")"
+    name="$(basename "$notebook" .ipynb)"
+    input="$EVCXR_TMPDIR/$name.input"
+    log="$EVCXR_TMPDIR/$name.log"
+    cells="$(python3 - "$notebook" "$input" <<'EOF'
+import json, sys
+notebook, out = sys.argv[1], sys.argv[2]
+cells = [c for c in json.load(open(notebook, encoding="utf-8"))["cells"] if c["cell_type"] == "code"]
+with open(out, "w", encoding="utf-8") as f:
+    for cell in cells:
+        source = "".join(cell["source"]).rstrip("\n")
+        f.write(source.replace("\n", "\u2028") + "\n")
+print(len(cells))
+EOF
+)"
+    echo "== $name: $cells code cells (log: $log)"
+    start=$SECONDS
+    # The notebooks name their paths relative to their own folder, as Jupyter runs them.
+    (cd "$(dirname "$notebook")" && "$evcxr" --disable-readline --ide-mode <"$input") >"$log" 2>&1 || true
+    ok="$(grep -o $'\u0091' "$log" | wc -l)"
+    bad="$(grep -o $'\u0092' "$log" | wc -l)"
+    if [ "$ok" -eq "$cells" ] && [ "$bad" -eq 0 ]; then
+        echo "   passed: $ok of $cells cells in $((SECONDS - start)) s"
+    else
+        echo "   FAILED: $ok of $cells cells succeeded, $bad failed; the end of $log:" >&2
+        sed 's/\x1b\[[0-9;]*m//g' "$log" | tail -40 >&2
+        failed=1
+    fi
+done
+exit "$failed"
