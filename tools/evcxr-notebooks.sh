@@ -48,13 +48,20 @@ EOF
     start=$SECONDS
     # The notebooks name their paths relative to their own folder, as Jupyter runs them.
     (cd "$(dirname "$notebook")" && "$evcxr" --disable-readline --ide-mode <"$input") >"$log" 2>&1 || true
-    ok="$(grep -o $'\u0091' "$log" | wc -l)"
-    bad="$(grep -o $'\u0092' "$log" | wc -l)"
+    ok="$({ grep -o $'\u0091' "$log" || true; } | wc -l)"
+    bad="$({ grep -o $'\u0092' "$log" || true; } | wc -l)"
+    # A cell ending in `Images` shows it through `evcxr_display`; where that call does not
+    # compile, evcxr silently prints the value's `Debug` form instead.
+    debug_shown="$({ grep -o 'Images { count:' "$log" || true; } | wc -l)"
+    if [ "$debug_shown" -ne 0 ]; then
+        echo "   a cell showed an Images value with Debug instead of evcxr_display" >&2
+        bad=$((bad + debug_shown))
+    fi
     if [ "$ok" -eq "$cells" ] && [ "$bad" -eq 0 ]; then
         echo "   passed: $ok of $cells cells in $((SECONDS - start)) s"
     else
         echo "   FAILED: $ok of $cells cells succeeded, $bad failed; the end of $log:" >&2
-        sed 's/\x1b\[[0-9;]*m//g' "$log" | tail -40 >&2
+        sed 's/\x1b\[[0-9;]*m//g' "$log" | cut -c1-300 | tail -40 >&2
         failed=1
     fi
 done

@@ -40,6 +40,13 @@ pub fn multi_head_attention_with_bias<B: Backend>(
     attend(q, k, v, heads, false, Some(bias))
 }
 
+/// `[b, c, seq]` to `[b, seq, c]` and back: a contiguous copy on the CPU backend (so the
+/// norms, products and residual sums that follow read it in order), Burn's `swap_dims` view
+/// elsewhere.
+fn swap_seq<B: Backend>(t: Tensor<B, 3>) -> Tensor<B, 3> {
+    crate::cpu_elementwise::transpose(t).unwrap_or_else(|t| t.swap_dims(1, 2))
+}
+
 fn attend<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -152,9 +159,9 @@ impl<B: Backend> Attention<B> {
             Some(norm) => norm.forward(x),
             None => x,
         };
-        let seq = normed.reshape([b, c, h * w]).swap_dims(1, 2);
+        let seq = swap_seq(normed.reshape([b, c, h * w]));
         let out = self.forward(seq, None);
-        out.swap_dims(1, 2).reshape([b, c, h, w]) + residual
+        swap_seq(out).reshape([b, c, h, w]) + residual
     }
 }
 
@@ -233,6 +240,10 @@ impl<B: Backend> FeedForward<B> {
                 hidden * burn::tensor::activation::gelu(gate)
             }
             FeedForwardActivation::Geglu => {
+                let projected = match crate::cpu_elementwise::geglu(projected) {
+                    Ok(hidden) => return self.proj_out.forward(hidden),
+                    Err(projected) => projected,
+                };
                 let inner = projected.dims()[2] / 2;
                 let hidden = projected.clone().narrow(2, 0, inner);
                 let gate = projected.narrow(2, inner, inner);
@@ -370,7 +381,7 @@ impl<B: Backend> Transformer2DModel<B> {
         let [b, c, h, w] = x.dims();
         let residual = x.clone();
         let x = self.norm.forward(x);
-        let to_seq = |t: Tensor<B, 4>| t.reshape([b, c, h * w]).swap_dims(1, 2);
+        let to_seq = |t: Tensor<B, 4>| swap_seq(t.reshape([b, c, h * w]));
         let mut seq = match &self.proj_in {
             Projection::Conv(conv) => to_seq(conv.forward(x)),
             Projection::Linear(lin) => lin.forward(to_seq(x)),
@@ -378,7 +389,7 @@ impl<B: Backend> Transformer2DModel<B> {
         for block in &self.transformer_blocks {
             seq = block.forward(seq, context.clone());
         }
-        let from_seq = |t: Tensor<B, 3>| t.swap_dims(1, 2).reshape([b, c, h, w]);
+        let from_seq = |t: Tensor<B, 3>| swap_seq(t).reshape([b, c, h, w]);
         let out = match &self.proj_out {
             Projection::Conv(conv) => conv.forward(from_seq(seq)),
             Projection::Linear(lin) => from_seq(lin.forward(seq)),

@@ -408,7 +408,7 @@ impl<B: Backend> AutoencoderKL<B> {
         x = enc.mid_block.forward(x);
         x = enc
             .conv_out
-            .forward(enc.act.forward(enc.conv_norm_out.forward(x)));
+            .forward(enc.conv_norm_out.forward_then(x, enc.act));
         if let Some(conv) = &self.quant_conv {
             x = conv.forward(x);
         }
@@ -453,7 +453,7 @@ impl<B: Backend> AutoencoderKL<B> {
         }
         let x = dec
             .conv_out
-            .forward(dec.act.forward(dec.conv_norm_out.forward(x)));
+            .forward(dec.conv_norm_out.forward_then(x, dec.act));
         cast_to(x, caller)
     }
 }

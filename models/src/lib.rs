@@ -13,6 +13,7 @@ pub mod clip;
 pub mod config;
 pub mod cpu_attention;
 pub mod cpu_conv;
+pub mod cpu_elementwise;
 pub mod device;
 pub mod dtype;
 pub mod embeddings;

@@ -11,6 +11,7 @@ use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Int, Tensor};
 
 use crate::cpu_conv::{self, ConvGeometry};
+use crate::cpu_elementwise;
 use crate::error::{ModelError, Result};
 use crate::weights::VarBuilder;
 
@@ -142,6 +143,42 @@ impl<B: Backend> GroupNorm<B> {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let x = match self.cpu_kernel(x, false) {
+            Ok(out) => return out,
+            Err(x) => x,
+        };
+        self.forward_burn(x)
+    }
+
+    /// `act(self.forward(x))`, fused into one pass on the CPU backend for SiLU (the resnet
+    /// blocks' `norm -> act -> conv`).
+    pub fn forward_then<const D: usize>(&self, x: Tensor<B, D>, act: Activation) -> Tensor<B, D> {
+        if act == Activation::Silu {
+            match self.cpu_kernel(x, true) {
+                Ok(out) => out,
+                Err(x) => act.forward(self.forward_burn(x)),
+            }
+        } else {
+            act.forward(self.forward(x))
+        }
+    }
+
+    fn cpu_kernel<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        silu: bool,
+    ) -> std::result::Result<Tensor<B, D>, Tensor<B, D>> {
+        cpu_elementwise::group_norm(
+            x,
+            &self.weight.val(),
+            &self.bias.val(),
+            self.num_groups,
+            self.eps,
+            silu,
+        )
+    }
+
+    fn forward_burn<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let dims = x.dims();
         let (n, c, g) = (dims[0], dims[1], self.num_groups);
         // The statistics in f32 whatever the weights' dtype, as torch's group norm accumulates
@@ -183,6 +220,11 @@ impl<B: Backend> LayerNorm<B> {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let (weight, bias) = (self.weight.val(), self.bias.val());
+        let x = match cpu_elementwise::layer_norm(x, Some((&weight, &bias)), self.eps) {
+            Ok(out) => return out,
+            Err(x) => x,
+        };
         let (var, mean) = x.clone().var_mean_bias(D - 1);
         let normed = x.sub(mean).div(var.add_scalar(self.eps).sqrt());
         normed * self.weight.val().unsqueeze() + self.bias.val().unsqueeze()
@@ -247,6 +289,10 @@ impl Activation {
 /// Layer norm over the last dimension without learned parameters
 /// (`elementwise_affine=False`), as the diffusion transformers' adaptive norms use it.
 pub fn layer_norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tensor<B, D> {
+    let x = match cpu_elementwise::layer_norm(x, None, eps) {
+        Ok(out) => return out,
+        Err(x) => x,
+    };
     let (var, mean) = x.clone().var_mean_bias(D - 1);
     x.sub(mean).div(var.add_scalar(eps).sqrt())
 }

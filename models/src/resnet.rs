@@ -63,7 +63,7 @@ impl<B: Backend> ResnetBlock2D<B> {
     pub fn forward(&self, x: Tensor<B, 4>, temb: Option<&Tensor<B, 2>>) -> Tensor<B, 4> {
         let h = self
             .conv1
-            .forward(self.act.forward(self.norm1.forward(x.clone())));
+            .forward(self.norm1.forward_then(x.clone(), self.act));
         let h = match (&self.time_emb_proj, temb) {
             (Some(proj), Some(temb)) => {
                 let t = proj.forward(self.act.forward(temb.clone()));
@@ -71,7 +71,7 @@ impl<B: Backend> ResnetBlock2D<B> {
             }
             _ => h,
         };
-        let h = self.conv2.forward(self.act.forward(self.norm2.forward(h)));
+        let h = self.conv2.forward(self.norm2.forward_then(h, self.act));
         let shortcut = match &self.conv_shortcut {
             Some(conv) => conv.forward(x),
             None => x,

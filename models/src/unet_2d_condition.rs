@@ -732,7 +732,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
                 x = up.forward(x, size);
             }
         }
-        let x = self.act.forward(self.conv_norm_out.forward(x));
+        let x = self.conv_norm_out.forward_then(x, self.act);
         cast_to(self.conv_out.forward(x), caller)
     }
 }

@@ -1,0 +1,302 @@
+//! Normalizations, gated activations and layout copies for the burn-flex CPU backend in f32,
+//! used by [`crate::nn::GroupNorm`], [`crate::nn::LayerNorm`], [`crate::nn::layer_norm`],
+//! [`crate::attention::FeedForward`] and the sequence transposes of the attention blocks.
+//!
+//! burn-flex 0.21 runs element-wise operations on one thread, and a permuted operand goes
+//! through a per-element strided iterator. In the SD 1.5 UNet step at 256x256 on one thread,
+//! the group and layer norms, GEGLU, SiLU and the copies of permuted tensors were about a fifth
+//! of the step; with two threads they stayed serial while the convolutions and matrix products
+//! ran on both. Each kernel here is one or two passes over rows in parallel on rayon's pool:
+//! a group norm reads its group twice (mean, then variance, while it is in the cache) and writes
+//! it once, with the following SiLU fused; a layer norm likewise per row; GEGLU reads the
+//! projection once and writes the gated half; a transpose copies in cache-sized tiles.
+//!
+//! Each function applies only when the backend's float tensor is burn-flex's [`FlexTensor`] and
+//! the tensors are f32; otherwise it hands its input back (`Err`) and the caller uses Burn's
+//! operations. Other backends (the PJRT one, compiled traces) never see these kernels.
+//! `OXIDIFF_CPU_ELEMENTWISE=burn` turns them off, to compare.
+
+use std::any::TypeId;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Bytes, DType, Tensor};
+use burn_flex::{FlexTensor, Layout};
+use rayon::prelude::*;
+
+use crate::cpu_attention::exp_nonpositive;
+use crate::cpu_conv::{from_flex, into_flex};
+
+/// Fewest elements worth a job of their own on rayon's pool.
+const MIN_JOB: usize = 16 * 1024;
+
+/// Whether the kernels apply to backend `B` and these tensors.
+fn applies<B: Backend>(dtypes: &[DType]) -> bool {
+    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
+        && dtypes.iter().all(|d| *d == DType::F32)
+        && std::env::var_os("OXIDIFF_CPU_ELEMENTWISE").is_none_or(|v| v != "burn")
+}
+
+/// How many rows of `row_len` elements one job takes: about four jobs per thread, none smaller
+/// than [`MIN_JOB`] elements.
+fn rows_per_job(rows: usize, row_len: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let by_threads = rows.div_ceil(4 * threads);
+    let by_size = MIN_JOB.div_ceil(row_len.max(1));
+    by_threads.max(by_size).clamp(1, rows.max(1))
+}
+
+/// Whether `t` is contiguous and covers its whole buffer from the start.
+fn is_whole(t: &FlexTensor) -> bool {
+    t.is_contiguous()
+        && t.layout().start_offset() == 0
+        && t.bytes().len() == t.layout().num_elements() * std::mem::size_of::<f32>()
+}
+
+/// A new contiguous f32 tensor of `shape` holding `data`.
+fn tensor_of(data: Vec<f32>, shape: Vec<usize>) -> FlexTensor {
+    FlexTensor::new(
+        Bytes::from_elems(data),
+        Layout::contiguous(shape.into()),
+        DType::F32,
+    )
+}
+
+/// `t` as a contiguous tensor that no one else holds, so its storage may be overwritten:
+/// `t` itself when it already is one, otherwise a copy (made in parallel).
+fn writable(t: FlexTensor) -> FlexTensor {
+    if is_whole(&t) && t.is_unique() {
+        return t;
+    }
+    let shape = t.layout().shape().to_vec();
+    if is_whole(&t) {
+        let src = t.storage::<f32>();
+        let mut data = vec![0.0f32; src.len()];
+        let chunk = MIN_JOB.max(src.len().div_ceil(4 * rayon::current_num_threads().max(1)));
+        data.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        return tensor_of(data, shape);
+    }
+    let copy = t.to_contiguous();
+    drop(t);
+    if copy.is_unique() && is_whole(&copy) {
+        copy
+    } else {
+        writable(copy)
+    }
+}
+
+/// The sum of `f(x)` over `x`, in f32 lanes the compiler vectorizes, blocks of 1024 added in f64.
+#[inline(always)]
+fn sum_of(x: &[f32], f: impl Fn(f32) -> f32) -> f64 {
+    let mut total = 0.0f64;
+    for block in x.chunks(1024) {
+        let mut lanes = [0.0f32; 16];
+        let mut chunks = block.chunks_exact(16);
+        for c in &mut chunks {
+            for i in 0..16 {
+                lanes[i] += f(c[i]);
+            }
+        }
+        let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+        total += lanes.iter().map(|&l| l as f64).sum::<f64>() + tail as f64;
+    }
+    total
+}
+
+/// Mean and biased variance of `x` (two passes, the second around the mean).
+#[inline(always)]
+fn mean_var(x: &[f32]) -> (f32, f32) {
+    let n = x.len().max(1) as f64;
+    let mean = (sum_of(x, |v| v) / n) as f32;
+    let var = (sum_of(x, |v| (v - mean) * (v - mean)) / n) as f32;
+    (mean, var)
+}
+
+/// `x * sigmoid(x)`, branch-free: `e = exp(-|x|)` never overflows, and the sigmoid is
+/// `1 / (1 + e)` for `x >= 0`, `e / (1 + e)` below.
+#[inline(always)]
+pub fn silu(x: f32) -> f32 {
+    let e = exp_nonpositive(-x.abs());
+    let sigmoid = if x >= 0.0 { 1.0 } else { e } / (1.0 + e);
+    x * sigmoid
+}
+
+/// `erf(x)` within 1.5e-7 absolute (Abramowitz and Stegun 7.1.26), branch-free.
+#[inline(always)]
+pub fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_7 + t * (-1.453_152 + t * 1.061_405_4))));
+    let y = 1.0 - poly * exp_nonpositive(-a * a);
+    y.copysign(x)
+}
+
+/// The exact (erf) GELU, `x / 2 * (1 + erf(x / sqrt(2)))`.
+#[inline(always)]
+pub fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
+/// The data of a 1-D parameter as f32 values.
+fn values<B: Backend>(t: &Tensor<B, 1>) -> Vec<f32> {
+    into_flex(t.clone())
+        .to_contiguous()
+        .storage::<f32>()
+        .to_vec()
+}
+
+/// `torch.nn.GroupNorm` over `x` `[n, c, ...]`, then SiLU when `silu` is set, or `x` back.
+pub fn group_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: &Tensor<B, 1>,
+    bias: &Tensor<B, 1>,
+    groups: usize,
+    eps: f64,
+    silu_after: bool,
+) -> Result<Tensor<B, D>, Tensor<B, D>> {
+    let dims = x.dims();
+    if D < 2
+        || groups == 0
+        || !dims[1].is_multiple_of(groups)
+        || !applies::<B>(&[x.dtype(), weight.dtype(), bias.dtype()])
+    {
+        return Err(x);
+    }
+    let (c, rest) = (dims[1], dims[2..].iter().product::<usize>());
+    let (weight, bias) = (values(weight), values(bias));
+    let mut t = writable(into_flex(x));
+    let per_group = c / groups;
+    let group_len = per_group * rest;
+    if group_len > 0 {
+        t.storage_mut::<f32>()
+            .par_chunks_mut(group_len)
+            .enumerate()
+            .for_each(|(job, data)| {
+                let g = job % groups;
+                let (mean, var) = mean_var(data);
+                let inv_std = 1.0 / (var + eps as f32).sqrt();
+                for (j, channel) in data.chunks_mut(rest.max(1)).enumerate() {
+                    let ch = g * per_group + j;
+                    // `(x - mean) * scale + bias`, not PyTorch's `x * scale + shift`: the same
+                    // cost, without the cancellation when the mean is large.
+                    let (scale, shift) = (weight[ch] * inv_std, bias[ch]);
+                    if silu_after {
+                        channel
+                            .iter_mut()
+                            .for_each(|v| *v = silu((*v - mean) * scale + shift));
+                    } else {
+                        channel
+                            .iter_mut()
+                            .for_each(|v| *v = (*v - mean) * scale + shift);
+                    }
+                }
+            });
+    }
+    Ok(from_flex(t))
+}
+
+/// Layer norm over the last dimension of `x`, with `affine = (weight, bias)` or without, or `x`
+/// back.
+pub fn layer_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    affine: Option<(&Tensor<B, 1>, &Tensor<B, 1>)>,
+    eps: f64,
+) -> Result<Tensor<B, D>, Tensor<B, D>> {
+    let mut dtypes = vec![x.dtype()];
+    if let Some((w, b)) = affine {
+        dtypes.extend([w.dtype(), b.dtype()]);
+    }
+    let width = x.dims()[D - 1];
+    if width == 0 || !applies::<B>(&dtypes) {
+        return Err(x);
+    }
+    let affine = affine.map(|(w, b)| (values(w), values(b)));
+    let mut t = writable(into_flex(x));
+    let data = t.storage_mut::<f32>();
+    let rows = data.len() / width;
+    let per_job = rows_per_job(rows, width);
+    data.par_chunks_mut(per_job * width).for_each(|chunk| {
+        for row in chunk.chunks_mut(width) {
+            let (mean, var) = mean_var(row);
+            let inv_std = 1.0 / (var + eps as f32).sqrt();
+            match &affine {
+                Some((w, b)) => row
+                    .iter_mut()
+                    .zip(w.iter().zip(b))
+                    .for_each(|(v, (w, b))| *v = (*v - mean) * inv_std * w + b),
+                None => row.iter_mut().for_each(|v| *v = (*v - mean) * inv_std),
+            }
+        }
+    });
+    Ok(from_flex(t))
+}
+
+/// GEGLU over `projected` `[..., 2 * inner]`: `value * gelu(gate)` with the value the first
+/// half of the last dimension and the gate the second (diffusers' `GEGLU`), or `projected` back.
+pub fn geglu<B: Backend, const D: usize>(
+    projected: Tensor<B, D>,
+) -> Result<Tensor<B, D>, Tensor<B, D>> {
+    let dims = projected.dims();
+    let width = dims[D - 1];
+    if width == 0 || !width.is_multiple_of(2) || !applies::<B>(&[projected.dtype()]) {
+        return Err(projected);
+    }
+    let inner = width / 2;
+    let t = into_flex(projected).to_contiguous();
+    let src = t.storage::<f32>();
+    let rows = src.len() / width;
+    let mut out = vec![0.0f32; rows * inner];
+    let per_job = rows_per_job(rows, width);
+    out.par_chunks_mut(per_job * inner)
+        .zip(src.par_chunks(per_job * width))
+        .for_each(|(out, src)| {
+            for (o, s) in out.chunks_mut(inner).zip(src.chunks(width)) {
+                let (value, gate) = s.split_at(inner);
+                o.iter_mut()
+                    .zip(value.iter().zip(gate))
+                    .for_each(|(o, (v, g))| *o = v * gelu(*g));
+            }
+        });
+    let mut shape = dims.to_vec();
+    shape[D - 1] = inner;
+    Ok(from_flex(tensor_of(out, shape)))
+}
+
+/// `x` `[b, m, n]` transposed to a contiguous `[b, n, m]`, copied in 32x32 tiles in parallel,
+/// or `x` back. Burn's `swap_dims` is a view, and burn-flex reads a permuted operand one
+/// element at a time through a strided iterator in every operation that meets it.
+pub fn transpose<B: Backend>(x: Tensor<B, 3>) -> Result<Tensor<B, 3>, Tensor<B, 3>> {
+    const TILE: usize = 32;
+    if !applies::<B>(&[x.dtype()]) {
+        return Err(x);
+    }
+    let [b, m, n] = x.dims();
+    let t = into_flex(x).to_contiguous();
+    let src = t.storage::<f32>();
+    let mut out = vec![0.0f32; b * m * n];
+    if !out.is_empty() {
+        // One job: TILE output rows (TILE source columns) of one sample.
+        out.par_chunks_mut(n * m)
+            .zip(src.par_chunks(m * n))
+            .for_each(|(dst, src)| {
+                dst.par_chunks_mut(TILE * m)
+                    .enumerate()
+                    .for_each(|(tile, dst)| {
+                        let j0 = tile * TILE;
+                        let cols = dst.len() / m;
+                        for i0 in (0..m).step_by(TILE) {
+                            for i in i0..(i0 + TILE).min(m) {
+                                let line = &src[i * n + j0..i * n + j0 + cols];
+                                for (dj, &v) in line.iter().enumerate() {
+                                    dst[dj * m + i] = v;
+                                }
+                            }
+                        }
+                    });
+            });
+    }
+    Ok(from_flex(tensor_of(out, vec![b, n, m])))
+}
