@@ -4,8 +4,8 @@
 #
 #   tools/evcxr-notebooks.sh [NOTEBOOK.ipynb ...]     (default: every notebook)
 #
-# Needs `evcxr` (cargo install --locked evcxr_repl; evcxr_jupyter shares its engine) and python3
-# (only to read the notebooks' JSON). The first run builds oxidiff inside evcxr, about ten minutes
+# Needs evcxr (tools/fetch-evcxr.sh installs the pinned version; evcxr_jupyter shares its
+# engine) and python3 (only to read the notebooks' JSON). The first run builds oxidiff inside evcxr, about ten minutes
 # here; EVCXR_TMPDIR (default target/evcxr) keeps that build for the next run.
 #
 # How: each code cell becomes one input line of `evcxr --disable-readline --ide-mode`, its line
@@ -15,9 +15,14 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
-evcxr="${EVCXR:-evcxr}"
+# EVCXR, else the one tools/fetch-evcxr.sh installs, else evcxr on PATH.
+evcxr="${EVCXR:-}"
+if [[ -z "$evcxr" ]]; then
+    if [[ -x "$root/.tools/bin/evcxr" ]]; then evcxr="$root/.tools/bin/evcxr"; else evcxr=evcxr; fi
+fi
 if ! command -v "$evcxr" >/dev/null; then
-    echo "error: evcxr not found; install it with: cargo install --locked evcxr_repl" >&2
+    echo "error: evcxr not found; install it with tools/fetch-evcxr.sh" \
+        "(or: cargo install --locked evcxr_repl)" >&2
     exit 1
 fi
 export EVCXR_TMPDIR="${EVCXR_TMPDIR:-$root/target/evcxr}"

@@ -25,6 +25,10 @@ use burn_flex::{FlexTensor, Layout};
 /// small enough that the column buffer (`c_in * k * k` rows of it) stays near the caches.
 const TILE_COLUMNS: usize = 1024;
 
+/// With several threads, tiles narrower than this many output positions are not made: the
+/// convolution runs one sample at a time and gemm splits each product across the threads.
+const NARROW_TILE: usize = 256;
+
 /// Below this many input positions (`n * h * w`) a 3x3 convolution takes the im2col path:
 /// transforming the weights on every call (`16 * c_out * c_in` values) then costs more than the
 /// 2.25x fewer multiplies save.
@@ -226,11 +230,30 @@ impl Problem<'_> {
     /// Every (sample, tile of output rows), in parallel on rayon's pool.
     fn run(&self, out: &mut [f32], n: usize) {
         use rayon::prelude::*;
+        let threads = rayon::current_num_threads();
         let mut rows = (TILE_COLUMNS / self.w_out).clamp(1, self.h_out);
         // With several threads, about four tiles per thread where the rows allow.
-        let threads = rayon::current_num_threads();
         while threads > 1 && rows > 1 && n * self.h_out.div_ceil(rows) < 4 * threads {
             rows = rows.div_ceil(2);
+        }
+        if threads > 1 && rows * self.w_out < NARROW_TILE {
+            // Few output positions (the deep 8x8 and 16x16 layers): such tiles would make each
+            // gemm a few columns wide and stream the whole weight matrix (59 MB for 1280
+            // channels) once per tile. One gemm per sample instead, which gemm itself splits
+            // across the threads, so the weights are read about once per sample.
+            let ptr = OutPtr(out.as_mut_ptr());
+            let len = if self.pointwise() {
+                0
+            } else {
+                self.c_in * self.k * self.k * self.h_out * self.w_out
+            };
+            let mut col = vec![0.0f32; len];
+            let parallel = gemm::Parallelism::Rayon(threads);
+            for b in 0..n {
+                // SAFETY: one sample at a time, all of its rows.
+                unsafe { self.tile(ptr, &mut col, b, 0, self.h_out, parallel) };
+            }
+            return;
         }
         let tiles = self.h_out.div_ceil(rows);
         let ptr = OutPtr(out.as_mut_ptr());
@@ -251,7 +274,7 @@ impl Problem<'_> {
                 let row0 = tile * rows;
                 let row1 = (row0 + rows).min(self.h_out);
                 // SAFETY: tiles cover disjoint output rows of disjoint samples.
-                unsafe { self.tile(ptr, col, b, row0, row1) };
+                unsafe { self.tile(ptr, col, b, row0, row1, gemm::Parallelism::None) };
             },
         );
     }
@@ -261,7 +284,15 @@ impl Problem<'_> {
     /// # Safety
     /// `out` points to `n * c_out * h_out * w_out` floats, and no other thread writes rows
     /// `row0..row1` of sample `b`.
-    unsafe fn tile(&self, out: OutPtr, col: &mut [f32], b: usize, row0: usize, row1: usize) {
+    unsafe fn tile(
+        &self,
+        out: OutPtr,
+        col: &mut [f32],
+        b: usize,
+        row0: usize,
+        row1: usize,
+        parallelism: gemm::Parallelism,
+    ) {
         let plane_in = self.h * self.w;
         let plane_out = self.h_out * self.w_out;
         let cols = (row1 - row0) * self.w_out;
@@ -293,7 +324,7 @@ impl Problem<'_> {
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
     }
 

@@ -123,6 +123,24 @@ fn several_row_tiles_and_no_bias_match_burn() {
 }
 
 #[test]
+fn narrow_layers_on_several_threads_match_burn() {
+    // With 2 or more threads, an 8x8 or 16x16 output would make tiles under 256 positions:
+    // those run one sample at a time with gemm splitting the product (1 thread: row tiles).
+    for threads in [1, 2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            check(2, 64, 8, 8, 96, 3, 1, 1);
+            check(2, 32, 16, 16, 40, 1, 1, 0);
+            check(1, 8, 16, 16, 8, 3, 2, 1);
+            check_path(ConvPath::Im2col, [3, 20, 16, 12], 24, 3, 1, 1, false);
+        });
+    }
+}
+
+#[test]
 fn winograd_3x3_matches_burn() {
     let path = ConvPath::Winograd;
     check_path(path, [2, 16, 24, 24], 24, 3, 1, 1, true);
