@@ -4,7 +4,7 @@
 #   tools/fetch-evcxr.sh [DIR]
 #
 # DIR defaults to <repo>/.tools; the binary lands in DIR/bin/evcxr. It is `evcxr_repl` at the
-# version pinned below, built by `cargo install --locked` from crates.io (about 15-25 minutes on
+# version pinned below, built by `cargo install --locked` from crates.io (about 5 minutes on
 # 2 cores, once). Nothing is built when DIR/bin/evcxr or an `evcxr` on PATH already is that
 # version.
 set -euo pipefail
