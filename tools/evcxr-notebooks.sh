@@ -6,7 +6,7 @@
 #
 # Needs evcxr (tools/fetch-evcxr.sh installs the pinned version; evcxr_jupyter shares its
 # engine) and python3 (only to read the notebooks' JSON). The first run builds oxidiff inside evcxr, about ten minutes
-# here; EVCXR_TMPDIR (default ~/.cache/oxidiff-evcxr) keeps that build for the next run.
+# here; EVCXR_TMPDIR (default /tmp/oxidiff-evcxr) keeps that build for the next run.
 #
 # How: each code cell becomes one input line of `evcxr --disable-readline --ide-mode`, its line
 # breaks written as U+2028, which evcxr turns back into line breaks before evaluating the line as
@@ -26,8 +26,11 @@ if ! command -v "$evcxr" >/dev/null; then
     exit 1
 fi
 # Outside the repository: cargo refuses a crate inside the workspace's folder that is not one of
-# its members (the root package "." claims everything below it, whatever `exclude` says).
-export EVCXR_TMPDIR="${EVCXR_TMPDIR:-${XDG_CACHE_HOME:-$HOME/.cache}/oxidiff-evcxr}"
+# its members (the root package "." claims everything below it, whatever `exclude` says). And not
+# below $HOME: the run path evcxr's cell libraries get to the toolchain's libstd is computed from
+# `deps/` one folder deeper than where they are loaded from, one `..` too many, which only a
+# folder whose common ancestor with ~/.rustup is `/` absorbs (dlopen fails otherwise).
+export EVCXR_TMPDIR="${EVCXR_TMPDIR:-${TMPDIR:-/tmp}/oxidiff-evcxr}"
 mkdir -p "$EVCXR_TMPDIR"
 
 if [ "$#" -eq 0 ]; then
