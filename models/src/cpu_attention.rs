@@ -40,6 +40,7 @@ pub fn attention<B: Backend>(
     v: Tensor<B, 3>,
     heads: usize,
 ) -> Result<Tensor<B, 3>, Unhandled<B>> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let [b, s_q, inner] = q.dims();
     let [b_k, s_kv, inner_k] = k.dims();
     let f32_only = [&q, &k, &v].iter().all(|t| t.dtype() == DType::F32);
@@ -50,7 +51,7 @@ pub fn attention<B: Backend>(
         || v.dims() != k.dims()
         || (b_k, inner_k) != (b, inner)
         || s_kv == 0
-        || std::env::var_os("OXIDIFF_CPU_ATTENTION").is_some_and(|v| v == "burn")
+        || crate::cpu_elementwise::burn_requested("OXIDIFF_CPU_ATTENTION", &OFF)
     {
         return Err((q, k, v));
     }

@@ -14,9 +14,10 @@
 //! Each function applies only when the backend's float tensor is burn-flex's [`FlexTensor`] and
 //! the tensors are f32; otherwise it hands its input back (`Err`) and the caller uses Burn's
 //! operations. Other backends (the PJRT one, compiled traces) never see these kernels.
-//! `OXIDIFF_CPU_ELEMENTWISE=burn` turns them off, to compare.
+//! `OXIDIFF_CPU_ELEMENTWISE=burn` (read once) turns them off, to compare.
 
 use std::any::TypeId;
+use std::sync::OnceLock;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bytes, DType, Tensor};
@@ -29,11 +30,18 @@ use crate::cpu_conv::{from_flex, into_flex};
 /// Fewest elements worth a job of their own on rayon's pool.
 const MIN_JOB: usize = 16 * 1024;
 
+/// Whether the environment variable `var` asks for Burn's own kernel (`var=burn`), read once:
+/// the CPU kernels ask on every call.
+pub(crate) fn burn_requested(var: &str, cell: &'static OnceLock<bool>) -> bool {
+    *cell.get_or_init(|| std::env::var_os(var).is_some_and(|v| v == "burn"))
+}
+
 /// Whether the kernels apply to backend `B` and these tensors.
 fn applies<B: Backend>(dtypes: &[DType]) -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
     TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
         && dtypes.iter().all(|d| *d == DType::F32)
-        && std::env::var_os("OXIDIFF_CPU_ELEMENTWISE").is_none_or(|v| v != "burn")
+        && !burn_requested("OXIDIFF_CPU_ELEMENTWISE", &OFF)
 }
 
 /// How many rows of `row_len` elements one job takes: about four jobs per thread, none smaller
