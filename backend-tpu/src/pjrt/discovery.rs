@@ -16,7 +16,6 @@ use std::env;
 use std::path::{Path, PathBuf};
 
 use super::error::{Error, Result};
-use super::plugin::Plugin;
 
 /// The pinned plugin packages `tools/fetch-plugins.sh` installs.
 pub const CPU_PLUGIN_PACKAGE: &str = "lammps-jax-pjrt-cpu";
@@ -212,17 +211,6 @@ impl PluginSearch {
         self
     }
 
-    /// Finds and loads the plugin for `name` (a kind name or a path).
-    pub fn load(&self, name: &str) -> Result<Plugin> {
-        if looks_like_path(name) {
-            return Plugin::load(name);
-        }
-        let kind = PluginKind::from_name(name)
-            .ok_or_else(|| Error::UnknownPluginName(name.to_string()))?;
-        let path = self.locate(kind)?;
-        Plugin::load_as(path, Some(kind))
-    }
-
     /// The plugin file for `kind`, or an error listing every place searched
     /// and how to install one.
     pub fn locate(&self, kind: PluginKind) -> Result<PathBuf> {
@@ -293,7 +281,7 @@ impl PluginSearch {
     }
 }
 
-fn looks_like_path(name: &str) -> bool {
+pub(super) fn looks_like_path(name: &str) -> bool {
     name.contains('/') || name.ends_with(".so")
 }
 

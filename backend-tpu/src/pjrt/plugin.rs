@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::api::{pjrt_call, read_named_values, Api, NamedValue};
-use super::discovery::{PluginKind, PluginSearch};
+use super::discovery::{looks_like_path, PluginKind, PluginSearch};
 use super::error::{Error, Result};
 use super::ffi::{self, Padded};
 
@@ -182,6 +182,20 @@ impl Plugin {
 
     pub(crate) fn api(&self) -> &Api {
         &self.inner.api
+    }
+}
+
+/// Loading is the plugin's side of a search: [`PluginSearch`] only finds files.
+impl PluginSearch {
+    /// Finds and loads the plugin for `name` (a kind name or a path).
+    pub fn load(&self, name: &str) -> Result<Plugin> {
+        if looks_like_path(name) {
+            return Plugin::load(name);
+        }
+        let kind = PluginKind::from_name(name)
+            .ok_or_else(|| Error::UnknownPluginName(name.to_string()))?;
+        let path = self.locate(kind)?;
+        Plugin::load_as(path, Some(kind))
     }
 }
 
