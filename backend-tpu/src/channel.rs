@@ -163,6 +163,15 @@ impl RunnerChannel for OxiChannel {
     }
 }
 
+/// The eager client of a PJRT device (for its [`Stats`](crate::eager::Stats) and test hooks such as
+/// [`PjrtClient::inject_fault`]); `None` for the CPU device.
+pub fn pjrt_client(device: &OxiDevice) -> Option<PjrtClient> {
+    match burn_router::get_client::<OxiChannel>(device) {
+        OxiClient::Pjrt(client) => Some(client),
+        OxiClient::Cpu(_) => None,
+    }
+}
+
 /// Runs a future to completion on this thread (reads here are ready at once
 /// or finish on another thread that wakes this one).
 pub(crate) fn block_on<F: Future>(future: F) -> F::Output {

@@ -9,49 +9,8 @@ use std::sync::{Mutex, OnceLock};
 use burn_backend::backend::Device;
 use burn_backend::{DeviceId, DeviceOps};
 
-use crate::pjrt::PluginKind;
-
-/// The PJRT plugin a device belongs to.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum PjrtPlatform {
-    /// XLA's CPU plugin (`xla:cpu`): a PJRT device on the host, for tests and
-    /// for checking lowerings without an accelerator.
-    XlaCpu,
-    /// libtpu.
-    Tpu,
-    /// XLA's CUDA plugin.
-    Cuda,
-    /// A plugin file given by path.
-    Path(PathBuf),
-}
-
-impl PjrtPlatform {
-    /// The name [`Plugin::discover`](crate::pjrt::Plugin::discover) takes.
-    pub fn plugin_name(&self) -> String {
-        match self {
-            Self::XlaCpu => "xla:cpu".into(),
-            Self::Tpu => "tpu".into(),
-            Self::Cuda => "cuda".into(),
-            Self::Path(path) => path.display().to_string(),
-        }
-    }
-
-    /// The plugin kind, when the platform names one.
-    pub fn kind(&self) -> Option<PluginKind> {
-        match self {
-            Self::XlaCpu => Some(PluginKind::XlaCpu),
-            Self::Tpu => Some(PluginKind::Tpu),
-            Self::Cuda => Some(PluginKind::Cuda),
-            Self::Path(_) => None,
-        }
-    }
-}
-
-impl fmt::Display for PjrtPlatform {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.plugin_name())
-    }
-}
+use crate::platform::shared_client;
+pub use crate::platform::PjrtPlatform;
 
 /// A device of the [`Oxi`](crate::Oxi) backend.
 ///
@@ -123,7 +82,7 @@ impl OxiDevice {
         let Self::Pjrt { platform, index } = self else {
             return Ok(());
         };
-        let client = crate::eager::shared_client(platform).map_err(|cause| DeviceError::Pjrt {
+        let client = shared_client(platform).map_err(|cause| DeviceError::Pjrt {
             device: self.to_string(),
             cause,
         })?;

@@ -14,47 +14,20 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, Shape, TensorData};
-use burn_ir::{OperationIr, ScalarIr, TensorId, TensorIr, TensorStatus};
+use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, TensorData};
+use burn_ir::{OperationIr, TensorId, TensorIr, TensorStatus};
 
 use crate::device::{OxiDevice, PjrtPlatform};
+use crate::host::{dims_i64, host_layout, read_buffer, scalar_bytes};
 use crate::lowering::{self, element_type, Argument, LoweredFunction};
-use crate::pjrt::{
-    self, Buffer, Client, CompileOptions, Device, ElementType, LoadedExecutable, NamedValue, Plugin,
-};
+use crate::pjrt::{self, Buffer, Client, CompileOptions, Device, ElementType, LoadedExecutable};
+pub use crate::platform::{shared_client, XLA_CPU_DEVICES_ENV};
+use crate::recording;
 
 /// At most this many scalar buffers are kept per device.
 const SCALAR_CACHE_SIZE: usize = 4096;
-
-/// Environment variable: how many devices the XLA CPU plugin shows (default 2).
-pub const XLA_CPU_DEVICES_ENV: &str = "OXIDIFF_XLA_CPU_DEVICES";
-
-/// The process-wide PJRT client of a platform, created on first use.
-pub fn shared_client(platform: &PjrtPlatform) -> pjrt::Result<Client> {
-    type Clients = Mutex<HashMap<PjrtPlatform, Client>>;
-    static CLIENTS: OnceLock<Clients> = OnceLock::new();
-    let mut clients = CLIENTS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(client) = clients.get(platform) {
-        return Ok(client.clone());
-    }
-    let plugin = Plugin::discover(&platform.plugin_name())?;
-    let client = if plugin.kind() == Some(pjrt::PluginKind::XlaCpu) {
-        let count = std::env::var(XLA_CPU_DEVICES_ENV)
-            .ok()
-            .and_then(|v| v.parse::<i64>().ok())
-            .unwrap_or(2);
-        plugin.client_with_options(&[("cpu_device_count", NamedValue::Int64(count))])?
-    } else {
-        plugin.client()?
-    };
-    clients.insert(platform.clone(), client.clone());
-    Ok(client)
-}
 
 /// The eager client of one PJRT device. Cheap to clone.
 #[derive(Clone)]
@@ -197,8 +170,8 @@ impl PjrtClient {
     /// Executes `op` now, recording any failure (module docs).
     pub fn register_op(&self, op: OperationIr) {
         // While this thread traces a compiled function for this device, the
-        // op is recorded instead (see `compiled`).
-        let Some(op) = crate::compiled::intercept(op, || self.device()) else {
+        // op is recorded instead (see [`recording`]).
+        let Some(op) = recording::intercept(op, || self.device()) else {
             return;
         };
         let mut state = self.state();
@@ -413,7 +386,7 @@ impl PjrtClient {
     /// Copies a tensor to the host; frees it when the read consumes it. The
     /// first recorded error, if any, is returned instead (and cleared).
     pub fn read_tensor(&self, tensor: TensorIr) -> Result<TensorData, ExecutionError> {
-        if crate::compiled::is_tracing(&self.device()) {
+        if recording::is_tracing(&self.device()) {
             return Err(ExecutionError::WithContext {
                 reason: format!(
                     "tensor {} on {} was read while tracing a compiled function: a compiled function cannot depend on tensor values on the host; compute it on the device or pass it as an input",
@@ -462,69 +435,5 @@ impl PjrtClient {
             })?;
         }
         Ok(())
-    }
-}
-
-fn dims_i64(dims: &[usize]) -> Vec<i64> {
-    dims.iter().map(|&d| d as i64).collect()
-}
-
-/// The PJRT element type and the data laid out as PJRT reads it.
-fn host_layout(data: &TensorData) -> OpResult<(ElementType, std::borrow::Cow<'_, TensorData>)> {
-    match data.dtype {
-        DType::Flex32 => Ok((
-            ElementType::F32,
-            std::borrow::Cow::Owned(data.clone().convert_dtype(DType::F32)),
-        )),
-        dtype => match element_type(dtype) {
-            Some(elem) => Ok((elem, std::borrow::Cow::Borrowed(data))),
-            None => Err(format!(
-                "tensors of dtype {dtype:?} cannot live on a PJRT device"
-            )),
-        },
-    }
-}
-
-/// A buffer as Burn data of `dtype`, read into a vector of the element
-/// type (so the data is aligned for Burn without another copy).
-fn read_buffer(buffer: &Buffer, shape: Shape, dtype: DType) -> pjrt::Result<TensorData> {
-    Ok(match dtype {
-        DType::F32 | DType::Flex32 => TensorData::new(buffer.to_vec::<f32>()?, shape),
-        DType::F64 => TensorData::new(buffer.to_vec::<f64>()?, shape),
-        DType::F16 => TensorData::new(buffer.to_vec::<half::f16>()?, shape),
-        DType::BF16 => TensorData::new(buffer.to_vec::<half::bf16>()?, shape),
-        DType::I64 => TensorData::new(buffer.to_vec::<i64>()?, shape),
-        DType::I32 => TensorData::new(buffer.to_vec::<i32>()?, shape),
-        DType::I16 => TensorData::new(buffer.to_vec::<i16>()?, shape),
-        DType::I8 => TensorData::new(buffer.to_vec::<i8>()?, shape),
-        DType::U64 => TensorData::new(buffer.to_vec::<u64>()?, shape),
-        DType::U32 => TensorData::new(buffer.to_vec::<u32>()?, shape),
-        DType::U16 => TensorData::new(buffer.to_vec::<u16>()?, shape),
-        other => TensorData::from_bytes_vec(buffer.to_host()?, shape, other),
-    })
-}
-
-/// A scalar as the bytes of a rank-0 array of `elem`.
-pub(crate) fn scalar_bytes(scalar: ScalarIr, elem: ElementType) -> Vec<u8> {
-    let (f, i, u, b) = match scalar {
-        ScalarIr::Float(v) => (v, v as i64, v as u64, v != 0.0),
-        ScalarIr::Int(v) => (v as f64, v, v as u64, v != 0),
-        ScalarIr::UInt(v) => (v as f64, v as i64, v, v != 0),
-        ScalarIr::Bool(v) => (f64::from(u8::from(v)), i64::from(v), u64::from(v), v),
-    };
-    match elem {
-        ElementType::F32 => (f as f32).to_le_bytes().to_vec(),
-        ElementType::F64 => f.to_le_bytes().to_vec(),
-        ElementType::F16 => half::f16::from_f64(f).to_le_bytes().to_vec(),
-        ElementType::BF16 => half::bf16::from_f64(f).to_le_bytes().to_vec(),
-        ElementType::S8 => (i as i8).to_le_bytes().to_vec(),
-        ElementType::S16 => (i as i16).to_le_bytes().to_vec(),
-        ElementType::S32 => (i as i32).to_le_bytes().to_vec(),
-        ElementType::S64 => i.to_le_bytes().to_vec(),
-        ElementType::U8 => (u as u8).to_le_bytes().to_vec(),
-        ElementType::U16 => (u as u16).to_le_bytes().to_vec(),
-        ElementType::U32 => (u as u32).to_le_bytes().to_vec(),
-        ElementType::U64 => u.to_le_bytes().to_vec(),
-        ElementType::Pred => vec![u8::from(b)],
     }
 }

@@ -15,6 +15,7 @@ use std::sync::Mutex;
 
 use burn_router::{RouterTensor, RunnerClient};
 
+use crate::channel::pjrt_client;
 use crate::device::OxiDevice;
 use crate::eager::PjrtClient;
 use crate::pjrt::{self, Buffer};
@@ -260,7 +261,7 @@ impl SpmdPlacement {
         mesh: Mesh,
         split: &[(TensorId, Layout)],
     ) -> Result<Self, String> {
-        let client = crate::pjrt_client(device)
+        let client = pjrt_client(device)
             .ok_or_else(|| format!("{device} is not a PJRT device: parallelism needs one"))?;
         let (pjrt_client, first) = client.target().map_err(|e| e.to_string())?;
         let first = first.index();

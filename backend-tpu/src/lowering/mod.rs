@@ -258,10 +258,9 @@ impl Lowerer {
     /// argument (a weight, not a value computed in the function) as
     /// [`Argument::Permuted`] in the layout `[spatial.., in, out]` instead of
     /// Burn's `[out, in, spatial..]`. XLA's CPU convolutions want that layout
-    /// and otherwise transpose every kernel on every call (about 2 GB for the
-    /// SD 1.5 UNet, a quarter of its step time on one core, and as much
-    /// scratch memory); a caller that runs one program many times, like
-    /// compiled mode, prepares the permuted kernels once.
+    /// and otherwise transpose every kernel on every call; a caller that runs
+    /// one program many times, like compiled mode, prepares the permuted
+    /// kernels once.
     pub fn with_kernels_last() -> Self {
         Self {
             kernels_last: true,

@@ -245,11 +245,9 @@ pub const XLA_CPU_FLAGS_ENV: &str = "OXIDIFF_XLA_CPU_FLAGS";
 /// The XLA flags oxidiff sets for XLA's CPU plugin unless [`XLA_CPU_FLAGS_ENV`] says otherwise.
 ///
 /// - `--xla_cpu_experimental_ynn_fusion_type=-individual_convolution`: XLA 0.11's CPU
-///   backend hands each convolution to YNNPACK by default, which on one core was 3.8x slower
-///   than its Eigen convolution on the UNet's deep layers (3x3, 1280 channels, 8x8: 91 ms
-///   against 24 ms) and no faster on the wide ones; dots and the attention chain stay on
-///   YNNPACK, where they are fast. SD 1.5 UNet step at 256x256, one pinned core: 5.1 s to
-///   3.7-4.4 s of CPU time.
+///   backend hands each convolution to YNNPACK by default, which is slower than its Eigen
+///   convolution on the UNet's deep layers; dots and attention stay on YNNPACK
+///   (`docs/backend.md` has the measurements).
 ///
 /// A flag is only passed when the plugin's library knows its name: XLA aborts the process on
 /// an unknown flag, and other plugin versions name their options differently.

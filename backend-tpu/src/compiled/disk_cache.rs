@@ -1,0 +1,164 @@
+//! The disk cache phase: executables serialized under a hash of the module
+//! text and of the plugin, compiler flags and device, so a later process
+//! loads instead of compiling. Each entry carries its key, length and
+//! checksum, checked before the plugin sees the bytes.
+
+use std::path::Path;
+
+use super::log_compiles;
+use crate::pjrt::{self, LoadedExecutable};
+
+/// FNV-1a, 64 bits: a hash that is the same in every process and build.
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for part in parts {
+        for &byte in part.iter().chain(&(part.len() as u64).to_le_bytes()) {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    hash
+}
+
+/// The on-disk cache key of `module` compiled by `client` for `device_id`:
+/// the module's hash and that of the plugin version and device.
+pub(super) fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> String {
+    // The compiler's options are part of the target: an executable built under other
+    // `XLA_FLAGS` (oxidiff's XLA CPU defaults included, set before the plugin loaded) or
+    // `LIBTPU_INIT_ARGS` is not the one this process would build.
+    let flags = |name: &str| std::env::var(name).unwrap_or_default();
+    let target = fnv1a(&[
+        client.platform_name().as_bytes(),
+        client.platform_version().as_bytes(),
+        &device_id.to_le_bytes(),
+        env!("CARGO_PKG_VERSION").as_bytes(),
+        flags("XLA_FLAGS").as_bytes(),
+        flags("LIBTPU_INIT_ARGS").as_bytes(),
+    ]);
+    format!("{:016x}-{target:016x}", fnv1a(&[module.as_bytes()]))
+}
+
+/// The first bytes of an on-disk cache entry; the number is the format's
+/// version.
+const CACHE_MAGIC: &[u8; 16] = b"oxidiff-pjrt-v1\n";
+
+/// An on-disk cache entry: [`CACHE_MAGIC`], the key (u32 length, bytes),
+/// the payload's length (u64) and FNV-1a hash (u64), then the plugin's
+/// serialized executable. The plugin never sees bytes whose length or hash
+/// do not match (a truncated or corrupted file could crash it).
+fn encode_entry(key: &str, payload: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(payload.len() + key.len() + 40);
+    bytes.extend_from_slice(CACHE_MAGIC);
+    bytes.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(key.as_bytes());
+    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&fnv1a(&[payload]).to_le_bytes());
+    bytes.extend_from_slice(payload);
+    bytes
+}
+
+/// The payload of an entry written by [`encode_entry`] for `key`, or why it
+/// is not one.
+fn decode_entry<'a>(bytes: &'a [u8], key: &str) -> Result<&'a [u8], String> {
+    fn take<'b>(bytes: &mut &'b [u8], n: usize) -> Result<&'b [u8], String> {
+        if bytes.len() < n {
+            return Err("truncated header".to_string());
+        }
+        let (head, rest) = bytes.split_at(n);
+        *bytes = rest;
+        Ok(head)
+    }
+    fn word<const N: usize>(bytes: &mut &[u8]) -> Result<[u8; N], String> {
+        take(bytes, N).map(|b| b.try_into().expect("N bytes"))
+    }
+    let mut rest = bytes;
+    if take(&mut rest, CACHE_MAGIC.len())? != CACHE_MAGIC {
+        return Err("not an oxidiff cache entry of this version".to_string());
+    }
+    let key_len = u32::from_le_bytes(word(&mut rest)?) as usize;
+    if take(&mut rest, key_len)? != key.as_bytes() {
+        return Err("written for another module or plugin (stale)".to_string());
+    }
+    let len = u64::from_le_bytes(word(&mut rest)?);
+    let hash = u64::from_le_bytes(word(&mut rest)?);
+    if rest.len() as u64 != len {
+        return Err(format!(
+            "truncated or padded: {} payload bytes, the header says {len}",
+            rest.len()
+        ));
+    }
+    if fnv1a(&[rest]) != hash {
+        return Err("corrupt: the payload's checksum does not match".to_string());
+    }
+    Ok(rest)
+}
+
+/// The executable cached at `path`: `Ok(None)` when there is no entry,
+/// `Err(why)` when there is one that cannot be used.
+pub(super) fn load_executable(
+    path: &Path,
+    key: &str,
+    client: &pjrt::Client,
+    outputs: usize,
+) -> Result<Option<LoadedExecutable>, String> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("unreadable ({e})")),
+    };
+    let payload = decode_entry(&bytes, key)?;
+    let exe = client
+        .deserialize_and_load(payload)
+        .map_err(|e| format!("the plugin did not load it ({e})"))?;
+    if exe.num_outputs() != outputs {
+        return Err(format!(
+            "it has {} outputs, the program {outputs}",
+            exe.num_outputs()
+        ));
+    }
+    Ok(Some(exe))
+}
+
+/// Writes `exe` to `path` (through a temporary file, so a reader never sees
+/// half a file). Failures only cost a compile later, so they are logged.
+pub(super) fn store_executable(path: &Path, key: &str, exe: &LoadedExecutable) {
+    let result = (|| -> Result<(), String> {
+        let bytes = encode_entry(key, &exe.serialize().map_err(|e| e.to_string())?);
+        let dir = path.parent().ok_or("no directory")?;
+        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, bytes).map_err(|e| e.to_string())?;
+        std::fs::rename(&tmp, path).map_err(|e| e.to_string())
+    })();
+    if let Err(e) = result {
+        if log_compiles() {
+            eprintln!(
+                "oxidiff: storing a compiled executable in {} failed: {e}",
+                path.display()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_entries_round_trip_and_damage_is_detected() {
+        let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let entry = encode_entry("k1", &payload);
+        assert_eq!(decode_entry(&entry, "k1").unwrap(), &payload[..]);
+        assert!(decode_entry(&entry, "k2").unwrap_err().contains("stale"));
+        assert!(decode_entry(&entry[..entry.len() - 1], "k1")
+            .unwrap_err()
+            .contains("truncated"));
+        assert!(decode_entry(&entry[..10], "k1").is_err());
+        let mut flipped = entry.clone();
+        *flipped.last_mut().unwrap() ^= 1;
+        assert!(decode_entry(&flipped, "k1")
+            .unwrap_err()
+            .contains("corrupt"));
+        assert!(decode_entry(b"garbage", "k1").is_err());
+    }
+}

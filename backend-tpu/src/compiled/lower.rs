@@ -1,0 +1,73 @@
+//! The lower phase: a recording (inputs, ops, outputs) to one StableHLO
+//! function through the shared [`Lowerer`].
+
+use burn_ir::{OperationIr, TensorId, TensorIr};
+
+use super::tensors::Tensors;
+use super::{kernels_last, CompileError, CompiledFn};
+use crate::lowering::{LowerError, LoweredFunction, Lowerer};
+
+impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
+    /// Lowers a trace: inputs first, then the ops; an output nothing
+    /// computed (a captured tensor returned as is) becomes an argument too.
+    pub(super) fn lower(
+        &self,
+        inputs: &[TensorIr],
+        ops: &[OperationIr],
+        outputs: &[TensorIr],
+    ) -> Result<LoweredFunction, CompileError> {
+        // Kernels in the convolutions' layout, permuted once when the sources
+        // are gathered; a partitioned program keeps Burn's layout, which its
+        // shardings name.
+        let lowerer = if self.spmd.is_none() && kernels_last() {
+            Lowerer::with_kernels_last()
+        } else {
+            Lowerer::new()
+        };
+        lower_recorded_with(lowerer, inputs, ops, outputs).map_err(|source| CompileError::Lower {
+            name: self.name.clone(),
+            source,
+        })
+    }
+}
+
+/// Lowers a recorded program into one StableHLO function: `inputs` become
+/// `%arg0..` in order, then `ops` are lowered; every tensor an op reads that
+/// is neither an input nor produced by an op (a captured weight) becomes a
+/// further argument ([`Argument::Tensor`]), and so does an output nothing
+/// computed. Compiled mode lowers its traces with this, and ahead-of-time
+/// compilation can lower a recording of the [`Traced`](crate::trace::Traced)
+/// backend the same way.
+pub fn lower_recorded(
+    inputs: &[TensorIr],
+    ops: &[OperationIr],
+    outputs: &[TensorIr],
+) -> Result<LoweredFunction, LowerError> {
+    lower_recorded_with(Lowerer::new(), inputs, ops, outputs)
+}
+
+/// [`lower_recorded`] with a configured `lowerer` (such as
+/// [`Lowerer::with_kernels_last`]).
+pub fn lower_recorded_with(
+    mut lowerer: Lowerer,
+    inputs: &[TensorIr],
+    ops: &[OperationIr],
+    outputs: &[TensorIr],
+) -> Result<LoweredFunction, LowerError> {
+    for ir in inputs {
+        lowerer.declare_input(ir)?;
+    }
+    for op in ops {
+        if matches!(op, OperationIr::Init(_) | OperationIr::Drop(_)) {
+            continue;
+        }
+        lowerer.lower(op)?;
+    }
+    for ir in outputs {
+        if !lowerer.has_value(ir.id) {
+            lowerer.declare_input(ir)?;
+        }
+    }
+    let ids: Vec<TensorId> = outputs.iter().map(|t| t.id).collect();
+    lowerer.finish(&ids)
+}
