@@ -160,8 +160,7 @@ pub struct CompiledFn<I, O, F> {
     /// Partitioned over a device mesh, when set.
     spmd: Option<SpmdRun>,
     /// Captured convolution kernels in the layout the programs take them
-    /// ([`Lowerer::with_kernels_last`](crate::lowering::Lowerer::with_kernels_last)),
-    /// made on the first trace that needs
+    /// (`Lowerer::with_kernels_last`), made on the first trace that needs
     /// them, by tensor and permutation.
     kernels: Mutex<PermutedKernels>,
     _io: PhantomData<fn(I) -> O>,

@@ -13,7 +13,7 @@ use super::tensors::Tensors;
 use super::{CompileError, CompiledFn, Program};
 use crate::device::OxiDevice;
 use crate::eager::PjrtClient;
-use crate::pjrt::{self, Buffer, ElementType};
+use crate::pjrt::{self, Buffer};
 use crate::spmd::Layout;
 
 impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
