@@ -28,6 +28,7 @@ pub mod t5;
 pub mod tokenizer;
 pub mod transformer_flux;
 pub mod transformer_sd3;
+pub mod unet_2d_blocks;
 pub mod unet_2d_condition;
 pub mod weights;
 

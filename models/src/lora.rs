@@ -650,7 +650,7 @@ impl<B: Backend> LoraTarget<B> for UNet2DConditionModel<B> {
     /// `output_blocks_2_2_conv`, `label_emb_0_0`, ... This maps them the way diffusers'
     /// `_maybe_map_sgm_blocks_to_diffusers` and `_convert_unet_lora_key` do.
     fn kohya_alias(&self, name: &str) -> Option<String> {
-        let per = self.down_blocks.first()?.resnets.len() + 1;
+        let per = self.down_blocks.first()?.resnets().len() + 1;
         let fixed = [
             ("input_blocks_0_0", "conv_in"),
             ("out_2", "conv_out"),
@@ -698,7 +698,7 @@ impl<B: Backend> LoraTarget<B> for UNet2DConditionModel<B> {
             let (i, rest) = leading_number(rest)?;
             let (j, rest) = leading_number(rest)?;
             let (block, layer) = (i / per, i % per);
-            let has_attentions = !self.up_blocks.get(block)?.attentions.is_empty();
+            let has_attentions = !self.up_blocks.get(block)?.attentions().is_empty();
             return match (j, rest) {
                 (0, rest) => Some(format!(
                     "up_blocks_{block}_resnets_{layer}_{}",
