@@ -17,7 +17,7 @@ use crate::weights::VarBuilder;
 ///
 /// Heads are split, attended with Burn's fused `attention` op (one op in the backend, so the
 /// PJRT lowering and CPU kernels can fuse it), and merged back; on burn-flex in f32,
-/// [`crate::cpu_attention`] reads the heads in place instead.
+/// [`crate::cpu::attention`] reads the heads in place instead.
 pub fn multi_head_attention<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -44,7 +44,7 @@ pub fn multi_head_attention_with_bias<B: Backend>(
 /// norms, products and residual sums that follow read it in order), Burn's `swap_dims` view
 /// elsewhere.
 fn swap_seq<B: Backend>(t: Tensor<B, 3>) -> Tensor<B, 3> {
-    crate::cpu_elementwise::transpose(t).unwrap_or_else(|t| t.swap_dims(1, 2))
+    crate::cpu::elementwise::transpose(t).unwrap_or_else(|t| t.swap_dims(1, 2))
 }
 
 fn attend<B: Backend>(
@@ -57,7 +57,7 @@ fn attend<B: Backend>(
 ) -> Tensor<B, 3> {
     // On burn-flex in f32 without bias or mask: heads read in place, gemm-based blocks.
     let (q, k, v) = if bias.is_none() && !causal {
-        match crate::cpu_attention::attention(q, k, v, heads) {
+        match crate::cpu::attention::attention(q, k, v, heads) {
             Ok(out) => return out,
             Err(inputs) => inputs,
         }
@@ -240,7 +240,7 @@ impl<B: Backend> FeedForward<B> {
                 hidden * burn::tensor::activation::gelu(gate)
             }
             FeedForwardActivation::Geglu => {
-                let projected = match crate::cpu_elementwise::geglu(projected) {
+                let projected = match crate::cpu::elementwise::geglu(projected) {
                     Ok(hidden) => return self.proj_out.forward(hidden),
                     Err(projected) => projected,
                 };

@@ -11,9 +11,7 @@ pub mod attention;
 pub mod autoencoder_kl;
 pub mod clip;
 pub mod config;
-pub mod cpu_attention;
-pub mod cpu_conv;
-pub mod cpu_elementwise;
+pub mod cpu;
 pub mod device;
 pub mod dtype;
 pub mod embeddings;
@@ -30,6 +28,7 @@ pub mod t5;
 pub mod tokenizer;
 pub mod transformer_flux;
 pub mod transformer_sd3;
+pub mod unet_2d_blocks;
 pub mod unet_2d_condition;
 pub mod weights;
 

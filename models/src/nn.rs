@@ -10,8 +10,8 @@ use burn::tensor::module::{conv2d, embedding, linear};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Int, Tensor};
 
-use crate::cpu_conv::{self, ConvGeometry};
-use crate::cpu_elementwise;
+use crate::cpu::conv::{self as cpu_conv, ConvGeometry};
+use crate::cpu::elementwise as cpu_elementwise;
 use crate::error::{ModelError, Result};
 use crate::weights::VarBuilder;
 
@@ -86,7 +86,7 @@ impl<B: Backend> Conv2d<B> {
         })
     }
 
-    /// On burn-flex in f32 through [`crate::cpu_conv`] (NCHW, no per-call weight or layout
+    /// On burn-flex in f32 through [`crate::cpu::conv`] (NCHW, no per-call weight or layout
     /// copies), elsewhere Burn's `conv2d`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let weight = self.weight.val();

@@ -112,10 +112,38 @@ impl FluxTransformer2DConfig {
     }
 }
 
-/// diffusers' `FluxAttention`: q/k/v of the image stream with per-head RMS norms
-/// (`norm_q`, `norm_k`), and in double-stream blocks the text stream's own projections
-/// (`add_*_proj`, `norm_added_*`) and output (`to_add_out`). Single-stream blocks have no
-/// output projection (`pre_only`): their `proj_out` takes the attention output.
+/// `[batch, seq, inner]` to `[batch, heads, seq, head_dim]`.
+fn split_heads<B: Backend>(x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
+    let [b, s, inner] = x.dims();
+    x.reshape([b, s, heads, inner / heads]).swap_dims(1, 2)
+}
+
+/// q, k, v of one stream, heads split, q and k RMS-normed.
+fn qkv<B: Backend>(
+    x: Tensor<B, 3>,
+    (q, k, v): (&Linear<B>, &Linear<B>, &Linear<B>),
+    (norm_q, norm_k): (&RMSNorm<B>, &RMSNorm<B>),
+    heads: usize,
+) -> [Tensor<B, 4>; 3] {
+    [
+        norm_q.forward(split_heads(q.forward(x.clone()), heads)),
+        norm_k.forward(split_heads(k.forward(x.clone()), heads)),
+        split_heads(v.forward(x), heads),
+    ]
+}
+
+/// Rotates q and k, attends, merges heads: `[batch, seq, inner]`.
+fn attend<B: Backend>([q, k, v]: [Tensor<B, 4>; 3], rope: &RotaryEmbedding<B>) -> Tensor<B, 3> {
+    let q = apply_rotary_emb(q, rope);
+    let k = apply_rotary_emb(k, rope);
+    let out = scaled_dot_product_attention(q, k, v);
+    let [b, h, s, d] = out.dims();
+    out.swap_dims(1, 2).reshape([b, s, h * d])
+}
+
+/// diffusers' `FluxAttention` of a double-stream block: q/k/v of the image stream with
+/// per-head RMS norms (`norm_q`, `norm_k`), the text stream's own projections (`add_*_proj`,
+/// `norm_added_*`), and an output projection for each (`to_out`, `to_add_out`).
 #[derive(Module, Debug)]
 pub struct FluxAttention<B: Backend> {
     pub to_q: Linear<B>,
@@ -123,94 +151,41 @@ pub struct FluxAttention<B: Backend> {
     pub to_v: Linear<B>,
     pub norm_q: RMSNorm<B>,
     pub norm_k: RMSNorm<B>,
-    pub to_out: Option<Linear<B>>,
-    pub add_q_proj: Option<Linear<B>>,
-    pub add_k_proj: Option<Linear<B>>,
-    pub add_v_proj: Option<Linear<B>>,
-    pub norm_added_q: Option<RMSNorm<B>>,
-    pub norm_added_k: Option<RMSNorm<B>>,
-    pub to_add_out: Option<Linear<B>>,
+    pub to_out: Linear<B>,
+    pub add_q_proj: Linear<B>,
+    pub add_k_proj: Linear<B>,
+    pub add_v_proj: Linear<B>,
+    pub norm_added_q: RMSNorm<B>,
+    pub norm_added_k: RMSNorm<B>,
+    pub to_add_out: Linear<B>,
     pub heads: usize,
 }
 
 impl<B: Backend> FluxAttention<B> {
-    /// `joint`: a double-stream block's attention (text projections and both outputs).
-    fn load(
-        vb: &VarBuilder<B>,
-        dim: usize,
-        heads: usize,
-        head_dim: usize,
-        joint: bool,
-    ) -> Result<Self> {
+    fn load(vb: &VarBuilder<B>, dim: usize, heads: usize, head_dim: usize) -> Result<Self> {
         let inner = heads * head_dim;
         let linear = |name: &str, d_in, d_out| Linear::load(&vb.pp(name), d_in, d_out, true);
         let norm = |name: &str| RMSNorm::load(&vb.pp(name), head_dim, 1e-6, true);
-        let opt_linear = |name: &str, d_in, d_out| -> Result<Option<Linear<B>>> {
-            joint.then(|| linear(name, d_in, d_out)).transpose()
-        };
-        let opt_norm =
-            |name: &str| -> Result<Option<RMSNorm<B>>> { joint.then(|| norm(name)).transpose() };
         Ok(Self {
             to_q: linear("to_q", dim, inner)?,
             to_k: linear("to_k", dim, inner)?,
             to_v: linear("to_v", dim, inner)?,
             norm_q: norm("norm_q")?,
             norm_k: norm("norm_k")?,
-            to_out: opt_linear("to_out.0", inner, dim)?,
-            add_q_proj: opt_linear("add_q_proj", dim, inner)?,
-            add_k_proj: opt_linear("add_k_proj", dim, inner)?,
-            add_v_proj: opt_linear("add_v_proj", dim, inner)?,
-            norm_added_q: opt_norm("norm_added_q")?,
-            norm_added_k: opt_norm("norm_added_k")?,
-            to_add_out: opt_linear("to_add_out", inner, dim)?,
+            to_out: linear("to_out.0", inner, dim)?,
+            add_q_proj: linear("add_q_proj", dim, inner)?,
+            add_k_proj: linear("add_k_proj", dim, inner)?,
+            add_v_proj: linear("add_v_proj", dim, inner)?,
+            norm_added_q: norm("norm_added_q")?,
+            norm_added_k: norm("norm_added_k")?,
+            to_add_out: linear("to_add_out", inner, dim)?,
             heads,
         })
     }
 
-    /// `[batch, seq, inner]` to `[batch, heads, seq, head_dim]`.
-    fn split_heads(&self, x: Tensor<B, 3>) -> Tensor<B, 4> {
-        let [b, s, inner] = x.dims();
-        x.reshape([b, s, self.heads, inner / self.heads])
-            .swap_dims(1, 2)
-    }
-
-    /// q, k, v of one stream, heads split, q and k RMS-normed.
-    fn qkv(
-        &self,
-        x: Tensor<B, 3>,
-        (q, k, v): (&Linear<B>, &Linear<B>, &Linear<B>),
-        (norm_q, norm_k): (&RMSNorm<B>, &RMSNorm<B>),
-    ) -> [Tensor<B, 4>; 3] {
-        [
-            norm_q.forward(self.split_heads(q.forward(x.clone()))),
-            norm_k.forward(self.split_heads(k.forward(x.clone()))),
-            self.split_heads(v.forward(x)),
-        ]
-    }
-
-    /// Rotates q and k, attends, merges heads: `[batch, seq, inner]`.
-    fn attend(&self, [q, k, v]: [Tensor<B, 4>; 3], rope: &RotaryEmbedding<B>) -> Tensor<B, 3> {
-        let q = apply_rotary_emb(q, rope);
-        let k = apply_rotary_emb(k, rope);
-        let out = scaled_dot_product_attention(q, k, v);
-        let [b, h, s, d] = out.dims();
-        out.swap_dims(1, 2).reshape([b, s, h * d])
-    }
-
-    /// Self-attention of a single-stream block over the joined sequence (no output
-    /// projection).
-    fn forward_single(&self, x: Tensor<B, 3>, rope: &RotaryEmbedding<B>) -> Tensor<B, 3> {
-        let qkv = self.qkv(
-            x,
-            (&self.to_q, &self.to_k, &self.to_v),
-            (&self.norm_q, &self.norm_k),
-        );
-        self.attend(qkv, rope)
-    }
-
-    /// Joint attention of a double-stream block: the text tokens first, then the image tokens,
-    /// as one sequence; returns `(image, text)` after their output projections.
-    fn forward_joint(
+    /// Joint attention: the text tokens first, then the image tokens, as one sequence;
+    /// returns `(image, text)` after their output projections.
+    fn forward(
         &self,
         image: Tensor<B, 3>,
         text: Tensor<B, 3>,
@@ -218,37 +193,68 @@ impl<B: Backend> FluxAttention<B> {
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let text_len = text.dims()[1];
         let image_len = image.dims()[1];
-        let img = self.qkv(
+        let [iq, ik, iv] = qkv(
             image,
             (&self.to_q, &self.to_k, &self.to_v),
             (&self.norm_q, &self.norm_k),
+            self.heads,
         );
-        let joint_parts = (
-            &self.add_q_proj,
-            &self.add_k_proj,
-            &self.add_v_proj,
-            &self.norm_added_q,
-            &self.norm_added_k,
-            &self.to_out,
-            &self.to_add_out,
+        let [tq, tk, tv] = qkv(
+            text,
+            (&self.add_q_proj, &self.add_k_proj, &self.add_v_proj),
+            (&self.norm_added_q, &self.norm_added_k),
+            self.heads,
         );
-        let (Some(aq), Some(ak), Some(av), Some(nq), Some(nk), Some(out), Some(add_out)) =
-            joint_parts
-        else {
-            unreachable!("double-stream attention is loaded with its text projections")
-        };
-        let txt = self.qkv(text, (aq, ak, av), (nq, nk));
-        let [iq, ik, iv] = img;
-        let [tq, tk, tv] = txt;
         let joined = [
             Tensor::cat(vec![tq, iq], 2),
             Tensor::cat(vec![tk, ik], 2),
             Tensor::cat(vec![tv, iv], 2),
         ];
-        let attended = self.attend(joined, rope);
+        let attended = attend(joined, rope);
         let text_out = attended.clone().narrow(1, 0, text_len);
         let image_out = attended.narrow(1, text_len, image_len);
-        (out.forward(image_out), add_out.forward(text_out))
+        (
+            self.to_out.forward(image_out),
+            self.to_add_out.forward(text_out),
+        )
+    }
+}
+
+/// diffusers' `FluxAttention` of a single-stream block (`pre_only`): self-attention over the
+/// joined sequence without an output projection (the block's `proj_out` takes its output).
+#[derive(Module, Debug)]
+pub struct FluxSingleAttention<B: Backend> {
+    pub to_q: Linear<B>,
+    pub to_k: Linear<B>,
+    pub to_v: Linear<B>,
+    pub norm_q: RMSNorm<B>,
+    pub norm_k: RMSNorm<B>,
+    pub heads: usize,
+}
+
+impl<B: Backend> FluxSingleAttention<B> {
+    fn load(vb: &VarBuilder<B>, dim: usize, heads: usize, head_dim: usize) -> Result<Self> {
+        let inner = heads * head_dim;
+        let linear = |name: &str| Linear::load(&vb.pp(name), dim, inner, true);
+        let norm = |name: &str| RMSNorm::load(&vb.pp(name), head_dim, 1e-6, true);
+        Ok(Self {
+            to_q: linear("to_q")?,
+            to_k: linear("to_k")?,
+            to_v: linear("to_v")?,
+            norm_q: norm("norm_q")?,
+            norm_k: norm("norm_k")?,
+            heads,
+        })
+    }
+
+    fn forward(&self, x: Tensor<B, 3>, rope: &RotaryEmbedding<B>) -> Tensor<B, 3> {
+        let qkv = qkv(
+            x,
+            (&self.to_q, &self.to_k, &self.to_v),
+            (&self.norm_q, &self.norm_k),
+            self.heads,
+        );
+        attend(qkv, rope)
     }
 }
 
@@ -277,7 +283,6 @@ impl<B: Backend> FluxTransformerBlock<B> {
                 dim,
                 cfg.num_attention_heads,
                 cfg.attention_head_dim,
-                true,
             )?,
             ff: ff("ff")?,
             ff_context: ff("ff_context")?,
@@ -294,7 +299,7 @@ impl<B: Backend> FluxTransformerBlock<B> {
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let img = self.norm1.forward(image.clone(), temb.clone());
         let txt = self.norm1_context.forward(text.clone(), temb);
-        let (attn_out, context_attn_out) = self.attn.forward_joint(img.x, txt.x, rope);
+        let (attn_out, context_attn_out) = self.attn.forward(img.x, txt.x, rope);
 
         let image = image + img.gate_msa * attn_out;
         let normed = modulate(
@@ -319,7 +324,7 @@ pub struct FluxSingleTransformerBlock<B: Backend> {
     pub norm: AdaLayerNormZeroSingle<B>,
     pub proj_mlp: Linear<B>,
     pub proj_out: Linear<B>,
-    pub attn: FluxAttention<B>,
+    pub attn: FluxSingleAttention<B>,
 }
 
 impl<B: Backend> FluxSingleTransformerBlock<B> {
@@ -330,12 +335,11 @@ impl<B: Backend> FluxSingleTransformerBlock<B> {
             norm: AdaLayerNormZeroSingle::load(&vb.pp("norm"), dim)?,
             proj_mlp: Linear::load(&vb.pp("proj_mlp"), dim, mlp_hidden, true)?,
             proj_out: Linear::load(&vb.pp("proj_out"), dim + mlp_hidden, dim, true)?,
-            attn: FluxAttention::load(
+            attn: FluxSingleAttention::load(
                 &vb.pp("attn"),
                 dim,
                 cfg.num_attention_heads,
                 cfg.attention_head_dim,
-                false,
             )?,
         })
     }
@@ -349,7 +353,7 @@ impl<B: Backend> FluxSingleTransformerBlock<B> {
     ) -> Tensor<B, 3> {
         let (normed, gate) = self.norm.forward(x.clone(), temb);
         let mlp = gelu_approximate(self.proj_mlp.forward(normed.clone()));
-        let attn = self.attn.forward_single(normed, rope);
+        let attn = self.attn.forward(normed, rope);
         let joined = Tensor::cat(vec![attn, mlp], 2);
         x + gate * self.proj_out.forward(joined)
     }

@@ -1,8 +1,7 @@
 //! `UNet2DConditionModel`: the denoiser of Stable Diffusion 1.x and 2.x.
 //!
-//! Read beside diffusers' `unet_2d_condition.py` and `unet_2d_blocks.py`: the fields are named as
-//! the checkpoint keys (`down_blocks.0.resnets.0.conv1`), and one block type covers both the
-//! cross-attention and the plain variant (the plain one has no `attentions`).
+//! Read beside diffusers' `unet_2d_condition.py`: the fields are named as the checkpoint keys
+//! (`down_blocks.0.resnets.0.conv1`); the blocks are in [`crate::unet_2d_blocks`].
 
 use std::path::Path;
 use std::sync::Arc;
@@ -19,7 +18,10 @@ use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
 use crate::parallel::{block_widths, set_geglu_groups};
-use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
+use crate::unet_2d_blocks::{
+    CrossAttnDownBlock2D, CrossAttnUpBlock2D, DownBlock, DownBlock2D, DownBlockSpec, MidBlock,
+    ResnetSettings, UNetMidBlock2D, UNetMidBlock2DCrossAttn, UpBlock, UpBlock2D, UpBlockSpec,
+};
 use crate::weights::{VarBuilder, Weights};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
@@ -292,46 +294,6 @@ impl UNet2DConditionConfig {
     }
 }
 
-/// A down block: `resnets`, then (for `CrossAttnDownBlock2D`) `attentions`, and `downsamplers`.
-#[derive(Module, Debug)]
-pub struct DownBlock<B: Backend> {
-    pub resnets: Vec<ResnetBlock2D<B>>,
-    pub attentions: Vec<Transformer2DModel<B>>,
-    pub downsamplers: Vec<Downsample2D<B>>,
-}
-
-/// An up block: `resnets` fed with skip connections, optional `attentions`, and `upsamplers`.
-#[derive(Module, Debug)]
-pub struct UpBlock<B: Backend> {
-    pub resnets: Vec<ResnetBlock2D<B>>,
-    pub attentions: Vec<Transformer2DModel<B>>,
-    pub upsamplers: Vec<Upsample2D<B>>,
-}
-
-/// The middle block: resnet, (attention, resnet)+.
-#[derive(Module, Debug)]
-pub struct MidBlock<B: Backend> {
-    pub resnets: Vec<ResnetBlock2D<B>>,
-    pub attentions: Vec<Transformer2DModel<B>>,
-}
-
-impl<B: Backend> MidBlock<B> {
-    fn forward(&self, x: Tensor<B, 4>, temb: &Tensor<B, 2>, ctx: &Tensor<B, 3>) -> Tensor<B, 4> {
-        let mut resnets = self.resnets.iter();
-        let mut x = match resnets.next() {
-            Some(first) => first.forward(x, Some(temb)),
-            None => x,
-        };
-        for (i, resnet) in resnets.enumerate() {
-            if let Some(attn) = self.attentions.get(i) {
-                x = attn.forward(x, ctx.clone());
-            }
-            x = resnet.forward(x, Some(temb));
-        }
-        x
-    }
-}
-
 /// SDXL's extra conditioning (`added_cond_kwargs` in diffusers): the pooled projection of the
 /// second text encoder and the six size/crop numbers per image.
 #[derive(Debug, Clone)]
@@ -401,10 +363,8 @@ impl<B: Backend> UNet2DConditionModel<B> {
         let act = Activation::from_name(&cfg.act_fn).unwrap_or(Activation::Silu);
         let temb_dim = channels[0] * 4;
         let groups = cfg.norm_num_groups;
-        let resnet = |c_in, c_out| ResnetSpec {
-            c_in,
-            c_out,
-            temb_channels: Some(temb_dim),
+        let resnet = ResnetSettings {
+            temb_channels: temb_dim,
             groups,
             eps: cfg.norm_eps,
             act,
@@ -456,64 +416,35 @@ impl<B: Backend> UNet2DConditionModel<B> {
             let vb_block = vb.pp("down_blocks").pp(i);
             let c_in = c_out;
             c_out = channels[i];
-            let cross = kind == "CrossAttnDownBlock2D";
-            let mut resnets = Vec::new();
-            let mut attentions = Vec::new();
-            for j in 0..layers[i] {
-                let rin = if j == 0 { c_in } else { c_out };
-                resnets.push(ResnetBlock2D::load(
-                    &vb_block.pp("resnets").pp(j),
-                    resnet(rin, c_out),
-                )?);
-                if cross {
-                    attentions.push(Transformer2DModel::load(
-                        &vb_block.pp("attentions").pp(j),
-                        transformer(c_out, i),
-                    )?);
-                }
-            }
-            let downsamplers = if i + 1 < n {
-                vec![Downsample2D::load(
-                    &vb_block.pp("downsamplers").pp(0),
-                    c_out,
-                    cfg.downsample_padding,
-                )?]
-            } else {
-                Vec::new()
+            let spec = DownBlockSpec {
+                in_channels: c_in,
+                out_channels: c_out,
+                num_layers: layers[i],
+                add_downsample: i + 1 < n,
+                downsample_padding: cfg.downsample_padding,
+                resnet,
             };
-            down_blocks.push(DownBlock {
-                resnets,
-                attentions,
-                downsamplers,
+            down_blocks.push(if kind == "CrossAttnDownBlock2D" {
+                DownBlock::CrossAttnDownBlock2D(CrossAttnDownBlock2D::load(
+                    &vb_block,
+                    spec,
+                    transformer(c_out, i),
+                )?)
+            } else {
+                DownBlock::DownBlock2D(DownBlock2D::load(&vb_block, spec)?)
             });
         }
 
         let c_mid = channels[n - 1];
+        let vb_mid = vb.pp("mid_block");
         let mid_block = match cfg.mid_block_type.as_deref() {
             None => None,
-            Some(kind) => {
-                let vb_mid = vb.pp("mid_block");
-                let cross = kind == "UNetMidBlock2DCrossAttn";
-                let mut resnets = vec![ResnetBlock2D::load(
-                    &vb_mid.pp("resnets").pp(0),
-                    resnet(c_mid, c_mid),
-                )?];
-                let mut attentions = Vec::new();
-                if cross {
-                    attentions.push(Transformer2DModel::load(
-                        &vb_mid.pp("attentions").pp(0),
-                        transformer(c_mid, n - 1),
-                    )?);
-                }
-                resnets.push(ResnetBlock2D::load(
-                    &vb_mid.pp("resnets").pp(1),
-                    resnet(c_mid, c_mid),
-                )?);
-                Some(MidBlock {
-                    resnets,
-                    attentions,
-                })
-            }
+            Some("UNetMidBlock2DCrossAttn") => Some(MidBlock::UNetMidBlock2DCrossAttn(
+                UNetMidBlock2DCrossAttn::load(&vb_mid, c_mid, resnet, transformer(c_mid, n - 1))?,
+            )),
+            Some(_) => Some(MidBlock::UNetMidBlock2D(UNetMidBlock2D::load(
+                &vb_mid, c_mid, resnet,
+            )?)),
         };
 
         let mut up_blocks = Vec::with_capacity(n);
@@ -524,34 +455,22 @@ impl<B: Backend> UNet2DConditionModel<B> {
             let vb_block = vb.pp("up_blocks").pp(i);
             let c_prev = c_out;
             c_out = reversed[i];
-            let c_in = reversed[(i + 1).min(n - 1)];
-            let cross = kind == "CrossAttnUpBlock2D";
-            let mut resnets = Vec::new();
-            let mut attentions = Vec::new();
-            let num = layers[rev] + 1;
-            for j in 0..num {
-                let skip = if j == num - 1 { c_in } else { c_out };
-                let rin = if j == 0 { c_prev } else { c_out };
-                resnets.push(ResnetBlock2D::load(
-                    &vb_block.pp("resnets").pp(j),
-                    resnet(rin + skip, c_out),
-                )?);
-                if cross {
-                    attentions.push(Transformer2DModel::load(
-                        &vb_block.pp("attentions").pp(j),
-                        transformer(c_out, rev),
-                    )?);
-                }
-            }
-            let upsamplers = if i + 1 < n {
-                vec![Upsample2D::load(&vb_block.pp("upsamplers").pp(0), c_out)?]
-            } else {
-                Vec::new()
+            let spec = UpBlockSpec {
+                in_channels: reversed[(i + 1).min(n - 1)],
+                prev_output_channel: c_prev,
+                out_channels: c_out,
+                num_layers: layers[rev] + 1,
+                add_upsample: i + 1 < n,
+                resnet,
             };
-            up_blocks.push(UpBlock {
-                resnets,
-                attentions,
-                upsamplers,
+            up_blocks.push(if kind == "CrossAttnUpBlock2D" {
+                UpBlock::CrossAttnUpBlock2D(CrossAttnUpBlock2D::load(
+                    &vb_block,
+                    spec,
+                    transformer(c_out, rev),
+                )?)
+            } else {
+                UpBlock::UpBlock2D(UpBlock2D::load(&vb_block, spec)?)
             });
         }
 
@@ -699,38 +618,21 @@ impl<B: Backend> UNet2DConditionModel<B> {
         let mut x = self.conv_in.forward(sample);
         let mut skips = vec![x.clone()];
         for block in &self.down_blocks {
-            for (j, resnet) in block.resnets.iter().enumerate() {
-                x = resnet.forward(x, Some(&temb));
-                if let Some(attn) = block.attentions.get(j) {
-                    x = attn.forward(x, ctx.clone());
-                }
-                skips.push(x.clone());
-            }
-            for down in &block.downsamplers {
-                x = down.forward(x);
-                skips.push(x.clone());
-            }
+            let (out, states) = block.forward(x, &temb, &ctx);
+            x = out;
+            skips.extend(states);
         }
         if let Some(mid) = &self.mid_block {
             x = mid.forward(x, &temb, &ctx);
         }
         for block in &self.up_blocks {
-            for (j, resnet) in block.resnets.iter().enumerate() {
-                // `skips` holds exactly one entry per up-block resnet, by construction.
-                let skip = skips.pop().unwrap_or_else(|| x.clone());
-                x = resnet.forward(Tensor::cat(vec![x, skip], 1), Some(&temb));
-                if let Some(attn) = block.attentions.get(j) {
-                    x = attn.forward(x, ctx.clone());
-                }
-            }
-            for up in &block.upsamplers {
-                // Upsample to the next skip's size, so odd latent sizes still line up.
-                let size = skips.last().map(|s| {
-                    let d = s.dims();
-                    [d[2], d[3]]
-                });
-                x = up.forward(x, size);
-            }
+            // `skips` holds exactly one entry per up-block resnet, by construction.
+            let own = skips.split_off(skips.len().saturating_sub(block.resnets().len()));
+            let size = skips.last().map(|s| {
+                let d = s.dims();
+                [d[2], d[3]]
+            });
+            x = block.forward(x, own, &temb, &ctx, size);
         }
         let x = self.conv_norm_out.forward_then(x, self.act);
         cast_to(self.conv_out.forward(x), caller)
@@ -785,16 +687,16 @@ impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
         let attentions = self
             .down_blocks
             .iter_mut()
-            .flat_map(|b| b.attentions.iter_mut())
+            .flat_map(|b| b.attentions_mut().iter_mut())
             .chain(
                 self.mid_block
                     .iter_mut()
-                    .flat_map(|m| m.attentions.iter_mut()),
+                    .flat_map(|m| m.attentions_mut().iter_mut()),
             )
             .chain(
                 self.up_blocks
                     .iter_mut()
-                    .flat_map(|b| b.attentions.iter_mut()),
+                    .flat_map(|b| b.attentions_mut().iter_mut()),
             );
         for transformer in attentions {
             for block in &mut transformer.transformer_blocks {
@@ -806,7 +708,7 @@ impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
 
     fn sharded_widths(&self) -> Vec<ShardedWidth> {
         let mut widths = Vec::new();
-        let mut add = |prefix: String, attentions: &[crate::attention::Transformer2DModel<B>]| {
+        let mut add = |prefix: String, attentions: &[Transformer2DModel<B>]| {
             for (a, transformer) in attentions.iter().enumerate() {
                 for (t, block) in transformer.transformer_blocks.iter().enumerate() {
                     widths.extend(block_widths(
@@ -818,13 +720,13 @@ impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
             }
         };
         for (i, block) in self.down_blocks.iter().enumerate() {
-            add(format!("down_blocks.{i}"), &block.attentions);
+            add(format!("down_blocks.{i}"), block.attentions());
         }
         if let Some(mid) = &self.mid_block {
-            add("mid_block".into(), &mid.attentions);
+            add("mid_block".into(), mid.attentions());
         }
         for (i, block) in self.up_blocks.iter().enumerate() {
-            add(format!("up_blocks.{i}"), &block.attentions);
+            add(format!("up_blocks.{i}"), block.attentions());
         }
         widths
     }

@@ -1,4 +1,4 @@
-//! `cpu_attention`, the burn-flex f32 fast path of `multi_head_attention`, against Burn's own
+//! `cpu::attention`, the burn-flex f32 fast path of `multi_head_attention`, against Burn's own
 //! `attention` on the same backend (heads split and merged by hand): self- and cross-attention,
 //! several heads, a partial last query block, batch > 1, long key sequences and large logits;
 //! its exponential against libm's; and the fallback for what it does not cover.
@@ -10,7 +10,8 @@ use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
-use oxidiff_models::cpu_attention::{attention, exp_nonpositive};
+use oxidiff_models::cpu::attention::attention;
+use oxidiff_models::cpu::common::exp_nonpositive;
 
 type B = Flex;
 

@@ -1,4 +1,4 @@
-//! `cpu_conv`, the burn-flex f32 fast path of `nn::Conv2d`, against Burn's own `conv2d` on the
+//! `cpu::conv`, the burn-flex f32 fast path of `nn::Conv2d`, against Burn's own `conv2d` on the
 //! same backend: random shapes with padding, stride 2, 1x1 and 5x5 kernels, batch > 1, several
 //! row tiles, with and without bias, on the im2col and the Winograd path; and the fallback for
 //! what it does not cover.
@@ -11,7 +11,7 @@ use burn::tensor::module::conv2d as burn_conv2d;
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
-use oxidiff_models::cpu_conv::{conv2d_with, ConvGeometry, ConvPath};
+use oxidiff_models::cpu::conv::{conv2d_with, ConvGeometry, ConvPath};
 
 type B = Flex;
 

@@ -1,4 +1,4 @@
-//! `cpu_elementwise`, the burn-flex f32 kernels for group norm (with fused SiLU), layer norm,
+//! `cpu::elementwise`, the burn-flex f32 kernels for group norm (with fused SiLU), layer norm,
 //! GEGLU and the sequence transpose, against references computed here in f64 from the same
 //! inputs: contiguous, permuted and shared inputs (a shared input must stay unchanged), large
 //! offsets, partial tiles; its SiLU, erf and GELU against libm's; and the fallback for what it
@@ -9,7 +9,7 @@
 
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
-use oxidiff_models::cpu_elementwise::{erf, geglu, gelu, group_norm, layer_norm, silu, transpose};
+use oxidiff_models::cpu::elementwise::{erf, geglu, gelu, group_norm, layer_norm, silu, transpose};
 
 type B = Flex;
 

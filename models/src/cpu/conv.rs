@@ -1,25 +1,12 @@
-//! A faster 2-D convolution for the burn-flex CPU backend in f32, used by [`crate::nn::Conv2d`].
-//!
-//! burn-flex 0.21 convolves by converting the input to NHWC, building im2col tiles element by
-//! element, flattening the weight again on every call, and scattering each tile's gemm result
-//! into the NCHW output one strided element at a time (then a separate bias pass). Profiles of
-//! the SD 1.5 UNet step and VAE decode put those copies at a large share of the time. Here the
-//! convolution stays in NCHW: the weight `[c_out, c_in * k * k]` is the gemm's left side as it
-//! lies in memory, a tile of output rows gets a column buffer `[c_in * k * k, rows * w_out]`
-//! filled with whole contiguous row segments (stride 1) and zeros for the padding, and gemm
-//! writes straight into the output, whose channels were prefilled with the bias. 1x1
-//! convolutions read the input plane directly.
-//!
-//! [`conv2d`] applies only when the backend's float tensor is burn-flex's [`FlexTensor`], the
-//! dtype is f32, `groups == 1` and dilation is 1; otherwise it hands the tensors back and the
-//! caller uses Burn's `conv2d`. Any other backend (the PJRT one, compiled traces) never sees
-//! this code.
-
-use std::any::{Any, TypeId};
+//! 2-D convolution in NCHW for burn-flex in f32, used by [`crate::nn::Conv2d`]: im2col tiles
+//! of whole row segments into gemm, Winograd F(2x2, 3x3) for large 3x3 stride-1 convolutions.
+//! Why burn-flex's own convolution is bypassed: `docs/cpu-kernels.md`.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
+
+use super::common::{from_flex, into_flex, is_flex, OutPtr};
 
 /// Target number of output positions per tile: large enough for gemm to reach its peak,
 /// small enough that the column buffer (`c_in * k * k` rows of it) stays near the caches.
@@ -91,7 +78,7 @@ pub fn conv2d_with<B: Backend>(
     let f32_only = x.dtype() == DType::F32
         && weight.dtype() == DType::F32
         && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
-    if TypeId::of::<B::FloatTensorPrimitive>() != TypeId::of::<FlexTensor>()
+    if !is_flex::<B>()
         || !f32_only
         || !square
         || geometry.stride == 0
@@ -113,21 +100,6 @@ pub fn conv2d_with<B: Backend>(
         path,
     );
     Ok(from_flex(out))
-}
-
-/// `t`'s burn-flex tensor. The caller has checked that `B`'s float tensor is [`FlexTensor`].
-pub(crate) fn into_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> FlexTensor {
-    *(Box::new(t.into_primitive().tensor()) as Box<dyn Any>)
-        .downcast::<FlexTensor>()
-        .expect("the caller checked the backend's tensor type")
-}
-
-/// The [`Tensor`] of a burn-flex tensor, as [`into_flex`]'s inverse (same precondition).
-pub(crate) fn from_flex<B: Backend, const D: usize>(t: FlexTensor) -> Tensor<B, D> {
-    let t = *(Box::new(t) as Box<dyn Any>)
-        .downcast::<B::FloatTensorPrimitive>()
-        .expect("the caller checked the backend's tensor type");
-    Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
 /// The kernel on burn-flex tensors (f32, NCHW; any layout, made contiguous first).
@@ -203,23 +175,6 @@ struct Problem<'a> {
     p: usize,
     h_out: usize,
     w_out: usize,
-}
-
-/// A raw output pointer that tiles (and `cpu_attention`'s blocks) write disjoint parts of.
-#[derive(Clone, Copy)]
-pub(crate) struct OutPtr(pub(crate) *mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The pointer `count` floats further (a method, so closures capture the whole `Sync`
-    /// wrapper rather than its raw field).
-    ///
-    /// # Safety
-    /// As `pointer::add`: the result stays inside the same allocation.
-    unsafe fn add(self, count: usize) -> Self {
-        Self(self.0.add(count))
-    }
 }
 
 impl Problem<'_> {
@@ -382,6 +337,8 @@ impl Problem<'_> {
 mod winograd {
     use rayon::prelude::*;
 
+    use super::OutPtr;
+
     /// Tiles (2x2 output blocks) per gemm column block.
     const TILE_CHUNK: usize = 256;
 
@@ -436,7 +393,7 @@ mod winograd {
             rows_per_chunk = rows_per_chunk.div_ceil(2);
         }
         let chunks = th.div_ceil(rows_per_chunk);
-        let out_ptr = super::OutPtr(out.as_mut_ptr());
+        let out_ptr = OutPtr(out.as_mut_ptr());
         (0..n * chunks).into_par_iter().for_each_init(
             || Scratch::new(c_in, c_out, rows_per_chunk * tw, tw),
             |scratch, job| {
@@ -477,7 +434,7 @@ mod winograd {
     unsafe fn chunk_rows(
         x: &[f32],
         u: &[f32],
-        out: super::OutPtr,
+        out: OutPtr,
         s: &mut Scratch,
         c_in: usize,
         c_out: usize,

@@ -1,27 +1,12 @@
-//! Multi-head attention for the burn-flex CPU backend in f32, used by
-//! [`crate::attention::multi_head_attention`].
-//!
-//! burn-flex 0.21 attends over `[batch, heads, seq, head_dim]` tensors, so the heads of the
-//! `[batch, seq, heads * head_dim]` projections are first copied out (a strided permute), and
-//! for long sequences it computes scores and outputs in scalar loops with a scalar `expf`.
-//! Profiles of the SD 1.5 UNet step at 512x512 (4096 tokens at the top level) put that kernel
-//! at about 36% of the step. Here each head is read in place through gemm's strides:
-//! for a block of queries, `scores = scale * q @ k^T` is one gemm, the softmax runs over each
-//! row with a vectorizable exponential, `out = p @ v` is a second gemm that writes the block
-//! straight into the merged `[batch, seq, heads * head_dim]` output, and the rows are divided
-//! by their sums there (`head_dim` values a row instead of `seq_kv`).
-//!
-//! [`attention`] applies only when the backend's float tensor is burn-flex's [`FlexTensor`] and
-//! the inputs are f32, without bias or causal mask; otherwise it hands the tensors back and the
-//! caller uses Burn's `attention`. Other backends (the PJRT one, compiled traces) never see it.
-
-use std::any::TypeId;
+//! Multi-head attention for burn-flex in f32, used by
+//! [`crate::attention::multi_head_attention`]: each head is read in place through gemm's
+//! strides, a block of queries at a time, and written straight into the merged output.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 
-use crate::cpu_conv::{from_flex, into_flex, OutPtr};
+use super::common::{burn_requested, exp_nonpositive, from_flex, into_flex, is_flex, OutPtr};
 
 /// Queries per block: the block's scores (`QUERY_BLOCK * seq_kv` floats, 1 MiB at 4096 keys)
 /// stay in the L2 cache between the two gemms.
@@ -44,14 +29,14 @@ pub fn attention<B: Backend>(
     let [b, s_q, inner] = q.dims();
     let [b_k, s_kv, inner_k] = k.dims();
     let f32_only = [&q, &k, &v].iter().all(|t| t.dtype() == DType::F32);
-    if TypeId::of::<B::FloatTensorPrimitive>() != TypeId::of::<FlexTensor>()
+    if !is_flex::<B>()
         || !f32_only
         || heads == 0
         || inner % heads != 0
         || v.dims() != k.dims()
         || (b_k, inner_k) != (b, inner)
         || s_kv == 0
-        || crate::cpu_elementwise::burn_requested("OXIDIFF_CPU_ATTENTION", &OFF)
+        || burn_requested("OXIDIFF_CPU_ATTENTION", &OFF)
     {
         return Err((q, k, v));
     }
@@ -193,26 +178,4 @@ fn exp_shifted(row: &mut [f32]) -> f32 {
     let max = if max.is_finite() { max } else { 0.0 };
     row.iter_mut().for_each(|x| *x = exp_nonpositive(*x - max));
     row.iter().sum()
-}
-
-/// `e^x` for `x <= 0`, within 4 ulp (tested), in branch-free arithmetic the compiler vectorizes
-/// (unlike libm's `expf`): `x = n ln 2 + r` with `|r| <= ln 2 / 2`, a degree-6 Taylor
-/// polynomial for `e^r` (remainder below 1.2e-7 relative) and `2^n` built in the exponent bits.
-/// Inputs below -87 (where `e^x` < 1.6e-38) give about 1.6e-38.
-#[inline(always)]
-pub fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer in two adds.
-    const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 0.0);
-    let n = (x * LOG2_E + ROUND) - ROUND;
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    p * scale
 }

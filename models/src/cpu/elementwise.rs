@@ -1,22 +1,7 @@
-//! Normalizations, gated activations and layout copies for the burn-flex CPU backend in f32,
-//! used by [`crate::nn::GroupNorm`], [`crate::nn::LayerNorm`], [`crate::nn::layer_norm`],
-//! [`crate::attention::FeedForward`] and the sequence transposes of the attention blocks.
-//!
-//! burn-flex 0.21 runs element-wise operations on one thread, and a permuted operand goes
-//! through a per-element strided iterator. In the SD 1.5 UNet step at 256x256 on one thread,
-//! the group and layer norms, GEGLU, SiLU and the copies of permuted tensors were about a fifth
-//! of the step; with two threads they stayed serial while the convolutions and matrix products
-//! ran on both. Each kernel here is one or two passes over rows in parallel on rayon's pool:
-//! a group norm reads its group twice (mean, then variance, while it is in the cache) and writes
-//! it once, with the following SiLU fused; a layer norm likewise per row; GEGLU reads the
-//! projection once and writes the gated half; a transpose copies in cache-sized tiles.
-//!
-//! Each function applies only when the backend's float tensor is burn-flex's [`FlexTensor`] and
-//! the tensors are f32; otherwise it hands its input back (`Err`) and the caller uses Burn's
-//! operations. Other backends (the PJRT one, compiled traces) never see these kernels.
+//! Group norm (with fused SiLU), layer norm, GEGLU and sequence transposes for burn-flex in
+//! f32, each one or two parallel passes over rows on rayon's pool.
 //! `OXIDIFF_CPU_ELEMENTWISE=burn` (read once) turns them off, to compare.
 
-use std::any::TypeId;
 use std::sync::OnceLock;
 
 use burn::tensor::backend::Backend;
@@ -24,22 +9,15 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
-use crate::cpu_attention::exp_nonpositive;
-use crate::cpu_conv::{from_flex, into_flex};
+use super::common::{burn_requested, exp_nonpositive, from_flex, into_flex, is_flex};
 
 /// Fewest elements worth a job of their own on rayon's pool.
 const MIN_JOB: usize = 16 * 1024;
 
-/// Whether the environment variable `var` asks for Burn's own kernel (`var=burn`), read once:
-/// the CPU kernels ask on every call.
-pub(crate) fn burn_requested(var: &str, cell: &'static OnceLock<bool>) -> bool {
-    *cell.get_or_init(|| std::env::var_os(var).is_some_and(|v| v == "burn"))
-}
-
 /// Whether the kernels apply to backend `B` and these tensors.
 fn applies<B: Backend>(dtypes: &[DType]) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
-    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
+    is_flex::<B>()
         && dtypes.iter().all(|d| *d == DType::F32)
         && !burn_requested("OXIDIFF_CPU_ELEMENTWISE", &OFF)
 }

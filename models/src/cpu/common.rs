@@ -1,0 +1,74 @@
+//! What the CPU kernels share: moving tensors in and out of burn-flex, the switches that turn
+//! a kernel off, an output pointer for parallel writers, and a vectorizable exponential.
+
+use std::any::{Any, TypeId};
+use std::sync::OnceLock;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_flex::FlexTensor;
+
+/// Whether `B`'s float tensor is burn-flex's, the precondition of [`into_flex`] and [`from_flex`].
+pub(crate) fn is_flex<B: Backend>() -> bool {
+    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
+}
+
+/// Whether the environment variable `var` asks for Burn's own kernel (`var=burn`), read once:
+/// the CPU kernels ask on every call.
+pub(crate) fn burn_requested(var: &str, cell: &'static OnceLock<bool>) -> bool {
+    *cell.get_or_init(|| std::env::var_os(var).is_some_and(|v| v == "burn"))
+}
+
+/// `t`'s burn-flex tensor. The caller has checked that `B`'s float tensor is [`FlexTensor`].
+pub(crate) fn into_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> FlexTensor {
+    *(Box::new(t.into_primitive().tensor()) as Box<dyn Any>)
+        .downcast::<FlexTensor>()
+        .expect("the caller checked the backend's tensor type")
+}
+
+/// The [`Tensor`] of a burn-flex tensor, as [`into_flex`]'s inverse (same precondition).
+pub(crate) fn from_flex<B: Backend, const D: usize>(t: FlexTensor) -> Tensor<B, D> {
+    let t = *(Box::new(t) as Box<dyn Any>)
+        .downcast::<B::FloatTensorPrimitive>()
+        .expect("the caller checked the backend's tensor type");
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// A raw output pointer that tiles (and the attention kernel's blocks) write disjoint parts of.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer `count` floats further (a method, so closures capture the whole `Sync`
+    /// wrapper rather than its raw field).
+    ///
+    /// # Safety
+    /// As `pointer::add`: the result stays inside the same allocation.
+    pub(crate) unsafe fn add(self, count: usize) -> Self {
+        Self(self.0.add(count))
+    }
+}
+
+/// `e^x` for `x <= 0`, within 4 ulp (tested), in branch-free arithmetic the compiler vectorizes
+/// (unlike libm's `expf`): `x = n ln 2 + r` with `|r| <= ln 2 / 2`, a degree-6 Taylor
+/// polynomial for `e^r` (remainder below 1.2e-7 relative) and `2^n` built in the exponent bits.
+/// Inputs below -87 (where `e^x` < 1.6e-38) give about 1.6e-38.
+#[inline(always)]
+pub fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer in two adds.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 0.0);
+    let n = (x * LOG2_E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
