@@ -265,7 +265,7 @@ fn flux_compiled_on_xla_cpu_matches_diffusers_and_reuses_its_program() {
     pipe.compile().unwrap();
     let req = request(&golden, "dev");
     assert_matches_golden(&golden, &mut pipe, &req, "dev");
-    assert_eq!(pipe.compiles(), Some(1));
+    assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
     let mut other = request::<Oxi>(&golden, "dev");
     other.common.prompts = vec!["another prompt".into()];
     other.common.seed = 7;
@@ -274,7 +274,7 @@ fn flux_compiled_on_xla_cpu_matches_diffusers_and_reuses_its_program() {
     other.common.output = oxidiff::pipelines::OutputType::Latents;
     pipe.generate(&other).unwrap();
     assert_eq!(
-        pipe.compiles(),
+        pipe.compile_stats().map(|s| s.programs),
         Some(1),
         "a new prompt, seed, guidance and step count reuse the program"
     );

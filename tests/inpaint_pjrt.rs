@@ -82,7 +82,7 @@ fn compiled_inpainting_on_xla_cpu_matches_the_cpu_backend() {
             "4-channel"
         };
         assert_eq!(
-            pipe.pipe.compiles(),
+            pipe.pipe.compile_stats().map(|s| s.programs),
             Some(1),
             "{what}: one program for the whole run"
         );

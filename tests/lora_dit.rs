@@ -646,7 +646,7 @@ fn flux_lora_fused_on_xla_cpu_then_compiled_matches_diffusers_png() {
         ..Default::default()
     };
     let out = pipe.generate(&request).unwrap();
-    assert_eq!(pipe.compiles(), Some(1));
+    assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
     common::assert_png_close(
         &out.images.unwrap().to_rgb8(0).unwrap(),
         "tiny-dit-lora-flux.png",

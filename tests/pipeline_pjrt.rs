@@ -112,13 +112,13 @@ fn compiled_unet_matches_and_does_not_recompile() {
 
     let mut pipe = pipe.to(&xla(0));
     pipe.compile().unwrap();
-    assert_eq!(pipe.compiles(), Some(0));
+    assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(0));
     let out = pipe
         .generate_with(&request(&golden, &cpu), &mut NoNoise, |_| {})
         .unwrap();
     let err = relative_error(&out.images.unwrap().data, &expected);
     assert!(err <= 1e-4, "compiled vs eager cpu: relative error {err:e}");
-    assert_eq!(pipe.compiles(), Some(1));
+    assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
 
     pipe.set_scheduler("euler_a").unwrap();
     let other = GenerateRequest::<Oxi> {
@@ -130,7 +130,7 @@ fn compiled_unet_matches_and_does_not_recompile() {
     };
     pipe.generate(&other).unwrap();
     assert_eq!(
-        pipe.compiles(),
+        pipe.compile_stats().map(|s| s.programs),
         Some(1),
         "prompt/seed/guidance/scheduler/steps recompiled"
     );
@@ -142,7 +142,11 @@ fn compiled_unet_matches_and_does_not_recompile() {
     };
     let out = pipe.generate(&larger).unwrap();
     assert_eq!(out.images.unwrap().width, 72);
-    assert_eq!(pipe.compiles(), Some(2), "a new size compiles once");
+    assert_eq!(
+        pipe.compile_stats().map(|s| s.programs),
+        Some(2),
+        "a new size compiles once"
+    );
 }
 
 /// SDXL on XLA's CPU plugin, eager and compiled (the added condition as runtime inputs), matches
@@ -196,7 +200,7 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
     let err = relative_error(&compiled.images.unwrap().data, &expected);
     assert!(err <= 1e-4, "SDXL compiled vs cpu: relative error {err:e}");
     eprintln!("SDXL compiled vs cpu: relative error {err:e}");
-    assert_eq!(pipe.compiles(), Some(1));
+    assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
     let other = XlOptions {
         original_size: Some((1024, 1024)),
         ..Default::default()
@@ -205,5 +209,9 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
     req.guidance_scale = 3.0;
     pipe.generate_with(&req, &other, &mut NoNoise, |_| {})
         .unwrap();
-    assert_eq!(pipe.compiles(), Some(1), "time ids or guidance recompiled");
+    assert_eq!(
+        pipe.compile_stats().map(|s| s.programs),
+        Some(1),
+        "time ids or guidance recompiled"
+    );
 }

@@ -154,7 +154,7 @@ fn pixart_on_xla_cpu_matches_cpu() {
     );
     let err = relative_error(&compiled.images.unwrap().data, &expected);
     assert!(err <= TOL, "compiled vs cpu image: relative error {err:e}");
-    assert_eq!(pipe.compiles(), Some(1));
+    assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
     let mut other = request::<Oxi>(&golden, &device);
     other.common.num_inference_steps = 1;
     other.common.prompts = vec!["another prompt".into()];
@@ -162,7 +162,7 @@ fn pixart_on_xla_cpu_matches_cpu() {
     other.common.seed = 7;
     pipe.generate(&other).unwrap();
     assert_eq!(
-        pipe.compiles(),
+        pipe.compile_stats().map(|s| s.programs),
         Some(1),
         "a new prompt and seed reuse the program"
     );

@@ -379,7 +379,11 @@ fn sd3_on_xla_cpu_compiled_matches_diffusers_and_compiles_once() {
     );
     pipe.compile().unwrap();
     assert_run_matches(&golden, &mut pipe, "xla:cpu compiled");
-    assert_eq!(pipe.compiles(), Some(1), "one program for every step");
+    assert_eq!(
+        pipe.compile_stats().map(|s| s.programs),
+        Some(1),
+        "one program for every step"
+    );
     let mut other = request::<Oxi>(&golden, &device);
     other.common.num_inference_steps = 1;
     other.common.prompts = vec!["another prompt".into()];
@@ -388,7 +392,7 @@ fn sd3_on_xla_cpu_compiled_matches_diffusers_and_compiles_once() {
     other.common.seed = 7;
     pipe.generate(&other).unwrap();
     assert_eq!(
-        pipe.compiles(),
+        pipe.compile_stats().map(|s| s.programs),
         Some(1),
         "a new prompt, seed and guidance scale reuse the program"
     );

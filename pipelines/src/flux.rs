@@ -21,7 +21,7 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
-use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::embeddings::RotaryEmbedding;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, ClipTokenizer, FluxTransformer2DModel, T5EncoderModel,
@@ -32,15 +32,13 @@ use oxidiff_schedulers::{
     calculate_shift, NoiseSource, Scheduler, SchedulerConfig, TimestepOptions, TorchCpuGenerator,
 };
 
+use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::denoise::{
+    check_request, decode_latents, initial_latents, negatives_for, per_prompt, DenoisingLoop,
+    GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
+};
 use crate::error::{PipelineError, Result};
-use crate::guard;
-use crate::image::postprocess;
-use crate::loading::{
-    check_pipeline_class, check_request, component, initial_latents, load_scheduler,
-};
-use crate::stable_diffusion::{
-    denoising_loop, GenerateRequest, LoadOptions, OutputType, PipelineOutput, StepInfo,
-};
+use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
 pub const FLUX_CLASSES: [&str; 1] = ["FluxPipeline"];
@@ -73,11 +71,7 @@ pub struct FluxRequest<B: Backend> {
 impl<B: Backend> Default for FluxRequest<B> {
     fn default() -> Self {
         Self {
-            common: GenerateRequest {
-                num_inference_steps: 28,
-                guidance_scale: 3.5,
-                ..Default::default()
-            },
+            common: PipelineDefaults::FLUX.request(),
             prompts_2: Vec::new(),
             negative_prompts_2: Vec::new(),
             max_sequence_length: FLUX_MAX_SEQUENCE_LENGTH,
@@ -161,22 +155,6 @@ pub fn flux_velocity<B: Backend>(
     unpack_latents(out, h, w)
 }
 
-/// The transformer call ([`flux_velocity`]) run some other way than eagerly, e.g. as one
-/// compiled XLA program ([`FluxPipeline::compile`]). Inputs are checked by the pipeline first.
-pub trait FluxDenoiser<B: Backend> {
-    fn velocity(
-        &self,
-        latents: Tensor<B, 4>,
-        timestep: Tensor<B, 1>,
-        guidance: Tensor<B, 1>,
-        text: &FluxPromptEmbeds<B>,
-        rope: &RotaryEmbedding<B>,
-    ) -> Result<Tensor<B, 4>>;
-
-    /// How many programs were compiled so far (one per input shape).
-    fn compiles(&self) -> u64;
-}
-
 /// Flux.1 text-to-image (dev with guidance embedding, schnell without).
 pub struct FluxPipeline<B: Backend> {
     pub tokenizer: ClipTokenizer,
@@ -192,7 +170,7 @@ pub struct FluxPipeline<B: Backend> {
     pub device: B::Device,
     pub source: PathBuf,
     /// The compiled transformer call, when [`compile`](FluxPipeline::compile) was called.
-    pub compiled: Option<Box<dyn FluxDenoiser<B>>>,
+    pub compiled: Option<CompiledDenoiser<B, FluxStepInputs<B>>>,
 }
 
 impl<B: Backend> FluxPipeline<B> {
@@ -305,6 +283,12 @@ impl<B: Backend> FluxPipeline<B> {
         128 * self.vae_scale_factor
     }
 
+    /// diffusers' `__call__` defaults (steps, guidance) of this pipeline; `.request()` gives a
+    /// request with them.
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::FLUX
+    }
+
     /// Whether the transformer embeds the guidance scale (dev), as opposed to schnell.
     pub fn guidance_embeds(&self) -> bool {
         self.transformer.guidance_embeds()
@@ -392,7 +376,7 @@ impl<B: Backend> FluxPipeline<B> {
 
     /// Whether a request runs true classifier-free guidance (diffusers' `do_true_cfg`).
     pub fn does_true_cfg(req: &FluxRequest<B>) -> bool {
-        req.true_cfg_scale > 1.0 && !req.common.negative_prompts.is_empty()
+        crate::denoise::does_guidance(req.true_cfg_scale) && !req.common.negative_prompts.is_empty()
     }
 
     /// Generates with the default generator seeded by `req.common.seed`.
@@ -421,12 +405,13 @@ impl<B: Backend> FluxPipeline<B> {
             self.encode_prompts(&common.prompts, &req.prompts_2, images_per_prompt, max_len)?;
         let text = on_device(text, &self.device);
         let negative = if Self::does_true_cfg(req) {
-            let negatives = crate::loading::negatives_for(common);
-            let negatives_2 = match req.negative_prompts_2.len() {
-                0 => negatives.clone(),
-                1 => vec![req.negative_prompts_2[0].clone(); negatives.len()],
-                _ => req.negative_prompts_2.clone(),
-            };
+            let negatives = negatives_for(common)?;
+            let negatives_2 = per_prompt(
+                &req.negative_prompts_2,
+                &negatives,
+                negatives.len(),
+                "T5 negative prompts",
+            )?;
             let embeds =
                 self.encode_prompts(&negatives, &negatives_2, images_per_prompt, max_len)?;
             Some(on_device(embeds, &self.device))
@@ -477,7 +462,14 @@ impl<B: Backend> FluxPipeline<B> {
                 rope.cos.dims()[0],
             )?;
             match compiled {
-                Some(denoiser) => denoiser.velocity(latents, timestep, guidance, text, &rope),
+                Some(denoiser) => denoiser.call((
+                    latents,
+                    timestep,
+                    guidance,
+                    text.prompt_embeds.clone(),
+                    text.pooled_prompt_embeds.clone(),
+                    (rope.cos.clone(), rope.sin.clone()),
+                )),
                 None => Ok(flux_velocity(
                     transformer,
                     latents,
@@ -488,13 +480,15 @@ impl<B: Backend> FluxPipeline<B> {
                 )),
             }
         };
-        let latents = denoising_loop(
-            &mut *self.scheduler,
-            &timesteps,
+        let latents = DenoisingLoop {
+            scheduler: &mut *self.scheduler,
+            timesteps: &timesteps,
             latents,
-            common,
-            &self.device,
+            req: common,
+            device: &self.device,
             noise,
+        }
+        .run(
             |latents, timestep, guidance| {
                 let positive =
                     velocity(latents.clone(), timestep.clone(), guidance.clone(), &text)?;
@@ -509,15 +503,7 @@ impl<B: Backend> FluxPipeline<B> {
             &mut callback,
         )?;
 
-        let images = match common.output {
-            OutputType::Latents => None,
-            OutputType::Images => {
-                let on_vae = latents.clone().to_device(&self.vae_device());
-                let decoded = self.vae.decode_scaled(on_vae);
-                guard::ensure_finite(&decoded, guard::Stage::VaeDecode)?;
-                Some(postprocess(decoded)?)
-            }
-        };
+        let images = decode_latents(&self.vae, &latents, common.output)?;
         Ok(PipelineOutput { latents, images })
     }
 }
@@ -529,45 +515,16 @@ impl<B: Backend> ToDevice<B> for FluxPipeline<B> {
     }
 }
 
-/// Latents, timestep, guidance, T5 states, pooled CLIP, rotary (cos, sin).
-type StepInputs = (
-    Tensor<Oxi, 4>,
-    Tensor<Oxi, 1>,
-    Tensor<Oxi, 1>,
-    Tensor<Oxi, 3>,
-    Tensor<Oxi, 2>,
-    (Tensor<Oxi, 2>, Tensor<Oxi, 2>),
+/// The compiled transformer call's inputs: latents, timestep, guidance, T5 states, pooled
+/// CLIP, rotary (cos, sin).
+pub type FluxStepInputs<B> = (
+    Tensor<B, 4>,
+    Tensor<B, 1>,
+    Tensor<B, 1>,
+    Tensor<B, 3>,
+    Tensor<B, 2>,
+    (Tensor<B, 2>, Tensor<B, 2>),
 );
-type StepFn = Box<dyn Fn(StepInputs) -> Tensor<Oxi, 4>>;
-
-/// The compiled transformer call.
-struct CompiledStep(CompiledFn<StepInputs, Tensor<Oxi, 4>, StepFn>);
-
-impl FluxDenoiser<Oxi> for CompiledStep {
-    fn velocity(
-        &self,
-        latents: Tensor<Oxi, 4>,
-        timestep: Tensor<Oxi, 1>,
-        guidance: Tensor<Oxi, 1>,
-        text: &FluxPromptEmbeds<Oxi>,
-        rope: &RotaryEmbedding<Oxi>,
-    ) -> Result<Tensor<Oxi, 4>> {
-        self.0
-            .call((
-                latents,
-                timestep,
-                guidance,
-                text.prompt_embeds.clone(),
-                text.pooled_prompt_embeds.clone(),
-                (rope.cos.clone(), rope.sin.clone()),
-            ))
-            .map_err(|e| PipelineError::Compile(e.to_string()))
-    }
-
-    fn compiles(&self) -> u64 {
-        self.0.compiles()
-    }
-}
 
 impl FluxPipeline<Oxi> {
     /// Compiled mode: from the next generation on, each transformer call (packing, the
@@ -594,35 +551,36 @@ impl FluxPipeline<Oxi> {
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         let transformer = self.transformer.clone();
-        let step: StepFn = Box::new(move |(latents, t, g, prompt_embeds, pooled, (cos, sin))| {
-            let text = FluxPromptEmbeds {
-                prompt_embeds,
-                pooled_prompt_embeds: pooled,
+        let step =
+            move |(latents, t, g, prompt_embeds, pooled, (cos, sin)): FluxStepInputs<Oxi>| {
+                let text = FluxPromptEmbeds {
+                    prompt_embeds,
+                    pooled_prompt_embeds: pooled,
+                };
+                flux_velocity(
+                    &transformer,
+                    latents,
+                    t,
+                    g,
+                    &text,
+                    &RotaryEmbedding { cos, sin },
+                )
             };
-            flux_velocity(
-                &transformer,
-                latents,
-                t,
-                g,
-                &text,
-                &RotaryEmbedding { cos, sin },
-            )
-        });
         // Latents, timestep, guidance and text split by batch where it divides; the rotary
         // tables (one per position, not per image) whole on every device.
         let mut inputs = vec![Layout::BatchSplit(0); 5];
         inputs.extend([Layout::Replicated, Layout::Replicated]);
-        let f = crate::parallel::partitioned(
-            CompiledFn::new("flux_transformer", step),
+        self.compiled = Some(CompiledDenoiser::new(
+            "flux_transformer",
+            step,
             placement,
             inputs,
-        );
-        self.compiled = Some(Box::new(CompiledStep(f)));
+        ));
         Ok(())
     }
 
-    /// Programs compiled so far in compiled mode (`None` when eager).
-    pub fn compiles(&self) -> Option<u64> {
-        self.compiled.as_ref().map(|c| c.compiles())
+    /// Compiled mode's counts (`None` when eager).
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        self.compiled.as_ref().map(|c| c.compile_stats())
     }
 }

@@ -5,8 +5,10 @@
 //! nothing of the device beyond the Burn backend it is generic over.
 //!
 //! Pipelines: [`StableDiffusionPipeline`] (SD 1.x/2.x), [`StableDiffusionImg2ImgPipeline`],
-//! [`StableDiffusionXLPipeline`], [`PixArtPipeline`]; [`pipeline_class`] reads which one a
-//! folder holds, [`resolve_model`] finds a folder or a Hub id in the local Hub cache.
+//! [`StableDiffusionXLPipeline`], [`StableDiffusion3Pipeline`], [`FluxPipeline`],
+//! [`PixArtPipeline`] and the inpainting variants, each standing on the shared [`denoise`]
+//! floor; [`AutoPipeline`] loads whichever a folder's `_class_name` names,
+//! [`resolve_model`] finds a folder or a Hub id in the local Hub cache.
 //!
 //! # Several images, each with its own seed
 //!
@@ -42,55 +44,63 @@
 //!
 //! [`TorchCpuGenerators`]: oxidiff_schedulers::TorchCpuGenerators
 
-pub mod aot;
+// The ground floor, shared by every pipeline.
+pub mod compiled;
+pub mod denoise;
 pub mod error;
 pub mod guard;
 pub mod host;
 pub mod hub;
 pub mod image;
+pub mod img2img;
+pub mod inpaint;
 pub mod loading;
+pub mod lora;
+pub mod mask_crop;
 pub mod metadata;
 pub mod parallel;
-pub mod pixart;
 pub mod pixart_bins;
-pub mod stable_diffusion;
+pub mod resample;
 
+// One pipeline a file, side by side.
+pub mod flux;
+pub mod pixart;
+pub mod stable_diffusion;
+pub mod stable_diffusion_3;
+pub mod stable_diffusion_img2img;
+pub mod stable_diffusion_inpaint;
+pub mod stable_diffusion_xl;
+pub mod stable_diffusion_xl_img2img;
+pub mod stable_diffusion_xl_inpaint;
+
+// Above the pipelines: loading by class or file, ahead-of-time tracing.
+pub mod aot;
+pub mod auto;
+pub mod single_file;
+
+pub use auto::{AutoPipeline, FamilyOptions, PipelineFamily};
+pub use compiled::{CompileStats, CompiledDenoiser};
+pub use denoise::{GenerateRequest, OutputType, PipelineDefaults, PipelineOutput, StepInfo};
 pub use error::{PipelineError, Result};
+pub use flux::{FluxPipeline, FluxPromptEmbeds, FluxRequest, FLUX_CLASSES};
 pub use guard::CancelToken;
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;
-pub use loading::pipeline_class;
+pub use inpaint::InpaintOptions;
+pub use loading::{pipeline_class, LoadOptions};
+pub use lora::{LoraReport, LoraSpec};
 pub use metadata::GenerationParameters;
 pub use pixart::{
-    PixArtAlphaPipeline, PixArtDenoiser, PixArtPipeline, PixArtRequest, PixArtSigmaPipeline,
+    PixArtAlphaPipeline, PixArtCompiled, PixArtPipeline, PixArtRequest, PixArtSigmaPipeline,
     PixArtVariant, PIXART_CLASSES,
 };
-pub use stable_diffusion::{
-    guided_noise, CompileStats, Denoiser, GenerateRequest, LoadOptions, OutputType, PipelineOutput,
-    StableDiffusionPipeline, StepInfo,
-};
-pub mod stable_diffusion_xl;
-pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlDenoiser, XlOptions, XlPromptEmbeds};
-pub mod stable_diffusion_img2img;
-pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
-pub mod flux;
-pub use flux::{FluxDenoiser, FluxPipeline, FluxPromptEmbeds, FluxRequest, FLUX_CLASSES};
-pub mod single_file;
 pub use single_file::{is_single_file, single_file_pipeline_class, SingleFileOptions};
-pub mod stable_diffusion_3;
-pub use stable_diffusion_3::{
-    Sd3Denoiser, Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS,
-};
-pub mod stable_diffusion_inpaint;
+pub use stable_diffusion::{guided_noise, GuidedStepInputs, StableDiffusionPipeline};
+pub use stable_diffusion_3::{Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
+pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
-pub mod stable_diffusion_xl_img2img;
+pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds};
 pub use stable_diffusion_xl_img2img::{
     StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage,
 };
-pub mod stable_diffusion_xl_inpaint;
 pub use stable_diffusion_xl_inpaint::StableDiffusionXLInpaintPipeline;
-pub mod lora;
-pub mod resample;
-pub use lora::{LoraReport, LoraSpec};
-pub mod mask_crop;
-pub use stable_diffusion_inpaint::InpaintOptions;

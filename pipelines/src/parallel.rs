@@ -12,9 +12,8 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::TensorPrimitive;
-use oxidiff_backend_tpu::compiled::Tensors;
 use oxidiff_backend_tpu::spmd::{HasTensorId, Layout, Mesh, SpmdPlacement, TensorId};
-use oxidiff_backend_tpu::{pjrt_client, CompiledFn, Oxi, OxiDevice};
+use oxidiff_backend_tpu::{pjrt_client, Oxi, OxiDevice};
 use oxidiff_models::{sharded_params, TensorParallel};
 pub use oxidiff_parallel::{
     DataParallelConfig, ParallelConfig, ParallelError, ParallelTarget, TensorParallelConfig,
@@ -100,17 +99,4 @@ pub(crate) fn require_pjrt(component: &str, device: &OxiDevice) -> Result<()> {
         "the {component} is on {device}; compiled mode needs a PJRT device \
          (move the pipeline first, e.g. to xla:cpu, tpu or cuda)"
     )))
-}
-
-/// `f` partitioned over `placement` with input `k` laid out as `inputs[k]`
-/// ([`CompiledFn::with_spmd`]) when there is a placement, else `f` as it is.
-pub(crate) fn partitioned<I: Tensors, O: Tensors, F: Fn(I) -> O>(
-    f: CompiledFn<I, O, F>,
-    placement: Option<Arc<SpmdPlacement>>,
-    inputs: Vec<Layout>,
-) -> CompiledFn<I, O, F> {
-    match placement {
-        Some(placement) => f.with_spmd(placement, inputs),
-        None => f,
-    }
 }

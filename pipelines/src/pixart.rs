@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::embeddings::MicroConditions;
 use oxidiff_models::{
     AutoencoderKL, AutoencoderKLConfig, PixArtTransformer2DConfig, PixArtTransformer2DModel,
@@ -27,19 +27,17 @@ use oxidiff_models::{
 };
 use oxidiff_schedulers::{NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator};
 
-use crate::error::{PipelineError, Result};
-use crate::guard;
-use crate::image::{postprocess, resize_and_crop};
-use crate::loading::{
-    check_pipeline_class, check_request, component, initial_latents, load_scheduler, negatives_for,
+use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::denoise::{
+    check_request, decode_to_tensor, initial_latents, negatives_for, with_guidance, DenoisingLoop,
+    GenerateRequest, OutputType, PipelineDefaults, PipelineOutput, StepInfo,
 };
+use crate::error::{PipelineError, Result};
+use crate::image::{postprocess, resize_and_crop};
+use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
 use crate::pixart_bins::{
     classify_height_width_bin, ASPECT_RATIO_1024_BIN, ASPECT_RATIO_2048_BIN, ASPECT_RATIO_256_BIN,
     ASPECT_RATIO_512_BIN,
-};
-use crate::stable_diffusion::{
-    denoising_loop, with_guidance, GenerateRequest, LoadOptions, OutputType, PipelineOutput,
-    StepInfo,
 };
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
@@ -100,11 +98,7 @@ pub struct PixArtRequest<B: Backend> {
 impl<B: Backend> Default for PixArtRequest<B> {
     fn default() -> Self {
         Self {
-            common: GenerateRequest {
-                num_inference_steps: 20,
-                guidance_scale: 4.5,
-                ..Default::default()
-            },
+            common: PipelineDefaults::PIXART_ALPHA.request(),
             max_sequence_length: None,
             resolution_binning: true,
         }
@@ -115,22 +109,6 @@ impl<B: Backend> Default for PixArtRequest<B> {
 pub struct PromptEmbeds<B: Backend> {
     pub embeds: Tensor<B, 3>,
     pub mask: Vec<Vec<u32>>,
-}
-
-/// The transformer call run some other way than eagerly, e.g. as one compiled XLA program
-/// ([`PixArtPipeline::compile`]). Inputs are checked by the pipeline before the call.
-pub trait PixArtDenoiser<B: Backend> {
-    fn denoise(
-        &self,
-        latents: Tensor<B, 4>,
-        timestep: Tensor<B, 1>,
-        caption: Tensor<B, 3>,
-        caption_bias: Tensor<B, 4>,
-        conditions: Option<&MicroConditions<B>>,
-    ) -> Result<Tensor<B, 4>>;
-
-    /// How many programs were compiled so far (one per input shape).
-    fn compiles(&self) -> u64;
 }
 
 /// PixArt-Alpha and PixArt-Sigma text-to-image.
@@ -149,7 +127,7 @@ pub struct PixArtPipeline<B: Backend> {
     pub device: B::Device,
     pub source: PathBuf,
     /// The compiled transformer call, when [`compile`](PixArtPipeline::compile) was called.
-    pub compiled: Option<Box<dyn PixArtDenoiser<B>>>,
+    pub compiled: Option<PixArtCompiled<B>>,
 }
 
 /// diffusers' name for the Alpha pipeline: the same type.
@@ -244,6 +222,14 @@ impl<B: Backend> PixArtPipeline<B> {
     /// The default image size: `sample_size` times the VAE factor (1024 for PixArt-XL-2-1024).
     pub fn default_size(&self) -> usize {
         self.sample_size * self.vae_scale_factor
+    }
+
+    /// diffusers' `__call__` defaults (steps, guidance, T5 length) of this variant.
+    pub fn defaults(&self) -> PipelineDefaults {
+        match self.variant {
+            PixArtVariant::Alpha => PipelineDefaults::PIXART_ALPHA,
+            PixArtVariant::Sigma => PipelineDefaults::PIXART_SIGMA,
+        }
     }
 
     /// Encodes prompts as diffusers does without caption cleaning (`text.lower().strip()`):
@@ -341,12 +327,12 @@ impl<B: Backend> PixArtPipeline<B> {
             ));
         }
         let batch = common.prompts.len() * common.num_images_per_prompt;
-        let cfg = common.guidance_scale > 1.0;
+        let cfg = common.does_guidance();
 
         let prompt = self.encode_prompts(&common.prompts, common.num_images_per_prompt, max_len)?;
         let (caption, mask) = if cfg {
             let negative = self.encode_prompts(
-                &negatives_for(common),
+                &negatives_for(common)?,
                 common.num_images_per_prompt,
                 max_len,
             )?;
@@ -393,13 +379,15 @@ impl<B: Backend> PixArtPipeline<B> {
         // Learned sigma: the second half of the output channels is the variance, dropped
         // (before guidance, which is the same per channel).
         let learned_sigma = transformer.out_channels / 2 == channels;
-        let latents = denoising_loop(
-            &mut *self.scheduler,
-            &timesteps,
+        let latents = DenoisingLoop {
+            scheduler: &mut *self.scheduler,
+            timesteps: &timesteps,
             latents,
-            common,
-            &self.device,
+            req: common,
+            device: &self.device,
             noise,
+        }
+        .run(
             |model_input, timestep, _| {
                 with_guidance(model_input, common.guidance_scale, |model_input| {
                     // One timestep per row of the (guidance-doubled) batch.
@@ -412,7 +400,7 @@ impl<B: Backend> PixArtPipeline<B> {
                                 caption.dims(),
                                 conditions.is_some(),
                             )?;
-                            denoiser.denoise(
+                            denoiser.call(
                                 model_input,
                                 timestep,
                                 caption.clone(),
@@ -441,9 +429,7 @@ impl<B: Backend> PixArtPipeline<B> {
         let images = match common.output {
             OutputType::Latents => None,
             OutputType::Images => {
-                let on_vae = latents.clone().to_device(&self.vae_device());
-                let decoded = self.vae.decode_scaled(on_vae);
-                guard::ensure_finite(&decoded, guard::Stage::VaeDecode)?;
+                let decoded = decode_to_tensor(&self.vae, &latents)?;
                 let decoded = if req.resolution_binning {
                     resize_and_crop(decoded, requested.0, requested.1)?
                 } else {
@@ -463,78 +449,61 @@ impl<B: Backend> ToDevice<B> for PixArtPipeline<B> {
     }
 }
 
-/// Latents, timesteps, caption, caption bias.
-type PlainInputs = (
-    Tensor<Oxi, 4>,
-    Tensor<Oxi, 1>,
-    Tensor<Oxi, 3>,
-    Tensor<Oxi, 4>,
-);
+/// The compiled transformer call's inputs: latents, timesteps, caption, caption bias.
+pub type PixArtInputs<B> = (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 3>, Tensor<B, 4>);
 /// The same plus the micro-conditions (resolution, aspect ratio).
-type ConditionedInputs = (
-    Tensor<Oxi, 4>,
-    Tensor<Oxi, 1>,
-    Tensor<Oxi, 3>,
-    Tensor<Oxi, 4>,
-    Tensor<Oxi, 2>,
-    Tensor<Oxi, 2>,
+pub type PixArtConditionedInputs<B> = (
+    Tensor<B, 4>,
+    Tensor<B, 1>,
+    Tensor<B, 3>,
+    Tensor<B, 4>,
+    Tensor<B, 2>,
+    Tensor<B, 2>,
 );
-type StepFn<I> = Box<dyn Fn(I) -> Tensor<Oxi, 4>>;
 
-/// The compiled call of a transformer without micro-conditions.
-struct PlainStep(CompiledFn<PlainInputs, Tensor<Oxi, 4>, StepFn<PlainInputs>>);
-/// The compiled call of a 1024px Alpha transformer, with micro-conditions.
-struct ConditionedStep(CompiledFn<ConditionedInputs, Tensor<Oxi, 4>, StepFn<ConditionedInputs>>);
-
-fn compile_error(e: impl std::fmt::Display) -> PipelineError {
-    PipelineError::Compile(e.to_string())
+/// The compiled transformer call: two input signatures, as a 1024px Alpha transformer takes
+/// micro-conditions and the others do not.
+pub enum PixArtCompiled<B: Backend> {
+    Plain(CompiledDenoiser<B, PixArtInputs<B>>),
+    Conditioned(CompiledDenoiser<B, PixArtConditionedInputs<B>>),
 }
 
-impl PixArtDenoiser<Oxi> for PlainStep {
-    fn denoise(
+impl<B: Backend> PixArtCompiled<B> {
+    /// The call with the inputs its signature takes.
+    pub fn call(
         &self,
-        latents: Tensor<Oxi, 4>,
-        timestep: Tensor<Oxi, 1>,
-        caption: Tensor<Oxi, 3>,
-        caption_bias: Tensor<Oxi, 4>,
-        _conditions: Option<&MicroConditions<Oxi>>,
-    ) -> Result<Tensor<Oxi, 4>> {
-        self.0
-            .call((latents, timestep, caption, caption_bias))
-            .map_err(compile_error)
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        caption: Tensor<B, 3>,
+        caption_bias: Tensor<B, 4>,
+        conditions: Option<&MicroConditions<B>>,
+    ) -> Result<Tensor<B, 4>> {
+        match self {
+            Self::Plain(f) => f.call((latents, timestep, caption, caption_bias)),
+            Self::Conditioned(f) => {
+                let c = conditions.ok_or_else(|| {
+                    PipelineError::Compile(
+                        "this transformer was compiled with micro-conditions; pass them".into(),
+                    )
+                })?;
+                f.call((
+                    latents,
+                    timestep,
+                    caption,
+                    caption_bias,
+                    c.resolution.clone(),
+                    c.aspect_ratio.clone(),
+                ))
+            }
+        }
     }
 
-    fn compiles(&self) -> u64 {
-        self.0.compiles()
-    }
-}
-
-impl PixArtDenoiser<Oxi> for ConditionedStep {
-    fn denoise(
-        &self,
-        latents: Tensor<Oxi, 4>,
-        timestep: Tensor<Oxi, 1>,
-        caption: Tensor<Oxi, 3>,
-        caption_bias: Tensor<Oxi, 4>,
-        conditions: Option<&MicroConditions<Oxi>>,
-    ) -> Result<Tensor<Oxi, 4>> {
-        let c = conditions.ok_or_else(|| {
-            compile_error("this transformer was compiled with micro-conditions; pass them")
-        })?;
-        self.0
-            .call((
-                latents,
-                timestep,
-                caption,
-                caption_bias,
-                c.resolution.clone(),
-                c.aspect_ratio.clone(),
-            ))
-            .map_err(compile_error)
-    }
-
-    fn compiles(&self) -> u64 {
-        self.0.compiles()
+    /// What was compiled so far.
+    pub fn compile_stats(&self) -> CompileStats {
+        match self {
+            Self::Plain(f) => f.compile_stats(),
+            Self::Conditioned(f) => f.compile_stats(),
+        }
     }
 }
 
@@ -562,37 +531,30 @@ impl PixArtPipeline<Oxi> {
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         let transformer = self.transformer.clone();
+        // Every input batch-major: split by batch where it divides, else whole.
+        let name = "pixart_transformer";
         self.compiled = Some(if transformer.uses_micro_conditions() {
-            let step: StepFn<ConditionedInputs> = Box::new(
-                move |(latents, t, caption, bias, resolution, aspect_ratio)| {
-                    let conditions = MicroConditions {
-                        resolution,
-                        aspect_ratio,
-                    };
-                    transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
-                },
-            );
-            // Every input batch-major: split by batch where it divides, else whole.
-            Box::new(ConditionedStep(crate::parallel::partitioned(
-                CompiledFn::new("pixart_transformer", step),
-                placement,
-                vec![Layout::BatchSplit(0); 6],
-            )))
+            let step = move |(latents, t, caption, bias, resolution, aspect_ratio): PixArtConditionedInputs<Oxi>| {
+                let conditions = MicroConditions {
+                    resolution,
+                    aspect_ratio,
+                };
+                transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
+            };
+            let layouts = vec![Layout::BatchSplit(0); 6];
+            PixArtCompiled::Conditioned(CompiledDenoiser::new(name, step, placement, layouts))
         } else {
-            let step: StepFn<PlainInputs> = Box::new(move |(latents, t, caption, bias)| {
+            let step = move |(latents, t, caption, bias): PixArtInputs<Oxi>| {
                 transformer.forward_checked(latents, t, caption, Some(bias), None)
-            });
-            Box::new(PlainStep(crate::parallel::partitioned(
-                CompiledFn::new("pixart_transformer", step),
-                placement,
-                vec![Layout::BatchSplit(0); 4],
-            )))
+            };
+            let layouts = vec![Layout::BatchSplit(0); 4];
+            PixArtCompiled::Plain(CompiledDenoiser::new(name, step, placement, layouts))
         });
         Ok(())
     }
 
-    /// Programs compiled so far in compiled mode (`None` when eager).
-    pub fn compiles(&self) -> Option<u64> {
-        self.compiled.as_ref().map(|c| c.compiles())
+    /// Compiled mode's counts (`None` when eager).
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        self.compiled.as_ref().map(|c| c.compile_stats())
     }
 }

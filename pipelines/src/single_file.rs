@@ -22,7 +22,8 @@ use oxidiff_schedulers::{scheduler_from_config, PredictionType, SchedulerConfig}
 use serde::Deserialize;
 
 use crate::error::{PipelineError, Result};
-use crate::stable_diffusion::{LoadOptions, StableDiffusionPipeline};
+use crate::loading::LoadOptions;
+use crate::stable_diffusion::StableDiffusionPipeline;
 use crate::stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 use crate::stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 use crate::stable_diffusion_xl::StableDiffusionXLPipeline;

@@ -7,9 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::Tensor;
 use oxidiff_backend_tpu::spmd::{DeviceWeightBytes, Layout, SpmdPlacement};
-use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, ClipTokenizer, ToDevice, UNet2DConditionConfig,
     UNet2DConditionModel,
@@ -18,13 +18,16 @@ use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{
     scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator,
 };
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::denoise::{
+    check_request, decode_latents, negatives_for, DenoisingLoop, GenerateRequest, PipelineDefaults,
+    PipelineOutput, StepInfo,
+};
 use crate::error::{PipelineError, Result};
-use crate::guard::{self, CancelToken, Stage};
-use crate::image::{postprocess, Images};
-use crate::stable_diffusion_inpaint::InpaintCondition;
+use crate::inpaint::{check_unet_input, InpaintCondition};
+use crate::loading::LoadOptions;
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
 pub const SUPPORTED_CLASSES: [&str; 3] = [
@@ -32,91 +35,6 @@ pub const SUPPORTED_CLASSES: [&str; 3] = [
     "StableDiffusionImg2ImgPipeline",
     "StableDiffusionInpaintPipeline",
 ];
-
-/// How a pipeline is loaded.
-#[derive(Debug, Clone, Default)]
-pub struct LoadOptions {
-    /// Weight file variant, e.g. `fp16` for `diffusion_pytorch_model.fp16.safetensors`.
-    pub variant: Option<String>,
-    /// Replace the checkpoint's scheduler (keeping its betas config): a diffusers class name or
-    /// a short/A1111 name, with A1111's option words (`ddim`, `euler_a`, `DPM++ 2M Karras`).
-    pub scheduler: Option<String>,
-    /// Cast the weights to this float dtype after loading (diffusers' `torch_dtype`); `None`
-    /// keeps f32 (weights stored as f16/bf16 are read into f32). Stable Diffusion, SDXL, Flux,
-    /// SD3 and PixArt compute in it and keep latents and scheduler math in f32.
-    pub dtype: Option<FloatDType>,
-}
-
-/// What the pipeline returns.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum OutputType {
-    /// 8-bit RGB images (and the float arrays they come from).
-    #[default]
-    Images,
-    /// Only the final latents; the VAE is not run.
-    Latents,
-}
-
-/// One text-to-image request; `Default` gives diffusers' defaults (50 steps, guidance 7.5).
-#[derive(Debug, Clone)]
-pub struct GenerateRequest<B: Backend> {
-    pub prompts: Vec<String>,
-    /// One negative prompt for all prompts, one per prompt, or none (empty string).
-    pub negative_prompts: Vec<String>,
-    pub num_inference_steps: usize,
-    pub guidance_scale: f64,
-    /// Defaults to the UNet's `sample_size` times the VAE scale factor.
-    pub width: Option<usize>,
-    pub height: Option<usize>,
-    pub num_images_per_prompt: usize,
-    /// Seed of the default generator (PyTorch's CPU generator, so seeds match diffusers').
-    pub seed: u64,
-    /// Initial latents `[batch, 4, h/8, w/8]` instead of drawn ones (scaled by the scheduler's
-    /// `init_noise_sigma`, as diffusers does).
-    pub latents: Option<Tensor<B, 4>>,
-    /// DDIM's eta.
-    pub eta: f64,
-    pub output: OutputType,
-    /// Checked after every step: once cancelled, the generation stops with
-    /// [`PipelineError::Cancelled`].
-    pub cancel: Option<CancelToken>,
-}
-
-impl<B: Backend> Default for GenerateRequest<B> {
-    fn default() -> Self {
-        Self {
-            prompts: Vec::new(),
-            negative_prompts: Vec::new(),
-            num_inference_steps: 50,
-            guidance_scale: 7.5,
-            width: None,
-            height: None,
-            num_images_per_prompt: 1,
-            seed: 0,
-            latents: None,
-            eta: 0.0,
-            output: OutputType::Images,
-            cancel: None,
-        }
-    }
-}
-
-/// What a step callback sees.
-pub struct StepInfo<'a, B: Backend> {
-    pub step: usize,
-    pub num_steps: usize,
-    pub timestep: f64,
-    pub latents: &'a Tensor<B, 4>,
-}
-
-/// The pipeline's result.
-#[derive(Debug, Clone)]
-pub struct PipelineOutput<B: Backend> {
-    /// Final latents (before the VAE scaling is undone).
-    pub latents: Tensor<B, 4>,
-    /// Images, unless only latents were asked for.
-    pub images: Option<Images>,
-}
 
 /// One denoiser evaluation with classifier-free guidance, as diffusers' loop does it: when
 /// `context` holds twice as many rows as `sample` (negative prompts first), the UNet runs once
@@ -146,44 +64,6 @@ pub fn guided_noise<B: Backend>(
     uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
 }
 
-/// The guided denoiser call ([`guided_noise`]) run some other way than eagerly, e.g. as one
-/// compiled XLA program ([`StableDiffusionPipeline::compile`]).
-pub trait Denoiser<B: Backend> {
-    /// [`guided_noise`] of the pipeline's UNet.
-    fn guided_noise(
-        &self,
-        sample: Tensor<B, 4>,
-        timestep: Tensor<B, 1>,
-        context: Tensor<B, 3>,
-        guidance: Tensor<B, 1>,
-    ) -> Result<Tensor<B, 4>>;
-
-    /// What was compiled so far.
-    fn compile_stats(&self) -> CompileStats;
-
-    /// The device mesh and weight shards, when the denoiser runs partitioned
-    /// ([`StableDiffusionPipeline::enable_parallelism`]).
-    fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>> {
-        None
-    }
-
-    /// Opcode counts of each compiled program's optimized HLO (the collectives of a
-    /// partitioned one among them); empty when not compiled by XLA here.
-    fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>> {
-        Ok(Vec::new())
-    }
-}
-
-/// Counts of compiled mode ([`StableDiffusionPipeline::compile_stats`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CompileStats {
-    /// Programs built, one per input signature (image size, batch, guidance on or off).
-    pub programs: u64,
-    /// Of those, how many XLA compiled; the others were loaded from the on-disk cache.
-    pub xla_compiles: u64,
-    pub disk_loads: u64,
-}
-
 /// Stable Diffusion 1.x/2.x text-to-image.
 pub struct StableDiffusionPipeline<B: Backend> {
     pub tokenizer: ClipTokenizer,
@@ -199,7 +79,7 @@ pub struct StableDiffusionPipeline<B: Backend> {
     pub device: B::Device,
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](Self::compile) was called.
-    pub compiled: Option<Box<dyn Denoiser<B>>>,
+    pub compiled: Option<CompiledDenoiser<B, GuidedStepInputs<B>>>,
 }
 
 impl<B: Backend> StableDiffusionPipeline<B> {
@@ -325,6 +205,12 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self.sample_size * self.vae_scale_factor
     }
 
+    /// diffusers' `__call__` defaults (steps, guidance) of this pipeline; `.request()` gives a
+    /// request with them.
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION
+    }
+
     /// Encodes prompts to CLIP hidden states `[n * images_per_prompt, 77, dim]`.
     pub fn encode_prompts(
         &self,
@@ -352,17 +238,17 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     /// guidance) by the negative prompts' (an empty string when none is given).
     pub fn encode_context(&self, req: &GenerateRequest<B>) -> Result<Tensor<B, 3>> {
         let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
-        if req.guidance_scale <= 1.0 {
+        if !req.does_guidance() {
             return Ok(prompt_embeds);
         }
-        let negatives = crate::loading::negatives_for(req);
+        let negatives = negatives_for(req)?;
         let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
         Ok(Tensor::cat(vec![negative_embeds, prompt_embeds], 0))
     }
 
     fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
         let default = self.default_size();
-        crate::loading::check_request(req, (default, default), self.vae_scale_factor)
+        check_request(req, (default, default), self.vae_scale_factor)
     }
 
     /// Generates with the default generator seeded by `req.seed`.
@@ -385,7 +271,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self.scheduler.set_timesteps(req.num_inference_steps)?;
         self.scheduler.set_eta(req.eta);
         let f = self.vae_scale_factor;
-        let latents = crate::loading::initial_latents(
+        let latents = crate::denoise::initial_latents(
             req,
             [batch, 4, height / f, width / f],
             (width, height),
@@ -419,7 +305,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         noise: &mut dyn NoiseSource<B>,
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
-        crate::stable_diffusion_inpaint::check_unet_input(&self.unet, &latents, inpaint)?;
+        check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let mut blended;
         let scheduler: &mut dyn Scheduler<B> = match inpaint {
@@ -429,18 +315,20 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             }
             None => &mut *self.scheduler,
         };
-        let latents = denoising_loop(
+        let latents = DenoisingLoop {
             scheduler,
             timesteps,
             latents,
             req,
-            &self.device,
+            device: &self.device,
             noise,
+        }
+        .run(
             |model_input, timestep, guidance| {
                 let model_input = InpaintCondition::unet_input(inpaint, model_input);
                 match compiled {
                     Some(denoiser) => {
-                        denoiser.guided_noise(model_input, timestep, context.clone(), guidance)
+                        denoiser.call((model_input, timestep, context.clone(), guidance))
                     }
                     None => Ok(guided_noise(
                         unet,
@@ -458,84 +346,6 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     }
 }
 
-/// The scheduler loop shared by the pipelines: the scaled model input, the guided denoiser
-/// call `denoise(sample, timestep, guidance)` (classifier-free guidance is the denoiser's:
-/// [`guided_noise`], or [`with_guidance`] around another call), the scheduler step, the NaN
-/// guard, the callback and cancellation, over `timesteps` (possibly a prefix of the
-/// scheduler's, for `denoising_end`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn denoising_loop<B: Backend>(
-    scheduler: &mut dyn Scheduler<B>,
-    timesteps: &[f64],
-    mut latents: Tensor<B, 4>,
-    req: &GenerateRequest<B>,
-    device: &B::Device,
-    noise: &mut dyn NoiseSource<B>,
-    mut denoise: impl FnMut(Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 1>) -> Result<Tensor<B, 4>>,
-    callback: &mut impl FnMut(StepInfo<'_, B>),
-) -> Result<Tensor<B, 4>> {
-    // A runtime input of compiled steps, so a new guidance scale does not recompile.
-    let guidance = Tensor::<B, 1>::from_data(
-        TensorData::new(vec![req.guidance_scale as f32], [1]),
-        device,
-    );
-    for (step, &t) in timesteps.iter().enumerate() {
-        let model_input = scheduler.scale_model_input(latents.clone(), t)?;
-        let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), device);
-        let noise_pred = denoise(model_input, timestep, guidance.clone())?;
-        let prediction = noise_pred.clone();
-        latents = scheduler.step(noise_pred, t, latents, noise)?;
-        let class = scheduler.kind().class_name();
-        guard::check_step(&latents, &prediction, step, t, class)?;
-        callback(StepInfo {
-            step,
-            num_steps: timesteps.len(),
-            timestep: t,
-            latents: &latents,
-        });
-        if let Some(cancel) = &req.cancel {
-            cancel.check(step + 1, timesteps.len())?;
-        }
-    }
-    Ok(latents)
-}
-
-/// Classifier-free guidance around a denoiser `f` that sees the doubled batch
-/// `[sample; sample]` (its context holds the negative prompts first), for pipelines whose
-/// denoiser call is not [`guided_noise`]: `uncond + scale * (text - uncond)`, or the plain call
-/// when `scale <= 1`.
-pub(crate) fn with_guidance<B: Backend>(
-    sample: Tensor<B, 4>,
-    scale: f64,
-    f: impl FnOnce(Tensor<B, 4>) -> Result<Tensor<B, 4>>,
-) -> Result<Tensor<B, 4>> {
-    if scale <= 1.0 {
-        return f(sample);
-    }
-    let batch = sample.dims()[0];
-    let prediction = f(Tensor::cat(vec![sample.clone(), sample], 0))?;
-    Ok(crate::loading::guide(prediction, batch, scale))
-}
-
-/// Undoes the VAE scaling, decodes on the VAE's device and post-processes (unless only
-/// latents were asked for).
-pub(crate) fn decode_latents<B: Backend>(
-    vae: &AutoencoderKL<B>,
-    latents: &Tensor<B, 4>,
-    output: OutputType,
-) -> Result<Option<Images>> {
-    match output {
-        OutputType::Latents => Ok(None),
-        OutputType::Images => {
-            let device = vae.decoder.conv_in.weight.device();
-            let on_vae = latents.clone().to_device(&device);
-            let decoded = vae.decode_scaled(on_vae);
-            guard::ensure_finite(&decoded, Stage::VaeDecode)?;
-            Ok(Some(postprocess(decoded)?))
-        }
-    }
-}
-
 impl<B: Backend> ToDevice<B> for StableDiffusionPipeline<B> {
     /// Moves every component to `device`: `pipe.to(&"tpu".parse()?)`.
     fn to(self, device: &B::Device) -> Self {
@@ -543,44 +353,9 @@ impl<B: Backend> ToDevice<B> for StableDiffusionPipeline<B> {
     }
 }
 
-/// The compiled step's inputs: scaled latents, timestep, text context, guidance scale.
-type StepInputs = (
-    Tensor<Oxi, 4>,
-    Tensor<Oxi, 1>,
-    Tensor<Oxi, 3>,
-    Tensor<Oxi, 1>,
-);
-type StepFn = Box<dyn Fn(StepInputs) -> Tensor<Oxi, 4>>;
-type GuidedStep = CompiledFn<StepInputs, Tensor<Oxi, 4>, StepFn>;
-
-impl Denoiser<Oxi> for GuidedStep {
-    fn guided_noise(
-        &self,
-        sample: Tensor<Oxi, 4>,
-        timestep: Tensor<Oxi, 1>,
-        context: Tensor<Oxi, 3>,
-        guidance: Tensor<Oxi, 1>,
-    ) -> Result<Tensor<Oxi, 4>> {
-        self.call((sample, timestep, context, guidance))
-            .map_err(|e| PipelineError::Compile(e.to_string()))
-    }
-
-    fn compile_stats(&self) -> CompileStats {
-        CompileStats {
-            programs: self.compiles(),
-            xla_compiles: self.xla_compiles(),
-            disk_loads: self.disk_loads(),
-        }
-    }
-
-    fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>> {
-        CompiledFn::spmd_placement(self)
-    }
-
-    fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>> {
-        CompiledFn::optimized_opcode_counts(self).map_err(|e| PipelineError::Compile(e.to_string()))
-    }
-}
+/// The compiled step's inputs ([`guided_noise`]'s): scaled latents, timestep, text context,
+/// guidance scale.
+pub type GuidedStepInputs<B> = (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 3>, Tensor<B, 1>);
 
 impl StableDiffusionPipeline<Oxi> {
     /// Compiled mode: from the next generation on, each denoising step's UNet call and
@@ -594,14 +369,7 @@ impl StableDiffusionPipeline<Oxi> {
     /// step and the VAE stay eager.
     pub fn compile(&mut self) -> Result<()> {
         crate::parallel::require_pjrt("UNet", &self.unet_device())?;
-        let unet = self.unet.clone();
-        // The traced structure depends only on the input shapes (guidance on or off is the
-        // context's batch), which key the program cache, so a cached program always matches.
-        let step: StepFn = Box::new(move |(sample, timestep, context, guidance)| {
-            guided_noise(&unet, sample, timestep, context, guidance)
-        });
-        let compiled: GuidedStep = CompiledFn::new("unet+cfg", step);
-        self.compiled = Some(Box::new(compiled));
+        self.compile_on(None);
         Ok(())
     }
 
@@ -621,20 +389,25 @@ impl StableDiffusionPipeline<Oxi> {
         let device = self.unet_device();
         let placement =
             crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;
+        self.compile_on(Some(placement));
+        Ok(())
+    }
+
+    fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) {
         let unet = self.unet.clone();
-        let step: StepFn = Box::new(move |(sample, timestep, context, guidance)| {
+        // The traced structure depends only on the input shapes (guidance on or off is the
+        // context's batch), which key the program cache, so a cached program always matches.
+        let step = move |(sample, timestep, context, guidance): GuidedStepInputs<Oxi>| {
             guided_noise(&unet, sample, timestep, context, guidance)
-        });
+        };
         // Latents and context split by batch (data parallel); timestep and scale whole.
-        let inputs = vec![
+        let layouts = vec![
             Layout::BatchSplit(0),
             Layout::Replicated,
             Layout::BatchSplit(0),
             Layout::Replicated,
         ];
-        let compiled: GuidedStep = CompiledFn::new("unet+cfg", step).with_spmd(placement, inputs);
-        self.compiled = Some(Box::new(compiled));
-        Ok(())
+        self.compiled = Some(CompiledDenoiser::new("unet+cfg", step, placement, layouts));
     }
 
     /// Weight bytes on each device of the mesh after
@@ -643,11 +416,6 @@ impl StableDiffusionPipeline<Oxi> {
     pub fn parallel_weight_bytes(&self) -> Option<Vec<DeviceWeightBytes>> {
         let placement = self.compiled.as_ref()?.spmd_placement()?;
         Some(placement.weight_bytes())
-    }
-
-    /// Programs compiled so far in compiled mode (`None` when eager).
-    pub fn compiles(&self) -> Option<u64> {
-        self.compiled.as_ref().map(|c| c.compile_stats().programs)
     }
 
     /// Compiled mode's counts (`None` when eager).

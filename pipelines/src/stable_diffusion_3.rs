@@ -16,7 +16,7 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
-use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::config::load_json;
 use oxidiff_models::{
     AutoencoderKL, AutoencoderKLConfig, ClipTextModel, ClipTextOutput, ClipTokenizer,
@@ -28,14 +28,13 @@ use oxidiff_schedulers::{
     TimestepOptions, TorchCpuGenerator,
 };
 
-use crate::error::{PipelineError, Result};
-use crate::guard;
-use crate::image::postprocess;
-use crate::loading::{check_request, guide, initial_latents, negatives_for};
-use crate::stable_diffusion::{
-    denoising_loop, with_guidance, GenerateRequest, LoadOptions, OutputType, PipelineOutput,
-    StepInfo,
+use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::denoise::{
+    check_request, decode_latents, guide, initial_latents, negatives_for, per_prompt,
+    with_guidance, DenoisingLoop, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
 };
+use crate::error::{PipelineError, Result};
+use crate::loading::LoadOptions;
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
 pub const SD3_CLASS: &str = "StableDiffusion3Pipeline";
@@ -70,11 +69,7 @@ pub struct Sd3Request<B: Backend> {
 impl<B: Backend> Default for Sd3Request<B> {
     fn default() -> Self {
         Self {
-            common: GenerateRequest {
-                num_inference_steps: 28,
-                guidance_scale: 7.0,
-                ..Default::default()
-            },
+            common: PipelineDefaults::STABLE_DIFFUSION_3.request(),
             prompts_2: Vec::new(),
             prompts_3: Vec::new(),
             negative_prompts_2: Vec::new(),
@@ -94,21 +89,6 @@ impl<B: Backend> Default for Sd3Request<B> {
 pub struct Sd3PromptEmbeds<B: Backend> {
     pub prompt_embeds: Tensor<B, 3>,
     pub pooled_prompt_embeds: Tensor<B, 2>,
-}
-
-/// The transformer call run some other way than eagerly (one compiled XLA program,
-/// [`StableDiffusion3Pipeline::compile`]). Inputs are checked by the pipeline before the call.
-pub trait Sd3Denoiser<B: Backend> {
-    fn denoise(
-        &self,
-        latents: Tensor<B, 4>,
-        timestep: Tensor<B, 1>,
-        encoder_hidden_states: Tensor<B, 3>,
-        pooled_projections: Tensor<B, 2>,
-    ) -> Result<Tensor<B, 4>>;
-
-    /// Programs compiled so far (one per input shape).
-    fn compiles(&self) -> u64;
 }
 
 /// Stable Diffusion 3 / 3.5 text-to-image.
@@ -132,7 +112,7 @@ pub struct StableDiffusion3Pipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled transformer call, when [`compile`](StableDiffusion3Pipeline::compile) was
     /// called.
-    pub compiled: Option<Box<dyn Sd3Denoiser<B>>>,
+    pub compiled: Option<CompiledDenoiser<B, Sd3StepInputs<B>>>,
 }
 
 /// What `model_index.json` says about one component: a `[library, class]` pair, or
@@ -276,6 +256,12 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
     /// The default image size: `sample_size` times the VAE factor (1024 for SD3 Medium).
     pub fn default_size(&self) -> usize {
         self.sample_size * self.vae_scale_factor
+    }
+
+    /// diffusers' `__call__` defaults (steps, guidance) of this pipeline; `.request()` gives a
+    /// request with them.
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_3
     }
 
     /// Swaps the scheduler, keeping the checkpoint's config where it applies.
@@ -459,22 +445,12 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         let p = self.transformer.patch_size;
         let (width, height) = check_request(common, (default, default), self.vae_scale_factor * p)?;
         let n = common.prompts.len();
-        let per_prompt = |v: &[String], fallback: &[String], what: &str| -> Result<Vec<String>> {
-            match v.len() {
-                0 => Ok(fallback.to_vec()),
-                1 => Ok(vec![v[0].clone(); n]),
-                got if got == n => Ok(v.to_vec()),
-                got => Err(PipelineError::InvalidInput(format!(
-                    "{got} {what} for {n} prompts: give one, or one per prompt"
-                ))),
-            }
-        };
-        let prompts_2 = per_prompt(&req.prompts_2, &common.prompts, "second prompts")?;
-        let prompts_3 = per_prompt(&req.prompts_3, &common.prompts, "third prompts")?;
+        let prompts_2 = per_prompt(&req.prompts_2, &common.prompts, n, "second prompts")?;
+        let prompts_3 = per_prompt(&req.prompts_3, &common.prompts, n, "third prompts")?;
         let images_per_prompt = common.num_images_per_prompt;
         let batch = n * images_per_prompt;
         let max_len = req.max_sequence_length;
-        let cfg = common.guidance_scale > 1.0;
+        let cfg = common.does_guidance();
 
         self.transformer
             .check_skip_layers(&req.skip_guidance_layers)?;
@@ -493,15 +469,17 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             )
         });
         let (context, pooled) = if cfg {
-            let negatives = negatives_for(common);
+            let negatives = negatives_for(common)?;
             let negatives_2 = per_prompt(
                 &req.negative_prompts_2,
                 &negatives,
+                n,
                 "second negative prompts",
             )?;
             let negatives_3 = per_prompt(
                 &req.negative_prompts_3,
                 &negatives,
+                n,
                 "third negative prompts",
             )?;
             let negative = self.encode_prompts(
@@ -561,19 +539,21 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
                         context.dims(),
                         pooled.dims(),
                     )?;
-                    denoiser.denoise(x, timestep, context.clone(), pooled.clone())
+                    denoiser.call((x, timestep, context.clone(), pooled.clone()))
                 }
                 None => Ok(transformer.forward(x, timestep, context.clone(), pooled.clone())?),
             }
         };
         let mut step = 0usize;
-        let latents = denoising_loop(
-            &mut *self.scheduler,
-            &timesteps,
+        let latents = DenoisingLoop {
+            scheduler: &mut *self.scheduler,
+            timesteps: &timesteps,
             latents,
-            common,
-            &self.device,
+            req: common,
+            device: &self.device,
             noise,
+        }
+        .run(
             |model_input, timestep, _| {
                 let i = step as f64;
                 step += 1;
@@ -605,15 +585,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             &mut callback,
         )?;
 
-        let images = match common.output {
-            OutputType::Latents => None,
-            OutputType::Images => {
-                let on_vae = latents.clone().to_device(&self.vae_device());
-                let decoded = self.vae.decode_scaled(on_vae);
-                guard::ensure_finite(&decoded, guard::Stage::VaeDecode)?;
-                Some(postprocess(decoded)?)
-            }
-        };
+        let images = decode_latents(&self.vae, &latents, common.output)?;
         Ok(PipelineOutput { latents, images })
     }
 }
@@ -625,35 +597,9 @@ impl<B: Backend> ToDevice<B> for StableDiffusion3Pipeline<B> {
     }
 }
 
-/// Latents, timesteps, prompt embeddings, pooled embeddings.
-type StepInputs = (
-    Tensor<Oxi, 4>,
-    Tensor<Oxi, 1>,
-    Tensor<Oxi, 3>,
-    Tensor<Oxi, 2>,
-);
-type StepFn = Box<dyn Fn(StepInputs) -> Tensor<Oxi, 4>>;
-
-/// The compiled transformer call.
-struct Sd3Step(CompiledFn<StepInputs, Tensor<Oxi, 4>, StepFn>);
-
-impl Sd3Denoiser<Oxi> for Sd3Step {
-    fn denoise(
-        &self,
-        latents: Tensor<Oxi, 4>,
-        timestep: Tensor<Oxi, 1>,
-        encoder_hidden_states: Tensor<Oxi, 3>,
-        pooled_projections: Tensor<Oxi, 2>,
-    ) -> Result<Tensor<Oxi, 4>> {
-        self.0
-            .call((latents, timestep, encoder_hidden_states, pooled_projections))
-            .map_err(|e| PipelineError::Compile(e.to_string()))
-    }
-
-    fn compiles(&self) -> u64 {
-        self.0.compiles()
-    }
-}
+/// The compiled transformer call's inputs: latents, timesteps, prompt embeddings, pooled
+/// embeddings.
+pub type Sd3StepInputs<B> = (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 3>, Tensor<B, 2>);
 
 impl StableDiffusion3Pipeline<Oxi> {
     /// Compiled mode: from the next generation on, each transformer call (both halves of
@@ -679,21 +625,22 @@ impl StableDiffusion3Pipeline<Oxi> {
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         let transformer = self.transformer.clone();
-        let step: StepFn = Box::new(move |(latents, t, context, pooled)| {
+        let step = move |(latents, t, context, pooled): Sd3StepInputs<Oxi>| {
             transformer.forward_checked(latents, t, context, pooled)
-        });
+        };
         // Every input batch-major: split by batch where it divides, else whole.
-        let f = crate::parallel::partitioned(
-            CompiledFn::new("sd3_transformer", step),
+        let layouts = vec![Layout::BatchSplit(0); 4];
+        self.compiled = Some(CompiledDenoiser::new(
+            "sd3_transformer",
+            step,
             placement,
-            vec![Layout::BatchSplit(0); 4],
-        );
-        self.compiled = Some(Box::new(Sd3Step(f)));
+            layouts,
+        ));
         Ok(())
     }
 
-    /// Programs compiled so far in compiled mode (`None` when eager).
-    pub fn compiles(&self) -> Option<u64> {
-        self.compiled.as_ref().map(|c| c.compiles())
+    /// Compiled mode's counts (`None` when eager).
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        self.compiled.as_ref().map(|c| c.compile_stats())
     }
 }

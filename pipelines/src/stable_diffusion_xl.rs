@@ -16,7 +16,7 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
-use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::config::{load_json, PerBlock};
 use oxidiff_models::{
     AddedCondition, AutoencoderKL, AutoencoderKLConfig, ClipTextConfig, ClipTextModel,
@@ -28,12 +28,14 @@ use oxidiff_schedulers::{
 };
 use serde::Deserialize;
 
-use crate::error::{PipelineError, Result};
-use crate::stable_diffusion::{
-    decode_latents, denoising_loop, with_guidance, GenerateRequest, LoadOptions, PipelineOutput,
-    StepInfo,
+use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::denoise::{
+    check_request, decode_latents, initial_latents, negatives_for, per_prompt, with_guidance,
+    DenoisingLoop, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
 };
-use crate::stable_diffusion_inpaint::InpaintCondition;
+use crate::error::{PipelineError, Result};
+use crate::inpaint::{check_unet_input, InpaintCondition};
+use crate::loading::LoadOptions;
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
 pub const SDXL_CLASS: &str = "StableDiffusionXLPipeline";
@@ -134,22 +136,7 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
     pub device: B::Device,
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](StableDiffusionXLPipeline::compile) was called.
-    pub compiled: Option<Box<dyn XlDenoiser<B>>>,
-}
-
-/// SDXL's UNet call `unet(sample, timestep, context, added)` run some other way than eagerly
-/// (one compiled XLA program).
-pub trait XlDenoiser<B: Backend> {
-    fn denoise(
-        &self,
-        sample: Tensor<B, 4>,
-        timestep: Tensor<B, 1>,
-        context: Tensor<B, 3>,
-        added: &AddedCondition<B>,
-    ) -> Result<Tensor<B, 4>>;
-
-    /// Programs compiled so far (one per input shape).
-    fn compiles(&self) -> u64;
+    pub compiled: Option<CompiledDenoiser<B, XlUNetInputs<B>>>,
 }
 
 impl<B: Backend> StableDiffusionXLPipeline<B> {
@@ -323,6 +310,12 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.sample_size * self.vae_scale_factor
     }
 
+    /// diffusers' `__call__` defaults (steps, guidance) of this pipeline; `.request()` gives a
+    /// request with them.
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_XL
+    }
+
     /// Fuses a LoRA file (diffusers/PEFT or kohya/A1111 format) into the UNet and the text
     /// encoders at `scale` (a LoRA with `text_encoder` layers is an error for a folder without
     /// one), as diffusers' `load_lora_weights(path)` +
@@ -491,8 +484,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let default = self.default_size();
-        let (width, height) =
-            crate::loading::check_request(req, (default, default), self.vae_scale_factor)?;
+        let (width, height) = check_request(req, (default, default), self.vae_scale_factor)?;
         self.check_options(req, xl)?;
         let (positive_ids, negative_ids) = self.time_ids_for(xl, (height, width));
         let condition = self.conditioning(req, xl, &positive_ids, &negative_ids)?;
@@ -501,7 +493,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.scheduler.set_eta(req.eta);
         let f = self.vae_scale_factor;
         let batch = req.prompts.len() * req.num_images_per_prompt;
-        let latents = crate::loading::initial_latents(
+        let latents = initial_latents(
             req,
             [batch, 4, height / f, width / f],
             (width, height),
@@ -574,18 +566,11 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         negative_ids: &[f32],
     ) -> Result<XlConditioning<B>> {
         let n = req.prompts.len();
-        let per_prompt = |v: &[String], fallback: &[String]| -> Vec<String> {
-            match v.len() {
-                0 => fallback.to_vec(),
-                1 => vec![v[0].clone(); n],
-                _ => v.to_vec(),
-            }
-        };
         let images_per_prompt = req.num_images_per_prompt;
         let batch = n * images_per_prompt;
-        let cfg = req.guidance_scale > 1.0;
+        let cfg = req.does_guidance();
 
-        let prompts_2 = per_prompt(&xl.prompts_2, &req.prompts);
+        let prompts_2 = per_prompt(&xl.prompts_2, &req.prompts, n, "second prompts")?;
         let positive = self.encode_prompts(&req.prompts, &prompts_2, images_per_prompt)?;
         let zero_negative = req.negative_prompts.is_empty() && self.force_zeros_for_empty_prompt;
         let (context, pooled) = if !cfg {
@@ -603,8 +588,13 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 ),
             )
         } else {
-            let negatives = per_prompt(&req.negative_prompts, &vec![String::new(); n]);
-            let negatives_2 = per_prompt(&xl.negative_prompts_2, &negatives);
+            let negatives = negatives_for(req)?;
+            let negatives_2 = per_prompt(
+                &xl.negative_prompts_2,
+                &negatives,
+                n,
+                "second negative prompts",
+            )?;
             let negative = self.encode_prompts(&negatives, &negatives_2, images_per_prompt)?;
             (
                 Tensor::cat(vec![negative.prompt_embeds, positive.prompt_embeds], 0),
@@ -665,7 +655,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         noise: &mut dyn NoiseSource<B>,
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
-        crate::stable_diffusion_inpaint::check_unet_input(&self.unet, &latents, inpaint)?;
+        check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let XlConditioning { context, added } = condition;
         let mut blended;
@@ -676,17 +666,29 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             }
             None => &mut *self.scheduler,
         };
-        let latents = denoising_loop(
+        let latents = DenoisingLoop {
             scheduler,
             timesteps,
             latents,
             req,
-            &self.device,
+            device: &self.device,
             noise,
+        }
+        .run(
             |model_input, timestep, _| {
                 let model_input = InpaintCondition::unet_input(inpaint, model_input);
                 with_guidance(model_input, req.guidance_scale, |x| match compiled {
-                    Some(denoiser) => denoiser.denoise(x, timestep, context.clone(), added),
+                    Some(denoiser) => {
+                        // Checked here: inside the trace a mismatch could only panic.
+                        unet.check_added_condition(x.dims()[0], Some(added))?;
+                        denoiser.call((
+                            x,
+                            timestep,
+                            context.clone(),
+                            added.text_embeds.clone(),
+                            added.time_ids.clone(),
+                        ))
+                    }
                     None => Ok(unet.forward_with_condition(
                         x,
                         timestep,
@@ -717,47 +719,15 @@ impl<B: Backend> ToDevice<B> for StableDiffusionXLPipeline<B> {
     }
 }
 
-/// The SDXL UNet's inputs: latents, timestep, text context, pooled text embeds, time ids.
-type XlUNetInputs = (
-    Tensor<Oxi, 4>,
-    Tensor<Oxi, 1>,
-    Tensor<Oxi, 3>,
-    Tensor<Oxi, 2>,
-    Tensor<Oxi, 2>,
+/// The compiled SDXL UNet call's inputs: latents, timestep, text context, pooled text embeds,
+/// time ids.
+pub type XlUNetInputs<B> = (
+    Tensor<B, 4>,
+    Tensor<B, 1>,
+    Tensor<B, 3>,
+    Tensor<B, 2>,
+    Tensor<B, 2>,
 );
-type XlUNetFn = Box<dyn Fn(XlUNetInputs) -> Tensor<Oxi, 4>>;
-
-/// The compiled SDXL UNet call, with the UNet kept to check inputs before tracing.
-struct XlUNetStep {
-    unet: UNet2DConditionModel<Oxi>,
-    step: CompiledFn<XlUNetInputs, Tensor<Oxi, 4>, XlUNetFn>,
-}
-
-impl XlDenoiser<Oxi> for XlUNetStep {
-    fn denoise(
-        &self,
-        sample: Tensor<Oxi, 4>,
-        timestep: Tensor<Oxi, 1>,
-        context: Tensor<Oxi, 3>,
-        added: &AddedCondition<Oxi>,
-    ) -> Result<Tensor<Oxi, 4>> {
-        self.unet
-            .check_added_condition(sample.dims()[0], Some(added))?;
-        self.step
-            .call((
-                sample,
-                timestep,
-                context,
-                added.text_embeds.clone(),
-                added.time_ids.clone(),
-            ))
-            .map_err(|e| PipelineError::Compile(e.to_string()))
-    }
-
-    fn compiles(&self) -> u64 {
-        self.step.compiles()
-    }
-}
 
 impl StableDiffusionXLPipeline<Oxi> {
     /// Compiled mode, as [`StableDiffusionPipeline::compile`](crate::StableDiffusionPipeline::compile):
@@ -782,7 +752,7 @@ impl StableDiffusionXLPipeline<Oxi> {
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("UNet", &self.unet.conv_in.weight.device())?;
         let unet = self.unet.clone();
-        let step: XlUNetFn = Box::new(move |(sample, timestep, context, text_embeds, time_ids)| {
+        let step = move |(sample, timestep, context, text_embeds, time_ids): XlUNetInputs<Oxi>| {
             let added = AddedCondition {
                 text_embeds,
                 time_ids,
@@ -790,22 +760,15 @@ impl StableDiffusionXLPipeline<Oxi> {
             // The shapes were checked by `check_added_condition` before the call.
             unet.forward_with_condition(sample, timestep, context, Some(&added))
                 .expect("added condition checked before tracing")
-        });
+        };
         // Every input batch-major: split by batch where it divides, else whole.
-        let step = crate::parallel::partitioned(
-            CompiledFn::new("sdxl-unet", step),
-            placement,
-            vec![Layout::BatchSplit(0); 5],
-        );
-        self.compiled = Some(Box::new(XlUNetStep {
-            unet: self.unet.clone(),
-            step,
-        }));
+        let layouts = vec![Layout::BatchSplit(0); 5];
+        self.compiled = Some(CompiledDenoiser::new("sdxl-unet", step, placement, layouts));
         Ok(())
     }
 
-    /// Programs compiled so far in compiled mode (`None` when eager).
-    pub fn compiles(&self) -> Option<u64> {
-        self.compiled.as_ref().map(|c| c.compiles())
+    /// Compiled mode's counts (`None` when eager).
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        self.compiled.as_ref().map(|c| c.compile_stats())
     }
 }

@@ -15,10 +15,11 @@ use burn::tensor::Tensor;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, Scheduler, TorchCpuGenerator};
 
+use crate::denoise::{check_request, GenerateRequest, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
-use crate::stable_diffusion::{GenerateRequest, LoadOptions, PipelineOutput, StepInfo};
-use crate::stable_diffusion_img2img::{check_strength, encode_image_latents, strength_timesteps};
+use crate::img2img::{check_strength, encode_image_latents, strength_timesteps};
+use crate::loading::LoadOptions;
 use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions};
 
 /// The image-editing options of the SDXL img2img and inpaint pipelines; `Default` is
@@ -250,12 +251,9 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
             ..req.clone()
         };
         let default = pipe.default_size();
-        crate::loading::check_request(&sized, (default, default), f)?;
+        check_request(&sized, (default, default), f)?;
         if edit.denoising_start.is_none() {
-            crate::stable_diffusion_img2img::check_strength_steps(
-                edit.strength,
-                req.num_inference_steps,
-            )?;
+            crate::img2img::check_strength_steps(edit.strength, req.num_inference_steps)?;
         }
 
         let (positive_ids, negative_ids) = edit_time_ids(pipe, xl, edit, (height, width));

@@ -2,7 +2,7 @@
 //! `pipeline_stable_diffusion_xl_inpaint.py`.
 //!
 //! [`StableDiffusionXLPipeline`]'s components and loop with the inpainting of
-//! [`crate::stable_diffusion_inpaint`] (a 9-channel inpainting UNet, or the masked-latent
+//! [`crate::inpaint`] (a 9-channel inpainting UNet, or the masked-latent
 //! method for 4-channel ones), the strength / `denoising_start` schedule and time ids of
 //! [`StableDiffusionXLImg2ImgPipeline`](crate::StableDiffusionXLImg2ImgPipeline).
 
@@ -12,13 +12,14 @@ use burn::tensor::backend::Backend;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
+use crate::denoise::{check_request, GenerateRequest, PipelineOutput, StepInfo};
 use crate::error::Result;
 use crate::image::{preprocess, preprocess_mask};
-use crate::stable_diffusion::{GenerateRequest, LoadOptions, PipelineOutput, StepInfo};
-use crate::stable_diffusion_img2img::check_strength_steps;
-use crate::stable_diffusion_inpaint::{
+use crate::img2img::check_strength_steps;
+use crate::inpaint::{
     check_mask_size, crop_for_request, inpaint_channels, prepare_inpaint, InpaintStart,
 };
+use crate::loading::LoadOptions;
 use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions};
 use crate::stable_diffusion_xl_img2img::{
     check_edit, edit_time_ids, edit_timesteps, XlEditOptions,
@@ -69,7 +70,7 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
     /// to a multiple of 8 (diffusers defaults to the UNet's sample size). With
     /// `edit.denoising_start` the image's latents are not noised (a refiner continuing a
     /// base's `denoising_end`). Noise is drawn in diffusers' order (see
-    /// `prepare_inpaint` in `stable_diffusion_inpaint`), then the scheduler's.
+    /// `prepare_inpaint` in `crate::inpaint`), then the scheduler's.
     #[allow(clippy::too_many_arguments)]
     pub fn generate_with(
         &mut self,
@@ -115,7 +116,7 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
             ..req.clone()
         };
         let default = pipe.default_size();
-        crate::loading::check_request(&sized, (default, default), f)?;
+        check_request(&sized, (default, default), f)?;
 
         let (positive_ids, negative_ids) = edit_time_ids(pipe, xl, edit, (height, width));
         let condition = pipe.conditioning(req, xl, &positive_ids, &negative_ids)?;

@@ -287,7 +287,7 @@ fn run(args: Args) -> Result<()> {
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionImg2ImgPipeline",
-                pipe.pipe.compiles(),
+                pipe.pipe.compile_stats().map(|s| s.programs),
             )
         }
         (false, Some(mask)) => {
@@ -312,7 +312,7 @@ fn run(args: Args) -> Result<()> {
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionInpaintPipeline",
-                pipe.pipe.compiles(),
+                pipe.pipe.compile_stats().map(|s| s.programs),
             )
         }
         (true, None) => {
@@ -333,7 +333,7 @@ fn run(args: Args) -> Result<()> {
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionXLImg2ImgPipeline",
-                pipe.pipe.compiles(),
+                pipe.pipe.compile_stats().map(|s| s.programs),
             )
         }
         (true, Some(mask)) => {
@@ -355,7 +355,7 @@ fn run(args: Args) -> Result<()> {
                 out,
                 pipe.pipe.scheduler.kind(),
                 "StableDiffusionXLInpaintPipeline",
-                pipe.pipe.compiles(),
+                pipe.pipe.compile_stats().map(|s| s.programs),
             )
         }
     };

@@ -894,10 +894,10 @@ impl Pipeline {
                     None => "eager".into(),
                 }
             }
-            Self::Xl(pipe) => pipe.compiles(),
-            Self::PixArt(pipe) => pipe.compiles(),
-            Self::Flux(pipe) => pipe.compiles(),
-            Self::Sd3(pipe) => pipe.compiles(),
+            Self::Xl(pipe) => pipe.compile_stats().map(|s| s.programs),
+            Self::PixArt(pipe) => pipe.compile_stats().map(|s| s.programs),
+            Self::Flux(pipe) => pipe.compile_stats().map(|s| s.programs),
+            Self::Sd3(pipe) => pipe.compile_stats().map(|s| s.programs),
         };
         match programs {
             Some(n) => format!("compiled: {n} program(s)"),

@@ -206,9 +206,7 @@ fn bench<B: Backend>(
     let guidance = Tensor::<B, 1>::from_data(TensorData::new(vec![7.5f32], [1]), device);
     let unet = Timed::run(options.repeat, || {
         let noise = match &pipe.compiled {
-            Some(step) => {
-                step.guided_noise(sample.clone(), t.clone(), ctx.clone(), guidance.clone())?
-            }
+            Some(step) => step.call((sample.clone(), t.clone(), ctx.clone(), guidance.clone()))?,
             None => guided_noise(
                 &pipe.unet,
                 sample.clone(),

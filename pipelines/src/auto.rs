@@ -1,0 +1,308 @@
+//! `AutoPipeline`: text to image with whichever pipeline a folder or single file holds, chosen
+//! by its `_class_name` (diffusers' `AutoPipelineForText2Image`), with one registry of classes
+//! and one dispatch for what every pipeline does.
+//!
+//! Where this sits: the top floor of the crate; it imports each pipeline and nothing imports
+//! it.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use oxidiff_backend_tpu::Oxi;
+use oxidiff_parallel::ParallelConfig;
+use oxidiff_schedulers::{NoiseSource, Scheduler};
+
+use crate::compiled::CompileStats;
+use crate::denoise::{GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
+use crate::error::{PipelineError, Result};
+use crate::flux::{FluxPipeline, FluxRequest, FLUX_CLASSES};
+use crate::loading::{pipeline_class, LoadOptions};
+use crate::lora::LoraReport;
+use crate::pixart::{PixArtPipeline, PixArtRequest, PIXART_CLASSES};
+use crate::single_file::{single_file_pipeline_class, SingleFileOptions};
+use crate::stable_diffusion::{StableDiffusionPipeline, SUPPORTED_CLASSES};
+use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
+use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, SDXL_CLASSES};
+
+/// The pipeline families [`AutoPipeline`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PipelineFamily {
+    /// SD 1.x/2.x ([`StableDiffusionPipeline`]).
+    StableDiffusion,
+    /// SDXL ([`StableDiffusionXLPipeline`]).
+    StableDiffusionXL,
+    /// SD3 ([`StableDiffusion3Pipeline`]).
+    StableDiffusion3,
+    /// Flux.1 ([`FluxPipeline`]).
+    Flux,
+    /// PixArt-Alpha and -Sigma ([`PixArtPipeline`]).
+    PixArt,
+}
+
+impl PipelineFamily {
+    /// Every family, in the order [`supported_classes`](Self::supported_classes) lists them.
+    pub const ALL: [Self; 5] = [
+        Self::StableDiffusion,
+        Self::StableDiffusionXL,
+        Self::StableDiffusion3,
+        Self::Flux,
+        Self::PixArt,
+    ];
+
+    /// The `_class_name`s whose folders this family loads: the registry.
+    pub fn classes(self) -> &'static [&'static str] {
+        match self {
+            Self::StableDiffusion => &SUPPORTED_CLASSES,
+            Self::StableDiffusionXL => &SDXL_CLASSES,
+            Self::StableDiffusion3 => &[SD3_CLASS],
+            Self::Flux => &FLUX_CLASSES,
+            Self::PixArt => &PIXART_CLASSES,
+        }
+    }
+
+    /// The family that loads `class`, if any.
+    pub fn from_class(class: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|f| f.classes().contains(&class))
+    }
+
+    /// Every `_class_name` [`AutoPipeline`] loads.
+    pub fn supported_classes() -> Vec<&'static str> {
+        Self::ALL
+            .iter()
+            .flat_map(|f| f.classes())
+            .copied()
+            .collect()
+    }
+}
+
+/// The request fields only some families take; `Default` leaves each family at diffusers'
+/// default. An option a family does not take is an error naming it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FamilyOptions {
+    /// T5 tokens per prompt (SD3, Flux, PixArt); `None`: the family's default.
+    pub max_sequence_length: Option<usize>,
+    /// PixArt's aspect-ratio binning.
+    pub resolution_binning: bool,
+    /// Flux's true classifier-free guidance (1: off).
+    pub true_cfg_scale: f64,
+}
+
+impl Default for FamilyOptions {
+    fn default() -> Self {
+        Self {
+            max_sequence_length: None,
+            resolution_binning: true,
+            true_cfg_scale: 1.0,
+        }
+    }
+}
+
+/// One of the text-to-image pipelines, loaded by its `_class_name`.
+pub enum AutoPipeline<B: Backend> {
+    StableDiffusion(Box<StableDiffusionPipeline<B>>),
+    StableDiffusionXL(Box<StableDiffusionXLPipeline<B>>),
+    StableDiffusion3(Box<StableDiffusion3Pipeline<B>>),
+    Flux(Box<FluxPipeline<B>>),
+    PixArt(Box<PixArtPipeline<B>>),
+}
+
+/// `$body` with `$pipe` bound to the concrete pipeline, whichever it is.
+macro_rules! each {
+    ($self:expr, $pipe:ident => $body:expr) => {
+        match $self {
+            AutoPipeline::StableDiffusion($pipe) => $body,
+            AutoPipeline::StableDiffusionXL($pipe) => $body,
+            AutoPipeline::StableDiffusion3($pipe) => $body,
+            AutoPipeline::Flux($pipe) => $body,
+            AutoPipeline::PixArt($pipe) => $body,
+        }
+    };
+}
+
+impl<B: Backend> AutoPipeline<B> {
+    /// Loads a diffusers-format folder, or a Hub id from the local cache.
+    pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;
+        Self::from_dir(&dir, options, device)
+    }
+
+    /// Loads a diffusers-format folder with the pipeline its `model_index.json` names; an
+    /// unknown `_class_name` is an error naming it and the supported ones.
+    pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        let class = pipeline_class(dir)?;
+        let family = family_of(&class, &dir.join("model_index.json"))?;
+        Ok(match family {
+            PipelineFamily::StableDiffusion => Self::StableDiffusion(Box::new(
+                StableDiffusionPipeline::from_dir(dir, options, device)?,
+            )),
+            PipelineFamily::StableDiffusionXL => Self::StableDiffusionXL(Box::new(
+                StableDiffusionXLPipeline::from_dir(dir, options, device)?,
+            )),
+            PipelineFamily::StableDiffusion3 => Self::StableDiffusion3(Box::new(
+                StableDiffusion3Pipeline::from_dir(dir, options, device)?,
+            )),
+            PipelineFamily::Flux => {
+                Self::Flux(Box::new(FluxPipeline::from_dir(dir, options, device)?))
+            }
+            PipelineFamily::PixArt => {
+                Self::PixArt(Box::new(PixArtPipeline::from_dir(dir, options, device)?))
+            }
+        })
+    }
+
+    /// Loads a single-file checkpoint (SD 1.x/2.x or SDXL, as its weights say).
+    pub fn from_single_file(
+        path: &Path,
+        options: &SingleFileOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let class = single_file_pipeline_class(path)?;
+        Ok(match family_of(class, path)? {
+            PipelineFamily::StableDiffusionXL => Self::StableDiffusionXL(Box::new(
+                StableDiffusionXLPipeline::from_single_file(path, options, device)?,
+            )),
+            _ => Self::StableDiffusion(Box::new(StableDiffusionPipeline::from_single_file(
+                path, options, device,
+            )?)),
+        })
+    }
+
+    /// Which family runs.
+    pub fn family(&self) -> PipelineFamily {
+        match self {
+            Self::StableDiffusion(_) => PipelineFamily::StableDiffusion,
+            Self::StableDiffusionXL(_) => PipelineFamily::StableDiffusionXL,
+            Self::StableDiffusion3(_) => PipelineFamily::StableDiffusion3,
+            Self::Flux(_) => PipelineFamily::Flux,
+            Self::PixArt(_) => PipelineFamily::PixArt,
+        }
+    }
+
+    /// diffusers' `__call__` defaults of the pipeline that runs.
+    pub fn defaults(&self) -> PipelineDefaults {
+        each!(self, pipe => pipe.defaults())
+    }
+
+    /// A request with the pipeline's defaults ([`defaults`](Self::defaults)).
+    pub fn default_request(&self) -> GenerateRequest<B> {
+        self.defaults().request()
+    }
+
+    /// The default image size (width = height) of the loaded model.
+    pub fn default_size(&self) -> usize {
+        each!(self, pipe => pipe.default_size())
+    }
+
+    /// Pixels per latent cell.
+    pub fn vae_scale_factor(&self) -> usize {
+        each!(self, pipe => pipe.vae_scale_factor)
+    }
+
+    /// The scheduler the loop runs.
+    pub fn scheduler(&self) -> &dyn Scheduler<B> {
+        each!(self, pipe => &*pipe.scheduler)
+    }
+
+    /// Fuses a LoRA into the denoiser and the text encoders it targets, at `scale`.
+    pub fn load_lora(&mut self, path: impl AsRef<Path>, scale: f32) -> Result<LoraReport> {
+        each!(self, pipe => pipe.load_lora(path.as_ref(), scale))
+    }
+
+    /// Generates with the given noise source and a callback after every step; `options` are
+    /// the fields only some families take.
+    pub fn generate_with(
+        &mut self,
+        req: &GenerateRequest<B>,
+        options: &FamilyOptions,
+        noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        let family = self.family();
+        let refuse = |option: &str, takers: &str| {
+            Err(PipelineError::InvalidInput(format!(
+                "{option} applies to {takers}, not to {family:?} pipelines; leave it at its default"
+            )))
+        };
+        if options.true_cfg_scale != 1.0 && family != PipelineFamily::Flux {
+            return refuse("true_cfg_scale", "Flux");
+        }
+        if !options.resolution_binning && family != PipelineFamily::PixArt {
+            return refuse("resolution_binning = false", "PixArt");
+        }
+        let t5 = matches!(
+            family,
+            PipelineFamily::StableDiffusion3 | PipelineFamily::Flux | PipelineFamily::PixArt
+        );
+        if options.max_sequence_length.is_some() && !t5 {
+            return refuse("max_sequence_length", "SD3, Flux and PixArt");
+        }
+        let defaults = self.defaults();
+        let common = req.clone();
+        match self {
+            Self::StableDiffusion(pipe) => pipe.generate_with(req, noise, callback),
+            Self::StableDiffusionXL(pipe) => {
+                pipe.generate_with(req, &XlOptions::default(), noise, callback)
+            }
+            Self::StableDiffusion3(pipe) => {
+                let request = Sd3Request {
+                    common,
+                    max_sequence_length: options
+                        .max_sequence_length
+                        .or(defaults.max_sequence_length)
+                        .unwrap_or_default(),
+                    ..Default::default()
+                };
+                pipe.generate_with(&request, noise, callback)
+            }
+            Self::Flux(pipe) => {
+                let request = FluxRequest {
+                    common,
+                    max_sequence_length: options
+                        .max_sequence_length
+                        .or(defaults.max_sequence_length)
+                        .unwrap_or_default(),
+                    true_cfg_scale: options.true_cfg_scale,
+                    ..Default::default()
+                };
+                pipe.generate_with(&request, noise, callback)
+            }
+            Self::PixArt(pipe) => {
+                let request = PixArtRequest {
+                    common,
+                    max_sequence_length: options.max_sequence_length,
+                    resolution_binning: options.resolution_binning,
+                };
+                pipe.generate_with(&request, noise, callback)
+            }
+        }
+    }
+}
+
+impl AutoPipeline<Oxi> {
+    /// Compiled mode for the pipeline's denoiser (each pipeline's `compile`).
+    pub fn compile(&mut self) -> Result<()> {
+        each!(self, pipe => pipe.compile())
+    }
+
+    /// The compiled denoiser spread over several devices (each pipeline's
+    /// `enable_parallelism`).
+    pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        let config = config.into();
+        each!(self, pipe => pipe.enable_parallelism(config))
+    }
+
+    /// Compiled mode's counts (`None` when eager).
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        each!(self, pipe => pipe.compile_stats())
+    }
+}
+
+/// The family that loads `class` (read from `source`), or an error naming both and the
+/// supported classes.
+fn family_of(class: &str, source: &Path) -> Result<PipelineFamily> {
+    PipelineFamily::from_class(class).ok_or_else(|| PipelineError::UnsupportedPipeline {
+        path: source.to_path_buf(),
+        class: class.to_string(),
+        supported: PipelineFamily::supported_classes().join(", "),
+    })
+}

@@ -1,0 +1,240 @@
+//! `AutoPipeline` against the concrete pipelines: each tiny fixture folder loads by its
+//! `_class_name`, reports its family and diffusers' `__call__` defaults, and gives bit for bit
+//! the latents its concrete pipeline gives for the same request and seed; an unknown
+//! `_class_name` is an error naming it and the supported ones.
+//!
+//! Both sides run the same code on the same backend, so the latents must be equal, not close.
+
+mod common;
+
+use common::{model_dir, to_vec, B};
+use oxidiff::pipelines::{
+    AutoPipeline, FamilyOptions, FluxPipeline, FluxRequest, GenerateRequest, LoadOptions,
+    OutputType, PipelineDefaults, PipelineError, PipelineFamily, PixArtPipeline, PixArtRequest,
+    Sd3Request, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
+    XlOptions,
+};
+use oxidiff::schedulers::TorchCpuGenerator;
+
+/// Two steps at 64x64 with the family's guidance, latents only.
+fn request(guidance_scale: f64) -> GenerateRequest<B> {
+    GenerateRequest {
+        prompts: vec!["a red apple".into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 2,
+        guidance_scale,
+        width: Some(64),
+        height: Some(64),
+        seed: 7,
+        output: OutputType::Latents,
+        ..Default::default()
+    }
+}
+
+/// Loads `fixture` with `AutoPipeline`, checks its family and defaults, and returns its
+/// latents for [`request`] at the default guidance.
+fn auto_latents(
+    fixture: &str,
+    family: PipelineFamily,
+    defaults: PipelineDefaults,
+) -> (GenerateRequest<B>, Vec<f32>) {
+    let device = Default::default();
+    let mut auto =
+        AutoPipeline::<B>::from_dir(&model_dir(fixture), &LoadOptions::default(), &device).unwrap();
+    assert_eq!(auto.family(), family, "{fixture}");
+    assert_eq!(auto.defaults(), defaults, "{fixture}");
+    let default_request = auto.default_request();
+    assert_eq!(
+        default_request.num_inference_steps,
+        defaults.num_inference_steps
+    );
+    assert_eq!(default_request.guidance_scale, defaults.guidance_scale);
+    let req = request(defaults.guidance_scale);
+    let out = auto
+        .generate_with(
+            &req,
+            &FamilyOptions::default(),
+            &mut TorchCpuGenerator::new(req.seed),
+            |_| {},
+        )
+        .unwrap();
+    (req, to_vec(out.latents))
+}
+
+#[test]
+fn auto_pipeline_matches_stable_diffusion() {
+    let (req, auto) = auto_latents(
+        "tiny-sd1",
+        PipelineFamily::StableDiffusion,
+        PipelineDefaults::STABLE_DIFFUSION,
+    );
+    let device = Default::default();
+    let mut pipe = StableDiffusionPipeline::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let out = pipe.generate(&req).unwrap();
+    assert_eq!(auto, to_vec(out.latents));
+}
+
+#[test]
+fn auto_pipeline_matches_sdxl_with_diffusers_guidance() {
+    let (req, auto) = auto_latents(
+        "tiny-sdxl",
+        PipelineFamily::StableDiffusionXL,
+        PipelineDefaults::STABLE_DIFFUSION_XL,
+    );
+    // diffusers' SDXL default, in the library itself.
+    assert_eq!(req.guidance_scale, 5.0);
+    let device = Default::default();
+    let mut pipe = StableDiffusionXLPipeline::<B>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    assert_eq!(pipe.defaults().guidance_scale, 5.0);
+    let out = pipe.generate(&req, &XlOptions::default()).unwrap();
+    assert_eq!(auto, to_vec(out.latents));
+}
+
+#[test]
+fn auto_pipeline_matches_sd3() {
+    let (req, auto) = auto_latents(
+        "tiny-sd3",
+        PipelineFamily::StableDiffusion3,
+        PipelineDefaults::STABLE_DIFFUSION_3,
+    );
+    let device = Default::default();
+    let mut pipe = StableDiffusion3Pipeline::<B>::from_dir(
+        &model_dir("tiny-sd3"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let defaults = Sd3Request::<B>::default();
+    assert_eq!(defaults.max_sequence_length, 256);
+    let out = pipe
+        .generate(&Sd3Request {
+            common: req,
+            ..defaults
+        })
+        .unwrap();
+    assert_eq!(auto, to_vec(out.latents));
+}
+
+#[test]
+fn auto_pipeline_matches_flux() {
+    let (req, auto) = auto_latents(
+        "tiny-flux-dev",
+        PipelineFamily::Flux,
+        PipelineDefaults::FLUX,
+    );
+    let device = Default::default();
+    let mut pipe = FluxPipeline::<B>::from_dir(
+        &model_dir("tiny-flux-dev"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let defaults = FluxRequest::<B>::default();
+    assert_eq!(defaults.max_sequence_length, 512);
+    let out = pipe
+        .generate(&FluxRequest {
+            common: req,
+            ..defaults
+        })
+        .unwrap();
+    assert_eq!(auto, to_vec(out.latents));
+}
+
+#[test]
+fn auto_pipeline_matches_pixart() {
+    let (req, auto) = auto_latents(
+        "tiny-pixart-alpha",
+        PipelineFamily::PixArt,
+        PipelineDefaults::PIXART_ALPHA,
+    );
+    let device = Default::default();
+    let mut pipe = PixArtPipeline::<B>::from_dir(
+        &model_dir("tiny-pixart-alpha"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let out = pipe
+        .generate(&PixArtRequest {
+            common: req,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(auto, to_vec(out.latents));
+}
+
+#[test]
+fn every_fixture_class_has_a_family() {
+    for (fixture, family) in [
+        ("tiny-sd2", PipelineFamily::StableDiffusion),
+        ("tiny-sd1-inpaint", PipelineFamily::StableDiffusion),
+        ("tiny-sdxl-refiner", PipelineFamily::StableDiffusionXL),
+        ("tiny-sdxl-inpaint", PipelineFamily::StableDiffusionXL),
+        ("tiny-flux-schnell", PipelineFamily::Flux),
+    ] {
+        let class = oxidiff::pipelines::pipeline_class(&model_dir(fixture)).unwrap();
+        assert_eq!(
+            PipelineFamily::from_class(&class),
+            Some(family),
+            "{fixture}"
+        );
+    }
+}
+
+#[test]
+fn family_options_a_family_does_not_take_are_refused() {
+    let device = Default::default();
+    let mut auto =
+        AutoPipeline::<B>::from_dir(&model_dir("tiny-sd1"), &LoadOptions::default(), &device)
+            .unwrap();
+    let options = FamilyOptions {
+        true_cfg_scale: 4.0,
+        ..Default::default()
+    };
+    let err = auto
+        .generate_with(
+            &request(7.5),
+            &options,
+            &mut TorchCpuGenerator::new(0),
+            |_| {},
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("true_cfg_scale") && err.contains("Flux"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_class_is_an_error_naming_it_and_the_supported_ones() {
+    let dir = std::env::temp_dir().join(format!("oxidiff-auto-unknown-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("model_index.json"),
+        r#"{"_class_name": "KandinskyV22Pipeline"}"#,
+    )
+    .unwrap();
+    let device = Default::default();
+    let result = AutoPipeline::<B>::from_dir(&dir, &LoadOptions::default(), &device);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let err = match result {
+        Err(e @ PipelineError::UnsupportedPipeline { .. }) => e.to_string(),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("an unknown class loaded"),
+    };
+    assert!(err.contains("KandinskyV22Pipeline"), "{err}");
+    for class in PipelineFamily::supported_classes() {
+        assert!(err.contains(class), "{class} missing from: {err}");
+    }
+}
