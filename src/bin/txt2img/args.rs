@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use clap::Parser;
+use oxidiff::cli::usage::DEFAULT_MAX_PIXELS;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::LoraSpec;
 use oxidiff::pipelines::{FLUX_CLASSES, PIXART_CLASSES, SD3_CLASS};
@@ -91,6 +92,10 @@ pub struct Args {
     /// diffusers). A random one is picked and printed when absent.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// The most pixels (width x height) an image may have; larger sizes are refused before the
+    /// model loads (default 2048x2048 = 4194304).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PIXELS)]
+    pub max_pixels: u64,
     /// Image width in pixels (a multiple of 8; default: the model's native size).
     #[arg(long)]
     pub width: Option<usize>,

@@ -3,10 +3,20 @@
 use std::path::Path;
 
 use anyhow::{bail, Result};
+use oxidiff::files::read_limited;
 use oxidiff::pipelines::lora::strip_prompt_tags;
 use oxidiff::pipelines::GenerationParameters;
 
 use crate::args::Args;
+
+/// The largest PNG `--from-png` reads: its text comes first, but the whole file is read.
+const MAX_PNG_BYTES: u64 = 256 << 20;
+
+/// The field img2img writes (as A1111 does); txt2img cannot make such an image again.
+pub const DENOISING_STRENGTH: &str = "Denoising strength";
+
+/// The field that says the initial latents came from a file (`--latents`), not the seed.
+pub const LATENTS_FIELD: &str = "Latents";
 
 /// Fills what the user left out from `--from-png`'s parameters; explicit flags win.
 pub fn apply_from_png(args: &mut Args) -> Result<()> {
@@ -16,7 +26,23 @@ pub fn apply_from_png(args: &mut Args) -> Result<()> {
         }
         return Ok(());
     };
-    let p = GenerationParameters::from_png(path)?;
+    let bytes = read_limited(path, MAX_PNG_BYTES, "--from-png file")?;
+    let p = GenerationParameters::from_png_bytes(&bytes, path)?;
+    let field = |key: &str| p.extra.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+    if let Some(strength) = field(DENOISING_STRENGTH) {
+        bail!(
+            "use img2img with --image and --strength {strength} to make {} again: it was made \
+             from an input image, which txt2img cannot do",
+            path.display()
+        );
+    }
+    if let (Some(file), None) = (field(LATENTS_FIELD), &args.latents) {
+        eprintln!(
+            "warning: {} was made from initial latents in {file}, not from its seed; pass \
+             --latents FILE to make it again (without it the image will differ)",
+            path.display()
+        );
+    }
     // `<lora:NAME:SCALE>` tags name LoRAs, not text: the prompt is encoded without them.
     let (prompt, tags) = strip_prompt_tags(&p.prompt);
     if !tags.is_empty() && args.lora.is_empty() && args.prompt.is_none() {

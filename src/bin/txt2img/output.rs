@@ -1,48 +1,45 @@
-//! Output paths: a file, numbered siblings of it, or numbered files in a folder.
+//! Output files: one file, numbered siblings of it, or numbered files in a folder, planned and
+//! checked before the model loads and each created exclusively as it is written.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
+use oxidiff::cli::output::OutputError;
+use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, NumberedFiles};
 
 use crate::args::OutputKind;
 
-/// Where the images go: `output` itself, `stem-i.png` beside it for several images, or numbered
-/// files in a folder after the highest number already there. Existing files are refused unless
-/// `force`, before anything is generated.
-pub fn output_paths(
-    output: &Path,
-    count: usize,
-    force: bool,
-    kind: OutputKind,
-) -> Result<Vec<PathBuf>> {
-    let ext = kind.extension();
-    let is_dir = output.is_dir() || output.as_os_str().to_string_lossy().ends_with('/');
-    let paths: Vec<PathBuf> = if is_dir {
-        std::fs::create_dir_all(output)
-            .with_context(|| format!("creating the output folder {}", output.display()))?;
-        let next = std::fs::read_dir(output)
-            .with_context(|| format!("reading the output folder {}", output.display()))?
-            .filter_map(|entry| {
-                let name = entry.ok()?.file_name().into_string().ok()?;
-                let stem = name
-                    .strip_suffix(".png")
-                    .or_else(|| name.strip_suffix(".npy"))?;
-                stem.parse::<u64>().ok()
-            })
-            .max()
-            .map_or(0, |n| n + 1);
-        (0..count as u64)
-            .map(|i| output.join(format!("{:05}.{ext}", next + i)))
-            .collect()
-    } else {
+/// Where the images go.
+pub enum Outputs {
+    /// `output` itself, or `stem-i.ext` beside it for several images.
+    Files {
+        paths: Vec<PathBuf>,
+        existing: Existing,
+    },
+    /// Numbered files in a folder after the highest number there; each takes the next free
+    /// number when it is written, so concurrent runs into one folder never collide.
+    Numbered { files: NumberedFiles, count: usize },
+}
+
+impl Outputs {
+    /// Plans `count` outputs at `output` and checks them: the folder exists and is writable,
+    /// and (unless `force`) no named file exists yet.
+    pub fn plan(output: &Path, count: usize, force: bool, kind: OutputKind) -> Result<Self> {
+        let ext = kind.extension();
+        let is_dir = output.is_dir() || output.as_os_str().to_string_lossy().ends_with('/');
+        if is_dir {
+            let files = NumberedFiles::in_folder(output, ext)?;
+            return Ok(Self::Numbered { files, count });
+        }
         if output.extension().and_then(|e| e.to_str()) != Some(ext) {
             let kind = format!("{kind:?}").to_lowercase();
-            bail!(
+            anyhow::bail!(
                 "--output must name a .{ext} file or a folder for --output-type {kind}, got {}",
                 output.display()
             );
         }
-        if count == 1 {
+        check_writable(parent_dir(output))?;
+        let paths: Vec<PathBuf> = if count == 1 {
             vec![output.to_path_buf()]
         } else {
             let stem = output
@@ -52,17 +49,36 @@ pub fn output_paths(
             (0..count)
                 .map(|i| output.with_file_name(format!("{stem}-{i}.{ext}")))
                 .collect()
-        }
-    };
-    if !force {
-        if let Some(existing) = paths.iter().find(|p| p.exists()) {
-            bail!(
-                "{} already exists; pass --force to overwrite it or choose another --output",
-                existing.display()
-            );
+        };
+        let existing = if force {
+            Existing::Replace
+        } else {
+            if let Some(path) = paths.iter().find(|p| p.exists()) {
+                return Err(OutputError::Exists { path: path.clone() }.into());
+            }
+            Existing::Keep
+        };
+        Ok(Self::Files { paths, existing })
+    }
+
+    /// How many files will be written.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Files { paths, .. } => paths.len(),
+            Self::Numbered { count, .. } => *count,
         }
     }
-    Ok(paths)
+
+    /// Writes output `i`'s bytes and returns the path they went to.
+    pub fn write(&mut self, i: usize, bytes: &[u8]) -> Result<PathBuf, OutputError> {
+        match self {
+            Self::Files { paths, existing } => {
+                write_new(&paths[i], bytes, *existing)?;
+                Ok(paths[i].clone())
+            }
+            Self::Numbered { files, .. } => files.write(bytes),
+        }
+    }
 }
 
 pub fn display(path: &Path) -> String {

@@ -7,31 +7,103 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use burn::tensor::{Tensor, TensorData};
+use oxidiff::cli::usage;
+use oxidiff::cli::{file_name, model_name, UsageError};
 use oxidiff::latents::{encode_npy, read_latents};
 use oxidiff::pipelines::host::read_f32;
 use oxidiff::pipelines::hub::resolve_model_with_progress;
-use oxidiff::pipelines::image::write_atomic;
 use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags};
+use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
 use oxidiff::pipelines::parallel::ParallelConfig;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::OutputType;
 use oxidiff::pipelines::{
     is_single_file, pipeline_class, single_file_pipeline_class, CancelToken, GenerateRequest,
-    GenerationParameters, LoadOptions, SingleFileOptions, StepInfo, FLUX_CLASSES, PIXART_CLASSES,
-    SD3_CLASS,
+    GenerationParameters, LoadOptions, PipelineError, SingleFileOptions, StepInfo, FLUX_CLASSES,
+    PIXART_CLASSES, SD3_CLASS,
 };
-use oxidiff::schedulers::TorchCpuGenerators;
+use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerators};
 use oxidiff::{Oxi, OxiDevice};
 
 use crate::args::{Args, OutputKind, Precision, DEFAULT_OUTPUT, REDUCED_PRECISION_CLASSES};
-use crate::from_png::apply_from_png;
-use crate::output::{display, output_paths};
+use crate::from_png::{apply_from_png, LATENTS_FIELD};
+use crate::output::{display, Outputs};
 use crate::pipeline::Pipeline;
 use crate::progress::Progress;
 use crate::INTERRUPTED;
 
+/// A file written, for the summary.
+struct Made {
+    path: PathBuf,
+    seed: u64,
+    width: usize,
+    height: usize,
+    took: std::time::Duration,
+}
+
+/// Ctrl-C during a run of several files, after some were written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "interrupted after {done} of {steps} steps; {} of {total} files were written before it: {}",
+    written.len(),
+    written.join(", ")
+)]
+pub struct Interrupted {
+    done: usize,
+    steps: usize,
+    written: Vec<String>,
+    total: usize,
+}
+
+/// The command-line checks that need no model, made before anything loads: each failure is a
+/// usage error (exit 2) naming the fix.
+fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
+    if (args.tp != 1 || args.dp != 1) && !args.compile {
+        return Err(UsageError(
+            "add --compile (and a PJRT --device): --tp and --dp partition the compiled step".into(),
+        ));
+    }
+    if args.compile && !device.is_pjrt() {
+        return Err(UsageError(format!(
+            "add --device xla:cpu, tpu or cuda, or drop --compile: --compile needs a PJRT \
+             device (--device {} runs eagerly)",
+            args.device
+        )));
+    }
+    let from_png = args.from_png.as_ref().map(|p| p.display().to_string());
+    let source = |flag: &str| match &from_png {
+        Some(png) => format!("{flag} (or the parameters of {png})"),
+        None => flag.to_string(),
+    };
+    usage::image_size(
+        &source("--width/--height"),
+        args.width,
+        args.height,
+        args.max_pixels,
+    )?;
+    if let Some(steps) = args.steps {
+        usage::steps(&source("--steps"), steps)?;
+    }
+    if let Some(guidance) = args.guidance {
+        usage::finite(&source("--guidance"), guidance)?;
+    }
+    usage::finite("--true-cfg-scale", args.true_cfg_scale)?;
+    Ok(())
+}
+
 pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
+    // Before anything slow: Ctrl-C while the model resolves or loads stops the run at its
+    // first step (a second Ctrl-C exits at once).
+    let cancel = interrupt_token()?;
     apply_from_png(&mut args)?;
+    let device: OxiDevice = args
+        .device
+        .parse()
+        .with_context(|| format!("--device {}", args.device))?;
+    check_usage(&args, &device)?;
+    if args.latents.is_some() && args.num_images > 1 {
+        bail!("--latents gives the initial latents of one image; use it with --num-images 1");
+    }
     let prompt = args.prompt.clone().unwrap_or_default();
     let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
     let kind = args.output_type;
@@ -40,15 +112,8 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
     } else {
         args.output.clone()
     };
-    let outputs = output_paths(&output, args.num_images as usize, args.force, kind)?;
-    if args.latents.is_some() && outputs.len() > 1 {
-        bail!("--latents gives the initial latents of one image; use it with --num-images 1");
-    }
+    let mut outputs = Outputs::plan(&output, args.num_images as usize, args.force, kind)?;
     let seed = args.seed.unwrap_or_else(random_seed);
-    let device: OxiDevice = args
-        .device
-        .parse()
-        .with_context(|| format!("--device {}", args.device))?;
     let started = Instant::now();
     let dtype = args.dtype.float_dtype();
     let options = LoadOptions {
@@ -114,6 +179,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
             (dir, class, model)
         }
     };
+    let png_model = model_name(&model);
     let pixart = PIXART_CLASSES.contains(&class.as_str());
     let flux = FLUX_CLASSES.contains(&class.as_str());
     let sd3 = class == SD3_CLASS;
@@ -177,6 +243,20 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
                     path.display()
                 )
             })?;
+            // The latents set the image size: bounded as --width/--height are.
+            let cells = shape[2].saturating_mul(shape[3]);
+            if cells.saturating_mul(64) as u64 > args.max_pixels {
+                return Err(UsageError(format!(
+                    "pass --max-pixels N to use the latents {} ({}x{} cells, an image of about \
+                     {} pixels): images are limited to {} pixels",
+                    path.display(),
+                    shape[3],
+                    shape[2],
+                    cells.saturating_mul(64),
+                    args.max_pixels
+                ))
+                .into());
+            }
             Some(Tensor::<Oxi, 4>::from_data(
                 TensorData::new(values, shape),
                 &device,
@@ -202,7 +282,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
         } else {
             OutputType::Images
         },
-        cancel: Some(interrupt_token()?),
+        cancel: Some(cancel),
         ..Default::default()
     };
 
@@ -236,9 +316,6 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
         pipe.compile()?;
     }
     if args.tp != 1 || args.dp != 1 {
-        if !args.compile {
-            bail!("--tp and --dp partition the compiled step: add --compile (and a PJRT --device)");
-        }
         pipe.enable_parallelism(ParallelConfig::new(args.dp, args.tp))?;
     }
     let loaded = started.elapsed();
@@ -248,20 +325,25 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
         !args.no_resolution_binning,
         args.true_cfg_scale,
     );
-    let sampler = args
-        .scheduler
-        .clone()
-        .unwrap_or_else(|| pipe.scheduler_class().to_string());
+    let sampler = match pipe.scheduler_class().parse::<SchedulerKind>() {
+        Ok(kind) => sampler_field(args.scheduler.as_deref(), kind),
+        Err(_) => pipe.scheduler_class().to_string(),
+    };
     let batch_size = args.batch_size as usize;
-    let batches = outputs.len().div_ceil(batch_size);
-    let mut made = Vec::with_capacity(outputs.len());
+    let count = outputs.len();
+    let batches = count.div_ceil(batch_size);
+    let mut made = Vec::with_capacity(count);
     let mut batch_seconds = Vec::with_capacity(batches);
-    for (b, paths) in outputs.chunks(batch_size).enumerate() {
-        let first = (b * batch_size) as u64;
-        let seeds: Vec<u64> = (0..paths.len() as u64).map(|i| seed + first + i).collect();
+    let mut mode = pipe.mode();
+    for b in 0..batches {
+        let first = b * batch_size;
+        let in_batch = batch_size.min(count - first);
+        let seeds: Vec<u64> = (0..in_batch as u64)
+            .map(|i| seed + first as u64 + i)
+            .collect();
         let request = GenerateRequest {
             seed: seeds[0],
-            num_images_per_prompt: paths.len(),
+            num_images_per_prompt: in_batch,
             ..request.clone()
         };
         let mut generator = TorchCpuGenerators::new(&seeds);
@@ -271,32 +353,47 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
         } else {
             "denoising".to_string()
         };
-        progress.steps(&label, steps);
+        progress.steps(&label);
         let on_step = |info: StepInfo<'_, Oxi>| progress.step(&info, kind != OutputKind::Latents);
-        let output = pipe.generate_with(request, pixart_options, &mut generator, on_step)?;
+        let output = match pipe.generate_with(request, pixart_options, &mut generator, on_step) {
+            Ok(output) => output,
+            Err(PipelineError::Cancelled { done, total }) if !made.is_empty() => {
+                return Err(Interrupted {
+                    done,
+                    steps: total,
+                    written: made.iter().map(|m: &Made| display(&m.path)).collect(),
+                    total: count,
+                }
+                .into())
+            }
+            Err(e) => return Err(e.into()),
+        };
         let took = generated.elapsed();
+        mode = pipe.mode();
         progress.phase("writing".into());
-        for (j, (path, &image_seed)) in paths.iter().zip(&seeds).enumerate() {
-            let (width, height) = match kind {
+        for (j, &image_seed) in seeds.iter().enumerate() {
+            let (bytes, width, height) = match kind {
                 OutputKind::Latents => {
                     let [_, c, h, w] = output.latents.dims();
                     let row = output.latents.clone().narrow(0, j, 1);
                     let values = read_f32(row)?;
-                    write_atomic(path, &encode_npy(&values, &[1, c, h, w]))?;
                     let f = pipe.vae_scale_factor();
-                    (w * f, h * f)
+                    (encode_npy(&values, &[1, c, h, w]), w * f, h * f)
                 }
                 OutputKind::Npy | OutputKind::Png => {
                     let images = output
                         .images
                         .as_ref()
                         .context("the pipeline returned no images")?;
-                    if kind == OutputKind::Npy {
+                    let bytes = if kind == OutputKind::Npy {
                         let size = images.height * images.width * 3;
                         let values = &images.data[j * size..(j + 1) * size];
-                        write_atomic(path, &encode_npy(values, &[images.height, images.width, 3]))?;
+                        encode_npy(values, &[images.height, images.width, 3])
                     } else {
                         let mut extra = Vec::new();
+                        if let Some(path) = &args.latents {
+                            extra.push((LATENTS_FIELD.to_string(), file_name(path)));
+                        }
                         if !loras.is_empty() {
                             extra.push(("Lora hashes".to_string(), hashes_field(&loras)));
                         }
@@ -313,39 +410,46 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
                             seed: image_seed,
                             width: images.width,
                             height: images.height,
-                            model: model.clone(),
+                            model: png_model.clone(),
                             extra,
                         };
-                        images.save_png_with_parameters(j, path, Some(&parameters))?;
-                    }
-                    (images.width, images.height)
+                        let rgb = images
+                            .to_rgb8(j)
+                            .context("the pipeline returned too few images")?;
+                        encode_png(&rgb, &[(PARAMETERS_KEYWORD, parameters.to_text())])?
+                    };
+                    (bytes, images.width, images.height)
                 }
             };
+            let path = outputs.write(first + j, &bytes)?;
             // A batch's time is shared equally by its images.
-            let per_image = took / paths.len() as u32;
-            made.push((path, image_seed, width, height, per_image));
+            let per_image = took / in_batch as u32;
+            if !args.quiet {
+                progress.println(&format!(
+                    "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device} {mode}, {}; load {:.2}s, generate {:.2}s)",
+                    display(&path),
+                    args.dtype.name(),
+                    loaded.as_secs_f64(),
+                    per_image.as_secs_f64()
+                ));
+            }
+            made.push(Made {
+                path,
+                seed: image_seed,
+                width,
+                height,
+                took: per_image,
+            });
         }
         batch_seconds.push(took.as_secs_f64());
     }
     progress.finish();
-    let mode = pipe.mode();
-    if !args.quiet {
-        for (path, image_seed, width, height, took) in &made {
-            eprintln!(
-                "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device} {mode}, {}; load {:.2}s, generate {:.2}s)",
-                display(path),
-                args.dtype.name(),
-                loaded.as_secs_f64(),
-                took.as_secs_f64()
-            );
-        }
-    }
     if args.json {
         let summary = serde_json::json!({
-            "files": made.iter().map(|m| display(m.0)).collect::<Vec<_>>(),
-            "seeds": made.iter().map(|m| m.1).collect::<Vec<_>>(),
-            "width": made.first().map(|m| m.2),
-            "height": made.first().map(|m| m.3),
+            "files": made.iter().map(|m| display(&m.path)).collect::<Vec<_>>(),
+            "seeds": made.iter().map(|m| m.seed).collect::<Vec<_>>(),
+            "width": made.first().map(|m| m.width),
+            "height": made.first().map(|m| m.height),
             "steps": steps,
             "guidance": guidance,
             "sampler": sampler,
@@ -362,7 +466,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
             "output_type": format!("{kind:?}").to_lowercase(),
             "batch_size": batch_size,
             "load_seconds": loaded.as_secs_f64(),
-            "generate_seconds": made.iter().map(|m| m.4.as_secs_f64()).collect::<Vec<_>>(),
+            "generate_seconds": made.iter().map(|m| m.took.as_secs_f64()).collect::<Vec<_>>(),
             "batch_seconds": batch_seconds,
         });
         println!("{summary}");
