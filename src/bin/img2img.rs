@@ -10,10 +10,10 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, OutputError};
 use oxidiff::cli::usage::{self, DEFAULT_MAX_PIXELS};
-use oxidiff::cli::{model_name, UsageError};
+use oxidiff::cli::{closing_fields, model_name, UsageError};
 use oxidiff::files::check_regular;
 use oxidiff::pipelines::image::{load_image, load_mask};
-use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags};
+use oxidiff::pipelines::lora::prompt_with_tags;
 use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
 use oxidiff::pipelines::stable_diffusion::SUPPORTED_CLASSES as SD_CLASSES;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
@@ -425,13 +425,7 @@ fn run(args: Args) -> Result<()> {
     };
     let images: Images = output.images.context("the pipeline returned no images")?;
     let mut extra = vec![("Denoising strength".into(), strength.to_string())];
-    if !loras.is_empty() {
-        extra.push(("Lora hashes".to_string(), hashes_field(&loras)));
-    }
-    extra.push((
-        "Version".into(),
-        format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-    ));
+    extra.extend(closing_fields(&loras));
     let parameters = GenerationParameters {
         prompt: prompt_with_tags(&args.prompt, &loras),
         negative_prompt,

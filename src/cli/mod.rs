@@ -10,6 +10,9 @@ pub use usage::UsageError;
 
 use std::path::Path;
 
+use oxidiff_pipelines::lora::hashes_field;
+use oxidiff_pipelines::LoraReport;
+
 /// `error`'s message and its causes as one line, each cause once: a cause whose text the
 /// message already holds (an I/O error repeated by its wrapper) is left out.
 pub fn error_message(error: &(dyn std::error::Error + 'static)) -> String {
@@ -45,6 +48,20 @@ pub fn short_report(message: &str) -> String {
         lines[lines.len() - 1].trim(),
         lines.len() - 2
     )
+}
+
+/// The fields a PNG's parameters end with: `Lora hashes` when LoRAs were fused (as A1111
+/// writes them), then `Version`.
+pub fn closing_fields(loras: &[LoraReport]) -> Vec<(String, String)> {
+    let mut fields = Vec::new();
+    if !loras.is_empty() {
+        fields.push(("Lora hashes".to_string(), hashes_field(loras)));
+    }
+    fields.push((
+        "Version".to_string(),
+        format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
+    ));
+    fields
 }
 
 /// What a PNG records of a path the user gave: its last component (a file or folder name says

@@ -31,7 +31,8 @@ Environment:
   OXIDIFF_PLUGIN_DIR      a folder of plugins as tools/fetch-plugins.sh lays them out
   TPU_LIBRARY_PATH        libtpu for --device tpu
 
-Exit codes: 0 success, 1 failure (one-line error), 2 usage error, 130 interrupted (Ctrl-C).";
+Exit codes: 0 success, 1 failure (an error of at most 3 lines), 2 usage error (refused before
+the model loads), 130 interrupted (Ctrl-C; the files written before it are named).";
 
 /// `--output` when none is given (`txt2img.npy` for the .npy output types).
 pub const DEFAULT_OUTPUT: &str = "txt2img.png";

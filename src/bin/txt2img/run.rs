@@ -8,11 +8,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use burn::tensor::{Tensor, TensorData};
 use oxidiff::cli::usage;
-use oxidiff::cli::{file_name, model_name, UsageError};
+use oxidiff::cli::{closing_fields, file_name, model_name, UsageError};
 use oxidiff::latents::{encode_npy, read_latents};
 use oxidiff::pipelines::host::read_f32;
 use oxidiff::pipelines::hub::resolve_model_with_progress;
-use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags};
+use oxidiff::pipelines::lora::prompt_with_tags;
 use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
 use oxidiff::pipelines::parallel::ParallelConfig;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
@@ -394,13 +394,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
                         if let Some(path) = &args.latents {
                             extra.push((LATENTS_FIELD.to_string(), file_name(path)));
                         }
-                        if !loras.is_empty() {
-                            extra.push(("Lora hashes".to_string(), hashes_field(&loras)));
-                        }
-                        extra.push((
-                            "Version".into(),
-                            format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-                        ));
+                        extra.extend(closing_fields(&loras));
                         let parameters = GenerationParameters {
                             prompt: prompt_with_tags(&prompt, &loras),
                             negative_prompt: negative_prompt.clone(),
