@@ -1,9 +1,16 @@
 //! Initial latents from a file (`txt2img --latents`): NumPy `.npy` (float32/float16/float64,
-//! C order) or `.safetensors` with a single tensor (or one named `latents`).
+//! C order) or `.safetensors` with a single tensor (or one named `latents`), at most
+//! [`MAX_LATENTS_BYTES`] and only from a regular file.
 
 use std::path::{Path, PathBuf};
 
 use oxidiff_models::Weights;
+
+use crate::files::{check_regular, read_limited, InputError};
+
+/// The largest latents file read: far above the latents of the largest image (`[1, 16,
+/// 256, 256]` in float64 is 8 MiB), far below what could exhaust memory.
+pub const MAX_LATENTS_BYTES: u64 = 64 << 20;
 
 /// Why a latents file could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +23,8 @@ pub enum LatentsError {
     },
     #[error("latents file {path}: {reason}")]
     Format { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Input(#[from] InputError),
 }
 
 /// Host values and shape of the latents in `path`.
@@ -26,13 +35,25 @@ pub fn read_latents(path: &Path) -> Result<(Vec<f32>, Vec<usize>), LatentsError>
     };
     match path.extension().and_then(|e| e.to_str()) {
         Some("npy") => {
-            let bytes = std::fs::read(path).map_err(|source| LatentsError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
+            let bytes = read_limited(path, MAX_LATENTS_BYTES, "latents file")?;
             parse_npy(&bytes).map_err(format)
         }
         Some("safetensors") => {
+            check_regular(path, "latents file")?;
+            let len = std::fs::metadata(path)
+                .map_err(|source| LatentsError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?
+                .len();
+            if len > MAX_LATENTS_BYTES {
+                return Err(InputError::TooLarge {
+                    what: "latents file",
+                    path: path.to_path_buf(),
+                    limit: MAX_LATENTS_BYTES,
+                }
+                .into());
+            }
             let weights =
                 Weights::from_files(&[path.to_path_buf()]).map_err(|e| format(e.to_string()))?;
             let keys: Vec<String> = weights.keys().map(str::to_string).collect();

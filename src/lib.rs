@@ -64,6 +64,8 @@ pub use oxidiff_models::ToDevice;
 /// faster than burn-ndarray's on this project's machines).
 pub type Cpu = burn_flex::Flex;
 
+pub mod cli;
+pub mod files;
 pub mod latents;
 
 /// Keeps freed tensor memory in the process instead of handing it back to the kernel after

@@ -200,11 +200,14 @@ fn bad_size_unknown_scheduler_and_missing_model_are_clear_errors() {
     let o = out.to_str().unwrap();
     let model = model_dir("tiny-sd1");
     let m = model.to_str().unwrap();
-    fails_with(
+    // A usage error (exit 2) since the size is checked before the model loads.
+    let odd = txt2img(
         &["--model", m, "--width", "60", "--steps", "1", "-o", o, "x"],
-        "multiples of 8",
-        &out,
+        &[],
     );
+    assert_eq!(odd.status.code(), Some(2), "{}", stderr(&odd));
+    assert!(stderr(&odd).contains("multiples of 8"), "{}", stderr(&odd));
+    assert!(!out.exists());
     fails_with(
         &["--model", m, "--scheduler", "warp-drive", "-o", o, "x"],
         "euler_a",
@@ -351,7 +354,10 @@ fn png_parameters_round_trip_through_from_png() {
     assert_eq!((params.width, params.height), (128, 64));
     assert_eq!(params.sampler, "Euler a");
     assert_eq!(params.guidance_scale, 6.5);
-    assert_eq!(params.model, model.to_str().unwrap());
+    assert_eq!(
+        params.model, "tiny-sd1",
+        "the folder's name, not a path of this machine"
+    );
 
     // The parameters alone reproduce the image, bit for bit.
     let again = tmp.path().join("again.png");
@@ -373,18 +379,21 @@ fn png_parameters_round_trip_through_from_png() {
         std::fs::read(&again).unwrap()
     );
 
-    // Without --model, the PNG's `Model:` is used (here the fixture's folder).
+    // Without --model, the PNG's `Model:` is used (here the fixture's folder, by its name from
+    // the folder holding it).
     let same_model = tmp.path().join("same-model.png");
-    let result = txt2img(
-        &[
+    let result = Command::new(env!("CARGO_BIN_EXE_txt2img"))
+        .args([
             "--from-png",
             first.to_str().unwrap(),
             "--quiet",
             "-o",
             same_model.to_str().unwrap(),
-        ],
-        &[],
-    );
+        ])
+        .current_dir(model.parent().unwrap())
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
     assert!(result.status.success(), "{}", stderr(&result));
     assert_eq!(
         std::fs::read(&first).unwrap(),
@@ -704,7 +713,10 @@ fn sdxl_folder_is_dispatched_to_the_sdxl_pipeline() {
         .unwrap();
     assert!(max_diff <= 1, "CLI and library differ by {max_diff} levels");
     let params = oxidiff::pipelines::GenerationParameters::from_png(&out).unwrap();
-    assert_eq!(params.sampler, "EulerDiscreteScheduler");
+    assert_eq!(
+        params.sampler, "Euler",
+        "A1111's name for EulerDiscreteScheduler"
+    );
     assert_eq!(params.guidance_scale, 5.0);
 }
 
@@ -1404,19 +1416,21 @@ fn bad_device_and_compile_on_the_cpu_are_one_line_errors() {
     let m = model.to_str().unwrap();
     let out = tmp.path().join("o.png");
     let o = out.to_str().unwrap();
-    for (args, needle) in [
+    for (args, needle, code) in [
         (
             vec!["--model", m, "--device", "warp:9", "-o", o, "x"],
             "--device warp:9",
+            1,
         ),
         (
             vec!["--model", m, "--compile", "--steps", "1", "-o", o, "x"],
-            "compiled mode needs a PJRT device",
+            "--compile needs a PJRT device",
+            2,
         ),
     ] {
         let result = txt2img(&args, &[]);
         let msg = stderr(&result);
-        assert_eq!(result.status.code(), Some(1), "{msg}");
+        assert_eq!(result.status.code(), Some(code), "{msg}");
         assert!(msg.contains(needle), "{needle}: {msg}");
         assert_eq!(msg.trim().lines().count(), 1, "one line: {msg}");
         assert!(!out.exists());

@@ -14,10 +14,19 @@
 use std::io::Cursor;
 use std::path::Path;
 
+use oxidiff_schedulers::SchedulerKind;
+
 use crate::error::{PipelineError, Result};
 
 /// The PNG text keyword A1111 uses.
 pub const PARAMETERS_KEYWORD: &str = "parameters";
+
+/// The line start that separates the prompt from the negative prompt.
+const NEGATIVE_PROMPT: &str = "Negative prompt:";
+
+/// The most bytes a compressed (zTXt or iTXt) text chunk may inflate to: generation parameters
+/// are a few kilobytes, and a small chunk could otherwise inflate to gigabytes.
+pub const MAX_TEXT_BYTES: usize = 1 << 20;
 
 /// What made an image, enough to make it again.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,10 +49,12 @@ pub struct GenerationParameters {
 impl GenerationParameters {
     /// The A1111-style text.
     pub fn to_text(&self) -> String {
-        let mut text = self.prompt.clone();
+        let mut text = escape_lines(&self.prompt);
         if !self.negative_prompt.is_empty() {
-            text.push_str("\nNegative prompt: ");
-            text.push_str(&self.negative_prompt);
+            text.push('\n');
+            text.push_str(NEGATIVE_PROMPT);
+            text.push(' ');
+            text.push_str(&escape_lines(&self.negative_prompt));
         }
         let mut pairs = vec![
             ("Steps".to_string(), self.steps.to_string()),
@@ -82,12 +93,18 @@ impl GenerationParameters {
         let pairs = parse_pairs(last).ok_or_else(|| {
             bad("the last line is not a list of `Key: value` pairs (no `Steps:` line)".into())
         })?;
-        let (prompt, negative) = match body.find("Negative prompt:") {
-            Some(at) if at == 0 || body[..at].ends_with('\n') => (
-                body[..at].trim_end_matches('\n').to_string(),
-                body[at + "Negative prompt:".len()..].trim().to_string(),
+        // The first line that starts with the marker itself (not an escaped one) begins the
+        // negative prompt.
+        let marker = body
+            .match_indices(NEGATIVE_PROMPT)
+            .map(|(at, _)| at)
+            .find(|&at| at == 0 || body[..at].ends_with('\n'));
+        let (prompt, negative) = match marker {
+            Some(at) => (
+                unescape_lines(body[..at].trim_end_matches('\n')),
+                unescape_lines(body[at + NEGATIVE_PROMPT.len()..].trim()),
             ),
-            _ => (body.to_string(), String::new()),
+            None => (unescape_lines(body), String::new()),
         };
         let mut params = GenerationParameters {
             prompt,
@@ -146,7 +163,13 @@ impl GenerationParameters {
         let bytes = std::fs::read(path).map_err(|e| {
             PipelineError::InvalidInput(format!("cannot read {}: {e}", path.display()))
         })?;
-        let text = png_text(&bytes, PARAMETERS_KEYWORD)
+        Self::from_png_bytes(&bytes, path)
+    }
+
+    /// Reads the `parameters` text of PNG `bytes` read from `path` (named in errors), for
+    /// callers that read the file themselves (with a size limit, say).
+    pub fn from_png_bytes(bytes: &[u8], path: &Path) -> Result<Self> {
+        let text = png_text(bytes, PARAMETERS_KEYWORD)
             .map_err(|e| PipelineError::InvalidInput(format!("{}: {e}", path.display())))?
             .ok_or_else(|| {
                 PipelineError::InvalidInput(format!(
@@ -212,18 +235,86 @@ pub fn png_text(bytes: &[u8], keyword: &str) -> std::result::Result<Option<Strin
         .iter()
         .find(|t| t.keyword == keyword)
     {
+        let mut t = t.clone();
         return t
-            .get_text()
+            .decompress_text_with_limit(MAX_TEXT_BYTES)
+            .and_then(|()| t.get_text())
             .map(Some)
-            .map_err(|e| format!("damaged compressed text chunk `{keyword}` ({e})"));
+            .map_err(|e| inflate_error(keyword, e));
     }
     if let Some(t) = info.utf8_text.iter().find(|t| t.keyword == keyword) {
+        let mut t = t.clone();
         return t
-            .get_text()
+            .decompress_text_with_limit(MAX_TEXT_BYTES)
+            .and_then(|()| t.get_text())
             .map(Some)
-            .map_err(|e| format!("damaged text chunk `{keyword}` ({e})"));
+            .map_err(|e| inflate_error(keyword, e));
     }
     Ok(None)
+}
+
+/// A1111's sampler name for `kind`, where diffusers' A1111/k-diffusion table has one (DEIS,
+/// UniPC, LCM and the rest have none there).
+pub fn a1111_sampler_name(kind: SchedulerKind) -> Option<&'static str> {
+    Some(match kind {
+        SchedulerKind::DpmSolverMultistep => "DPM++ 2M",
+        SchedulerKind::DpmSolverSinglestep => "DPM++ SDE",
+        SchedulerKind::KDpm2Discrete => "DPM2",
+        SchedulerKind::KDpm2AncestralDiscrete => "DPM2 a",
+        SchedulerKind::EulerDiscrete => "Euler",
+        SchedulerKind::EulerAncestralDiscrete => "Euler a",
+        SchedulerKind::HeunDiscrete => "Heun",
+        SchedulerKind::LmsDiscrete => "LMS",
+        _ => return None,
+    })
+}
+
+/// The `Sampler:` a PNG records: the A1111 name of the scheduler that ran when there is one,
+/// else its diffusers class. A name the user gave with A1111's option words
+/// ("DPM++ 2M Karras") is kept as given; `kind` is the scheduler that ran.
+pub fn sampler_field(given: Option<&str>, kind: SchedulerKind) -> String {
+    match given {
+        Some(name) if name.parse::<SchedulerKind>().is_err() => name.to_string(),
+        _ => a1111_sampler_name(kind)
+            .unwrap_or(kind.class_name())
+            .to_string(),
+    }
+}
+
+/// A text chunk that would not inflate: too large, or damaged.
+fn inflate_error(keyword: &str, e: png::DecodingError) -> String {
+    // png reports the limit only through its message ("Out of decompression space").
+    if e.to_string().contains("decompression space") {
+        format!(
+            "the compressed text chunk `{keyword}` inflates to more than {MAX_TEXT_BYTES} bytes"
+        )
+    } else {
+        format!("damaged compressed text chunk `{keyword}` ({e})")
+    }
+}
+
+/// A prompt with each line that starts with the negative-prompt marker or a backslash given
+/// one more backslash, so that the text parses back into the same prompt.
+fn escape_lines(prompt: &str) -> String {
+    prompt
+        .split('\n')
+        .map(|line| {
+            if line.starts_with(NEGATIVE_PROMPT) || line.starts_with('\\') {
+                format!("\\{line}")
+            } else {
+                line.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Undoes [`escape_lines`]: a backslash that starts a line is dropped.
+fn unescape_lines(text: &str) -> String {
+    text.split('\n')
+        .map(|line| line.strip_prefix('\\').unwrap_or(line))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// `Key: value` pairs of a parameters line, A1111's way: values are bare up to the next comma,
@@ -323,6 +414,50 @@ mod tests {
              Model: runwayml/stable-diffusion-v1-5, Version: oxidiff 0.1.0"
         );
         assert_eq!(GenerationParameters::parse(&text).unwrap(), p);
+    }
+
+    #[test]
+    fn a_negative_prompt_marker_inside_a_prompt_round_trips() {
+        let mut p = sample();
+        p.prompt = "a cat\nNegative prompt: not this one\n\\backslash".into();
+        p.negative_prompt = "dogs\nNegative prompt: twice".into();
+        assert_eq!(GenerationParameters::parse(&p.to_text()).unwrap(), p);
+        p.negative_prompt.clear();
+        assert_eq!(GenerationParameters::parse(&p.to_text()).unwrap(), p);
+    }
+
+    #[test]
+    fn compressed_text_inflating_past_the_limit_is_refused() {
+        let image = image::RgbImage::from_pixel(2, 2, image::Rgb([0, 0, 0]));
+        let mut out = Vec::new();
+        {
+            let mut encoder = png::Encoder::new(Cursor::new(&mut out), 2, 2);
+            encoder.set_color(png::ColorType::Rgb);
+            encoder.set_depth(png::BitDepth::Eight);
+            let huge = "a".repeat(MAX_TEXT_BYTES + 1);
+            encoder
+                .add_ztxt_chunk(PARAMETERS_KEYWORD.to_string(), huge)
+                .unwrap();
+            let mut writer = encoder.write_header().unwrap();
+            writer.write_image_data(image.as_raw()).unwrap();
+            writer.finish().unwrap();
+        }
+        let err = png_text(&out, PARAMETERS_KEYWORD).unwrap_err();
+        assert!(err.contains("inflates to more than"), "{err}");
+    }
+
+    #[test]
+    fn samplers_are_recorded_by_their_a1111_names() {
+        let euler_a = SchedulerKind::EulerAncestralDiscrete;
+        assert_eq!(sampler_field(None, euler_a), "Euler a");
+        assert_eq!(sampler_field(Some("euler_a"), euler_a), "Euler a");
+        let dpm = SchedulerKind::DpmSolverMultistep;
+        assert_eq!(
+            sampler_field(Some("DPM++ 2M Karras"), dpm),
+            "DPM++ 2M Karras"
+        );
+        let unipc = SchedulerKind::UniPcMultistep;
+        assert_eq!(sampler_field(None, unipc), "UniPCMultistepScheduler");
     }
 
     #[test]

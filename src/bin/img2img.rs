@@ -8,8 +8,13 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, OutputError};
+use oxidiff::cli::usage::{self, DEFAULT_MAX_PIXELS};
+use oxidiff::cli::{closing_fields, model_name, UsageError};
+use oxidiff::files::check_regular;
 use oxidiff::pipelines::image::{load_image, load_mask};
-use oxidiff::pipelines::lora::{hashes_field, prompt_with_tags};
+use oxidiff::pipelines::lora::prompt_with_tags;
+use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
 use oxidiff::pipelines::stable_diffusion::SUPPORTED_CLASSES as SD_CLASSES;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
 use oxidiff::pipelines::{
@@ -87,6 +92,9 @@ struct Args {
     /// SDXL refiners: the aesthetic score of the negative prompt.
     #[arg(long, default_value_t = 2.5)]
     negative_aesthetic_score: f64,
+    /// The most pixels (width x height) the output may have, as txt2img's --max-pixels.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_PIXELS)]
+    max_pixels: u64,
     #[arg(short, long, default_value = "img2img.png")]
     output: PathBuf,
     #[arg(long)]
@@ -132,29 +140,95 @@ fn fuse_loras(
 
 fn main() -> ExitCode {
     oxidiff::tune_allocator();
+    // Logs: `RUST_LOG` (default `warn`), as txt2img's.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            let message = oxidiff::cli::error_message(e.as_ref());
+            tracing::info!(%message, "the full error");
+            eprintln!("error: {}", oxidiff::cli::short_report(&message));
+            if e.chain().any(|cause| cause.is::<UsageError>()) {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
 
-fn run(args: Args) -> Result<()> {
-    if args.output.exists() && !args.force {
-        bail!(
-            "{} already exists; pass --force to overwrite it or choose another --output",
-            args.output.display()
-        );
+/// The command-line checks that need no model, made before anything is read: each failure is
+/// a usage error (exit 2) naming the fix.
+fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
+    if args.compile && !device.is_pjrt() {
+        return Err(UsageError(format!(
+            "add --device xla:cpu, tpu or cuda, or drop --compile: --compile needs a PJRT \
+             device (--device {} runs eagerly)",
+            args.device
+        )));
     }
+    if let Some(strength) = args.strength {
+        usage::unit_interval("--strength", strength)?;
+    }
+    if let Some(guidance) = args.guidance {
+        usage::finite("--guidance", guidance)?;
+    }
+    usage::finite("--aesthetic-score", args.aesthetic_score)?;
+    usage::finite("--negative-aesthetic-score", args.negative_aesthetic_score)?;
+    usage::steps("--steps", args.steps)?;
+    usage::image_size("--width/--height", args.width, args.height, args.max_pixels)?;
+    Ok(())
+}
+
+fn run(args: Args) -> Result<()> {
+    let device: OxiDevice = args
+        .device
+        .parse()
+        .with_context(|| format!("--device {}", args.device))?;
+    check_usage(&args, &device)?;
     if args.padding_mask_crop.is_some() && args.mask.is_none() {
         bail!(
             "--padding-mask-crop crops to the mask's region: it needs --mask (the part to \
              repaint, white)"
         );
     }
-    // Inputs are read and checked before the model is loaded.
+    let existing = if args.force {
+        Existing::Replace
+    } else {
+        Existing::Keep
+    };
+    check_writable(parent_dir(&args.output))?;
+    if existing == Existing::Keep && args.output.exists() {
+        return Err(OutputError::Exists {
+            path: args.output.clone(),
+        }
+        .into());
+    }
+    // Inputs are read and checked before the model is loaded, their size from the header
+    // before any pixel is decoded.
+    for (what, path) in [
+        ("input image", Some(&args.image)),
+        ("mask", args.mask.as_ref()),
+    ] {
+        let Some(path) = path else { continue };
+        check_regular(path, what)?;
+        if let Ok((w, h)) = image::image_dimensions(path) {
+            if usage::pixels_within(w as usize, h as usize, args.max_pixels).is_none() {
+                return Err(UsageError(format!(
+                    "pass --max-pixels N to read the {what} {} ({w}x{h}): images are limited to \
+                     {} pixels",
+                    path.display(),
+                    args.max_pixels
+                ))
+                .into());
+            }
+        }
+    }
     let image = load_image(&args.image)?;
     let mask = match &args.mask {
         Some(path) => {
@@ -175,16 +249,6 @@ fn run(args: Args) -> Result<()> {
         }
         None => None,
     };
-    let device: OxiDevice = args
-        .device
-        .parse()
-        .with_context(|| format!("--device {}", args.device))?;
-    if args.compile && !device.is_pjrt() {
-        bail!(
-            "--compile needs a PJRT device (--device xla:cpu, tpu or cuda); {} runs eagerly",
-            args.device
-        );
-    }
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
@@ -361,29 +425,24 @@ fn run(args: Args) -> Result<()> {
     };
     let images: Images = output.images.context("the pipeline returned no images")?;
     let mut extra = vec![("Denoising strength".into(), strength.to_string())];
-    if !loras.is_empty() {
-        extra.push(("Lora hashes".to_string(), hashes_field(&loras)));
-    }
-    extra.push((
-        "Version".into(),
-        format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
-    ));
+    extra.extend(closing_fields(&loras));
     let parameters = GenerationParameters {
         prompt: prompt_with_tags(&args.prompt, &loras),
         negative_prompt,
         steps: args.steps,
-        sampler: args
-            .scheduler
-            .clone()
-            .unwrap_or_else(|| sampler.class_name().to_string()),
+        sampler: sampler_field(args.scheduler.as_deref(), sampler),
         guidance_scale: guidance,
         seed: args.seed,
         width: images.width,
         height: images.height,
-        model: args.model.clone(),
+        model: model_name(&args.model),
         extra,
     };
-    images.save_png_with_parameters(0, &args.output, Some(&parameters))?;
+    let rgb = images
+        .to_rgb8(0)
+        .context("the pipeline returned no images")?;
+    let png = encode_png(&rgb, &[(PARAMETERS_KEYWORD, parameters.to_text())])?;
+    write_new(&args.output, &png, existing)?;
     let mode = match compiled {
         Some(programs) => format!("compiled: {programs} program(s)"),
         None => "eager".into(),

@@ -1,0 +1,494 @@
+//! One `txt2img` run: check the flags, resolve and load the model, generate in batches, write
+//! the files and report them.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use burn::tensor::{Tensor, TensorData};
+use oxidiff::cli::usage;
+use oxidiff::cli::{closing_fields, file_name, model_name, UsageError};
+use oxidiff::latents::{encode_npy, read_latents};
+use oxidiff::pipelines::host::read_f32;
+use oxidiff::pipelines::hub::resolve_model_with_progress;
+use oxidiff::pipelines::lora::prompt_with_tags;
+use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
+use oxidiff::pipelines::parallel::ParallelConfig;
+use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
+use oxidiff::pipelines::OutputType;
+use oxidiff::pipelines::{
+    is_single_file, pipeline_class, single_file_pipeline_class, CancelToken, GenerateRequest,
+    GenerationParameters, LoadOptions, PipelineError, SingleFileOptions, StepInfo, FLUX_CLASSES,
+    PIXART_CLASSES, SD3_CLASS,
+};
+use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerators};
+use oxidiff::{Oxi, OxiDevice};
+
+use crate::args::{Args, OutputKind, Precision, DEFAULT_OUTPUT, REDUCED_PRECISION_CLASSES};
+use crate::from_png::{apply_from_png, LATENTS_FIELD};
+use crate::output::{display, Outputs};
+use crate::pipeline::Pipeline;
+use crate::progress::Progress;
+use crate::INTERRUPTED;
+
+/// A file written, for the summary.
+struct Made {
+    path: PathBuf,
+    seed: u64,
+    width: usize,
+    height: usize,
+    took: std::time::Duration,
+}
+
+/// Ctrl-C during a run of several files, after some were written.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "interrupted after {done} of {steps} steps; {} of {total} files were written before it: {}",
+    written.len(),
+    written.join(", ")
+)]
+pub struct Interrupted {
+    done: usize,
+    steps: usize,
+    written: Vec<String>,
+    total: usize,
+}
+
+/// The command-line checks that need no model, made before anything loads: each failure is a
+/// usage error (exit 2) naming the fix.
+fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
+    if (args.tp != 1 || args.dp != 1) && !args.compile {
+        return Err(UsageError(
+            "add --compile (and a PJRT --device): --tp and --dp partition the compiled step".into(),
+        ));
+    }
+    if args.compile && !device.is_pjrt() {
+        return Err(UsageError(format!(
+            "add --device xla:cpu, tpu or cuda, or drop --compile: --compile needs a PJRT \
+             device (--device {} runs eagerly)",
+            args.device
+        )));
+    }
+    let from_png = args.from_png.as_ref().map(|p| p.display().to_string());
+    let source = |flag: &str| match &from_png {
+        Some(png) => format!("{flag} (or the parameters of {png})"),
+        None => flag.to_string(),
+    };
+    usage::image_size(
+        &source("--width/--height"),
+        args.width,
+        args.height,
+        args.max_pixels,
+    )?;
+    if let Some(steps) = args.steps {
+        usage::steps(&source("--steps"), steps)?;
+    }
+    if let Some(guidance) = args.guidance {
+        usage::finite(&source("--guidance"), guidance)?;
+    }
+    usage::finite("--true-cfg-scale", args.true_cfg_scale)?;
+    Ok(())
+}
+
+pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
+    // Before anything slow: Ctrl-C while the model resolves or loads stops the run at its
+    // first step (a second Ctrl-C exits at once).
+    let cancel = interrupt_token()?;
+    apply_from_png(&mut args)?;
+    let device: OxiDevice = args
+        .device
+        .parse()
+        .with_context(|| format!("--device {}", args.device))?;
+    check_usage(&args, &device)?;
+    if args.latents.is_some() && args.num_images > 1 {
+        bail!("--latents gives the initial latents of one image; use it with --num-images 1");
+    }
+    let prompt = args.prompt.clone().unwrap_or_default();
+    let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
+    let kind = args.output_type;
+    let output = if kind != OutputKind::Png && args.output == Path::new(DEFAULT_OUTPUT) {
+        PathBuf::from("txt2img.npy")
+    } else {
+        args.output.clone()
+    };
+    let mut outputs = Outputs::plan(&output, args.num_images as usize, args.force, kind)?;
+    let seed = args.seed.unwrap_or_else(random_seed);
+    let started = Instant::now();
+    let dtype = args.dtype.float_dtype();
+    let options = LoadOptions {
+        variant: args.variant.clone(),
+        scheduler: args.scheduler.clone(),
+        dtype: (args.dtype != Precision::F32).then_some(dtype),
+    };
+    let single_file = is_single_file(Path::new(&args.model)).then(|| SingleFileOptions {
+        load: options.clone(),
+        config: args.config.clone(),
+        tokenizer: args.tokenizer.clone(),
+        prediction_type: None,
+    });
+    if single_file.is_none() && (args.config.is_some() || args.tokenizer.is_some()) {
+        bail!("--config and --tokenizer apply to a single-file --model (a .safetensors file)");
+    }
+    if single_file.is_some() && args.variant.is_some() {
+        bail!(
+            "--variant picks weight files in a diffusers folder; {} is one file",
+            args.model
+        );
+    }
+    if single_file.is_some() && args.revision.is_some() {
+        bail!(
+            "--revision applies to Hub ids; {} is a local file",
+            args.model
+        );
+    }
+    let (dir, class, model) = match &single_file {
+        Some(_) => {
+            let path = PathBuf::from(&args.model);
+            let class = single_file_pipeline_class(&path)
+                .with_context(|| format!("loading {}", args.model))?;
+            if class != "StableDiffusionPipeline" && class != SDXL_CLASS {
+                bail!(
+                    "{} is a checkpoint for {class} (an inpainting UNet or the SDXL refiner), \
+                     which edits images: use the img2img binary (--image, and --mask for \
+                     inpainting)",
+                    args.model
+                );
+            }
+            (path, class.to_string(), args.model.clone())
+        }
+        None => {
+            let model = match &args.revision {
+                Some(rev) if args.model.contains('@') => bail!(
+                    "--revision {rev} and a revision in --model {}: give one of them",
+                    args.model
+                ),
+                Some(rev) if Path::new(&args.model).exists() => bail!(
+                    "--revision {rev} applies to Hub ids; {} is a local folder",
+                    args.model
+                ),
+                Some(rev) => format!("{}@{rev}", args.model),
+                None => args.model.clone(),
+            };
+            progress.phase(format!("resolving {model}"));
+            // hf-hub draws its own download bars (bytes per file), under the same rule as ours.
+            let show_downloads = !args.quiet && std::io::stderr().is_terminal();
+            let dir = resolve_model_with_progress(&model, args.variant.as_deref(), show_downloads)
+                .with_context(|| format!("loading {model}"))?;
+            let class = pipeline_class(&dir).with_context(|| format!("loading {model}"))?;
+            (dir, class, model)
+        }
+    };
+    let png_model = model_name(&model);
+    let pixart = PIXART_CLASSES.contains(&class.as_str());
+    let flux = FLUX_CLASSES.contains(&class.as_str());
+    let sd3 = class == SD3_CLASS;
+    if (flux || sd3) && args.no_resolution_binning {
+        bail!(
+            "--no-resolution-binning applies to PixArt models; {} is a {class}",
+            args.model
+        );
+    }
+    if !flux && args.true_cfg_scale != 1.0 {
+        bail!(
+            "--true-cfg-scale applies to Flux models; {} is a {class}",
+            args.model
+        );
+    }
+    if !pixart
+        && !flux
+        && !sd3
+        && (args.max_sequence_length.is_some() || args.no_resolution_binning)
+    {
+        bail!("--max-sequence-length and --no-resolution-binning apply to PixArt models (the length also to SD3 and Flux); {} is a {class}", args.model);
+    }
+    if args.dtype != Precision::F32 && !REDUCED_PRECISION_CLASSES.contains(&class.as_str()) {
+        bail!(
+            "--dtype {} is not supported for {class}, which computes in f32 only; use --dtype f32 \
+             (bf16 and f16 work with {})",
+            args.dtype.name(),
+            REDUCED_PRECISION_CLASSES.join(", ")
+        );
+    }
+    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
+    let steps = args.steps.unwrap_or(if turbo {
+        1
+    } else if pixart {
+        20
+    } else if flux || sd3 {
+        28
+    } else {
+        50
+    });
+    // diffusers' defaults: 7.5 for SD 1.x/2.x, 5 for SDXL, 4.5 for PixArt.
+    let guidance = args.guidance.unwrap_or(if turbo {
+        0.0
+    } else if pixart {
+        4.5
+    } else if flux {
+        3.5
+    } else if sd3 {
+        7.0
+    } else if class == SDXL_CLASS {
+        5.0
+    } else {
+        7.5
+    });
+    let latents = match &args.latents {
+        Some(path) => {
+            let (values, shape) = read_latents(path)?;
+            let shape: [usize; 4] = shape.as_slice().try_into().map_err(|_| {
+                anyhow::anyhow!(
+                    "{}: latents must have 4 dimensions [batch, 4, h/8, w/8], found {shape:?}",
+                    path.display()
+                )
+            })?;
+            // The latents set the image size: bounded as --width/--height are.
+            let cells = shape[2].saturating_mul(shape[3]);
+            if cells.saturating_mul(64) as u64 > args.max_pixels {
+                return Err(UsageError(format!(
+                    "pass --max-pixels N to use the latents {} ({}x{} cells, an image of about \
+                     {} pixels): images are limited to {} pixels",
+                    path.display(),
+                    shape[3],
+                    shape[2],
+                    cells.saturating_mul(64),
+                    args.max_pixels
+                ))
+                .into());
+            }
+            Some(Tensor::<Oxi, 4>::from_data(
+                TensorData::new(values, shape),
+                &device,
+            ))
+        }
+        None => None,
+    };
+    let request = GenerateRequest {
+        prompts: vec![prompt.clone()],
+        negative_prompts: if negative_prompt.is_empty() {
+            Vec::new()
+        } else {
+            vec![negative_prompt.clone()]
+        },
+        num_inference_steps: steps,
+        guidance_scale: guidance,
+        width: args.width,
+        height: args.height,
+        seed,
+        latents,
+        output: if kind == OutputKind::Latents {
+            OutputType::Latents
+        } else {
+            OutputType::Images
+        },
+        cancel: Some(cancel),
+        ..Default::default()
+    };
+
+    progress.phase(format!("loading {class}"));
+    let mut pipe = match &single_file {
+        Some(sf) => Pipeline::load_single_file(&dir, &class, sf, &device),
+        None => Pipeline::load(&dir, &class, &options, &device),
+    }
+    .with_context(|| format!("loading {}", args.model))?;
+    let mut loras = Vec::with_capacity(args.lora.len());
+    for spec in &args.lora {
+        let report = pipe
+            .load_lora(spec)
+            .with_context(|| format!("--lora {}", spec.path.display()))?;
+        if !args.quiet {
+            let layers: Vec<String> = report
+                .layers
+                .iter()
+                .map(|(component, n)| format!("{n} {component} layers"))
+                .collect();
+            eprintln!(
+                "fused LoRA {} at scale {} ({})",
+                display(&report.path),
+                report.scale,
+                layers.join(", ")
+            );
+        }
+        loras.push(report);
+    }
+    if args.compile {
+        pipe.compile()?;
+    }
+    if args.tp != 1 || args.dp != 1 {
+        pipe.enable_parallelism(ParallelConfig::new(args.dp, args.tp))?;
+    }
+    let loaded = started.elapsed();
+    tracing::info!(seconds = loaded.as_secs_f64(), %class, "loaded");
+    let pixart_options = (
+        args.max_sequence_length,
+        !args.no_resolution_binning,
+        args.true_cfg_scale,
+    );
+    let sampler = match pipe.scheduler_class().parse::<SchedulerKind>() {
+        Ok(kind) => sampler_field(args.scheduler.as_deref(), kind),
+        Err(_) => pipe.scheduler_class().to_string(),
+    };
+    let batch_size = args.batch_size as usize;
+    let count = outputs.len();
+    let batches = count.div_ceil(batch_size);
+    let mut made = Vec::with_capacity(count);
+    let mut batch_seconds = Vec::with_capacity(batches);
+    let mut mode = pipe.mode();
+    for b in 0..batches {
+        let first = b * batch_size;
+        let in_batch = batch_size.min(count - first);
+        let seeds: Vec<u64> = (0..in_batch as u64)
+            .map(|i| seed + first as u64 + i)
+            .collect();
+        let request = GenerateRequest {
+            seed: seeds[0],
+            num_images_per_prompt: in_batch,
+            ..request.clone()
+        };
+        let mut generator = TorchCpuGenerators::new(&seeds);
+        let generated = Instant::now();
+        let label = if batches > 1 {
+            format!("batch {}/{batches}: denoising", b + 1)
+        } else {
+            "denoising".to_string()
+        };
+        progress.steps(&label);
+        let on_step = |info: StepInfo<'_, Oxi>| progress.step(&info, kind != OutputKind::Latents);
+        let output = match pipe.generate_with(request, pixart_options, &mut generator, on_step) {
+            Ok(output) => output,
+            Err(PipelineError::Cancelled { done, total }) if !made.is_empty() => {
+                return Err(Interrupted {
+                    done,
+                    steps: total,
+                    written: made.iter().map(|m: &Made| display(&m.path)).collect(),
+                    total: count,
+                }
+                .into())
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let took = generated.elapsed();
+        mode = pipe.mode();
+        progress.phase("writing".into());
+        for (j, &image_seed) in seeds.iter().enumerate() {
+            let (bytes, width, height) = match kind {
+                OutputKind::Latents => {
+                    let [_, c, h, w] = output.latents.dims();
+                    let row = output.latents.clone().narrow(0, j, 1);
+                    let values = read_f32(row)?;
+                    let f = pipe.vae_scale_factor();
+                    (encode_npy(&values, &[1, c, h, w]), w * f, h * f)
+                }
+                OutputKind::Npy | OutputKind::Png => {
+                    let images = output
+                        .images
+                        .as_ref()
+                        .context("the pipeline returned no images")?;
+                    let bytes = if kind == OutputKind::Npy {
+                        let size = images.height * images.width * 3;
+                        let values = &images.data[j * size..(j + 1) * size];
+                        encode_npy(values, &[images.height, images.width, 3])
+                    } else {
+                        let mut extra = Vec::new();
+                        if let Some(path) = &args.latents {
+                            extra.push((LATENTS_FIELD.to_string(), file_name(path)));
+                        }
+                        extra.extend(closing_fields(&loras));
+                        let parameters = GenerationParameters {
+                            prompt: prompt_with_tags(&prompt, &loras),
+                            negative_prompt: negative_prompt.clone(),
+                            steps,
+                            sampler: sampler.clone(),
+                            guidance_scale: guidance,
+                            seed: image_seed,
+                            width: images.width,
+                            height: images.height,
+                            model: png_model.clone(),
+                            extra,
+                        };
+                        let rgb = images
+                            .to_rgb8(j)
+                            .context("the pipeline returned too few images")?;
+                        encode_png(&rgb, &[(PARAMETERS_KEYWORD, parameters.to_text())])?
+                    };
+                    (bytes, images.width, images.height)
+                }
+            };
+            let path = outputs.write(first + j, &bytes)?;
+            // A batch's time is shared equally by its images.
+            let per_image = took / in_batch as u32;
+            if !args.quiet {
+                progress.println(&format!(
+                    "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device} {mode}, {}; load {:.2}s, generate {:.2}s)",
+                    display(&path),
+                    args.dtype.name(),
+                    loaded.as_secs_f64(),
+                    per_image.as_secs_f64()
+                ));
+            }
+            made.push(Made {
+                path,
+                seed: image_seed,
+                width,
+                height,
+                took: per_image,
+            });
+        }
+        batch_seconds.push(took.as_secs_f64());
+    }
+    progress.finish();
+    if args.json {
+        let summary = serde_json::json!({
+            "files": made.iter().map(|m| display(&m.path)).collect::<Vec<_>>(),
+            "seeds": made.iter().map(|m| m.seed).collect::<Vec<_>>(),
+            "width": made.first().map(|m| m.width),
+            "height": made.first().map(|m| m.height),
+            "steps": steps,
+            "guidance": guidance,
+            "sampler": sampler,
+            "model": model,
+            "loras": loras.iter().map(|l| serde_json::json!({
+                "file": display(&l.path),
+                "scale": l.scale,
+                "hash": l.short_hash,
+            })).collect::<Vec<_>>(),
+            "pipeline": class,
+            "device": device.to_string(),
+            "mode": mode,
+            "dtype": args.dtype.name(),
+            "output_type": format!("{kind:?}").to_lowercase(),
+            "batch_size": batch_size,
+            "load_seconds": loaded.as_secs_f64(),
+            "generate_seconds": made.iter().map(|m| m.took.as_secs_f64()).collect::<Vec<_>>(),
+            "batch_seconds": batch_seconds,
+        });
+        println!("{summary}");
+    }
+    Ok(())
+}
+
+/// A token that Ctrl-C cancels: the pipeline stops after the current step and nothing is
+/// written; a second Ctrl-C exits at once.
+fn interrupt_token() -> Result<CancelToken> {
+    let cancel = CancelToken::new();
+    let on_interrupt = cancel.clone();
+    ctrlc::set_handler(move || {
+        if on_interrupt.is_cancelled() {
+            std::process::exit(i32::from(INTERRUPTED));
+        }
+        on_interrupt.cancel();
+    })
+    .context("installing the Ctrl-C handler")?;
+    Ok(cancel)
+}
+
+/// A seed from the clock and process id, for runs without `--seed` (printed so they can be
+/// reproduced).
+fn random_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    (nanos ^ ((std::process::id() as u64) << 32)) % (1 << 53)
+}
