@@ -165,6 +165,15 @@ fn bf16_compiled_step_on_xla_cpu_matches_eager_cpu_bf16() {
     let err = relative_error(&compiled, &reference);
     eprintln!("bf16 compiled xla:cpu vs bf16 cpu: {err:e}");
     assert!(err <= 5e-2, "{err:e}");
+    // And diffusers' own bf16 run of the request, as the eager one is bounded.
+    let half = DiffusersHalf::load();
+    let err = relative_error(&compiled, &half.values("sd1", "bf16", "latents"));
+    let bound = half.bound("sd1", "bf16", "latents", HalfBound::FromF32Distance);
+    eprintln!("bf16 compiled xla:cpu vs diffusers' bf16: {err:e} (bound {bound:e})");
+    assert!(
+        err <= bound,
+        "{err:e} from diffusers' bf16 exceeds {bound:e}"
+    );
 }
 
 fn flux_request(steps: usize) -> FluxRequest<Oxi> {
