@@ -2,7 +2,8 @@
 //! classifier-free guidance, guidance scale a runtime input) is one XLA program; it matches
 //! eager mode and the CPU backend, is not recompiled for new prompts, seeds, guidance scales,
 //! schedulers or step counts, compiles once per new resolution, and a second process loads it
-//! from the on-disk cache (a damaged cache entry is rebuilt).
+//! from the on-disk cache (a damaged cache entry is rebuilt); the compiled pipeline's 4-step
+//! DDIM run matches diffusers' (`tools/golden/make_tiny_sd.py`) within 1e-4.
 //!
 //! Tolerances: compiled vs eager on the same plugin 1e-5 relative (the same f32 ops, fused and
 //! reordered by XLA in one program; observed about 1e-7); against the CPU backend 1e-4
@@ -117,6 +118,26 @@ fn compiled_guided_step_matches_eager_xla_and_the_cpu_backend() {
         &plain.0,
         &eager_plain.0,
         1e-5,
+    );
+
+    // diffusers itself: its 4-step DDIM run of the golden request, at the 1e-4 of the
+    // one-device parity tests (tests/pipeline.rs); a new step count reuses the guided program.
+    let mut full = request(&golden, 7.5);
+    full.num_inference_steps = 4;
+    let (latents, image) = run(&mut pipe, &full);
+    assert_eq!(pipe_log(&pipe).programs, 2, "a new step count recompiled");
+    let diffusers = |key: &str| golden.host(key).0;
+    assert_within(
+        "compiled vs diffusers latents",
+        &latents,
+        &diffusers("pipe.ddim.step3"),
+        1e-4,
+    );
+    assert_within(
+        "compiled vs diffusers image",
+        &image,
+        &diffusers("pipe.ddim.image"),
+        1e-4,
     );
 }
 

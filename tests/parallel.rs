@@ -2,7 +2,8 @@
 //! 4): the tiny UNet's compiled step (UNet and guidance) and the tiny PixArt transformer,
 //! partitioned by GSPMD with tp 2 and 4, dp 2 and dp 2 x tp 2, equal the single-device program;
 //! the optimized programs hold the all-reduces of the row-wise layers; each device holds
-//! `1/tp` of the split weights; bad configs are refused before anything moves.
+//! `1/tp` of the split weights; bad configs are refused before anything moves; the pipeline
+//! with tp 2 matches diffusers' own 4-step DDIM run (`tools/golden/make_tiny_sd.py`).
 //!
 //! Tolerances: 1e-5 relative for the UNet and the transformer alone: the partitioned program
 //! sums each row-wise layer's partial products across devices (an all-reduce) instead of in one
@@ -401,6 +402,27 @@ fn pipeline_enable_parallelism_generates_what_one_device_does() {
     let err = relative_error(&actual, &expected);
     eprintln!("pipeline tp 2, 2 DDIM steps at guidance 7.5: relative error {err:e}");
     assert!(err <= GUIDED_TOLERANCE, "{err:e}");
+    // diffusers itself: its 4-step DDIM run of this request (tools/golden/make_tiny_sd.py), at
+    // the 1e-4 of the one-device parity tests (tests/pipeline.rs).
+    let four_steps = GenerateRequest {
+        num_inference_steps: 4,
+        ..request.clone()
+    };
+    let out = parallel
+        .generate_with(&four_steps, &mut NoNoise, |_| {})
+        .unwrap_or_else(|e| panic!("{e}"));
+    for (what, actual, key) in [
+        (
+            "latents",
+            to_vec(out.latents.to_device(&OxiDevice::Cpu)),
+            "pipe.ddim.step3",
+        ),
+        ("image", out.images.expect("images").data, "pipe.ddim.image"),
+    ] {
+        let err = relative_error(&actual, &golden.host(key).0);
+        eprintln!("pipeline tp 2, 4 DDIM steps vs diffusers {what}: relative error {err:e}");
+        assert!(err <= GUIDED_TOLERANCE, "tp 2 vs diffusers {what}: {err:e}");
+    }
     // One program for both steps, on two devices holding half the split weights each.
     assert_eq!(parallel.compile_stats().map(|s| s.programs), Some(1));
     let bytes = parallel.parallel_weight_bytes().expect("parallel");

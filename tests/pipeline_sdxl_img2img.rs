@@ -12,7 +12,7 @@ use std::path::Path;
 
 use burn::tensor::Tensor;
 use common::golden_run::{check_run, TOL};
-use common::{assert_close, fixtures, model_dir, Golden, B};
+use common::{assert_close, fixtures, model_dir, to_vec, Golden, B};
 use oxidiff::pipelines::image::{load_image, load_mask};
 use oxidiff::pipelines::{
     GenerateRequest, LoadOptions, OutputType, StableDiffusionXLImg2ImgPipeline,
@@ -463,9 +463,15 @@ fn refiner_without_the_first_text_encoder_casts_to_bf16() {
             "weights not cast"
         );
     }
+    // make_refiner.py's `xl-refiner-te2-image` request, which make_half.py ran in bf16 too.
     let golden = Golden::load("refiner");
+    let settings = &golden.json["settings"];
     let edit = XlEditOptions {
-        strength: golden.json["settings"]["strength"].as_f64().unwrap(),
+        strength: settings["strength"].as_f64().unwrap(),
+        aesthetic_score: settings["refiner"]["aesthetic_score"].as_f64().unwrap(),
+        negative_aesthetic_score: settings["refiner"]["negative_aesthetic_score"]
+            .as_f64()
+            .unwrap(),
         ..Default::default()
     };
     let out = refiner
@@ -476,15 +482,27 @@ fn refiner_without_the_first_text_encoder_casts_to_bf16() {
             XlInitImage::Image(&input_image()),
         )
         .unwrap();
-    let (expected, _) = golden.host("xl-refiner-te2-image.image");
-    let err = common::relative_error(&out.images.unwrap().data, &expected);
-    // bf16 rounds at 0.4% and it compounds through VAE encode, UNet and decode (tests/dtype.rs
-    // allows 8e-2 for text to image); observed 8.0e-2 here.
-    eprintln!("bf16 refiner image: relative error {err:e}");
+    let ours = out.images.unwrap().data;
+    let (f32_image, _) = golden.host("xl-refiner-te2-image.image");
+    let from_f32 = common::relative_error(&ours, &f32_image);
     assert!(
-        err > 0.0 && err < 0.1,
-        "bf16 refiner image: relative error {err:e}"
+        from_f32 > 0.0,
+        "bf16 refiner image equals f32: not computed in bf16"
     );
+    // diffusers' own bf16 run of the request, within the bound derived from its distance to
+    // its f32 run (tests/common/half.rs).
+    use common::half::{DiffusersHalf, HalfBound};
+    let half = DiffusersHalf::load();
+    for (part, values) in [("latents", to_vec(out.latents)), ("image", ours)] {
+        let err = common::relative_error(&values, &half.values("sdxl-refiner", "bf16", part));
+        let bound = half.bound("sdxl-refiner", "bf16", part, HalfBound::FromF32Distance);
+        eprintln!("bf16 refiner {part}: {err:e} from diffusers' bf16 (bound {bound:e})");
+        assert!(
+            err <= bound,
+            "bf16 refiner {part}: {err:e} from diffusers' bf16 run exceeds {bound:e}"
+        );
+    }
+    eprintln!("bf16 refiner image: {from_f32:e} from diffusers' f32");
 }
 
 #[test]

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod golden_run;
+pub mod half;
 
 use std::path::PathBuf;
 
