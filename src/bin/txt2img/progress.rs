@@ -5,7 +5,6 @@ use std::sync::{Arc, Mutex};
 
 use indicatif::{ProgressBar, ProgressState, ProgressStyle};
 use oxidiff::pipelines::StepInfo;
-use oxidiff::Oxi;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::Layer;
@@ -70,7 +69,7 @@ impl Progress {
     }
 
     /// After each step; the VAE decode follows the last one when images are made.
-    pub fn step(&self, info: &StepInfo<'_, Oxi>, decodes: bool) {
+    pub fn step<B: burn::tensor::backend::Backend>(&self, info: &StepInfo<'_, B>, decodes: bool) {
         if info.step == 0 {
             self.bar.reset();
             self.bar.set_length(info.num_steps as u64);

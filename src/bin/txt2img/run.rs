@@ -14,21 +14,20 @@ use oxidiff::pipelines::host::read_f32;
 use oxidiff::pipelines::hub::resolve_model_with_progress;
 use oxidiff::pipelines::lora::prompt_with_tags;
 use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
-use oxidiff::pipelines::parallel::ParallelConfig;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::OutputType;
 use oxidiff::pipelines::{
-    is_single_file, pipeline_class, single_file_pipeline_class, CancelToken, GenerateRequest,
-    GenerationParameters, LoadOptions, PipelineError, SingleFileOptions, StepInfo, FLUX_CLASSES,
-    PIXART_CLASSES, SD3_CLASS,
+    is_single_file, pipeline_class, single_file_pipeline_class, AutoPipeline, CancelToken,
+    FamilyOptions, GenerateRequest, GenerationParameters, LoadOptions, PipelineError,
+    SingleFileOptions, StepInfo, FLUX_CLASSES, PIXART_CLASSES, SD3_CLASS,
 };
-use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerators};
-use oxidiff::{Oxi, OxiDevice};
+use oxidiff::schedulers::TorchCpuGenerators;
+use oxidiff::{Cpu, Oxi, OxiDevice};
 
 use crate::args::{Args, OutputKind, Precision, DEFAULT_OUTPUT, REDUCED_PRECISION_CLASSES};
 use crate::from_png::{apply_from_png, LATENTS_FIELD};
 use crate::output::{display, Outputs};
-use crate::pipeline::Pipeline;
+use crate::pipeline::CliBackend;
 use crate::progress::Progress;
 use crate::INTERRUPTED;
 
@@ -112,7 +111,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
     } else {
         args.output.clone()
     };
-    let mut outputs = Outputs::plan(&output, args.num_images as usize, args.force, kind)?;
+    let outputs = Outputs::plan(&output, args.num_images as usize, args.force, kind)?;
     let seed = args.seed.unwrap_or_else(random_seed);
     let started = Instant::now();
     let dtype = args.dtype.float_dtype();
@@ -179,7 +178,6 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
             (dir, class, model)
         }
     };
-    let png_model = model_name(&model);
     let pixart = PIXART_CLASSES.contains(&class.as_str());
     let flux = FLUX_CLASSES.contains(&class.as_str());
     let sd3 = class == SD3_CLASS;
@@ -210,30 +208,6 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
             REDUCED_PRECISION_CLASSES.join(", ")
         );
     }
-    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
-    let steps = args.steps.unwrap_or(if turbo {
-        1
-    } else if pixart {
-        20
-    } else if flux || sd3 {
-        28
-    } else {
-        50
-    });
-    // diffusers' defaults: 7.5 for SD 1.x/2.x, 5 for SDXL, 4.5 for PixArt.
-    let guidance = args.guidance.unwrap_or(if turbo {
-        0.0
-    } else if pixart {
-        4.5
-    } else if flux {
-        3.5
-    } else if sd3 {
-        7.0
-    } else if class == SDXL_CLASS {
-        5.0
-    } else {
-        7.5
-    });
     let latents = match &args.latents {
         Some(path) => {
             let (values, shape) = read_latents(path)?;
@@ -257,45 +231,86 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
                 ))
                 .into());
             }
-            Some(Tensor::<Oxi, 4>::from_data(
-                TensorData::new(values, shape),
-                &device,
-            ))
+            Some(TensorData::new(values, shape))
         }
         None => None,
     };
-    let request = GenerateRequest {
-        prompts: vec![prompt.clone()],
-        negative_prompts: if negative_prompt.is_empty() {
-            Vec::new()
-        } else {
-            vec![negative_prompt.clone()]
-        },
-        num_inference_steps: steps,
-        guidance_scale: guidance,
-        width: args.width,
-        height: args.height,
+    let job = Job {
+        args: &args,
+        progress,
+        prompt,
+        negative_prompt,
+        kind,
+        outputs,
         seed,
         latents,
-        output: if kind == OutputKind::Latents {
-            OutputType::Latents
-        } else {
-            OutputType::Images
-        },
-        cancel: Some(cancel),
-        ..Default::default()
+        cancel,
+        started,
+        dir,
+        class,
+        model,
+        single_file,
+        options,
+        device_name: device.to_string(),
     };
+    match device {
+        // The plain CPU backend: the CPU kernels apply (the Oxi router hides its tensors).
+        OxiDevice::Cpu => generate::<Cpu>(job, &Default::default()),
+        device => generate::<Oxi>(job, &device),
+    }
+}
 
+/// Everything a run settled before the model loads.
+struct Job<'a> {
+    args: &'a Args,
+    progress: &'a Progress,
+    prompt: String,
+    negative_prompt: String,
+    kind: OutputKind,
+    outputs: Outputs,
+    seed: u64,
+    latents: Option<TensorData>,
+    cancel: CancelToken,
+    started: Instant,
+    dir: PathBuf,
+    class: String,
+    model: String,
+    single_file: Option<SingleFileOptions>,
+    options: LoadOptions,
+    device_name: String,
+}
+
+/// Loads the pipeline on backend `B`, generates every batch, writes the files and reports.
+fn generate<B: CliBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
+    let Job {
+        args,
+        progress,
+        prompt,
+        negative_prompt,
+        kind,
+        mut outputs,
+        seed,
+        latents,
+        cancel,
+        started,
+        dir,
+        class,
+        model,
+        single_file,
+        options,
+        device_name,
+    } = job;
+    let png_model = model_name(&model);
     progress.phase(format!("loading {class}"));
     let mut pipe = match &single_file {
-        Some(sf) => Pipeline::load_single_file(&dir, &class, sf, &device),
-        None => Pipeline::load(&dir, &class, &options, &device),
+        Some(sf) => AutoPipeline::<B>::from_single_file(&dir, sf, device),
+        None => AutoPipeline::<B>::from_dir(&dir, &options, device),
     }
     .with_context(|| format!("loading {}", args.model))?;
     let mut loras = Vec::with_capacity(args.lora.len());
     for spec in &args.lora {
         let report = pipe
-            .load_lora(spec)
+            .load_lora(&spec.path, spec.scale)
             .with_context(|| format!("--lora {}", spec.path.display()))?;
         if !args.quiet {
             let layers: Vec<String> = report
@@ -312,29 +327,54 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
         }
         loras.push(report);
     }
-    if args.compile {
-        pipe.compile()?;
-    }
-    if args.tp != 1 || args.dp != 1 {
-        pipe.enable_parallelism(ParallelConfig::new(args.dp, args.tp))?;
-    }
+    B::prepare(&mut pipe, args)?;
     let loaded = started.elapsed();
     tracing::info!(seconds = loaded.as_secs_f64(), %class, "loaded");
-    let pixart_options = (
-        args.max_sequence_length,
-        !args.no_resolution_binning,
-        args.true_cfg_scale,
-    );
-    let sampler = match pipe.scheduler_class().parse::<SchedulerKind>() {
-        Ok(kind) => sampler_field(args.scheduler.as_deref(), kind),
-        Err(_) => pipe.scheduler_class().to_string(),
+    // diffusers' defaults of the pipeline; sd-turbo is run as its model card says.
+    let defaults = pipe.defaults();
+    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
+    let steps = args.steps.unwrap_or(if turbo {
+        1
+    } else {
+        defaults.num_inference_steps
+    });
+    let guidance = args
+        .guidance
+        .unwrap_or(if turbo { 0.0 } else { defaults.guidance_scale });
+    let request = GenerateRequest {
+        prompts: vec![prompt.clone()],
+        negative_prompts: if negative_prompt.is_empty() {
+            Vec::new()
+        } else {
+            vec![negative_prompt.clone()]
+        },
+        num_inference_steps: steps,
+        guidance_scale: guidance,
+        width: args.width,
+        height: args.height,
+        seed,
+        latents: latents.map(|data| Tensor::<B, 4>::from_data(data, device)),
+        output: if kind == OutputKind::Latents {
+            OutputType::Latents
+        } else {
+            OutputType::Images
+        },
+        cancel: Some(cancel),
+        ..Default::default()
     };
+    let family_options = FamilyOptions {
+        max_sequence_length: args.max_sequence_length,
+        resolution_binning: !args.no_resolution_binning,
+        true_cfg_scale: args.true_cfg_scale,
+    };
+    let scheduler = pipe.scheduler().kind();
+    let sampler = sampler_field(args.scheduler.as_deref(), scheduler);
     let batch_size = args.batch_size as usize;
     let count = outputs.len();
     let batches = count.div_ceil(batch_size);
     let mut made = Vec::with_capacity(count);
     let mut batch_seconds = Vec::with_capacity(batches);
-    let mut mode = pipe.mode();
+    let mut mode = B::mode(&pipe);
     for b in 0..batches {
         let first = b * batch_size;
         let in_batch = batch_size.min(count - first);
@@ -354,8 +394,8 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
             "denoising".to_string()
         };
         progress.steps(&label);
-        let on_step = |info: StepInfo<'_, Oxi>| progress.step(&info, kind != OutputKind::Latents);
-        let output = match pipe.generate_with(request, pixart_options, &mut generator, on_step) {
+        let on_step = |info: StepInfo<'_, B>| progress.step(&info, kind != OutputKind::Latents);
+        let output = match pipe.generate_with(&request, &family_options, &mut generator, on_step) {
             Ok(output) => output,
             Err(PipelineError::Cancelled { done, total }) if !made.is_empty() => {
                 return Err(Interrupted {
@@ -369,7 +409,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
             Err(e) => return Err(e.into()),
         };
         let took = generated.elapsed();
-        mode = pipe.mode();
+        mode = B::mode(&pipe);
         progress.phase("writing".into());
         for (j, &image_seed) in seeds.iter().enumerate() {
             let (bytes, width, height) = match kind {
@@ -420,7 +460,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
             let per_image = took / in_batch as u32;
             if !args.quiet {
                 progress.println(&format!(
-                    "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device} {mode}, {}; load {:.2}s, generate {:.2}s)",
+                    "wrote {} (seed {image_seed}, {steps} steps, guidance {guidance}, {width}x{height}, {device_name} {mode}, {}; load {:.2}s, generate {:.2}s)",
                     display(&path),
                     args.dtype.name(),
                     loaded.as_secs_f64(),
@@ -454,7 +494,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
                 "hash": l.short_hash,
             })).collect::<Vec<_>>(),
             "pipeline": class,
-            "device": device.to_string(),
+            "device": device_name,
             "mode": mode,
             "dtype": args.dtype.name(),
             "output_type": format!("{kind:?}").to_lowercase(),
