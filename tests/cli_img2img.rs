@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{fixtures, model_dir};
+use common::{copy_dir, fixtures, model_dir};
 
 const PROMPT: &str = "a photo of an astronaut riding a horse";
 
@@ -27,19 +27,6 @@ fn stderr(out: &Output) -> String {
 
 fn golden(name: &str) -> PathBuf {
     fixtures().join("golden").join(name)
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
 }
 
 /// Runs the binary on the golden input (4 steps, seed 42, negative prompt "blurry") with

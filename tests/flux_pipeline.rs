@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use common::{assert_close, model_dir, relative_error, to_vec, Golden, B};
+use common::{assert_close, copy_dir, model_dir, relative_error, to_vec, Golden, B};
 use oxidiff::pipelines::flux::pack_latents;
 use oxidiff::pipelines::{FluxPipeline, FluxRequest, GenerateRequest, LoadOptions};
 use oxidiff::schedulers::TorchCpuGenerator;
@@ -290,20 +290,6 @@ fn flux_compiled_on_xla_cpu_matches_diffusers_and_reuses_its_program() {
 }
 
 // ------------------------------------------------------------------------------ bad input
-
-/// Copies a fixture, following its links (the Flux fixtures link shared components).
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.path().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
-}
 
 fn load_error(damage: impl FnOnce(&Path)) -> String {
     let tmp = tempfile::tempdir().unwrap();

@@ -10,7 +10,7 @@ mod common;
 use std::path::PathBuf;
 
 use burn::tensor::{Tensor, TensorData};
-use common::{assert_close, fixtures, model_dir, relative_error, to_vec, Golden, B};
+use common::{assert_close, fixtures, model_dir, relative_error, to_vec, txt2img, Golden, B};
 use oxidiff::models::lora::{lora_modules, LoraComponent, LoraFile, LoraFormat, LoraLayerKind};
 use oxidiff::models::{ClipTextModel, UNet2DConditionModel, Weights};
 use oxidiff::pipelines::{
@@ -408,14 +408,6 @@ fn corrupt_lora_file_error_names_the_file() {
     assert!(err.contains("broken.safetensors"), "{err}");
 }
 
-fn txt2img(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .expect("txt2img runs")
-}
-
 #[test]
 fn txt2img_lora_flag_matches_diffusers_and_is_recorded_like_a1111() {
     let golden = Golden::load(GOLDEN);
@@ -602,9 +594,15 @@ fn compiled_mode_with_a_fused_lora_reuses_the_base_program() {
         return;
     }
     let golden = Golden::load(GOLDEN);
+    // The disk cache's folder is read from the environment: this test runs in a process of its
+    // own with the variable set, so no other test sees it.
     let cache = tempfile::tempdir().unwrap();
-    // Only this test in this binary compiles, so setting the variable here affects no other.
-    std::env::set_var("OXIDIFF_COMPILE_CACHE", cache.path());
+    if !oxidiff_test_support::isolated(
+        "compiled_mode_with_a_fused_lora_reuses_the_base_program",
+        &[("OXIDIFF_COMPILE_CACHE", cache.path())],
+    ) {
+        return;
+    }
     let xla: OxiDevice = "xla:cpu:0"
         .parse()
         .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));

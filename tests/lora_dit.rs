@@ -11,7 +11,7 @@ mod common;
 use std::path::PathBuf;
 
 use burn::tensor::{Tensor, TensorData};
-use common::{assert_close, fixtures, model_dir, to_vec, Golden, B};
+use common::{assert_close, fixtures, model_dir, to_vec, txt2img, Golden, B};
 use oxidiff::models::lora::{lora_modules, LoraFormat, LoraLayerKind, LoraModule};
 use oxidiff::models::{
     FluxTransformer2DModel, PixArtTransformer2DModel, SD3Transformer2DModel, Weights,
@@ -475,14 +475,6 @@ fn flux_kohya_single_block_linear1_splits_into_qkv_and_mlp() {
             );
         }
     }
-}
-
-fn txt2img(args: &[String]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .output()
-        .expect("txt2img runs")
 }
 
 /// `txt2img --lora FILE:0.75` on `model` with the golden run's settings (`flags`, then the

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use burn::tensor::Tensor;
 use common::{model_dir, relative_error, to_vec};
+use oxidiff::backend::eager::XLA_CPU_DEVICES_ENV;
 use oxidiff::backend::spmd::{Layout, SpmdPlacement};
 use oxidiff::backend::CompiledFn;
 use oxidiff::models::PixArtTransformer2DModel;
@@ -35,17 +36,23 @@ fn skip() -> bool {
     std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1")
 }
 
-/// `xla:cpu:0` of a client with four devices (set before the process's first XLA client).
+/// `xla:cpu:0` of a client with four devices: only in the child process of [`four_devices`].
 fn xla() -> OxiDevice {
-    static FOUR: std::sync::Once = std::sync::Once::new();
-    FOUR.call_once(|| {
-        // SAFETY (of the environment): set once, before any thread of this binary reads it
-        // (every test calls this first).
-        std::env::set_var(oxidiff::backend::eager::XLA_CPU_DEVICES_ENV, "4");
-    });
+    assert_eq!(
+        std::env::var(XLA_CPU_DEVICES_ENV).as_deref(),
+        Ok("4"),
+        "a test on four devices starts with `four_devices(TEST_NAME)`"
+    );
     "xla:cpu:0"
         .parse()
         .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"))
+}
+
+/// Whether this is the child process that runs `test` with four XLA CPU devices: the count is
+/// read from the environment when the process's first client is made, so each such test gets
+/// a process of its own rather than setting the variable under the other tests.
+fn four_devices(test: &str) -> bool {
+    oxidiff_test_support::isolated(test, &[(XLA_CPU_DEVICES_ENV, "4")])
 }
 
 fn unet(device: &OxiDevice) -> UNet2DConditionModel<Oxi> {
@@ -134,7 +141,7 @@ fn all_reduces(step: &Step) -> usize {
 
 #[test]
 fn unet_step_tensor_and_data_parallel_match_one_device() {
-    if skip() {
+    if skip() || !four_devices("unet_step_tensor_and_data_parallel_match_one_device") {
         return;
     }
     let device = xla();
@@ -232,7 +239,7 @@ fn unet_step_tensor_and_data_parallel_match_one_device() {
 
 #[test]
 fn pixart_transformer_tensor_parallel_matches_one_device() {
-    if skip() {
+    if skip() || !four_devices("pixart_transformer_tensor_parallel_matches_one_device") {
         return;
     }
     let device = xla();
@@ -291,7 +298,7 @@ fn pixart_transformer_tensor_parallel_matches_one_device() {
 
 #[test]
 fn bad_parallel_configs_are_refused_before_anything_moves() {
-    if skip() {
+    if skip() || !four_devices("bad_parallel_configs_are_refused_before_anything_moves") {
         return;
     }
     let device = xla();
@@ -351,7 +358,7 @@ fn bad_parallel_configs_are_refused_before_anything_moves() {
 
 #[test]
 fn pipeline_enable_parallelism_generates_what_one_device_does() {
-    if skip() {
+    if skip() || !four_devices("pipeline_enable_parallelism_generates_what_one_device_does") {
         return;
     }
     use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
@@ -436,6 +443,7 @@ fn txt2img_tp_and_dp_need_compile_and_a_fitting_degree() {
     if skip() {
         return;
     }
+    let tmp = tempfile::tempdir().unwrap();
     let run = |extra: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
             .args(["--model"])
@@ -444,8 +452,9 @@ fn txt2img_tp_and_dp_need_compile_and_a_fitting_degree() {
                 "--steps", "1", "--seed", "1", "--quiet", "--device", "xla:cpu",
             ])
             .args(extra)
+            .env(XLA_CPU_DEVICES_ENV, "4")
             .arg("-o")
-            .arg(std::env::temp_dir().join("oxidiff-parallel-cli-test.png"))
+            .arg(tmp.path().join("out.png"))
             .arg("a horse")
             .output()
             .expect("txt2img runs");
@@ -484,6 +493,7 @@ fn split_runs_match_one_device(model: &str, size: &str, splits: &[[&str; 2]]) {
                 "--compile",
             ])
             .args(extra)
+            .env(XLA_CPU_DEVICES_ENV, "4")
             .arg("-o")
             .arg(&out_path)
             .arg("a horse")

@@ -8,11 +8,10 @@
 mod common;
 
 use std::cell::RefCell;
-use std::path::Path;
 
 use burn::tensor::Tensor;
 use common::golden_run::{check_run, TOL};
-use common::{assert_close, fixtures, model_dir, to_vec, Golden, B};
+use common::{assert_close, copy_dir, fixtures, model_dir, to_vec, Golden, B};
 use oxidiff::pipelines::image::{load_image, load_mask};
 use oxidiff::pipelines::{
     GenerateRequest, LoadOptions, OutputType, StableDiffusionXLImg2ImgPipeline,
@@ -52,19 +51,6 @@ fn recorder(steps: &Steps) -> impl FnMut(oxidiff::pipelines::StepInfo<'_, B>) + 
         steps
             .borrow_mut()
             .push((info.timestep, info.latents.clone()))
-    }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.path().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
     }
 }
 

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use common::{assert_close, model_dir, relative_error, to_vec, Golden, B};
+use common::{assert_close, copy_dir, model_dir, relative_error, to_vec, Golden, B};
 use oxidiff::pipelines::{
     GenerateRequest, LoadOptions, OutputType, PixArtPipeline, PixArtRequest, PixArtVariant,
 };
@@ -169,19 +169,6 @@ fn pixart_on_xla_cpu_matches_cpu() {
 }
 
 // ------------------------------------------------------------------------------ bad input
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), &target).unwrap();
-        }
-    }
-}
 
 /// Loads a damaged copy of the fixture and returns the error message.
 fn load_error(damage: impl FnOnce(&Path)) -> String {

@@ -20,7 +20,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Tensor, TensorData};
-use common::{assert_close, fixtures, model_dir, relative_error, Golden, B};
+use common::{assert_close, fixtures, model_dir, relative_error, txt2img, Golden, B};
 use oxidiff::models::{
     AddedCondition, ModelError, SingleFile, SingleFileArch, UNet2DConditionConfig, Weights,
 };
@@ -428,6 +428,15 @@ fn unknown_architectures_name_the_keys_looked_for() {
 
 #[test]
 fn config_sources_wrong_pipeline_missing_tokenizer_and_mismatched_config() {
+    // The Hub cache is read from the environment: this test runs in a process of its own with
+    // `HF_HUB_CACHE` set to an empty folder of its own, so no other test sees the variable.
+    let hub = tempfile::tempdir().unwrap();
+    if !oxidiff_test_support::isolated(
+        "config_sources_wrong_pipeline_missing_tokenizer_and_mismatched_config",
+        &[("HF_HUB_CACHE", hub.path())],
+    ) {
+        return;
+    }
     let device = Default::default();
     let err = StableDiffusionPipeline::<B>::from_single_file(
         &checkpoint("tiny-sdxl"),
@@ -456,8 +465,7 @@ fn config_sources_wrong_pipeline_missing_tokenizer_and_mismatched_config() {
 
     // No config and no tokenizer folder: the error says a single file has none and where to
     // get one (an empty Hub cache, so the default repository is not found there).
-    let cache = tempfile::tempdir().unwrap();
-    std::env::set_var("HF_HUB_CACHE", cache.path());
+    let cache = PathBuf::from(std::env::var_os("HF_HUB_CACHE").unwrap());
     let err = StableDiffusionPipeline::<B>::from_single_file(
         &checkpoint("tiny-sd1"),
         &SingleFileOptions::default(),
@@ -475,9 +483,7 @@ fn config_sources_wrong_pipeline_missing_tokenizer_and_mismatched_config() {
     // The architecture's diffusers repository in the Hub cache gives configs, scheduler and
     // tokenizer, as diffusers takes them (here a hand-made cache holding tiny-sd1's files under
     // SD 1.5's name, configs and tokenizer only).
-    let repo = cache
-        .path()
-        .join("models--stable-diffusion-v1-5--stable-diffusion-v1-5");
+    let repo = cache.join("models--stable-diffusion-v1-5--stable-diffusion-v1-5");
     let hash = "0123456789abcdef0123456789abcdef01234567";
     std::fs::create_dir_all(repo.join("refs")).unwrap();
     std::fs::write(repo.join("refs/main"), hash).unwrap();
@@ -550,17 +556,6 @@ fn config_sources_wrong_pipeline_missing_tokenizer_and_mismatched_config() {
         err.contains("tiny-sd1.safetensors") || err.contains("weight"),
         "{err}"
     );
-}
-
-/// `txt2img --model FILE.safetensors`: dispatched to `from_single_file` (SD or SDXL by the
-/// keys), the PNG within 2 levels of diffusers'.
-fn txt2img(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
-        .args(args)
-        .env("HF_HUB_OFFLINE", "1")
-        .env_remove("HF_HUB_CACHE")
-        .output()
-        .expect("txt2img runs")
 }
 
 #[test]

@@ -32,17 +32,13 @@ fn values<const D: usize>(tensor: Tensor<Oxi, D>) -> (Vec<usize>, Vec<f32>) {
     (dims, data.convert::<f32>().to_vec::<f32>().unwrap())
 }
 
-/// Largest absolute difference over the largest magnitude of `expected`.
+/// Largest absolute difference over the largest magnitude of `expected`; NaN or infinity on
+/// either side fails (see [`oxidiff_test_support`]).
 fn relative_error<const D: usize>(actual: Tensor<Oxi, D>, expected: Tensor<Oxi, D>) -> f32 {
     let (actual_dims, actual) = values(actual);
     let (expected_dims, expected) = values(expected);
     assert_eq!(actual_dims, expected_dims, "shape");
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-    let diff = actual
-        .iter()
-        .zip(&expected)
-        .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
-    diff / scale
+    oxidiff_test_support::relative_error("compiled output", &actual, &expected) as f32
 }
 
 struct Mlp {
@@ -322,8 +318,8 @@ fn a_second_compiled_function_loads_the_executable_from_the_disk_cache() {
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("oxidiff-compile-cache-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
     let w = Tensor::<Oxi, 2>::from_floats([[1.0, 2.0], [3.0, 4.0]], &device);
     let f = |x: Tensor<Oxi, 2>| (x.matmul(w.clone()) * 3.0).exp();
     let x = || Tensor::<Oxi, 2>::from_floats([[0.1, 0.2], [0.3, -0.4]], &device);
@@ -340,7 +336,6 @@ fn a_second_compiled_function_loads_the_executable_from_the_disk_cache() {
     eprintln!("disk cache: {info}");
     assert!(info.from_disk, "{info}");
     assert_eq!(values(a).1, values(b).1);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The plugin honours `tf.aliasing_output`: the donated argument is gone

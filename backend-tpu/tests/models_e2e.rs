@@ -62,14 +62,8 @@ fn assert_close<const D: usize>(name: &str, actual: Tensor<Oxi, D>, expected: Te
     let (actual_dims, actual) = values(name, actual);
     let (expected_dims, expected) = values(name, expected);
     assert_eq!(actual_dims, expected_dims, "{name}: shape");
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-    let diff = actual
-        .iter()
-        .zip(&expected)
-        .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
-    let error = diff / scale;
+    let error = oxidiff_test_support::assert_close(name, &actual, &expected, f64::from(TOL));
     eprintln!("{name}: relative error {error:e} (xla:cpu vs cpu)");
-    assert!(error <= TOL, "{name}: relative error {error:e} > {TOL:e}");
 }
 
 #[test]

@@ -45,20 +45,6 @@ fn values<const D: usize>(tensor: Tensor<Oxi, D>) -> Vec<f32> {
     }
 }
 
-/// Largest absolute difference over the largest expected magnitude.
-fn relative_error(actual: &[f32], expected: &[f32]) -> f32 {
-    assert_eq!(actual.len(), expected.len(), "element counts differ");
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-    let diff = actual.iter().zip(expected).fold(0f32, |m, (a, e)| {
-        if a.is_nan() && e.is_nan() || a == e {
-            m
-        } else {
-            m.max((a - e).abs())
-        }
-    });
-    diff / scale
-}
-
 /// Runs `f` on the CPU and on `xla:cpu:0` and compares.
 fn check<const D: usize>(name: &str, tol: f32, f: impl Fn(&OxiDevice) -> Tensor<Oxi, D>) {
     let Some(xla) = common::xla_cpu(0) else {
@@ -70,10 +56,11 @@ fn check<const D: usize>(name: &str, tol: f32, f: impl Fn(&OxiDevice) -> Tensor<
     let actual_tensor = f(&xla);
     assert_eq!(actual_tensor.dims(), shape, "{name}: shape");
     let actual = values(actual_tensor);
-    let error = relative_error(&actual, &expected);
+    let (error, worst) =
+        oxidiff_test_support::relative_error_with_floor(name, &actual, &expected, 1e-12);
     assert!(
-        error <= tol,
-        "{name}: relative error {error:e} > {tol:e}\n  xla: {:?}\n  cpu: {:?}",
+        error <= f64::from(tol),
+        "{name}: relative error {error:e} > {tol:e}; {worst}\n  xla: {:?}\n  cpu: {:?}",
         &actual[..actual.len().min(8)],
         &expected[..expected.len().min(8)]
     );

@@ -67,16 +67,11 @@ fn check(b: usize, s_q: usize, s_kv: usize, heads: usize, d: usize, amp: f32) {
         .into_data()
         .to_vec()
         .unwrap();
-    assert_eq!(actual.len(), expected.len());
-    let scale = expected.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-    let worst = actual
-        .iter()
-        .zip(&expected)
-        .fold(0.0f32, |m, (a, e)| m.max((a - e).abs()));
-    let err = worst / scale;
-    assert!(
-        err <= 2e-6,
-        "b {b} s_q {s_q} s_kv {s_kv} heads {heads} d {d} amp {amp}: relative error {err:e}"
+    oxidiff_test_support::assert_close(
+        &format!("b {b} s_q {s_q} s_kv {s_kv} heads {heads} d {d} amp {amp}"),
+        &actual,
+        &expected,
+        2e-6,
     );
 }
 

@@ -77,19 +77,17 @@ fn check_path(
     assert_eq!(got.dims(), expected.dims(), "output shape");
     let got = got.into_data().to_vec::<f32>().unwrap();
     let expected = expected.into_data().to_vec::<f32>().unwrap();
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let err = got
-        .iter()
-        .zip(&expected)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     let tol = if path == ConvPath::Winograd {
         2e-5
     } else {
         1e-5
     };
-    assert!(
-        err <= tol * scale,
-        "{path:?}: n {n} c_in {c_in} {h}x{w} c_out {c_out} k {k} s {s} p {p}: max error {err} (scale {scale})"
+    oxidiff_test_support::assert_close_with_floor(
+        &format!("{path:?}: n {n} c_in {c_in} {h}x{w} c_out {c_out} k {k} s {s} p {p}"),
+        &got,
+        &expected,
+        tol,
+        1e-6,
     );
 }
 

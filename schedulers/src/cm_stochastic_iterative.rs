@@ -14,8 +14,8 @@ use burn::tensor::Tensor;
 
 use crate::config::SchedulerConfig;
 use crate::error::{Result, SchedulerError};
-use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
+use crate::sigma_steps::SigmaSteps;
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "CMStochasticIterativeScheduler";

@@ -15,12 +15,11 @@ use crate::config::{
     TimestepSpacing,
 };
 use crate::error::{Result, SchedulerError};
-use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::{check_add_noise, dynamic_threshold, lincomb, scale_per_item};
-use crate::schedule::{
-    check_steps, checked_multistep_timesteps, numpy_interp, special_sigma_timesteps, NoiseSchedule,
-};
+use crate::schedule::{check_steps, checked_multistep_timesteps, numpy_interp, NoiseSchedule};
+use crate::sigma_steps::SigmaSteps;
+use crate::sigmas::{check_one_sigma_kind, special_sigma_timesteps};
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "DPMSolverMultistepScheduler";
@@ -163,20 +162,7 @@ impl<B: Backend> DpmSolverMultistepScheduler<B> {
                 "use_lu_lambdas and use_flow_sigmas are not supported; use use_karras_sigmas, use_exponential_sigmas or use_beta_sigmas",
             );
         }
-        if [
-            cfg.use_karras_sigmas,
-            cfg.use_exponential_sigmas,
-            cfg.use_beta_sigmas,
-        ]
-        .iter()
-        .filter(|&&b| b)
-        .count()
-            > 1
-        {
-            return unsupported(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
-            );
-        }
+        check_one_sigma_kind(cfg, CLASS)?;
         if cfg.variance_type.is_some() {
             return unsupported(
                 "variance_type `learned`/`learned_range` (6-channel model outputs) is not supported",

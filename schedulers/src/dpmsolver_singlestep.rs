@@ -14,12 +14,11 @@ use crate::dpmsolver_multistep::{
     lambda_clipped_count, vp_add_noise, vp_alpha_sigma, vp_lambda, vp_x0,
 };
 use crate::error::{Result, SchedulerError};
-use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
-use crate::schedule::{
-    check_steps, checked_multistep_timesteps, numpy_interp, special_sigma_timesteps, NoiseSchedule,
-};
+use crate::schedule::{check_steps, checked_multistep_timesteps, numpy_interp, NoiseSchedule};
+use crate::sigma_steps::SigmaSteps;
+use crate::sigmas::{check_one_sigma_kind, special_sigma_timesteps};
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "DPMSolverSinglestepScheduler";
@@ -112,16 +111,7 @@ impl<B: Backend> DpmSolverSinglestepScheduler<B> {
         if cfg.use_flow_sigmas || cfg.use_dynamic_shifting {
             return unsupported("use_flow_sigmas and use_dynamic_shifting are not supported");
         }
-        let special = [
-            cfg.use_karras_sigmas,
-            cfg.use_exponential_sigmas,
-            cfg.use_beta_sigmas,
-        ];
-        if special.iter().filter(|&&b| b).count() > 1 {
-            return unsupported(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
-            );
-        }
+        check_one_sigma_kind(cfg, CLASS)?;
         if cfg.variance_type.is_some() {
             return unsupported(
                 "variance_type `learned`/`learned_range` (6-channel model outputs) is not supported",

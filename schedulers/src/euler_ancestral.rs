@@ -8,10 +8,10 @@ use burn::tensor::Tensor;
 
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
-use crate::euler::{euler_coefficients, SigmaSteps};
 use crate::noise::NoiseSource;
 use crate::ops::scaled;
 use crate::schedule::{check_steps, float_timesteps, numpy_interp, NoiseSchedule};
+use crate::sigma_steps::{euler_coefficients, SigmaSteps};
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "EulerAncestralDiscreteScheduler";

@@ -14,10 +14,11 @@ use burn::tensor::Tensor;
 
 use crate::config::{SchedulerConfig, TimeShiftType, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
-use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::{check_add_noise, lincomb, scale_per_item};
-use crate::schedule::{beta_sigmas, exponential_sigmas, karras_sigmas, numpy_linspace};
+use crate::schedule::numpy_linspace;
+use crate::sigma_steps::SigmaSteps;
+use crate::sigmas::{beta_sigmas, check_one_sigma_kind, exponential_sigmas, karras_sigmas};
 use crate::{Scheduler, SchedulerKind, TimestepOptions};
 
 const CLASS: &str = "FlowMatchEulerDiscreteScheduler";
@@ -119,17 +120,7 @@ impl FlowMatchEulerDiscreteScheduler {
             class: CLASS,
             message,
         };
-        let special = [
-            cfg.use_karras_sigmas,
-            cfg.use_exponential_sigmas,
-            cfg.use_beta_sigmas,
-        ];
-        if special.iter().filter(|&&b| b).count() > 1 {
-            return Err(unsupported(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set"
-                    .into(),
-            ));
-        }
+        check_one_sigma_kind(cfg, CLASS)?;
         // diffusers tests `if shift_terminal:`, so 0 means unset.
         let shift_terminal = cfg.shift_terminal.filter(|&t| t != 0.0);
         if let Some(t) = shift_terminal {

@@ -11,10 +11,10 @@ use burn::tensor::Tensor;
 
 use crate::config::SchedulerConfig;
 use crate::error::{Result, SchedulerError};
-use crate::euler::SigmaSteps;
 use crate::flow_match_euler::{scale_noise, FlowSchedule};
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
+use crate::sigma_steps::SigmaSteps;
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "FlowMatchHeunDiscreteScheduler";

@@ -12,10 +12,11 @@ use burn::tensor::Tensor;
 
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
 use crate::error::Result;
-use crate::euler::{derivative_coefficients, SigmaSteps};
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
-use crate::schedule::{check_steps, k_sigma_schedule, NoiseSchedule};
+use crate::schedule::{check_steps, NoiseSchedule};
+use crate::sigma_steps::{derivative_coefficients, SigmaSteps};
+use crate::sigmas::k_sigma_schedule;
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "HeunDiscreteScheduler";
@@ -46,7 +47,7 @@ pub struct HeunDiscreteScheduler<B: Backend> {
 
 impl<B: Backend> HeunDiscreteScheduler<B> {
     pub fn new(cfg: &SchedulerConfig) -> Result<Self> {
-        crate::schedule::check_sigma_options(cfg, CLASS, false)?;
+        crate::sigmas::check_sigma_options(cfg, CLASS, false)?;
         let schedule = NoiseSchedule::new(cfg, CLASS, false)?;
         let timestep_spacing = cfg
             .timestep_spacing

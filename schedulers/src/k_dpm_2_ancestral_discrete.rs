@@ -12,11 +12,11 @@ use burn::tensor::Tensor;
 
 use crate::config::SchedulerConfig;
 use crate::error::Result;
-use crate::euler::SigmaSteps;
 use crate::k_dpm_2_discrete::{doubled, log_midpoint, scale_by_sigma, Kdpm2Options};
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
 use crate::schedule::{check_steps, NoiseSchedule};
+use crate::sigma_steps::SigmaSteps;
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "KDPM2AncestralDiscreteScheduler";

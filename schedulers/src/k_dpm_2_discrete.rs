@@ -14,12 +14,12 @@ use burn::tensor::Tensor;
 
 use crate::config::{PredictionType, SchedulerConfig, TimestepSpacing};
 use crate::error::{Result, SchedulerError};
-use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
-use crate::schedule::{
-    beta_sigmas, check_steps, exponential_sigmas, float_timesteps, karras_sigmas, numpy_interp,
-    sigma_to_t, NoiseSchedule,
+use crate::schedule::{check_steps, float_timesteps, numpy_interp, NoiseSchedule};
+use crate::sigma_steps::SigmaSteps;
+use crate::sigmas::{
+    beta_sigmas, check_one_sigma_kind, exponential_sigmas, karras_sigmas, sigma_to_t,
 };
 use crate::{Scheduler, SchedulerKind};
 
@@ -45,16 +45,7 @@ impl Kdpm2Options {
                 message: message.into(),
             })
         };
-        let special = [
-            cfg.use_karras_sigmas,
-            cfg.use_exponential_sigmas,
-            cfg.use_beta_sigmas,
-        ];
-        if special.iter().filter(|&&b| b).count() > 1 {
-            return unsupported(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
-            );
-        }
+        check_one_sigma_kind(cfg, class)?;
         if cfg.prediction_type == PredictionType::Sample {
             return unsupported(
                 "prediction_type `sample` is not implemented (as in diffusers); use epsilon or v_prediction",

@@ -65,6 +65,8 @@ mod noise;
 mod ops;
 mod pndm;
 mod schedule;
+mod sigma_steps;
+mod sigmas;
 mod tcd;
 mod unipc_multistep;
 

@@ -14,12 +14,11 @@ use crate::config::{
 };
 use crate::dpmsolver_multistep::{vp_add_noise, vp_alpha_sigma, vp_lambda, vp_x0};
 use crate::error::{Result, SchedulerError};
-use crate::euler::SigmaSteps;
 use crate::noise::NoiseSource;
 use crate::ops::lincomb;
-use crate::schedule::{
-    check_steps, checked_multistep_timesteps, numpy_interp, special_sigma_timesteps, NoiseSchedule,
-};
+use crate::schedule::{check_steps, checked_multistep_timesteps, numpy_interp, NoiseSchedule};
+use crate::sigma_steps::SigmaSteps;
+use crate::sigmas::{check_one_sigma_kind, special_sigma_timesteps};
 use crate::{Scheduler, SchedulerKind};
 
 const CLASS: &str = "UniPCMultistepScheduler";
@@ -119,16 +118,7 @@ impl<B: Backend> UniPcMultistepScheduler<B> {
                 "use_flow_sigmas is not supported; use use_karras_sigmas, use_exponential_sigmas or use_beta_sigmas",
             );
         }
-        let special = [
-            cfg.use_karras_sigmas,
-            cfg.use_exponential_sigmas,
-            cfg.use_beta_sigmas,
-        ];
-        if special.iter().filter(|&&b| b).count() > 1 {
-            return unsupported(
-                "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be set",
-            );
-        }
+        check_one_sigma_kind(cfg, CLASS)?;
         let predict_x0 = cfg.predict_x0.unwrap_or(true);
         if cfg.final_sigmas_type == FinalSigmasType::Zero && !(bh2 && predict_x0) {
             // The last update goes to sigma 0, where lambda is infinite: bh1's B(h) = h and

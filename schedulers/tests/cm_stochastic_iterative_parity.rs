@@ -75,15 +75,12 @@ fn values(t: &Tensor<B, 4>) -> Vec<f32> {
 }
 
 fn max_abs(t: &Tensor<B, 4>) -> f64 {
-    values(t).iter().fold(0f64, |m, v| m.max(v.abs() as f64))
+    oxidiff_test_support::max_magnitude("sample", &values(t))
 }
 
+/// max |a - b|; NaN or infinity on either side fails, naming the element.
 fn max_diff(a: &Tensor<B, 4>, b: &Tensor<B, 4>) -> f64 {
-    let (a, b) = (values(a), values(b));
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()))
+    oxidiff_test_support::worst_difference("scheduler output", &values(a), &values(b)).difference
 }
 
 fn f64s(v: &Value) -> Vec<f64> {

@@ -90,24 +90,13 @@ fn values(t: &Tensor<B, 4>) -> Vec<f32> {
 }
 
 fn max_abs(t: &Tensor<B, 4>) -> f64 {
-    values(t).iter().fold(0f64, |m, v| m.max(v.abs() as f64))
+    oxidiff_test_support::max_magnitude("sample", &values(t))
 }
 
-/// max |ours - reference| / max(max |reference|, floor).
+/// max |ours - reference| / max(max |reference|, floor); NaN or infinity on either side fails.
 fn rel_err(ours: &Tensor<B, 4>, reference: &Tensor<B, 4>, floor: f64) -> f64 {
     let (a, b) = (values(ours), values(reference));
-    assert_eq!(a.len(), b.len());
-    // f64::max skips NaN: a non-finite value on either side would pass unchecked.
-    assert!(
-        b.iter().all(|v| v.is_finite()),
-        "golden reference has non-finite values"
-    );
-    assert!(a.iter().all(|v| v.is_finite()), "non-finite values");
-    let diff = a
-        .iter()
-        .zip(&b)
-        .fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
-    diff / max_abs(reference).max(floor).max(1e-30)
+    oxidiff_test_support::relative_error_with_floor("scheduler output", &a, &b, floor.max(1e-30)).0
 }
 
 /// Worst errors of one replay: scaled inputs, and prev samples relative to the step's
@@ -386,15 +375,14 @@ fn torch_cpu_generator_matches_torch_randn() {
     let rng = &golden.meta["rng"];
     let check = |name: &str, ours: Vec<f32>| {
         let (_, theirs) = golden.tensor(name);
-        assert_eq!(ours.len(), theirs.len(), "{name}");
-        let worst = ours
-            .iter()
-            .zip(&theirs)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let worst = oxidiff_test_support::worst_difference(name, &ours, &theirs);
         // Bit for bit with torch's x86-64 kernel (the golden data's); torch builds with
         // its scalar libm kernel (other CPUs) would be an ulp or two away.
-        assert!(worst == 0.0, "{name}: off by {worst:e}");
-        println!("{name:20} torch.randn reproduced within {worst:e}");
+        assert!(worst.difference == 0.0, "{name}: {worst}");
+        println!(
+            "{name:20} torch.randn reproduced within {:e}",
+            worst.difference
+        );
     };
     let mut g = TorchCpuGenerator::new(42);
     for (i, shape) in rng["seed42"].as_array().unwrap().iter().enumerate() {

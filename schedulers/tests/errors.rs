@@ -192,9 +192,8 @@ fn config_errors_name_the_file_and_field() {
     let err = SchedulerConfig::from_json_str("[1, 2]", "b.json").unwrap_err();
     assert!(err.to_string().contains("b.json"), "{err}");
 
-    let dir = std::env::temp_dir().join(format!("oxidiff-sched-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("scheduler_config.json");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scheduler_config.json");
     std::fs::write(
         &path,
         r#"{"_class_name": "DDIMScheduler", "steps_offset": -1}"#,
@@ -206,7 +205,6 @@ fn config_errors_name_the_file_and_field() {
         msg.contains(&path.display().to_string()) && msg.contains("steps_offset"),
         "{msg}"
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 
     let err = SchedulerConfig::from_file("/nonexistent/scheduler_config.json").unwrap_err();
     assert!(

@@ -1,6 +1,7 @@
 //! Shared helpers of the parity tests: the fixtures made by `tools/golden/make_tiny_sd.py`.
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod golden_run;
 pub mod half;
 
@@ -9,6 +10,10 @@ use std::path::PathBuf;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use oxidiff::models::Weights;
+
+// Not every test binary that includes this module runs a binary.
+#[allow(unused_imports)]
+pub use cli::{copy_dir, stderr, txt2img, txt2img_env};
 
 pub type B = oxidiff::Cpu;
 
@@ -74,15 +79,10 @@ impl Golden {
     }
 }
 
-/// Largest absolute difference divided by the largest absolute reference value.
+/// Largest absolute difference divided by the largest absolute reference value; panics, naming
+/// the element, at a NaN or infinity on either side (see [`oxidiff_test_support`]).
 pub fn relative_error(actual: &[f32], expected: &[f32]) -> f32 {
-    assert_eq!(actual.len(), expected.len(), "element counts differ");
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
-    let diff = actual
-        .iter()
-        .zip(expected)
-        .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
-    diff / scale
+    oxidiff_test_support::relative_error("output", actual, expected) as f32
 }
 
 pub fn to_vec<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
@@ -96,8 +96,7 @@ pub fn to_vec<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
 pub fn assert_close<const D: usize>(golden: &Golden, key: &str, actual: Tensor<B, D>, tol: f32) {
     let (expected, shape) = golden.host(key);
     assert_eq!(actual.dims().to_vec(), shape, "{key}: shape");
-    let err = relative_error(&to_vec(actual), &expected);
-    assert!(err <= tol, "{key}: relative error {err:e} exceeds {tol:e}");
+    let err = oxidiff_test_support::assert_close(key, &to_vec(actual), &expected, f64::from(tol));
     eprintln!("{key}: relative error {err:e}");
 }
 

@@ -74,15 +74,9 @@ fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
 }
 
-/// max |ours - reference| / max |reference|.
+/// max |ours - reference| / max |reference|; NaN or infinity on either side fails.
 fn rel_err(ours: &[f32], reference: &[f32]) -> f64 {
-    assert_eq!(ours.len(), reference.len());
-    let scale = reference.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
-    let diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
-    diff / scale
+    oxidiff_test_support::relative_error("terrain output", ours, reference)
 }
 
 type Network<'a, B> =

@@ -1,0 +1,163 @@
+//! The PNG's `parameters` text: written, read back by `--from-png`, and its errors.
+
+use crate::common::{model_dir, stderr, txt2img};
+use crate::fails_with;
+
+#[test]
+fn png_parameters_round_trip_through_from_png() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let first = tmp.path().join("first.png");
+    let result = txt2img(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--guidance",
+        "6.5",
+        "--seed",
+        "1234",
+        "--scheduler",
+        "Euler a",
+        "--negative-prompt",
+        "blurry, lowres",
+        "--width",
+        "128",
+        "--height",
+        "64",
+        "--quiet",
+        "-o",
+        first.to_str().unwrap(),
+        "a castle: on a hill, at dusk",
+    ]);
+    assert!(result.status.success(), "{}", stderr(&result));
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&first).unwrap();
+    assert_eq!(params.prompt, "a castle: on a hill, at dusk");
+    assert_eq!(params.negative_prompt, "blurry, lowres");
+    assert_eq!((params.steps, params.seed), (3, 1234));
+    assert_eq!((params.width, params.height), (128, 64));
+    assert_eq!(params.sampler, "Euler a");
+    assert_eq!(params.guidance_scale, 6.5);
+    assert_eq!(
+        params.model, "tiny-sd1",
+        "the folder's name, not a path of this machine"
+    );
+
+    // The parameters alone reproduce the image, bit for bit.
+    let again = tmp.path().join("again.png");
+    let result = txt2img(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--from-png",
+        first.to_str().unwrap(),
+        "--quiet",
+        "-o",
+        again.to_str().unwrap(),
+    ]);
+    assert!(result.status.success(), "{}", stderr(&result));
+    assert_eq!(
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&again).unwrap()
+    );
+
+    // Without --model, the PNG's `Model:` is used (here the fixture's folder, by its name from
+    // the folder holding it).
+    let same_model = tmp.path().join("same-model.png");
+    let result = std::process::Command::new(env!("CARGO_BIN_EXE_txt2img"))
+        .args([
+            "--from-png",
+            first.to_str().unwrap(),
+            "--quiet",
+            "-o",
+            same_model.to_str().unwrap(),
+        ])
+        .current_dir(model.parent().unwrap())
+        .env("HF_HUB_OFFLINE", "1")
+        .env_remove("HF_HUB_CACHE")
+        .output()
+        .unwrap();
+    assert!(result.status.success(), "{}", stderr(&result));
+    assert_eq!(
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&same_model).unwrap()
+    );
+
+    // A flag given with --from-png wins over the file's value.
+    let other = tmp.path().join("other.png");
+    let result = txt2img(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--from-png",
+        first.to_str().unwrap(),
+        "--seed",
+        "99",
+        "--quiet",
+        "-o",
+        other.to_str().unwrap(),
+    ]);
+    assert!(result.status.success(), "{}", stderr(&result));
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&other).unwrap();
+    assert_eq!((params.seed, params.steps), (99, 3));
+    assert_ne!(
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&other).unwrap()
+    );
+}
+
+#[test]
+fn from_png_without_parameters_and_missing_prompt_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_dir("tiny-sd1");
+    let plain = tmp.path().join("plain.png");
+    image::RgbImage::from_pixel(8, 8, image::Rgb([1, 2, 3]))
+        .save(&plain)
+        .unwrap();
+    let out = tmp.path().join("out.png");
+    let o = out.to_str().unwrap();
+    let m = model.to_str().unwrap();
+    fails_with(
+        &["--model", m, "--from-png", plain.to_str().unwrap(), "-o", o],
+        "has no `parameters` text chunk",
+        &out,
+    );
+    fails_with(&["--model", m, "-o", o], "no prompt given", &out);
+    let not_png = tmp.path().join("not.png");
+    std::fs::write(&not_png, b"GIF89a").unwrap();
+    fails_with(
+        &[
+            "--model",
+            m,
+            "--from-png",
+            not_png.to_str().unwrap(),
+            "-o",
+            o,
+        ],
+        "not a readable PNG file",
+        &out,
+    );
+    // A PNG whose model is not here names it and the fix.
+    let params = oxidiff::pipelines::GenerationParameters {
+        prompt: "a cat".into(),
+        negative_prompt: String::new(),
+        steps: 2,
+        sampler: "PNDMScheduler".into(),
+        guidance_scale: 7.5,
+        seed: 1,
+        width: 64,
+        height: 64,
+        model: tmp.path().join("gone/model").to_str().unwrap().into(),
+        extra: Vec::new(),
+    };
+    let elsewhere = tmp.path().join("elsewhere.png");
+    let png = oxidiff::pipelines::metadata::encode_png(
+        &image::RgbImage::new(8, 8),
+        &[("parameters", params.to_text())],
+    )
+    .unwrap();
+    std::fs::write(&elsewhere, png).unwrap();
+    fails_with(
+        &["--from-png", elsewhere.to_str().unwrap(), "-o", o],
+        "pass --model",
+        &out,
+    );
+}
