@@ -26,13 +26,14 @@ pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// Copies the folder `from` to `to`, recursively (a fixture model to damage or rearrange).
+/// Copies the folder `from` to `to`, recursively, following links (some fixtures link the
+/// components they share with another fixture): a fixture model to damage or rearrange.
 pub fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();
         let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
+        if entry.path().is_dir() {
             copy_dir(&entry.path(), &target);
         } else {
             std::fs::copy(entry.path(), target).unwrap();
