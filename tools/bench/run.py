@@ -30,11 +30,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The random-weight SD 1.5-architecture folder: made on first use (diffusers_bench.py
+# --make-only, about 4.3 GB) in the checkout's ignored .cache/, or wherever --sd15-dir says.
+SD15_DIR = os.path.join(ROOT, ".cache", "sd15-random")
 # name -> (diffusers folder, image size, steps, timed calls per stage and process, rounds)
 CONFIGS = {
     "tiny": ("tests/fixtures/tiny-sd1", 64, 20, 10, 3),
-    "sd15-256": ("/work/sd15-random", 256, 4, 2, 1),
-    "sd15-512": ("/work/sd15-random", 512, 4, 2, 1),
+    "sd15-256": (SD15_DIR, 256, 4, 2, 1),
+    "sd15-512": (SD15_DIR, 512, 4, 2, 1),
 }
 STAGES = ["unet_step", "vae_decode", "text_encode", "end_to_end"]
 # The same stages' process CPU time (all threads): with 1 thread on one pinned core it is the
@@ -194,7 +197,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=None,
                     help="timed calls per stage and process (default: 10 tiny, 2 SD 1.5)")
     ap.add_argument("--e2e-repeat", type=int, default=1, help="timed generations after the first")
-    ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder")
+    ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder (made there on first use; default .cache/sd15-random)")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
     ap.add_argument("--pin-cpu", type=int, default=0,
                     help="the core 1-thread runs are pinned to (another one than a concurrent run's)")
