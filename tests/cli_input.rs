@@ -3,9 +3,13 @@
 //! that are FIFOs, devices or too large are refused, outputs are created exclusively, and
 //! Ctrl-C reports the files it leaves. Each failure is clear, short and writes nothing.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+use common::files_in;
 
 /// Most memory a refused run may use (its peak resident set, in KiB): far below any tensor of
 /// the refused size, above what the binary needs to start.
@@ -86,15 +90,6 @@ fn txt2img(args: &[&str]) -> Ended {
 
 fn img2img(args: &[&str]) -> Ended {
     run(env!("CARGO_BIN_EXE_img2img"), args)
-}
-
-fn files_in(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 #[test]

@@ -5,9 +5,7 @@
 
 mod common;
 
-use std::path::Path;
-
-use common::model_dir;
+use common::{files_in, model_dir};
 use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
 use oxidiff::{Oxi, OxiDevice, ToDevice};
 
@@ -40,15 +38,6 @@ fn rss_bytes() -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     pages * 4096
-}
-
-fn files_in(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 #[test]

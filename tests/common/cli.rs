@@ -40,3 +40,13 @@ pub fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// The file names in `dir`, sorted (what a run left behind).
+pub fn files_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}

@@ -13,7 +13,7 @@ use oxidiff::models::Weights;
 
 // Not every test binary that includes this module runs a binary.
 #[allow(unused_imports)]
-pub use cli::{copy_dir, stderr, txt2img, txt2img_env};
+pub use cli::{copy_dir, files_in, stderr, txt2img, txt2img_env};
 
 pub type B = oxidiff::Cpu;
 
