@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
+use burn::tensor::backend::Backend;
 use clap::Parser;
 use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, OutputError};
 use oxidiff::cli::usage::{self, DEFAULT_MAX_PIXELS};
@@ -24,8 +25,9 @@ use oxidiff::pipelines::{
     StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage,
     XlOptions,
 };
-use oxidiff::schedulers::TorchCpuGenerator;
-use oxidiff::{Oxi, OxiDevice};
+use oxidiff::pipelines::{StableDiffusionPipeline, StableDiffusionXLPipeline};
+use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerator};
+use oxidiff::{Cpu, Oxi, OxiDevice};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -303,127 +305,43 @@ fn run(args: Args) -> Result<()> {
     });
     let guidance = args.guidance.unwrap_or(if xl { 5.0 } else { 7.5 });
     let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
-    let request = GenerateRequest {
-        prompts: vec![args.prompt.clone()],
-        negative_prompts: if negative_prompt.is_empty() {
-            Vec::new()
-        } else {
-            vec![negative_prompt.clone()]
-        },
-        num_inference_steps: args.steps,
-        guidance_scale: guidance,
-        width: args.width,
-        height: args.height,
-        seed: args.seed,
-        ..Default::default()
+    let edited = match device {
+        // The plain CPU backend, where oxidiff's CPU kernels apply.
+        OxiDevice::Cpu => edit::<Cpu>(
+            &args,
+            &dir,
+            &single_file,
+            &options,
+            &Default::default(),
+            xl,
+            &image,
+            mask.as_ref(),
+            strength,
+            guidance,
+            &negative_prompt,
+        )?,
+        device => edit::<Oxi>(
+            &args,
+            &dir,
+            &single_file,
+            &options,
+            &device,
+            xl,
+            &image,
+            mask.as_ref(),
+            strength,
+            guidance,
+            &negative_prompt,
+        )?,
     };
-    let load = |e| anyhow::Error::new(e).context(format!("loading {}", args.model));
-    // A folder through `from_dir`, a single file through `from_single_file`.
-    macro_rules! load {
-        ($pipeline:ident) => {
-            match &single_file {
-                Some(sf) => $pipeline::<Oxi>::from_single_file(&dir, sf, &device),
-                None => $pipeline::<Oxi>::from_dir(&dir, &options, &device),
-            }
-            .map_err(load)?
-        };
-    }
-    let mut generator = TorchCpuGenerator::new(args.seed);
-    let edit = XlEditOptions {
-        strength,
-        aesthetic_score: args.aesthetic_score,
-        negative_aesthetic_score: args.negative_aesthetic_score,
-        padding_mask_crop: args.padding_mask_crop,
-        ..Default::default()
-    };
-    let no_callback = |_: oxidiff::pipelines::StepInfo<'_, Oxi>| {};
-    let loras: Vec<LoraReport>;
-    let (output, sampler, pipeline, compiled) = match (xl, &mask) {
-        (false, None) => {
-            let mut pipe = load!(StableDiffusionImg2ImgPipeline);
-            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                pipe.pipe.compile()?;
-            }
-            let out =
-                pipe.generate_with(&request, &image, strength, &mut generator, no_callback)?;
-            (
-                out,
-                pipe.pipe.scheduler.kind(),
-                "StableDiffusionImg2ImgPipeline",
-                pipe.pipe.compile_stats().map(|s| s.programs),
-            )
-        }
-        (false, Some(mask)) => {
-            let mut pipe = load!(StableDiffusionInpaintPipeline);
-            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                pipe.pipe.compile()?;
-            }
-            let inpaint = InpaintOptions {
-                strength,
-                padding_mask_crop: args.padding_mask_crop,
-            };
-            let out = pipe.generate_with_options(
-                &request,
-                &image,
-                mask,
-                &inpaint,
-                &mut generator,
-                no_callback,
-            )?;
-            (
-                out,
-                pipe.pipe.scheduler.kind(),
-                "StableDiffusionInpaintPipeline",
-                pipe.pipe.compile_stats().map(|s| s.programs),
-            )
-        }
-        (true, None) => {
-            let mut pipe = load!(StableDiffusionXLImg2ImgPipeline);
-            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                pipe.pipe.compile()?;
-            }
-            let out = pipe.generate_with(
-                &request,
-                &XlOptions::default(),
-                &edit,
-                XlInitImage::Image(&image),
-                &mut generator,
-                no_callback,
-            )?;
-            (
-                out,
-                pipe.pipe.scheduler.kind(),
-                "StableDiffusionXLImg2ImgPipeline",
-                pipe.pipe.compile_stats().map(|s| s.programs),
-            )
-        }
-        (true, Some(mask)) => {
-            let mut pipe = load!(StableDiffusionXLInpaintPipeline);
-            loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                pipe.pipe.compile()?;
-            }
-            let out = pipe.generate_with(
-                &request,
-                &XlOptions::default(),
-                &edit,
-                &image,
-                mask,
-                &mut generator,
-                no_callback,
-            )?;
-            (
-                out,
-                pipe.pipe.scheduler.kind(),
-                "StableDiffusionXLInpaintPipeline",
-                pipe.pipe.compile_stats().map(|s| s.programs),
-            )
-        }
-    };
-    let images: Images = output.images.context("the pipeline returned no images")?;
+    let Edited {
+        images: output_images,
+        sampler,
+        pipeline,
+        compiled,
+        loras,
+    } = edited;
+    let images: Images = output_images.context("the pipeline returned no images")?;
     let mut extra = vec![("Denoising strength".into(), strength.to_string())];
     extra.extend(closing_fields(&loras));
     let parameters = GenerationParameters {
@@ -455,4 +373,193 @@ fn run(args: Args) -> Result<()> {
         images.height
     );
     Ok(())
+}
+
+/// What img2img needs of a backend beyond Burn's: compiled mode where it has one
+/// (`check_usage` refuses `--compile` on the CPU).
+trait EditBackend: Backend {
+    fn compile_sd(pipe: &mut StableDiffusionPipeline<Self>) -> Result<()>;
+    fn compile_xl(pipe: &mut StableDiffusionXLPipeline<Self>) -> Result<()>;
+    /// Programs compiled mode built (`None` when eager).
+    fn programs_sd(pipe: &StableDiffusionPipeline<Self>) -> Option<u64>;
+    fn programs_xl(pipe: &StableDiffusionXLPipeline<Self>) -> Option<u64>;
+}
+
+impl EditBackend for Cpu {
+    fn compile_sd(_: &mut StableDiffusionPipeline<Self>) -> Result<()> {
+        bail!("--compile needs a PJRT device")
+    }
+    fn compile_xl(_: &mut StableDiffusionXLPipeline<Self>) -> Result<()> {
+        bail!("--compile needs a PJRT device")
+    }
+    fn programs_sd(_: &StableDiffusionPipeline<Self>) -> Option<u64> {
+        None
+    }
+    fn programs_xl(_: &StableDiffusionXLPipeline<Self>) -> Option<u64> {
+        None
+    }
+}
+
+impl EditBackend for Oxi {
+    fn compile_sd(pipe: &mut StableDiffusionPipeline<Self>) -> Result<()> {
+        Ok(pipe.compile()?)
+    }
+    fn compile_xl(pipe: &mut StableDiffusionXLPipeline<Self>) -> Result<()> {
+        Ok(pipe.compile()?)
+    }
+    fn programs_sd(pipe: &StableDiffusionPipeline<Self>) -> Option<u64> {
+        pipe.compile_stats().map(|s| s.programs)
+    }
+    fn programs_xl(pipe: &StableDiffusionXLPipeline<Self>) -> Option<u64> {
+        pipe.compile_stats().map(|s| s.programs)
+    }
+}
+
+/// What an edit produced, for the PNG and the summary line.
+struct Edited {
+    images: Option<Images>,
+    sampler: SchedulerKind,
+    pipeline: &'static str,
+    compiled: Option<u64>,
+    loras: Vec<LoraReport>,
+}
+
+/// Loads the SD or SDXL img2img/inpaint pipeline on backend `B` and edits `image`.
+#[allow(clippy::too_many_arguments)]
+fn edit<B: EditBackend>(
+    args: &Args,
+    dir: &Path,
+    single_file: &Option<SingleFileOptions>,
+    options: &LoadOptions,
+    device: &B::Device,
+    xl: bool,
+    image: &image::DynamicImage,
+    mask: Option<&image::DynamicImage>,
+    strength: f64,
+    guidance: f64,
+    negative_prompt: &str,
+) -> Result<Edited> {
+    let request = GenerateRequest {
+        prompts: vec![args.prompt.clone()],
+        negative_prompts: if negative_prompt.is_empty() {
+            Vec::new()
+        } else {
+            vec![negative_prompt.to_string()]
+        },
+        num_inference_steps: args.steps,
+        guidance_scale: guidance,
+        width: args.width,
+        height: args.height,
+        seed: args.seed,
+        ..Default::default()
+    };
+    let load = |e| anyhow::Error::new(e).context(format!("loading {}", args.model));
+    // A folder through `from_dir`, a single file through `from_single_file`.
+    macro_rules! load {
+        ($pipeline:ident) => {
+            match single_file {
+                Some(sf) => $pipeline::<B>::from_single_file(dir, sf, device),
+                None => $pipeline::<B>::from_dir(dir, options, device),
+            }
+            .map_err(load)?
+        };
+    }
+    let mut generator = TorchCpuGenerator::new(args.seed);
+    let edit = XlEditOptions {
+        strength,
+        aesthetic_score: args.aesthetic_score,
+        negative_aesthetic_score: args.negative_aesthetic_score,
+        padding_mask_crop: args.padding_mask_crop,
+        ..Default::default()
+    };
+    let no_callback = |_: oxidiff::pipelines::StepInfo<'_, B>| {};
+    let edited = match (xl, mask) {
+        (false, None) => {
+            let mut pipe = load!(StableDiffusionImg2ImgPipeline);
+            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
+            if args.compile {
+                B::compile_sd(&mut pipe.pipe)?;
+            }
+            let out = pipe.generate_with(&request, image, strength, &mut generator, no_callback)?;
+            Edited {
+                images: out.images,
+                sampler: pipe.pipe.scheduler.kind(),
+                pipeline: "StableDiffusionImg2ImgPipeline",
+                compiled: B::programs_sd(&pipe.pipe),
+                loras,
+            }
+        }
+        (false, Some(mask)) => {
+            let mut pipe = load!(StableDiffusionInpaintPipeline);
+            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
+            if args.compile {
+                B::compile_sd(&mut pipe.pipe)?;
+            }
+            let inpaint = InpaintOptions {
+                strength,
+                padding_mask_crop: args.padding_mask_crop,
+            };
+            let out = pipe.generate_with_options(
+                &request,
+                image,
+                mask,
+                &inpaint,
+                &mut generator,
+                no_callback,
+            )?;
+            Edited {
+                images: out.images,
+                sampler: pipe.pipe.scheduler.kind(),
+                pipeline: "StableDiffusionInpaintPipeline",
+                compiled: B::programs_sd(&pipe.pipe),
+                loras,
+            }
+        }
+        (true, None) => {
+            let mut pipe = load!(StableDiffusionXLImg2ImgPipeline);
+            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
+            if args.compile {
+                B::compile_xl(&mut pipe.pipe)?;
+            }
+            let out = pipe.generate_with(
+                &request,
+                &XlOptions::default(),
+                &edit,
+                XlInitImage::Image(image),
+                &mut generator,
+                no_callback,
+            )?;
+            Edited {
+                images: out.images,
+                sampler: pipe.pipe.scheduler.kind(),
+                pipeline: "StableDiffusionXLImg2ImgPipeline",
+                compiled: B::programs_xl(&pipe.pipe),
+                loras,
+            }
+        }
+        (true, Some(mask)) => {
+            let mut pipe = load!(StableDiffusionXLInpaintPipeline);
+            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
+            if args.compile {
+                B::compile_xl(&mut pipe.pipe)?;
+            }
+            let out = pipe.generate_with(
+                &request,
+                &XlOptions::default(),
+                &edit,
+                image,
+                mask,
+                &mut generator,
+                no_callback,
+            )?;
+            Edited {
+                images: out.images,
+                sampler: pipe.pipe.scheduler.kind(),
+                pipeline: "StableDiffusionXLInpaintPipeline",
+                compiled: B::programs_xl(&pipe.pipe),
+                loras,
+            }
+        }
+    };
+    Ok(edited)
 }
