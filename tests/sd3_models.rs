@@ -10,6 +10,7 @@ mod common;
 
 use burn::tensor::{Tensor, TensorData};
 use common::{assert_close, fixtures, model_dir, Golden, B};
+use oxidiff::models::transformer_sd3::JointTransformerBlock;
 use oxidiff::models::{SD3Transformer2DConfig, SD3Transformer2DModel};
 use oxidiff_parallel::{ShardStyle, TensorParallel};
 
@@ -39,7 +40,10 @@ fn sd3_transformer_matches_diffusers() {
         &Default::default(),
     )
     .unwrap();
-    assert!(model.transformer_blocks[1].ff_context.is_none());
+    assert!(matches!(
+        model.transformer_blocks[1],
+        JointTransformerBlock::ContextPreOnly(_)
+    ));
     assert_close(&golden, "transformer.out", call(&golden, &model), TOL);
 }
 
@@ -51,9 +55,9 @@ fn sd35_transformer_with_qk_norm_and_dual_attention_matches_diffusers() {
     assert_eq!(config.qk_norm.as_deref(), Some("rms_norm"));
     assert_eq!(config.dual_attention_layers, vec![0]);
     let model = SD3Transformer2DModel::<B>::from_dir(&dir, None, &Default::default()).unwrap();
-    assert!(model.transformer_blocks[0].attn2.is_some());
-    assert!(model.transformer_blocks[1].attn2.is_none());
-    assert!(model.transformer_blocks[0].attn.norm_added_q.is_some());
+    assert!(model.transformer_blocks[0].attn2().is_some());
+    assert!(model.transformer_blocks[1].attn2().is_none());
+    assert!(model.transformer_blocks[0].attn().norm_added_q.is_some());
     assert_close(&golden, "transformer_sd35.out", call(&golden, &model), TOL);
 }
 

@@ -26,7 +26,7 @@ use crate::embeddings::{CombinedTimestepTextProjEmbeddings, PatchEmbed};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
 use crate::normalization::{
-    modulate, AdaLayerNormContinuous, AdaLayerNormZero, SD35AdaLayerNormZeroX,
+    modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLnZeroOutput, SD35AdaLayerNormZeroX,
 };
 use crate::weights::{VarBuilder, Weights};
 
@@ -123,6 +123,21 @@ impl SD3Transformer2DConfig {
                 config.num_layers
             )));
         }
+        if config
+            .dual_attention_layers
+            .contains(&(config.num_layers - 1))
+        {
+            // The last block only reads the context; no released model gives it a second
+            // attention (candle's MMDiT has no such block either).
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "`dual_attention_layers` names the last block {}, which is \
+                     `context_pre_only`; dual attention is implemented for the other blocks",
+                    config.num_layers - 1
+                ),
+            });
+        }
         Ok(config)
     }
 
@@ -136,30 +151,188 @@ impl SD3Transformer2DConfig {
     }
 }
 
-/// `norm1` of a block: adaLN-Zero, or its nine-chunk form in dual-attention blocks.
-#[derive(Module, Debug)]
-pub enum JointNorm1<B: Backend> {
-    Zero(AdaLayerNormZero<B>),
-    ZeroX(SD35AdaLayerNormZeroX<B>),
+/// The shape every block of one transformer shares.
+#[derive(Debug, Clone, Copy)]
+struct BlockSpec {
+    dim: usize,
+    attention: JointAttentionSpec,
 }
 
-/// `norm1_context` of a block: adaLN-Zero, or the continuous norm of the last block.
-#[derive(Module, Debug)]
-pub enum ContextNorm<B: Backend> {
-    Zero(AdaLayerNormZero<B>),
-    Continuous(AdaLayerNormContinuous<B>),
+impl BlockSpec {
+    fn new(cfg: &SD3Transformer2DConfig, context_pre_only: bool) -> Self {
+        Self {
+            dim: cfg.inner_dim(),
+            attention: JointAttentionSpec {
+                dim: cfg.inner_dim(),
+                heads: cfg.num_attention_heads,
+                head_dim: cfg.attention_head_dim,
+                joint: true,
+                context_pre_only,
+                qk_rms_norm: cfg.qk_norm.is_some(),
+            },
+        }
+    }
+
+    fn feed_forward<B: Backend>(&self, vb: &VarBuilder<B>, name: &str) -> Result<FeedForward<B>> {
+        FeedForward::load_with(
+            &vb.pp(name),
+            self.dim,
+            4 * self.dim,
+            FeedForwardActivation::GeluTanh,
+        )
+    }
 }
 
-/// diffusers' `JointTransformerBlock`.
+/// The gated feed-forward half of an adaLN-Zero stream: `x + gate_mlp * ff(modulated norm(x))`.
+fn feed_forward_residual<B: Backend>(
+    x: Tensor<B, 3>,
+    m: AdaLnZeroOutput<B>,
+    ff: &FeedForward<B>,
+) -> Tensor<B, 3> {
+    let h = modulate(layer_norm(x.clone(), 1e-6), m.shift_mlp, m.scale_mlp);
+    x + m.gate_mlp * ff.forward(h)
+}
+
+/// A block that updates both streams: adaLN-Zero on each, joint attention, a feed-forward each
+/// (candle's `MMDiTJointBlock`).
 #[derive(Module, Debug)]
-pub struct JointTransformerBlock<B: Backend> {
-    pub norm1: JointNorm1<B>,
-    pub norm1_context: ContextNorm<B>,
+pub struct JointBlock<B: Backend> {
+    pub norm1: AdaLayerNormZero<B>,
+    pub norm1_context: AdaLayerNormZero<B>,
     pub attn: JointAttention<B>,
-    pub attn2: Option<JointAttention<B>>,
     pub ff: FeedForward<B>,
-    /// Absent in the last block (`context_pre_only`).
-    pub ff_context: Option<FeedForward<B>>,
+    pub ff_context: FeedForward<B>,
+}
+
+impl<B: Backend> JointBlock<B> {
+    fn load(vb: &VarBuilder<B>, spec: BlockSpec) -> Result<Self> {
+        Ok(Self {
+            norm1: AdaLayerNormZero::load(&vb.pp("norm1"), spec.dim)?,
+            norm1_context: AdaLayerNormZero::load(&vb.pp("norm1_context"), spec.dim)?,
+            attn: JointAttention::load(&vb.pp("attn"), spec.attention)?,
+            ff: spec.feed_forward(vb, "ff")?,
+            ff_context: spec.feed_forward(vb, "ff_context")?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        context: Tensor<B, 3>,
+        temb: Tensor<B, 2>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let zero = self.norm1.forward(x.clone(), temb.clone());
+        let m = self.norm1_context.forward(context.clone(), temb);
+        let (attn, context_attn) = self.attn.forward(zero.x.clone(), Some(m.x.clone()));
+        let x = feed_forward_residual(x + zero.gate_msa.clone() * attn, zero, &self.ff);
+        let context = joint_context(context, m, context_attn, &self.ff_context);
+        (context, x)
+    }
+}
+
+/// The context stream of a block that updates it: `context + gate_msa * attention`, then its
+/// feed-forward (the attention always returns a context output when the block has `to_add_out`).
+fn joint_context<B: Backend>(
+    context: Tensor<B, 3>,
+    m: AdaLnZeroOutput<B>,
+    context_attn: Option<Tensor<B, 3>>,
+    ff_context: &FeedForward<B>,
+) -> Tensor<B, 3> {
+    let context = match context_attn {
+        Some(attn) => context + m.gate_msa.clone() * attn,
+        None => context,
+    };
+    feed_forward_residual(context, m, ff_context)
+}
+
+/// SD3.5 Medium's first blocks (`use_dual_attention`): a [`JointBlock`] whose image stream also
+/// attends to itself (`attn2`, modulated by the nine-chunk `SD35AdaLayerNormZeroX`; candle's
+/// `MMDiTXJointBlock`).
+#[derive(Module, Debug)]
+pub struct DualAttentionJointBlock<B: Backend> {
+    pub norm1: SD35AdaLayerNormZeroX<B>,
+    pub norm1_context: AdaLayerNormZero<B>,
+    pub attn: JointAttention<B>,
+    pub attn2: JointAttention<B>,
+    pub ff: FeedForward<B>,
+    pub ff_context: FeedForward<B>,
+}
+
+impl<B: Backend> DualAttentionJointBlock<B> {
+    fn load(vb: &VarBuilder<B>, spec: BlockSpec) -> Result<Self> {
+        let self_only = JointAttentionSpec {
+            joint: false,
+            ..spec.attention
+        };
+        Ok(Self {
+            norm1: SD35AdaLayerNormZeroX::load(&vb.pp("norm1"), spec.dim)?,
+            norm1_context: AdaLayerNormZero::load(&vb.pp("norm1_context"), spec.dim)?,
+            attn: JointAttention::load(&vb.pp("attn"), spec.attention)?,
+            attn2: JointAttention::load(&vb.pp("attn2"), self_only)?,
+            ff: spec.feed_forward(vb, "ff")?,
+            ff_context: spec.feed_forward(vb, "ff_context")?,
+        })
+    }
+
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        context: Tensor<B, 3>,
+        temb: Tensor<B, 2>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (zero, x2, gate2) = self.norm1.forward(x.clone(), temb.clone());
+        let m = self.norm1_context.forward(context.clone(), temb);
+        let (attn, context_attn) = self.attn.forward(zero.x.clone(), Some(m.x.clone()));
+        let x = x + zero.gate_msa.clone() * attn;
+        let x = x.clone() + gate2 * self.attn2.forward(x2, None).0;
+        let x = feed_forward_residual(x, zero, &self.ff);
+        let context = joint_context(context, m, context_attn, &self.ff_context);
+        (context, x)
+    }
+}
+
+/// The last block (`context_pre_only`): the context is attended to but not updated, so it has
+/// a continuous norm and no `ff_context` (candle's `ContextQkvOnlyJointBlock`).
+#[derive(Module, Debug)]
+pub struct ContextPreOnlyJointBlock<B: Backend> {
+    pub norm1: AdaLayerNormZero<B>,
+    pub norm1_context: AdaLayerNormContinuous<B>,
+    pub attn: JointAttention<B>,
+    pub ff: FeedForward<B>,
+}
+
+impl<B: Backend> ContextPreOnlyJointBlock<B> {
+    fn load(vb: &VarBuilder<B>, spec: BlockSpec) -> Result<Self> {
+        Ok(Self {
+            norm1: AdaLayerNormZero::load(&vb.pp("norm1"), spec.dim)?,
+            norm1_context: AdaLayerNormContinuous::load(
+                &vb.pp("norm1_context"),
+                spec.dim,
+                spec.dim,
+                1e-6,
+            )?,
+            attn: JointAttention::load(&vb.pp("attn"), spec.attention)?,
+            ff: spec.feed_forward(vb, "ff")?,
+        })
+    }
+
+    fn forward(&self, x: Tensor<B, 3>, context: Tensor<B, 3>, temb: Tensor<B, 2>) -> Tensor<B, 3> {
+        let zero = self.norm1.forward(x.clone(), temb.clone());
+        let norm_context = self.norm1_context.forward(context, temb);
+        let (attn, _) = self.attn.forward(zero.x.clone(), Some(norm_context));
+        feed_forward_residual(x + zero.gate_msa.clone() * attn, zero, &self.ff)
+    }
+}
+
+/// diffusers' `JointTransformerBlock`, one type for each form its flags give it (as candle's
+/// `mmdit/blocks.rs`).
+// One per block: the variants' size difference does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum JointTransformerBlock<B: Backend> {
+    Joint(JointBlock<B>),
+    DualAttention(DualAttentionJointBlock<B>),
+    ContextPreOnly(ContextPreOnlyJointBlock<B>),
 }
 
 impl<B: Backend> JointTransformerBlock<B> {
@@ -169,50 +342,11 @@ impl<B: Backend> JointTransformerBlock<B> {
         context_pre_only: bool,
         dual_attention: bool,
     ) -> Result<Self> {
-        let dim = cfg.inner_dim();
-        let spec = JointAttentionSpec {
-            dim,
-            heads: cfg.num_attention_heads,
-            head_dim: cfg.attention_head_dim,
-            joint: true,
-            context_pre_only,
-            qk_rms_norm: cfg.qk_norm.is_some(),
-        };
-        let ff = |name: &str| {
-            FeedForward::load_with(&vb.pp(name), dim, 4 * dim, FeedForwardActivation::GeluTanh)
-        };
-        Ok(Self {
-            norm1: if dual_attention {
-                JointNorm1::ZeroX(SD35AdaLayerNormZeroX::load(&vb.pp("norm1"), dim)?)
-            } else {
-                JointNorm1::Zero(AdaLayerNormZero::load(&vb.pp("norm1"), dim)?)
-            },
-            norm1_context: if context_pre_only {
-                ContextNorm::Continuous(AdaLayerNormContinuous::load(
-                    &vb.pp("norm1_context"),
-                    dim,
-                    dim,
-                    1e-6,
-                )?)
-            } else {
-                ContextNorm::Zero(AdaLayerNormZero::load(&vb.pp("norm1_context"), dim)?)
-            },
-            attn: JointAttention::load(&vb.pp("attn"), spec)?,
-            attn2: if dual_attention {
-                let spec = JointAttentionSpec {
-                    joint: false,
-                    ..spec
-                };
-                Some(JointAttention::load(&vb.pp("attn2"), spec)?)
-            } else {
-                None
-            },
-            ff: ff("ff")?,
-            ff_context: if context_pre_only {
-                None
-            } else {
-                Some(ff("ff_context")?)
-            },
+        let spec = BlockSpec::new(cfg, context_pre_only);
+        Ok(match (context_pre_only, dual_attention) {
+            (true, _) => Self::ContextPreOnly(ContextPreOnlyJointBlock::load(vb, spec)?),
+            (false, true) => Self::DualAttention(DualAttentionJointBlock::load(vb, spec)?),
+            (false, false) => Self::Joint(JointBlock::load(vb, spec)?),
         })
     }
 
@@ -223,37 +357,45 @@ impl<B: Backend> JointTransformerBlock<B> {
         context: Tensor<B, 3>,
         temb: Tensor<B, 2>,
     ) -> (Option<Tensor<B, 3>>, Tensor<B, 3>) {
-        let (zero, second) = match &self.norm1 {
-            JointNorm1::Zero(norm) => (norm.forward(x.clone(), temb.clone()), None),
-            JointNorm1::ZeroX(norm) => {
-                let (zero, x2, gate2) = norm.forward(x.clone(), temb.clone());
-                (zero, Some((x2, gate2)))
+        match self {
+            Self::Joint(block) => {
+                let (context, x) = block.forward(x, context, temb);
+                (Some(context), x)
             }
-        };
-        let (norm_context, context_mod) = match &self.norm1_context {
-            ContextNorm::Zero(norm) => {
-                let out = norm.forward(context.clone(), temb);
-                (out.x.clone(), Some(out))
+            Self::DualAttention(block) => {
+                let (context, x) = block.forward(x, context, temb);
+                (Some(context), x)
             }
-            ContextNorm::Continuous(norm) => (norm.forward(context.clone(), temb), None),
-        };
-        let (attn, context_attn) = self.attn.forward(zero.x, Some(norm_context));
-        let mut x = x + zero.gate_msa * attn;
-        if let (Some(attn2), Some((x2, gate2))) = (&self.attn2, second) {
-            x = x.clone() + gate2 * attn2.forward(x2, None).0;
+            Self::ContextPreOnly(block) => (None, block.forward(x, context, temb)),
         }
-        let h = modulate(layer_norm(x.clone(), 1e-6), zero.shift_mlp, zero.scale_mlp);
-        let x = x + zero.gate_mlp * self.ff.forward(h);
+    }
 
-        let context = match (context_mod, context_attn, &self.ff_context) {
-            (Some(m), Some(context_attn), Some(ff_context)) => {
-                let context = context + m.gate_msa * context_attn;
-                let h = modulate(layer_norm(context.clone(), 1e-6), m.shift_mlp, m.scale_mlp);
-                Some(context.clone() + m.gate_mlp * ff_context.forward(h))
-            }
+    /// The joint attention (`attn`).
+    pub fn attn(&self) -> &JointAttention<B> {
+        match self {
+            Self::Joint(block) => &block.attn,
+            Self::DualAttention(block) => &block.attn,
+            Self::ContextPreOnly(block) => &block.attn,
+        }
+    }
+
+    /// The image stream's self-attention of a dual-attention block (`attn2`).
+    pub fn attn2(&self) -> Option<&JointAttention<B>> {
+        match self {
+            Self::DualAttention(block) => Some(&block.attn2),
             _ => None,
-        };
-        (context, x)
+        }
+    }
+
+    /// The feed-forwards by name: `ff`, and `ff_context` unless `context_pre_only`.
+    pub fn feed_forwards(&self) -> Vec<(&'static str, &FeedForward<B>)> {
+        match self {
+            Self::Joint(block) => vec![("ff", &block.ff), ("ff_context", &block.ff_context)],
+            Self::DualAttention(block) => {
+                vec![("ff", &block.ff), ("ff_context", &block.ff_context)]
+            }
+            Self::ContextPreOnly(block) => vec![("ff", &block.ff)],
+        }
     }
 }
 
@@ -533,14 +675,12 @@ impl<B: Backend> TensorParallel for SD3Transformer2DModel<B> {
             let prefix = format!("transformer_blocks.{i}");
             widths.push(ShardedWidth::heads(
                 format!("{prefix}.attn"),
-                block.attn.heads,
+                block.attn().heads,
             ));
-            if let Some(attn2) = &block.attn2 {
+            if let Some(attn2) = block.attn2() {
                 widths.push(ShardedWidth::heads(format!("{prefix}.attn2"), attn2.heads));
             }
-            let ffs = std::iter::once(("ff", &block.ff))
-                .chain(block.ff_context.as_ref().map(|ff| ("ff_context", ff)));
-            for (name, ff) in ffs {
+            for (name, ff) in block.feed_forwards() {
                 // Burn's Linear weight is [in, out]: net.2's input is the inner width.
                 let width = ff.proj_out.weight.dims()[0];
                 widths.push(ShardedWidth::feed_forward(
@@ -550,5 +690,28 @@ impl<B: Backend> TensorParallel for SD3Transformer2DModel<B> {
             }
         }
         widths
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dual_attention_in_the_context_pre_only_block_is_refused_naming_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        let config = |dual: &str| {
+            format!(
+                r#"{{"num_layers": 3, "attention_head_dim": 8, "num_attention_heads": 2,
+                    "caption_projection_dim": 16, "dual_attention_layers": {dual}}}"#
+            )
+        };
+        std::fs::write(&path, config("[0, 1]")).unwrap();
+        assert!(SD3Transformer2DConfig::from_file(&path).is_ok());
+        std::fs::write(&path, config("[2]")).unwrap();
+        let err = SD3Transformer2DConfig::from_file(&path).unwrap_err();
+        assert!(matches!(err, ModelError::Unsupported { .. }), "{err}");
+        assert!(err.to_string().contains("dual_attention_layers"), "{err}");
     }
 }
