@@ -12,6 +12,7 @@ use burn::tensor::{Int, Tensor};
 
 use crate::cpu::conv::{self as cpu_conv, ConvGeometry};
 use crate::cpu::elementwise as cpu_elementwise;
+use crate::cpu::linear as cpu_linear;
 use crate::error::{ModelError, Result};
 use crate::weights::VarBuilder;
 
@@ -34,8 +35,13 @@ impl<B: Backend> Linear<B> {
         Ok(Self { weight, bias })
     }
 
+    /// On burn-flex in bf16 with AMX through [`crate::cpu::linear`], elsewhere Burn's `linear`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        linear(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+        let bias = self.bias.as_ref().map(|b| b.val());
+        match cpu_linear::linear(x, self.weight.val(), bias) {
+            Ok(out) => out,
+            Err((x, weight, bias)) => linear(x, weight, bias),
+        }
     }
 }
 

@@ -151,15 +151,27 @@ fn winograd_3x3_matches_burn() {
 }
 
 #[test]
-fn non_f32_tensors_fall_back_to_burn() {
-    let x = tensor([1, 2, 4, 4], 1).cast(FloatDType::F16);
-    let weight = tensor([3, 2, 3, 3], 2).cast(FloatDType::F16);
+fn f64_and_mixed_tensors_fall_back_to_burn() {
+    // Mixed dtypes are left to Burn (bf16 and f16 alone are `cpu_half.rs`'s).
+    let mixed = conv2d_with(
+        tensor([1, 2, 4, 4], 1).cast(FloatDType::BF16),
+        tensor([3, 2, 3, 3], 2),
+        None,
+        ConvGeometry {
+            stride: 1,
+            padding: 1,
+        },
+        ConvPath::Winograd,
+    );
+    assert!(mixed.is_err(), "bf16 input, f32 weight");
+    let x = tensor([1, 2, 4, 4], 1).cast(FloatDType::F64);
+    let weight = tensor([3, 2, 3, 3], 2).cast(FloatDType::F64);
     let geometry = ConvGeometry {
         stride: 1,
         padding: 1,
     };
     let (x, weight, _) =
-        conv2d_with(x, weight, None, geometry, ConvPath::Winograd).expect_err("f16 is not covered");
+        conv2d_with(x, weight, None, geometry, ConvPath::Winograd).expect_err("f64 is not covered");
     // The inputs come back as they were, for Burn's conv2d.
     assert_eq!(x.dims(), [1, 2, 4, 4]);
     assert_eq!(weight.dims(), [3, 2, 3, 3]);

@@ -93,6 +93,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--e2e-repeat", type=int, default=1)
+    ap.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32",
+                    help="torch_dtype of the pipeline (the weights and the models' compute)")
     ap.add_argument("--unet-only", action="store_true")
     ap.add_argument("--make-only", action="store_true")
     args = ap.parse_args()
@@ -104,7 +106,9 @@ def main():
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
     start = time.perf_counter()
-    pipe = StableDiffusionPipeline.from_pretrained(args.dir, safety_checker=None, requires_safety_checker=False)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    pipe = StableDiffusionPipeline.from_pretrained(args.dir, safety_checker=None, requires_safety_checker=False,
+                                                   torch_dtype=dtype)
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     result = {"load_s": time.perf_counter() - start}
@@ -127,7 +131,7 @@ def main():
             result["first_generation_s"] = time.perf_counter() - start
             result["time_to_first_image_s"] = time.perf_counter() - _STARTED
         ctx = encode()
-        sample = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(0))
+        sample = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(0)).to(dtype)
         t = torch.tensor([501])
 
         def step():
@@ -138,11 +142,11 @@ def main():
         result["unet_step"] = timed(step, args.repeat)
         if not args.unet_only:
             result["text_encode"] = timed(encode, args.repeat)
-            latents = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(1))
+            latents = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(1)).to(dtype)
             result["vae_decode"] = timed(lambda: pipe.vae.decode(latents / 0.18215), args.repeat)
             result["end_to_end"] = timed(generate, args.e2e_repeat, result["first_generation_s"])
     json.dump({
-        "impl": "diffusers", "mode": "torch", "torch": torch.__version__,
+        "impl": "diffusers", "mode": "torch", "dtype": args.dtype, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "size": args.size, "steps": args.steps, **result,
         "peak_rss_bytes": peak_rss_bytes(),
     }, sys.stdout)

@@ -4,7 +4,8 @@
 //! as the diffusers script, printed as one JSON line.
 //!
 //! `bench DIR [--size 256] [--steps 4] [--repeat 3] [--e2e-repeat 1] [--mode cpu|eager|compiled]
-//! [--unet-only] [--load-only]`
+//! [--dtype f32|bf16|f16] [--unet-only] [--load-only]` (`--dtype` as `txt2img --dtype`: the
+//! weights and the models' compute in that dtype, latents and the scheduler in f32)
 //!
 //! Measured, in this order, in one process:
 //! - `load_s`: `from_pretrained` (and `compile()` in compiled mode, which only wraps the step);
@@ -32,14 +33,14 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff::pipelines::{guided_noise, GenerateRequest, LoadOptions, StableDiffusionPipeline};
 use oxidiff::schedulers::{NoiseSource, TorchCpuGenerator};
 use oxidiff::{Cpu, Oxi, OxiDevice};
 use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
-                     [--mode cpu|eager|compiled] [--unet-only] [--load-only]";
+                     [--mode cpu|eager|compiled] [--dtype f32|bf16|f16] [--unet-only] [--load-only]";
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
     match args.iter().position(|a| a == name) {
@@ -108,6 +109,7 @@ struct Options {
     unet_only: bool,
     load_only: bool,
     mode: String,
+    dtype: Option<FloatDType>,
 }
 
 fn main() -> Result<()> {
@@ -131,6 +133,15 @@ fn main() -> Result<()> {
         unet_only: args.iter().any(|a| a == "--unet-only"),
         load_only: args.iter().any(|a| a == "--load-only"),
         mode: mode.clone(),
+        dtype: match args.iter().position(|a| a == "--dtype") {
+            None => None,
+            Some(i) => match args.get(i + 1).map(String::as_str) {
+                Some("f32") => None,
+                Some("bf16") => Some(FloatDType::BF16),
+                Some("f16") => Some(FloatDType::F16),
+                _ => bail!("--dtype: use f32, bf16 or f16\n{USAGE}"),
+            },
+        },
     };
     if options.size == 0 || !options.size.is_multiple_of(8) {
         bail!("--size {}: use a positive multiple of 8", options.size);
@@ -159,6 +170,7 @@ fn bench<B: Backend>(
     let start = Instant::now();
     let load_options = LoadOptions {
         scheduler: Some("DDIMScheduler".into()),
+        dtype: options.dtype,
         ..Default::default()
     };
     let mut pipe =
@@ -168,6 +180,7 @@ fn bench<B: Backend>(
     let load = start.elapsed().as_secs_f64();
     let mut report = serde_json::json!({
         "impl": "oxidiff", "mode": options.mode,
+        "dtype": options.dtype.map_or("f32".to_string(), |d| format!("{d:?}").to_lowercase()),
         "threads": std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse::<usize>().ok()),
         "size": options.size, "steps": options.steps, "load_s": load,
         "peak_rss_after_load_bytes": peak_rss_bytes(),

@@ -6,7 +6,10 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 
-use super::common::{burn_requested, exp_nonpositive, from_flex, into_flex, is_flex, OutPtr};
+use super::attention_half::attention_half;
+use super::common::{
+    burn_requested, exp_nonpositive, from_flex, into_flex, is_flex, is_half, OutPtr,
+};
 
 /// Queries per block: the block's scores (`QUERY_BLOCK * seq_kv` floats, 1 MiB at 4096 keys)
 /// stay in the L2 cache between the two gemms.
@@ -17,8 +20,9 @@ pub type Unhandled<B> = (Tensor<B, 3>, Tensor<B, 3>, Tensor<B, 3>);
 
 /// Softmax attention of `q` `[batch, seq_q, heads * head_dim]` over `k`, `v`
 /// `[batch, seq_kv, heads * head_dim]`, scaled by `1 / sqrt(head_dim)`, heads merged back in
-/// the output's last dimension, when the backend is burn-flex in f32; otherwise the inputs
-/// untouched (`Err`) for Burn's own `attention`.
+/// the output's last dimension, when the backend is burn-flex and the three share one dtype,
+/// f32 or (through [`super::attention_half`]) bf16 or f16; otherwise the inputs untouched
+/// (`Err`) for Burn's own `attention`.
 pub fn attention<B: Backend>(
     q: Tensor<B, 3>,
     k: Tensor<B, 3>,
@@ -28,9 +32,11 @@ pub fn attention<B: Backend>(
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let [b, s_q, inner] = q.dims();
     let [b_k, s_kv, inner_k] = k.dims();
-    let f32_only = [&q, &k, &v].iter().all(|t| t.dtype() == DType::F32);
+    let dtype = q.dtype();
+    let one_dtype =
+        (dtype == DType::F32 || is_half(dtype)) && k.dtype() == dtype && v.dtype() == dtype;
     if !is_flex::<B>()
-        || !f32_only
+        || !one_dtype
         || heads == 0
         || inner % heads != 0
         || v.dims() != k.dims()
@@ -49,6 +55,9 @@ pub fn attention<B: Backend>(
         heads,
         head_dim: inner / heads,
     };
+    if dtype != DType::F32 {
+        return Ok(from_flex(attention_half(&q, &k, &v, shape)));
+    }
     let mut out = vec![0.0f32; b * s_q * inner];
     shape.run(q.storage(), k.storage(), v.storage(), &mut out);
     let out = FlexTensor::new(
@@ -61,17 +70,17 @@ pub fn attention<B: Backend>(
 
 /// The sizes of one attention call.
 #[derive(Debug, Clone, Copy)]
-struct Shape {
-    batch: usize,
-    s_q: usize,
-    s_kv: usize,
-    heads: usize,
-    head_dim: usize,
+pub(crate) struct Shape {
+    pub(crate) batch: usize,
+    pub(crate) s_q: usize,
+    pub(crate) s_kv: usize,
+    pub(crate) heads: usize,
+    pub(crate) head_dim: usize,
 }
 
 impl Shape {
     /// Every (sample, head, block of queries), in parallel on rayon's pool.
-    fn run(&self, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    pub(crate) fn run(&self, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
         use rayon::prelude::*;
         let blocks = self.s_q.div_ceil(QUERY_BLOCK);
         let ptr = OutPtr(out.as_mut_ptr());
@@ -172,7 +181,7 @@ impl Shape {
 }
 
 /// Replaces `row` by `exp(row - max(row))` and returns its sum (softmax before the division).
-fn exp_shifted(row: &mut [f32]) -> f32 {
+pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // A row of -inf (everything masked) stays all zeros rather than NaN; none occur here.
     let max = if max.is_finite() { max } else { 0.0 };

@@ -5,8 +5,8 @@ use std::any::{Any, TypeId};
 use std::sync::OnceLock;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorPrimitive};
-use burn_flex::FlexTensor;
+use burn::tensor::{Bytes, DType, Tensor, TensorPrimitive};
+use burn_flex::{FlexTensor, Layout};
 
 /// Whether `B`'s float tensor is burn-flex's, the precondition of [`into_flex`] and [`from_flex`].
 pub(crate) fn is_flex<B: Backend>() -> bool {
@@ -35,13 +35,18 @@ pub(crate) fn from_flex<B: Backend, const D: usize>(t: FlexTensor) -> Tensor<B, 
 }
 
 /// A raw output pointer that tiles (and the attention kernel's blocks) write disjoint parts of.
-#[derive(Clone, Copy)]
-pub(crate) struct OutPtr(pub(crate) *mut f32);
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+pub(crate) struct OutPtr<T = f32>(pub(crate) *mut T);
+impl<T> Clone for OutPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for OutPtr<T> {}
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
-impl OutPtr {
-    /// The pointer `count` floats further (a method, so closures capture the whole `Sync`
+impl<T> OutPtr<T> {
+    /// The pointer `count` elements further (a method, so closures capture the whole `Sync`
     /// wrapper rather than its raw field).
     ///
     /// # Safety
@@ -71,4 +76,58 @@ pub fn exp_nonpositive(x: f32) -> f32 {
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
     p * scale
+}
+
+/// Whether `dtype` is a half-precision float the CPU kernels take (computing in f32).
+pub(crate) fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
+/// `t` (f32, f16 or bf16, any layout) as a new contiguous f32 tensor, converted in parallel.
+pub(crate) fn widen(t: &FlexTensor) -> FlexTensor {
+    let t = t.to_contiguous();
+    let shape = t.layout().shape().to_vec();
+    let values: Vec<f32> = match t.dtype() {
+        DType::F32 => return t,
+        DType::BF16 => convert(t.storage::<half::bf16>(), half::bf16::to_f32),
+        DType::F16 => convert(t.storage::<half::f16>(), half::f16::to_f32),
+        other => unreachable!("widen: {other:?} is not a float the CPU kernels take"),
+    };
+    FlexTensor::new(
+        Bytes::from_elems(values),
+        Layout::contiguous(shape.into()),
+        DType::F32,
+    )
+}
+
+/// A contiguous f32 tensor converted (in parallel, rounding to nearest even) to `dtype`.
+pub(crate) fn narrow(t: FlexTensor, dtype: DType) -> FlexTensor {
+    let t = t.to_contiguous();
+    let shape = Layout::contiguous(t.layout().shape().to_vec().into());
+    let src = t.storage::<f32>();
+    let bytes = match dtype {
+        DType::F32 => return t,
+        DType::BF16 => Bytes::from_elems(convert(src, half::bf16::from_f32)),
+        DType::F16 => Bytes::from_elems(convert(src, half::f16::from_f32)),
+        other => unreachable!("narrow: {other:?} is not a float the CPU kernels take"),
+    };
+    FlexTensor::new(bytes, shape, dtype)
+}
+
+/// `src` mapped through `f` into a new vector, in parallel chunks.
+pub(crate) fn convert<S: Sync + Copy, D: Send + Copy + Default>(
+    src: &[S],
+    f: impl Fn(S) -> D + Sync,
+) -> Vec<D> {
+    use rayon::prelude::*;
+    let mut out = vec![D::default(); src.len()];
+    let chunk = (16 * 1024).max(src.len().div_ceil(4 * rayon::current_num_threads().max(1)));
+    out.par_chunks_mut(chunk)
+        .zip(src.par_chunks(chunk))
+        .for_each(|(d, s)| {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d = f(*s);
+            }
+        });
+    out
 }

@@ -1,12 +1,14 @@
 //! 2-D convolution in NCHW for burn-flex in f32, used by [`crate::nn::Conv2d`]: im2col tiles
 //! of whole row segments into gemm, Winograd F(2x2, 3x3) for large 3x3 stride-1 convolutions.
+//! bf16 and f16 go to [`super::conv_half`].
 //! Why burn-flex's own convolution is bypassed: `docs/cpu-kernels.md`.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 
-use super::common::{from_flex, into_flex, is_flex, OutPtr};
+use super::common::{from_flex, into_flex, is_flex, is_half, OutPtr};
+use super::conv_half::conv2d_half;
 
 /// Target number of output positions per tile: large enough for gemm to reach its peak,
 /// small enough that the column buffer (`c_in * k * k` rows of it) stays near the caches.
@@ -54,9 +56,9 @@ pub struct ConvGeometry {
 pub type Unhandled<B> = (Tensor<B, 4>, Tensor<B, 4>, Option<Tensor<B, 1>>);
 
 /// Convolves `x` `[n, c_in, h, w]` with `weight` `[c_out, c_in, k, k]` (plus `bias` `[c_out]`)
-/// through the NCHW kernels of this module when the backend is burn-flex in f32; otherwise
-/// returns the inputs untouched (`Err`) for Burn's own `conv2d`. The kernel follows
-/// [`ConvPath::from_env`].
+/// through the NCHW kernels of this module when the backend is burn-flex and the three share
+/// one dtype, f32 or (through [`super::conv_half`]) bf16 or f16; otherwise returns the inputs
+/// untouched (`Err`) for Burn's own `conv2d`. The kernel follows [`ConvPath::from_env`].
 pub fn conv2d<B: Backend>(
     x: Tensor<B, 4>,
     weight: Tensor<B, 4>,
@@ -75,11 +77,12 @@ pub fn conv2d_with<B: Backend>(
     path: ConvPath,
 ) -> Result<Tensor<B, 4>, Unhandled<B>> {
     let square = weight.dims()[2] == weight.dims()[3];
-    let f32_only = x.dtype() == DType::F32
-        && weight.dtype() == DType::F32
-        && bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+    let dtype = x.dtype();
+    let one_dtype = (dtype == DType::F32 || is_half(dtype))
+        && weight.dtype() == dtype
+        && bias.as_ref().is_none_or(|b| b.dtype() == dtype);
     if !is_flex::<B>()
-        || !f32_only
+        || !one_dtype
         || !square
         || geometry.stride == 0
         || x.dims()[1] != weight.dims()[1]
@@ -92,18 +95,17 @@ pub fn conv2d_with<B: Backend>(
     if h + 2 * geometry.padding < k || w + 2 * geometry.padding < k {
         return Err((x, weight, bias));
     }
-    let out = conv2d_nchw_f32(
-        &into_flex(x),
-        &into_flex(weight),
-        bias.map(into_flex).as_ref(),
-        geometry,
-        path,
-    );
+    let (x, weight, bias) = (into_flex(x), into_flex(weight), bias.map(into_flex));
+    let out = if dtype == DType::F32 {
+        conv2d_nchw_f32(&x, &weight, bias.as_ref(), geometry, path)
+    } else {
+        conv2d_half(&x, &weight, bias.as_ref(), geometry, path)
+    };
     Ok(from_flex(out))
 }
 
 /// The kernel on burn-flex tensors (f32, NCHW; any layout, made contiguous first).
-fn conv2d_nchw_f32(
+pub(crate) fn conv2d_nchw_f32(
     x: &FlexTensor,
     weight: &FlexTensor,
     bias: Option<&FlexTensor>,
@@ -283,9 +285,46 @@ impl Problem<'_> {
         );
     }
 
+    /// Fills `col` (see [`Im2col::gather`]).
+    fn gather(&self, col: &mut [f32], x: &[f32], row0: usize, row1: usize) {
+        self.im2col().gather(col, x, row0, row1);
+    }
+
+    fn im2col(&self) -> Im2col {
+        Im2col {
+            h: self.h,
+            w: self.w,
+            k: self.k,
+            s: self.s,
+            p: self.p,
+            w_out: self.w_out,
+        }
+    }
+}
+
+/// The column buffer of a convolution: one sample's input `[c_in, h, w]` unrolled so that the
+/// product of the weight `[c_out, c_in * k * k]` with it is the convolution.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Im2col {
+    pub(crate) h: usize,
+    pub(crate) w: usize,
+    pub(crate) k: usize,
+    pub(crate) s: usize,
+    pub(crate) p: usize,
+    pub(crate) w_out: usize,
+}
+
+impl Im2col {
     /// Fills `col` `[c_in * k * k, (row1 - row0) * w_out]`: row `(c, kh, kw)`, column
     /// `(oh, ow)` holds `x[c, oh * s + kh - p, ow * s + kw - p]`, zero outside the input.
-    fn gather(&self, col: &mut [f32], x: &[f32], row0: usize, row1: usize) {
+    pub(crate) fn gather<T: Copy + Default>(
+        &self,
+        col: &mut [T],
+        x: &[T],
+        row0: usize,
+        row1: usize,
+    ) {
+        let zero = T::default();
         let (k, s, p, w, w_out) = (self.k, self.s, self.p, self.w, self.w_out);
         let cols = (row1 - row0) * w_out;
         for (r, dst) in col.chunks_exact_mut(cols).enumerate() {
@@ -302,12 +341,12 @@ impl Problem<'_> {
             for (oh, line) in (row0..row1).zip(dst.chunks_exact_mut(w_out)) {
                 let ih = (oh * s + kh) as isize - p as isize;
                 if ih < 0 || ih as usize >= self.h {
-                    line.fill(0.0);
+                    line.fill(zero);
                     continue;
                 }
                 let src = &plane[ih as usize * w..(ih as usize + 1) * w];
-                line[..ow_lo].fill(0.0);
-                line[ow_hi..].fill(0.0);
+                line[..ow_lo].fill(zero);
+                line[ow_hi..].fill(zero);
                 if ow_lo == ow_hi {
                     continue;
                 }

@@ -1,5 +1,6 @@
 //! Group norm (with fused SiLU), layer norm, GEGLU and sequence transposes for burn-flex in
-//! f32, each one or two parallel passes over rows on rayon's pool.
+//! f32, bf16 and f16 (computed in f32), each one or two parallel passes over rows on rayon's
+//! pool.
 //! `OXIDIFF_CPU_ELEMENTWISE=burn` (read once) turns them off, to compare.
 
 use std::sync::OnceLock;
@@ -9,17 +10,76 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
-use super::common::{burn_requested, exp_nonpositive, from_flex, into_flex, is_flex};
+use super::common::{
+    burn_requested, exp_nonpositive, from_flex, into_flex, is_flex, is_half, widen,
+};
 
 /// Fewest elements worth a job of their own on rayon's pool.
 const MIN_JOB: usize = 16 * 1024;
 
-/// Whether the kernels apply to backend `B` and these tensors.
+/// Whether the kernels apply to backend `B` and these tensors: burn-flex, all of one dtype, f32,
+/// bf16 or f16 (half precision is computed in f32 and rounded once on the way out).
 fn applies<B: Backend>(dtypes: &[DType]) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
+    let first = dtypes[0];
     is_flex::<B>()
-        && dtypes.iter().all(|d| *d == DType::F32)
+        && (first == DType::F32 || is_half(first))
+        && dtypes.iter().all(|d| *d == first)
         && !burn_requested("OXIDIFF_CPU_ELEMENTWISE", &OFF)
+}
+
+/// An element type the kernels read and write, computing in f32.
+trait Elem: burn::tensor::Element + bytemuck::Pod + Default + Send + Sync {
+    const DTYPE: DType;
+    fn get(self) -> f32;
+    fn put(v: f32) -> Self;
+}
+
+impl Elem for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn put(v: f32) -> Self {
+        v
+    }
+}
+
+impl Elem for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn put(v: f32) -> Self {
+        Self::from_f32(v)
+    }
+}
+
+impl Elem for half::f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn put(v: f32) -> Self {
+        Self::from_f32(v)
+    }
+}
+
+/// Runs `$f::<E>` for the element type of `$dtype` (one of [`applies`]'s).
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype {
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            _ => $f::<f32>($($arg),*),
+        }
+    };
 }
 
 /// How many rows of `row_len` elements one job takes: about four jobs per thread, none smaller
@@ -35,28 +95,28 @@ fn rows_per_job(rows: usize, row_len: usize) -> usize {
 fn is_whole(t: &FlexTensor) -> bool {
     t.is_contiguous()
         && t.layout().start_offset() == 0
-        && t.bytes().len() == t.layout().num_elements() * std::mem::size_of::<f32>()
+        && t.bytes().len() == t.layout().num_elements() * t.dtype().size()
 }
 
-/// A new contiguous f32 tensor of `shape` holding `data`.
-fn tensor_of(data: Vec<f32>, shape: Vec<usize>) -> FlexTensor {
+/// A new contiguous tensor of `shape` holding `data`.
+fn tensor_of<E: Elem>(data: Vec<E>, shape: Vec<usize>) -> FlexTensor {
     FlexTensor::new(
         Bytes::from_elems(data),
         Layout::contiguous(shape.into()),
-        DType::F32,
+        E::DTYPE,
     )
 }
 
 /// `t` as a contiguous tensor that no one else holds, so its storage may be overwritten:
 /// `t` itself when it already is one, otherwise a copy (made in parallel).
-fn writable(t: FlexTensor) -> FlexTensor {
+fn writable<E: Elem>(t: FlexTensor) -> FlexTensor {
     if is_whole(&t) && t.is_unique() {
         return t;
     }
     let shape = t.layout().shape().to_vec();
     if is_whole(&t) {
-        let src = t.storage::<f32>();
-        let mut data = vec![0.0f32; src.len()];
+        let src = t.storage::<E>();
+        let mut data = vec![E::default(); src.len()];
         let chunk = MIN_JOB.max(src.len().div_ceil(4 * rayon::current_num_threads().max(1)));
         data.par_chunks_mut(chunk)
             .zip(src.par_chunks(chunk))
@@ -68,23 +128,23 @@ fn writable(t: FlexTensor) -> FlexTensor {
     if copy.is_unique() && is_whole(&copy) {
         copy
     } else {
-        writable(copy)
+        writable::<E>(copy)
     }
 }
 
 /// The sum of `f(x)` over `x`, in f32 lanes the compiler vectorizes, blocks of 1024 added in f64.
 #[inline(always)]
-fn sum_of(x: &[f32], f: impl Fn(f32) -> f32) -> f64 {
+fn sum_of<E: Elem>(x: &[E], f: impl Fn(f32) -> f32) -> f64 {
     let mut total = 0.0f64;
     for block in x.chunks(1024) {
         let mut lanes = [0.0f32; 16];
         let mut chunks = block.chunks_exact(16);
         for c in &mut chunks {
             for i in 0..16 {
-                lanes[i] += f(c[i]);
+                lanes[i] += f(c[i].get());
             }
         }
-        let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+        let tail: f32 = chunks.remainder().iter().map(|&v| f(v.get())).sum();
         total += lanes.iter().map(|&l| l as f64).sum::<f64>() + tail as f64;
     }
     total
@@ -92,7 +152,7 @@ fn sum_of(x: &[f32], f: impl Fn(f32) -> f32) -> f64 {
 
 /// Mean and biased variance of `x` (two passes, the second around the mean).
 #[inline(always)]
-fn mean_var(x: &[f32]) -> (f32, f32) {
+fn mean_var<E: Elem>(x: &[E]) -> (f32, f32) {
     let n = x.len().max(1) as f64;
     let mean = (sum_of(x, |v| v) / n) as f32;
     let var = (sum_of(x, |v| (v - mean) * (v - mean)) / n) as f32;
@@ -128,10 +188,7 @@ pub fn gelu(x: f32) -> f32 {
 
 /// The data of a 1-D parameter as f32 values.
 fn values<B: Backend>(t: &Tensor<B, 1>) -> Vec<f32> {
-    into_flex(t.clone())
-        .to_contiguous()
-        .storage::<f32>()
-        .to_vec()
+    widen(&into_flex(t.clone())).storage::<f32>().to_vec()
 }
 
 /// `torch.nn.GroupNorm` over `x` `[n, c, ...]`, then SiLU when `silu` is set, or `x` back.
@@ -153,11 +210,45 @@ pub fn group_norm<B: Backend, const D: usize>(
     }
     let (c, rest) = (dims[1], dims[2..].iter().product::<usize>());
     let (weight, bias) = (values(weight), values(bias));
-    let mut t = writable(into_flex(x));
-    let per_group = c / groups;
+    let dtype = x.dtype();
+    let t = into_flex(x);
+    let norm = GroupNormRows {
+        weight: &weight,
+        bias: &bias,
+        groups,
+        per_group: c / groups,
+        rest,
+        eps,
+        silu_after,
+    };
+    Ok(from_flex(by_dtype!(dtype, group_norm_typed(t, &norm))))
+}
+
+/// A group norm's parameters and sizes.
+struct GroupNormRows<'a> {
+    weight: &'a [f32],
+    bias: &'a [f32],
+    groups: usize,
+    per_group: usize,
+    rest: usize,
+    eps: f64,
+    silu_after: bool,
+}
+
+fn group_norm_typed<E: Elem>(t: FlexTensor, norm: &GroupNormRows<'_>) -> FlexTensor {
+    let GroupNormRows {
+        weight,
+        bias,
+        groups,
+        per_group,
+        rest,
+        eps,
+        silu_after,
+    } = *norm;
+    let mut t = writable::<E>(t);
     let group_len = per_group * rest;
     if group_len > 0 {
-        t.storage_mut::<f32>()
+        t.storage_mut::<E>()
             .par_chunks_mut(group_len)
             .enumerate()
             .for_each(|(job, data)| {
@@ -172,16 +263,16 @@ pub fn group_norm<B: Backend, const D: usize>(
                     if silu_after {
                         channel
                             .iter_mut()
-                            .for_each(|v| *v = silu((*v - mean) * scale + shift));
+                            .for_each(|v| *v = E::put(silu((v.get() - mean) * scale + shift)));
                     } else {
                         channel
                             .iter_mut()
-                            .for_each(|v| *v = (*v - mean) * scale + shift);
+                            .for_each(|v| *v = E::put((v.get() - mean) * scale + shift));
                     }
                 }
             });
     }
-    Ok(from_flex(t))
+    t
 }
 
 /// Layer norm over the last dimension of `x`, with `affine = (weight, bias)` or without, or `x`
@@ -200,24 +291,40 @@ pub fn layer_norm<B: Backend, const D: usize>(
         return Err(x);
     }
     let affine = affine.map(|(w, b)| (values(w), values(b)));
-    let mut t = writable(into_flex(x));
-    let data = t.storage_mut::<f32>();
+    let dtype = x.dtype();
+    let t = into_flex(x);
+    Ok(from_flex(by_dtype!(
+        dtype,
+        layer_norm_typed(t, affine.as_ref(), width, eps)
+    )))
+}
+
+fn layer_norm_typed<E: Elem>(
+    t: FlexTensor,
+    affine: Option<&(Vec<f32>, Vec<f32>)>,
+    width: usize,
+    eps: f64,
+) -> FlexTensor {
+    let mut t = writable::<E>(t);
+    let data = t.storage_mut::<E>();
     let rows = data.len() / width;
     let per_job = rows_per_job(rows, width);
     data.par_chunks_mut(per_job * width).for_each(|chunk| {
         for row in chunk.chunks_mut(width) {
             let (mean, var) = mean_var(row);
             let inv_std = 1.0 / (var + eps as f32).sqrt();
-            match &affine {
+            match affine {
                 Some((w, b)) => row
                     .iter_mut()
                     .zip(w.iter().zip(b))
-                    .for_each(|(v, (w, b))| *v = (*v - mean) * inv_std * w + b),
-                None => row.iter_mut().for_each(|v| *v = (*v - mean) * inv_std),
+                    .for_each(|(v, (w, b))| *v = E::put((v.get() - mean) * inv_std * w + b)),
+                None => row
+                    .iter_mut()
+                    .for_each(|v| *v = E::put((v.get() - mean) * inv_std)),
             }
         }
     });
-    Ok(from_flex(t))
+    t
 }
 
 /// GEGLU over `projected` `[..., 2 * inner]`: `value * gelu(gate)` with the value the first
@@ -230,11 +337,17 @@ pub fn geglu<B: Backend, const D: usize>(
     if width == 0 || !width.is_multiple_of(2) || !applies::<B>(&[projected.dtype()]) {
         return Err(projected);
     }
-    let inner = width / 2;
+    let dtype = projected.dtype();
     let t = into_flex(projected).to_contiguous();
-    let src = t.storage::<f32>();
+    Ok(from_flex(by_dtype!(dtype, geglu_typed(&t, dims.to_vec()))))
+}
+
+fn geglu_typed<E: Elem>(t: &FlexTensor, dims: Vec<usize>) -> FlexTensor {
+    let width = dims[dims.len() - 1];
+    let inner = width / 2;
+    let src = t.storage::<E>();
     let rows = src.len() / width;
-    let mut out = vec![0.0f32; rows * inner];
+    let mut out = vec![E::default(); rows * inner];
     let per_job = rows_per_job(rows, width);
     out.par_chunks_mut(per_job * inner)
         .zip(src.par_chunks(per_job * width))
@@ -243,26 +356,32 @@ pub fn geglu<B: Backend, const D: usize>(
                 let (value, gate) = s.split_at(inner);
                 o.iter_mut()
                     .zip(value.iter().zip(gate))
-                    .for_each(|(o, (v, g))| *o = v * gelu(*g));
+                    .for_each(|(o, (v, g))| *o = E::put(v.get() * gelu(g.get())));
             }
         });
-    let mut shape = dims.to_vec();
-    shape[D - 1] = inner;
-    Ok(from_flex(tensor_of(out, shape)))
+    let mut shape = dims;
+    let last = shape.len() - 1;
+    shape[last] = inner;
+    tensor_of(out, shape)
 }
 
 /// `x` `[b, m, n]` transposed to a contiguous `[b, n, m]`, copied in 32x32 tiles in parallel,
 /// or `x` back. Burn's `swap_dims` is a view, and burn-flex reads a permuted operand one
 /// element at a time through a strided iterator in every operation that meets it.
 pub fn transpose<B: Backend>(x: Tensor<B, 3>) -> Result<Tensor<B, 3>, Tensor<B, 3>> {
-    const TILE: usize = 32;
     if !applies::<B>(&[x.dtype()]) {
         return Err(x);
     }
     let [b, m, n] = x.dims();
+    let dtype = x.dtype();
     let t = into_flex(x).to_contiguous();
-    let src = t.storage::<f32>();
-    let mut out = vec![0.0f32; b * m * n];
+    Ok(from_flex(by_dtype!(dtype, transpose_typed(&t, b, m, n))))
+}
+
+fn transpose_typed<E: Elem>(t: &FlexTensor, b: usize, m: usize, n: usize) -> FlexTensor {
+    const TILE: usize = 32;
+    let src = t.storage::<E>();
+    let mut out = vec![E::default(); b * m * n];
     if !out.is_empty() {
         // One job: TILE output rows (TILE source columns) of one sample.
         out.par_chunks_mut(n * m)
@@ -284,5 +403,5 @@ pub fn transpose<B: Backend>(x: Tensor<B, 3>) -> Result<Tensor<B, 3>, Tensor<B, 
                     });
             });
     }
-    Ok(from_flex(tensor_of(out, vec![b, n, m])))
+    tensor_of(out, vec![b, n, m])
 }

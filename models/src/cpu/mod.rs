@@ -1,9 +1,15 @@
-//! Kernels for the burn-flex CPU backend in f32, used by the layers in [`crate::nn`] and
-//! [`crate::attention`]. Each applies only when the backend's float tensor is burn-flex's and
-//! the tensors are f32; otherwise it hands its inputs back and the caller uses Burn's own
-//! operation, so other backends (PJRT, compiled traces) never reach this code.
+//! Kernels for the burn-flex CPU backend, used by the layers in [`crate::nn`] and
+//! [`crate::attention`]: f32 throughout, bf16 products on AMX ([`amx`], [`half_gemm`]), and
+//! half precision elsewhere computed in f32. Each applies only when the backend's float tensor
+//! is burn-flex's and the dtypes are ones it takes; otherwise it hands its inputs back and the
+//! caller uses Burn's own operation, so other backends (PJRT, compiled traces) never reach it.
 
+pub mod amx;
 pub mod attention;
+pub mod attention_half;
 pub mod common;
 pub mod conv;
+pub mod conv_half;
 pub mod elementwise;
+pub mod half_gemm;
+pub mod linear;

@@ -1,0 +1,114 @@
+//! 2-D convolution in bf16 and f16 for burn-flex, used by [`super::conv::conv2d`]: in bf16 on
+//! AMX, the weight `[c_out, c_in * k * k]` read in place as the left side of a
+//! [`super::half_gemm`] product, tiles of output rows unrolled into bf16 columns on the right,
+//! f32 sums rounded once into the output with the bias added; without AMX (and in f16), the
+//! tensors widened to f32 for the f32 kernel and its result rounded back.
+
+use half::bf16;
+
+use burn::tensor::{Bytes, DType};
+use burn_flex::{FlexTensor, Layout};
+
+use super::common::{narrow, widen, OutPtr};
+use super::conv::{conv2d_nchw_f32, ConvGeometry, ConvPath, Im2col};
+use super::half_gemm::{self, HalfGemmPath, PackedB};
+
+/// Output positions per tile: its packed columns (`c_in * k * k` values each) stay near the L2
+/// cache while every block of output channels is multiplied with them.
+const TILE_COLUMNS: usize = 512;
+
+/// Convolves half-precision `x` `[n, c_in, h, w]` with `weight` `[c_out, c_in, k, k]` and
+/// `bias` `[c_out]` (the caller checked shapes and dtypes: all `x`'s dtype, bf16 or f16).
+pub(crate) fn conv2d_half(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    bias: Option<&FlexTensor>,
+    geometry: ConvGeometry,
+    path: ConvPath,
+) -> FlexTensor {
+    let dtype = x.dtype();
+    if dtype == DType::BF16 && HalfGemmPath::detect() == HalfGemmPath::Amx {
+        return conv2d_bf16_amx(x, weight, bias, geometry);
+    }
+    let out = conv2d_nchw_f32(
+        &widen(x),
+        &widen(weight),
+        bias.map(widen).as_ref(),
+        geometry,
+        path,
+    );
+    narrow(out, dtype)
+}
+
+fn conv2d_bf16_amx(
+    x: &FlexTensor,
+    weight: &FlexTensor,
+    bias: Option<&FlexTensor>,
+    geometry: ConvGeometry,
+) -> FlexTensor {
+    let x = x.to_contiguous();
+    let weight = weight.to_contiguous();
+    let xs = x.layout().shape();
+    let ws = weight.layout().shape();
+    let (n, c_in, h, w) = (xs[0], xs[1], xs[2], xs[3]);
+    let (c_out, k) = (ws[0], ws[2]);
+    let (s, p) = (geometry.stride, geometry.padding);
+    let h_out = (h + 2 * p - k) / s + 1;
+    let w_out = (w + 2 * p - k) / s + 1;
+    let plane_out = h_out * w_out;
+    let bias: Vec<f32> = match bias {
+        Some(b) => widen(b).storage::<f32>().to_vec(),
+        None => vec![0.0; c_out],
+    };
+    let mut out = vec![bf16::ZERO; n * c_out * plane_out];
+    let geometry = Im2col {
+        h,
+        w,
+        k,
+        s,
+        p,
+        w_out,
+    };
+    let col_len = c_in * k * k;
+    let pointwise = k == 1 && s == 1 && p == 0;
+    let rows_per_tile = (TILE_COLUMNS / w_out.max(1)).clamp(1, h_out.max(1));
+    let x_all = x.storage::<bf16>();
+    let w_all = weight.storage::<bf16>();
+    let ptr = OutPtr(out.as_mut_ptr());
+    let mut col = Vec::new();
+    for b in 0..n {
+        let x = &x_all[b * c_in * h * w..(b + 1) * c_in * h * w];
+        let mut row0 = 0;
+        while row0 < h_out {
+            let row1 = (row0 + rows_per_tile).min(h_out);
+            let cols = (row1 - row0) * w_out;
+            let packed = if pointwise {
+                PackedB::from_rows(HalfGemmPath::Amx, &x[row0 * w..], h * w, col_len, cols)
+            } else {
+                col.resize(col_len * cols, bf16::ZERO);
+                geometry.gather(&mut col, x, row0, row1);
+                PackedB::from_rows(HalfGemmPath::Amx, &col, cols, col_len, cols)
+            };
+            let first = b * c_out * plane_out + row0 * w_out;
+            half_gemm::gemm(w_all, col_len, c_out, &packed, |block| {
+                for i in 0..block.rows {
+                    let channel = block.row0 + i;
+                    let at = first + channel * plane_out + block.col0;
+                    let bias = bias[channel];
+                    // SAFETY: blocks are disjoint (channel, position) ranges of this tile's
+                    // output, inside `out`.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
+                    for (d, v) in dst.iter_mut().zip(block.row(i)) {
+                        *d = bf16::from_f32(v + bias);
+                    }
+                }
+            });
+            row0 = row1;
+        }
+    }
+    FlexTensor::new(
+        Bytes::from_elems(out),
+        Layout::contiguous(vec![n, c_out, h_out, w_out].into()),
+        DType::BF16,
+    )
+}

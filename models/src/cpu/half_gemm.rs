@@ -1,0 +1,419 @@
+//! bf16 matrix products with f32 accumulation, for the CPU kernels in bf16: `C = A B` with `A`
+//! `[m, k]` row-major bf16 and `B` `[k, n]` packed once ([`PackedB`]), every 32x32 block of
+//! `C` handed in f32 to the caller's epilogue (bias, conversion, layout).
+//!
+//! Two paths, chosen at run time: AMX tiles ([`super::amx`]) where the CPU and OS allow, and
+//! elsewhere widening to f32 and the `gemm` crate, exact in the same sense (bf16 products are
+//! exact in f32; the sums round in f32 either way, in a different order).
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::amx::{self, BLOCK, TILE_K, TILE_ROWS};
+
+/// Columns of `B` whose packed panels one job reads: about 1 MiB of `B` at k = 1024, so the
+/// panels stay in the L2 cache while the job walks down the rows of `A`.
+const COLUMN_CHUNK: usize = 256;
+
+/// Which implementation runs the products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HalfGemmPath {
+    /// AMX bf16 tiles.
+    Amx,
+    /// bf16 widened to f32, f32 products through the `gemm` crate.
+    Widened,
+}
+
+impl HalfGemmPath {
+    /// AMX where [`amx::available`] says so, else [`HalfGemmPath::Widened`].
+    pub fn detect() -> Self {
+        if amx::available() {
+            Self::Amx
+        } else {
+            Self::Widened
+        }
+    }
+}
+
+/// The right-hand side of a product, laid out for one path.
+///
+/// For AMX: `panels` panels of 16 columns; in a panel, for each pair of k rows `(2r, 2r + 1)`,
+/// 16 columns of the two values `(B[2r][j], B[2r + 1][j])`, 64 bytes; k padded with zeros to a
+/// multiple of 32 and n to a multiple of 32. For the widened path: `B` in f32, row-major.
+pub struct PackedB {
+    k: usize,
+    n: usize,
+    data: Packed,
+}
+
+enum Packed {
+    Pairs { values: Vec<u16>, k_pad: usize },
+    Widened(Vec<f32>),
+}
+
+impl PackedB {
+    /// Packs `B[kk][j] = b[kk * ldb + j]`, `k` rows of `n` columns.
+    pub fn from_rows(path: HalfGemmPath, b: &[bf16], ldb: usize, k: usize, n: usize) -> Self {
+        assert!(
+            k == 0 || n == 0 || b.len() >= (k - 1) * ldb + n,
+            "B is shorter than its shape"
+        );
+        if path == HalfGemmPath::Widened {
+            return Self::pack(path, k, n, |kk, j| b[kk * ldb + j]);
+        }
+        let k_pad = k.next_multiple_of(TILE_K);
+        let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
+        let panel_len = k_pad * TILE_ROWS;
+        let mut values = vec![0u16; panels * panel_len];
+        values
+            .par_chunks_mut(panel_len)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let j0 = p * TILE_ROWS;
+                let cols = n.saturating_sub(j0).min(TILE_ROWS);
+                if cols == 0 {
+                    return;
+                }
+                let row_of = |kk: usize| -> &[bf16] {
+                    if kk < k {
+                        &b[kk * ldb + j0..kk * ldb + j0 + cols]
+                    } else {
+                        &[]
+                    }
+                };
+                for (r, pairs) in panel.chunks_exact_mut(2 * TILE_ROWS).enumerate() {
+                    if 2 * r >= k {
+                        break;
+                    }
+                    let (even, odd) = (row_of(2 * r), row_of(2 * r + 1));
+                    for (j, pair) in pairs.chunks_exact_mut(2).take(cols).enumerate() {
+                        pair[0] = even[j].to_bits();
+                        pair[1] = odd.get(j).map_or(0, |v| v.to_bits());
+                    }
+                }
+            });
+        Self {
+            k,
+            n,
+            data: Packed::Pairs { values, k_pad },
+        }
+    }
+
+    /// Packs `B[kk][j] = bt[j * ldbt + kk]`: the transpose of `bt`, `n` rows of `k` values (the
+    /// keys of an attention head, for `q k^T`).
+    pub fn from_transposed(
+        path: HalfGemmPath,
+        bt: &[bf16],
+        ldbt: usize,
+        k: usize,
+        n: usize,
+    ) -> Self {
+        if path == HalfGemmPath::Amx {
+            return Self::pairs_from_transposed(bt, ldbt, k, n);
+        }
+        Self::pack(path, k, n, |kk, j| bt[j * ldbt + kk])
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// The widened layout: `B` in f32, row-major.
+    fn pack(
+        path: HalfGemmPath,
+        k: usize,
+        n: usize,
+        at: impl Fn(usize, usize) -> bf16 + Sync,
+    ) -> Self {
+        debug_assert_eq!(path, HalfGemmPath::Widened);
+        let mut values = vec![0.0f32; k * n];
+        values
+            .par_chunks_mut(n.max(1))
+            .enumerate()
+            .for_each(|(kk, row)| {
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v = at(kk, j).to_f32();
+                }
+            });
+        Self {
+            k,
+            n,
+            data: Packed::Widened(values),
+        }
+    }
+
+    /// The pair layout from a transposed source, where each pair `(B[2r][j], B[2r + 1][j])` is
+    /// two neighbours in row `j` of `bt`.
+    fn pairs_from_transposed(bt: &[bf16], ldbt: usize, k: usize, n: usize) -> Self {
+        let k_pad = k.next_multiple_of(TILE_K);
+        let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
+        let panel_len = k_pad * TILE_ROWS;
+        let mut values = vec![0u16; panels * panel_len];
+        values
+            .par_chunks_mut(panel_len)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                let j0 = p * TILE_ROWS;
+                let cols = n.saturating_sub(j0).min(TILE_ROWS);
+                for j in 0..cols {
+                    let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
+                    for (kk, v) in src.iter().enumerate() {
+                        panel[(kk / 2) * 2 * TILE_ROWS + 2 * j + kk % 2] = v.to_bits();
+                    }
+                }
+            });
+        Self {
+            k,
+            n,
+            data: Packed::Pairs { values, k_pad },
+        }
+    }
+}
+
+/// One block of the product handed to the epilogue: rows `row0..row0 + rows` and columns
+/// `col0..col0 + cols` of `C`, element `(i, j)` at `values[i * BLOCK + j]`.
+pub struct Block<'a> {
+    pub row0: usize,
+    pub col0: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub values: &'a [f32; BLOCK * BLOCK],
+}
+
+impl Block<'_> {
+    /// Row `i` of the block (its `cols` values).
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.values[i * BLOCK..i * BLOCK + self.cols]
+    }
+}
+
+/// `C = A B` for `A[i][kk] = a[i * lda + kk]` (`m` rows, `b.k()` columns), on the path `b` was
+/// packed for, every block of `C` passed to `epilogue` exactly once, in parallel on rayon's pool.
+pub fn gemm(a: &[bf16], lda: usize, m: usize, b: &PackedB, epilogue: impl Fn(Block<'_>) + Sync) {
+    run(a, lda, m, b, &epilogue, Threads::Pool);
+}
+
+/// [`gemm`] on the calling thread alone, for callers that already run in parallel jobs (one
+/// attention head each).
+pub fn gemm_on_this_thread(
+    a: &[bf16],
+    lda: usize,
+    m: usize,
+    b: &PackedB,
+    epilogue: impl Fn(Block<'_>) + Sync,
+) {
+    run(a, lda, m, b, &epilogue, Threads::Caller);
+}
+
+/// Where a product's jobs run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Threads {
+    Pool,
+    Caller,
+}
+
+fn run(
+    a: &[bf16],
+    lda: usize,
+    m: usize,
+    b: &PackedB,
+    epilogue: &(impl Fn(Block<'_>) + Sync),
+    threads: Threads,
+) {
+    let (k, n) = (b.k, b.n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(a.len() >= (m - 1) * lda + k, "A is shorter than its shape");
+    match &b.data {
+        Packed::Widened(values) => widened(a, lda, m, k, n, values, epilogue, threads),
+        Packed::Pairs { values, k_pad } => {
+            let product = Tiles {
+                a,
+                lda,
+                m,
+                k,
+                k_pad: *k_pad,
+                n,
+                pairs: values,
+            };
+            product.run(epilogue, threads)
+        }
+    }
+}
+
+/// One product on the AMX path.
+struct Tiles<'a> {
+    a: &'a [bf16],
+    lda: usize,
+    m: usize,
+    k: usize,
+    k_pad: usize,
+    n: usize,
+    pairs: &'a [u16],
+}
+
+/// A job's buffers: `A`'s rows padded where needed, and one block of `C`.
+struct Scratch {
+    rows: Vec<u16>,
+    out: Box<[f32; BLOCK * BLOCK]>,
+}
+
+impl Tiles<'_> {
+    /// Jobs of (chunk of columns, block of 32 rows), chunk by chunk.
+    fn run(&self, epilogue: &(impl Fn(Block<'_>) + Sync), threads: Threads) {
+        let jobs = self.n.div_ceil(COLUMN_CHUNK) * self.m.div_ceil(BLOCK);
+        let init = || {
+            // SAFETY: the pair layout is made only when `amx::available()` granted the tiles.
+            unsafe { amx::configure_thread() };
+            Scratch {
+                rows: vec![0u16; BLOCK * self.k_pad],
+                out: Box::new([0.0f32; BLOCK * BLOCK]),
+            }
+        };
+        match threads {
+            Threads::Pool => (0..jobs)
+                .into_par_iter()
+                .for_each_init(init, |scratch, job| self.job(job, scratch, epilogue)),
+            Threads::Caller => {
+                let mut scratch = init();
+                (0..jobs).for_each(|job| self.job(job, &mut scratch, epilogue));
+            }
+        }
+    }
+
+    /// `A` is read in place when its rows hold whole 32-value steps of k; otherwise (k not a
+    /// multiple of 32, or the last rows of `A`) the rows are copied into a zero-padded block
+    /// first, so no tile load reads past `a`.
+    fn job(&self, job: usize, scratch: &mut Scratch, epilogue: &(impl Fn(Block<'_>) + Sync)) {
+        let (m, k, k_pad, n, lda) = (self.m, self.k, self.k_pad, self.n, self.lda);
+        let row_blocks = m.div_ceil(BLOCK);
+        let panel_len = k_pad * TILE_ROWS;
+        let (chunk, block) = (job / row_blocks, job % row_blocks);
+        let row0 = block * BLOCK;
+        let rows = (m - row0).min(BLOCK);
+        let (a_ptr, lda_bytes) = if k == k_pad && rows == BLOCK {
+            (self.a[row0 * lda..].as_ptr().cast::<u16>(), lda * 2)
+        } else {
+            scratch.rows.fill(0);
+            for i in 0..rows {
+                let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
+                let dst = &mut scratch.rows[i * k_pad..i * k_pad + k];
+                for (d, s) in dst.iter_mut().zip(src) {
+                    *d = s.to_bits();
+                }
+            }
+            (scratch.rows.as_ptr(), k_pad * 2)
+        };
+        let col_end = ((chunk + 1) * COLUMN_CHUNK).min(n);
+        let mut col0 = chunk * COLUMN_CHUNK;
+        while col0 < col_end {
+            let panel = col0 / TILE_ROWS;
+            let b_ptr = self.pairs[panel * panel_len..].as_ptr();
+            // SAFETY: the 32 rows at `a_ptr` hold `k_pad` values each (in place: k == k_pad and
+            // 32 whole rows; else the padded scratch); panels `panel` and `panel + 1` exist
+            // because the panels cover n rounded up to 32 columns.
+            unsafe {
+                amx::block_2x2(
+                    a_ptr,
+                    lda_bytes,
+                    b_ptr,
+                    panel_len * 2,
+                    k_pad / TILE_K,
+                    &mut scratch.out,
+                );
+            }
+            epilogue(Block {
+                row0,
+                col0,
+                rows,
+                cols: (n - col0).min(BLOCK),
+                values: &scratch.out,
+            });
+            col0 += BLOCK;
+        }
+    }
+}
+
+/// The widened path: `A` to f32, one f32 product, then the blocks.
+#[allow(clippy::too_many_arguments)]
+fn widened(
+    a: &[bf16],
+    lda: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    b: &[f32],
+    epilogue: &(impl Fn(Block<'_>) + Sync),
+    threads: Threads,
+) {
+    let mut a32 = vec![0.0f32; m * k];
+    a32.par_chunks_mut(k.max(1))
+        .enumerate()
+        .for_each(|(i, row)| {
+            for (d, s) in row.iter_mut().zip(&a[i * lda..i * lda + k]) {
+                *d = s.to_f32();
+            }
+        });
+    let mut c = vec![0.0f32; m * n];
+    let pool = rayon::current_num_threads();
+    let parallelism = if threads == Threads::Pool && pool > 1 {
+        gemm::Parallelism::Rayon(pool)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the strides describe the three row-major buffers, each of the size given.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a32.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    let blocks: Vec<(usize, usize)> = (0..m.div_ceil(BLOCK))
+        .flat_map(|bi| (0..n.div_ceil(BLOCK)).map(move |bj| (bi * BLOCK, bj * BLOCK)))
+        .collect();
+    let hand_over = |values: &mut Box<[f32; BLOCK * BLOCK]>, &(row0, col0): &(usize, usize)| {
+        let rows = (m - row0).min(BLOCK);
+        let cols = (n - col0).min(BLOCK);
+        for i in 0..rows {
+            let src = &c[(row0 + i) * n + col0..(row0 + i) * n + col0 + cols];
+            values[i * BLOCK..i * BLOCK + cols].copy_from_slice(src);
+        }
+        epilogue(Block {
+            row0,
+            col0,
+            rows,
+            cols,
+            values,
+        });
+    };
+    let block = || Box::new([0.0f32; BLOCK * BLOCK]);
+    match threads {
+        Threads::Pool => blocks.par_iter().for_each_init(block, hand_over),
+        Threads::Caller => {
+            let mut values = block();
+            blocks.iter().for_each(|at| hand_over(&mut values, at));
+        }
+    }
+}

@@ -1,0 +1,433 @@
+//! The CPU kernels in half precision (`cpu::half_gemm`, and bf16/f16 through `cpu::conv`,
+//! `cpu::attention`, `cpu::linear`, `cpu::elementwise`) against references computed here in
+//! f64 from the same (rounded) inputs, on odd shapes: sizes that are no multiple of the AMX
+//! tiles (16 rows, 32 values of k), several column chunks, stride 2, 1x1 and 5x5 kernels.
+//!
+//! Tolerances:
+//! - the products in f32 (`half_gemm`): each element within `k * 2^-23` of the sum of the
+//!   magnitudes of its terms (the bound of f32 summation; the bf16 products are exact in f32);
+//! - bf16 outputs: `2^-8` of the largest expected magnitude (one rounding to bf16 is at most
+//!   `2^-9` of the value, plus the f32 sums); attention `2^-7` (its probabilities are rounded to
+//!   bf16 before `p v`, as torch's CPU flash attention does);
+//! - f16 outputs (widened to f32 and rounded once): `2^-10`.
+//!
+//! Which path the tensor kernels take (AMX or widened) depends on the CPU; `half_gemm` is tested
+//! on both paths on every machine, AMX where the CPU has it.
+
+use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn_flex::Flex;
+use half::bf16;
+use oxidiff_models::cpu::attention::attention;
+use oxidiff_models::cpu::conv::{conv2d_with, ConvGeometry, ConvPath};
+use oxidiff_models::cpu::elementwise::{geglu, group_norm, layer_norm, transpose};
+use oxidiff_models::cpu::half_gemm::{gemm, HalfGemmPath, PackedB};
+use oxidiff_models::cpu::linear::linear;
+
+type B = Flex;
+
+/// Deterministic values in `[-amp, amp)` from a 64-bit LCG.
+fn values(len: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
+/// A tensor of `dtype` with random values, and those values (after rounding) in f64.
+fn tensor<const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    amp: f32,
+    dtype: FloatDType,
+) -> (Tensor<B, D>, Vec<f64>) {
+    let data = values(shape.iter().product(), seed, amp);
+    let t =
+        Tensor::<B, D>::from_data(TensorData::new(data, shape), &Default::default()).cast(dtype);
+    let rounded = t
+        .clone()
+        .cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    (t, rounded.into_iter().map(f64::from).collect())
+}
+
+fn data<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
+}
+
+fn paths() -> Vec<HalfGemmPath> {
+    let mut paths = vec![HalfGemmPath::Widened];
+    if HalfGemmPath::detect() == HalfGemmPath::Amx {
+        paths.push(HalfGemmPath::Amx);
+    }
+    paths
+}
+
+/// `C = A B` with `b` packed from rows or (`transposed`) from the rows of `B^T`, each element
+/// against f64 within the f32 summation bound.
+fn check_gemm(path: HalfGemmPath, m: usize, n: usize, k: usize, transposed: bool) {
+    let seed = (m * 10_000 + n * 100 + k) as u64;
+    let round = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+    // Row strides wider than the rows, so the kernels must honour them.
+    let (lda, ldb) = (k + 3, n + 5);
+    let a = round(values(m * lda, seed, 1.0));
+    let b = round(values(k * ldb, seed + 1, 1.0));
+    let packed = if transposed {
+        let ldbt = k + 1;
+        let mut bt = vec![bf16::ZERO; n * ldbt];
+        for kk in 0..k {
+            for j in 0..n {
+                bt[j * ldbt + kk] = b[kk * ldb + j];
+            }
+        }
+        PackedB::from_transposed(path, &bt, ldbt, k, n)
+    } else {
+        PackedB::from_rows(path, &b, ldb, k, n)
+    };
+    let c = std::sync::Mutex::new(vec![f32::NAN; m * n]);
+    let seen = std::sync::Mutex::new(vec![0u8; m * n]);
+    gemm(&a, lda, m, &packed, |block| {
+        let (mut c, mut seen) = (c.lock().unwrap(), seen.lock().unwrap());
+        for i in 0..block.rows {
+            for (j, v) in block.row(i).iter().enumerate() {
+                let at = (block.row0 + i) * n + block.col0 + j;
+                c[at] = *v;
+                seen[at] += 1;
+            }
+        }
+    });
+    let (c, seen) = (c.into_inner().unwrap(), seen.into_inner().unwrap());
+    assert!(
+        seen.iter().all(|&s| s == 1),
+        "{path:?} {m}x{n}x{k}: every element of C exactly once"
+    );
+    for i in 0..m {
+        for j in 0..n {
+            let (mut exact, mut magnitude) = (0.0f64, 0.0f64);
+            for kk in 0..k {
+                let p = a[i * lda + kk].to_f64() * b[kk * ldb + j].to_f64();
+                exact += p;
+                magnitude += p.abs();
+            }
+            let got = c[i * n + j];
+            let bound = k as f64 * f64::from(f32::EPSILON) * magnitude + 1e-30;
+            assert!(
+                got.is_finite() && (f64::from(got) - exact).abs() <= bound,
+                "{path:?} {m}x{n}x{k} (transposed {transposed}) at ({i}, {j}): {got} against {exact} (bound {bound:e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn half_gemm_matches_f64_on_odd_shapes() {
+    for path in paths() {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (33, 17, 5),
+            (31, 45, 67),
+            (64, 64, 64),
+            (100, 70, 130),
+            (7, 300, 33),
+            (40, 600, 96),
+        ] {
+            check_gemm(path, m, n, k, false);
+            check_gemm(path, m, n, k, true);
+        }
+    }
+}
+
+#[test]
+fn half_gemm_of_nothing_calls_no_epilogue() {
+    for path in paths() {
+        let b = vec![bf16::ONE; 12];
+        let packed = PackedB::from_rows(path, &b, 4, 3, 4);
+        gemm(&[], 3, 0, &packed, |_| panic!("no rows, no blocks"));
+    }
+}
+
+/// Convolution of rounded inputs in f64.
+#[allow(clippy::too_many_arguments)]
+fn conv_ref(
+    x: &[f64],
+    [n, c_in, h, w]: [usize; 4],
+    weight: &[f64],
+    bias: &[f64],
+    c_out: usize,
+    k: usize,
+    s: usize,
+    p: usize,
+) -> Vec<f64> {
+    let h_out = (h + 2 * p - k) / s + 1;
+    let w_out = (w + 2 * p - k) / s + 1;
+    let mut out = vec![0.0; n * c_out * h_out * w_out];
+    for b in 0..n {
+        for co in 0..c_out {
+            for oy in 0..h_out {
+                for ox in 0..w_out {
+                    let mut acc = bias[co];
+                    for ci in 0..c_in {
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let iy = (oy * s + ky) as isize - p as isize;
+                                let ix = (ox * s + kx) as isize - p as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                    continue;
+                                }
+                                acc += x[((b * c_in + ci) * h + iy as usize) * w + ix as usize]
+                                    * weight[((co * c_in + ci) * k + ky) * k + kx];
+                            }
+                        }
+                    }
+                    out[((b * c_out + co) * h_out + oy) * w_out + ox] = acc;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_conv(
+    dtype: FloatDType,
+    dims: [usize; 4],
+    c_out: usize,
+    k: usize,
+    s: usize,
+    p: usize,
+    tol: f64,
+) {
+    let seed = dims.iter().sum::<usize>() as u64 * 31 + (c_out * 7 + k * 3 + s + p) as u64;
+    let (x, xv) = tensor(dims, seed, 1.0, dtype);
+    let (weight, wv) = tensor([c_out, dims[1], k, k], seed + 1, 0.5, dtype);
+    let (bias, bv) = tensor([c_out], seed + 2, 1.0, dtype);
+    let geometry = ConvGeometry {
+        stride: s,
+        padding: p,
+    };
+    let got = conv2d_with(x, weight, Some(bias), geometry, ConvPath::Winograd)
+        .unwrap_or_else(|_| panic!("{dtype:?} takes the CPU kernel"));
+    let expected = conv_ref(&xv, dims, &wv, &bv, c_out, k, s, p);
+    oxidiff_test_support::assert_close(
+        &format!("{dtype:?} conv {dims:?} -> {c_out} k{k} s{s} p{p}"),
+        &data(got),
+        &expected,
+        tol,
+    );
+}
+
+#[test]
+fn bf16_and_f16_convolutions_match_f64() {
+    for (dtype, tol) in [
+        (FloatDType::BF16, 2f64.powi(-8)),
+        (FloatDType::F16, 2f64.powi(-10)),
+    ] {
+        check_conv(dtype, [1, 3, 9, 11], 7, 3, 1, 1, tol);
+        check_conv(dtype, [2, 5, 13, 10], 33, 3, 2, 1, tol);
+        check_conv(dtype, [2, 40, 7, 9], 17, 1, 1, 0, tol);
+        check_conv(dtype, [1, 6, 12, 12], 5, 5, 1, 2, tol);
+        // More output positions than one tile (512), k = 288 (a multiple of 32), 64 channels.
+        check_conv(dtype, [1, 32, 30, 30], 64, 3, 1, 1, tol);
+    }
+}
+
+/// Softmax attention of rounded inputs in f64, heads merged.
+fn attention_ref(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    [b, s_q, s_kv, heads, d]: [usize; 5],
+) -> Vec<f64> {
+    let inner = heads * d;
+    let mut out = vec![0.0; b * s_q * inner];
+    for n in 0..b {
+        for h in 0..heads {
+            for i in 0..s_q {
+                let qi = &q[(n * s_q + i) * inner + h * d..][..d];
+                let scores: Vec<f64> = (0..s_kv)
+                    .map(|j| {
+                        let kj = &k[(n * s_kv + j) * inner + h * d..][..d];
+                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for c in 0..d {
+                    out[(n * s_q + i) * inner + h * d + c] = (0..s_kv)
+                        .map(|j| e[j] * v[(n * s_kv + j) * inner + h * d + c])
+                        .sum::<f64>()
+                        / sum;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn bf16_and_f16_attention_match_f64() {
+    for (dtype, tol) in [
+        (FloatDType::BF16, 2f64.powi(-7)),
+        (FloatDType::F16, 2f64.powi(-10)),
+    ] {
+        // Head sizes 40 and 8 (no multiple of 32), queries across several blocks of 64,
+        // cross-attention with 77 keys.
+        for shape in [[2, 70, 70, 2, 40], [1, 130, 77, 3, 8], [1, 5, 300, 1, 64]] {
+            let [b, s_q, s_kv, heads, d] = shape;
+            let seed = shape.iter().sum::<usize>() as u64;
+            let (q, qv) = tensor([b, s_q, heads * d], seed, 2.0, dtype);
+            let (k, kv) = tensor([b, s_kv, heads * d], seed + 1, 2.0, dtype);
+            let (v, vv) = tensor([b, s_kv, heads * d], seed + 2, 1.0, dtype);
+            let got = attention(q, k, v, heads)
+                .unwrap_or_else(|_| panic!("{dtype:?} takes the CPU kernel"));
+            oxidiff_test_support::assert_close(
+                &format!("{dtype:?} attention {shape:?}"),
+                &data(got),
+                &attention_ref(&qv, &kv, &vv, shape),
+                tol,
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_linear_matches_f64_and_follows_a_changed_weight() {
+    let (d_in, d_out) = (70, 45);
+    let (x, xv) = tensor([2, 9, d_in], 1, 1.0, FloatDType::BF16);
+    let (weight, wv) = tensor([d_in, d_out], 2, 0.5, FloatDType::BF16);
+    let (bias, bv) = tensor([d_out], 3, 1.0, FloatDType::BF16);
+    let reference = |wv: &[f64]| -> Vec<f64> {
+        (0..18)
+            .flat_map(|r| {
+                let row = &xv[r * d_in..(r + 1) * d_in];
+                (0..d_out)
+                    .map(|j| bv[j] + (0..d_in).map(|i| row[i] * wv[i * d_out + j]).sum::<f64>())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let Ok(got) = linear(x.clone(), weight.clone(), Some(bias.clone())) else {
+        // Without AMX, bf16 products are Burn's (its matmul widens to f32).
+        assert_ne!(
+            HalfGemmPath::detect(),
+            HalfGemmPath::Amx,
+            "AMX takes bf16 linears"
+        );
+        return;
+    };
+    let tol = 2f64.powi(-8);
+    oxidiff_test_support::assert_close("bf16 linear", &data(got), &reference(&wv), tol);
+    // A second call reads the packed weight from the cache: the same values.
+    let again = linear(x.clone(), weight.clone(), Some(bias.clone()))
+        .ok()
+        .unwrap();
+    oxidiff_test_support::assert_close("bf16 linear, cached", &data(again), &reference(&wv), tol);
+    // A weight changed in place (the one owner adds to it, as a fused LoRA does) must not
+    // meet the old packing.
+    let changed = weight + 0.25;
+    let changed_v: Vec<f64> = wv
+        .iter()
+        .map(|w| f64::from(bf16::from_f64(w + 0.25).to_f32()))
+        .collect();
+    let got = linear(x, changed, Some(bias)).ok().unwrap();
+    oxidiff_test_support::assert_close(
+        "bf16 linear, changed weight",
+        &data(got),
+        &reference(&changed_v),
+        tol,
+    );
+}
+
+#[test]
+fn bf16_and_f16_norms_geglu_and_transpose_match_f64() {
+    for (dtype, tol) in [
+        (FloatDType::BF16, 2f64.powi(-8)),
+        (FloatDType::F16, 2f64.powi(-10)),
+    ] {
+        // Group norm over [2, 6, 35] in 3 groups, with SiLU.
+        let (x, xv) = tensor([2, 6, 35], 11, 2.0, dtype);
+        let (w, wv) = tensor([6], 12, 1.0, dtype);
+        let (b, bv) = tensor([6], 13, 1.0, dtype);
+        let got = group_norm(x, &w, &b, 3, 1e-5, true)
+            .unwrap_or_else(|_| panic!("{dtype:?} group norm takes the CPU kernel"));
+        let mut expected = vec![0.0; xv.len()];
+        for n in 0..2 {
+            for g in 0..3 {
+                let start = (n * 6 + g * 2) * 35;
+                let group = &xv[start..start + 70];
+                let mean = group.iter().sum::<f64>() / 70.0;
+                let var = group.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 70.0;
+                for (i, v) in group.iter().enumerate() {
+                    let ch = g * 2 + i / 35;
+                    let y = (v - mean) / (var + 1e-5).sqrt() * wv[ch] + bv[ch];
+                    expected[start + i] = y / (1.0 + (-y).exp());
+                }
+            }
+        }
+        oxidiff_test_support::assert_close(
+            &format!("{dtype:?} group norm"),
+            &data(got),
+            &expected,
+            tol,
+        );
+
+        // Layer norm over rows of 37, without affine.
+        let (x, xv) = tensor([3, 5, 37], 14, 3.0, dtype);
+        let got = layer_norm(x, None, 1e-6).unwrap_or_else(|_| panic!("{dtype:?} layer norm"));
+        let expected: Vec<f64> = xv
+            .chunks(37)
+            .flat_map(|row| {
+                let mean = row.iter().sum::<f64>() / 37.0;
+                let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 37.0;
+                row.iter().map(move |v| (v - mean) / (var + 1e-6).sqrt())
+            })
+            .collect();
+        oxidiff_test_support::assert_close(
+            &format!("{dtype:?} layer norm"),
+            &data(got),
+            &expected,
+            tol,
+        );
+
+        // GEGLU over rows of 2 x 21.
+        let (x, xv) = tensor([2, 3, 42], 15, 2.0, dtype);
+        let got = geglu(x).unwrap_or_else(|_| panic!("{dtype:?} geglu"));
+        let expected: Vec<f64> = xv
+            .chunks(42)
+            .flat_map(|row| {
+                let (value, gate) = row.split_at(21);
+                value
+                    .iter()
+                    .zip(gate)
+                    .map(|(v, g)| v * 0.5 * g * (1.0 + libm::erf(g / std::f64::consts::SQRT_2)))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        oxidiff_test_support::assert_close(&format!("{dtype:?} geglu"), &data(got), &expected, tol);
+
+        // Transposes are exact.
+        let (x, xv) = tensor([2, 33, 35], 16, 1.0, dtype);
+        let got = transpose(x).unwrap_or_else(|_| panic!("{dtype:?} transpose"));
+        let expected: Vec<f64> = (0..2)
+            .flat_map(|n| {
+                let xv = &xv;
+                (0..35).flat_map(move |j| (0..33).map(move |i| xv[(n * 33 + i) * 35 + j]))
+            })
+            .collect();
+        oxidiff_test_support::assert_close(
+            &format!("{dtype:?} transpose"),
+            &data(got),
+            &expected,
+            0.0,
+        );
+    }
+}
