@@ -8,6 +8,7 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::Tensor;
 
+use crate::cpu::attention as cpu_attention;
 use crate::error::Result;
 use crate::nn::{Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
 use crate::normalization::RMSNorm;
@@ -55,9 +56,14 @@ fn attend<B: Backend>(
     causal: bool,
     bias: Option<Tensor<B, 4>>,
 ) -> Tensor<B, 3> {
-    // On burn-flex in f32 without bias or mask: heads read in place, gemm-based blocks.
-    let (q, k, v) = if bias.is_none() && !causal {
-        match crate::cpu::attention::attention(q, k, v, heads) {
+    // On burn-flex without bias: heads read in place, gemm-based blocks.
+    let (q, k, v) = if bias.is_none() {
+        let masking = if causal {
+            cpu_attention::Masking::Causal
+        } else {
+            cpu_attention::Masking::None
+        };
+        match cpu_attention::masked_attention(q, k, v, heads, masking) {
             Ok(out) => return out,
             Err(inputs) => inputs,
         }

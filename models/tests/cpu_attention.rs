@@ -10,7 +10,7 @@ use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
-use oxidiff_models::cpu::attention::attention;
+use oxidiff_models::cpu::attention::{attention, masked_attention, Masking};
 use oxidiff_models::cpu::common::exp_nonpositive;
 
 type B = Flex;
@@ -33,6 +33,16 @@ fn tensor(shape: [usize; 3], seed: u64, amp: f32) -> Tensor<B, 3> {
 
 /// Burn's attention with the heads split and merged as `multi_head_attention` did before.
 fn reference(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
+    reference_masked(q, k, v, heads, false)
+}
+
+fn reference_masked(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    heads: usize,
+    is_causal: bool,
+) -> Tensor<B, 3> {
     let [b, s_q, inner] = q.dims();
     let s_kv = k.dims()[1];
     let d = inner / heads;
@@ -46,7 +56,7 @@ fn reference(q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>, heads: usize) ->
         AttentionModuleOptions {
             scale: Some(1.0 / (d as f64).sqrt()),
             softcap: None,
-            is_causal: false,
+            is_causal,
         },
     )
     .swap_dims(1, 2)
@@ -125,4 +135,36 @@ fn other_dtypes_and_mismatched_shapes_are_handed_back() {
     assert!(attention(q.clone(), k.clone(), v.clone(), 3).is_err());
     let short_v = tensor([1, 7, 16], 4, 1.0);
     assert!(attention(q, k, short_v, 2).is_err());
+}
+
+#[test]
+fn causal_attention_matches_burn() {
+    // CLIP's shape (77 tokens, 12 heads of 64 would be slow in the reference; 3 heads of 16
+    // keep the block edges: 77 queries are a block of 64 and one of 13).
+    let (q, k, v) = (
+        tensor([2, 77, 48], 5, 1.0),
+        tensor([2, 77, 48], 6, 1.0),
+        tensor([2, 77, 48], 7, 1.0),
+    );
+    let expected: Vec<f32> = reference_masked(q.clone(), k.clone(), v.clone(), 3, true)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let actual: Vec<f32> = masked_attention(q.clone(), k.clone(), v.clone(), 3, Masking::Causal)
+        .unwrap_or_else(|_| panic!("causal self-attention takes the fast path"))
+        .into_data()
+        .to_vec()
+        .unwrap();
+    oxidiff_test_support::assert_close("causal attention", &actual, &expected, 2e-6);
+    // Unmasked differs (the mask is applied at all).
+    let unmasked: Vec<f32> = attention(q, k, v, 3)
+        .ok()
+        .unwrap()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert!(oxidiff_test_support::relative_error("unmasked", &unmasked, &expected) > 1e-2);
+    // Causal masks need as many queries as keys.
+    let (q, k) = (tensor([1, 5, 8], 1, 1.0), tensor([1, 6, 8], 2, 1.0));
+    assert!(masked_attention(q, k.clone(), k, 2, Masking::Causal).is_err());
 }

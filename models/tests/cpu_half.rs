@@ -17,7 +17,7 @@
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
 use half::bf16;
-use oxidiff_models::cpu::attention::attention;
+use oxidiff_models::cpu::attention::{attention, masked_attention, Masking};
 use oxidiff_models::cpu::conv::{conv2d_with, ConvGeometry, ConvPath};
 use oxidiff_models::cpu::elementwise::{geglu, group_norm, layer_norm, transpose};
 use oxidiff_models::cpu::half_gemm::{gemm, HalfGemmPath, PackedB};
@@ -245,6 +245,7 @@ fn attention_ref(
     k: &[f64],
     v: &[f64],
     [b, s_q, s_kv, heads, d]: [usize; 5],
+    causal: bool,
 ) -> Vec<f64> {
     let inner = heads * d;
     let mut out = vec![0.0; b * s_q * inner];
@@ -252,7 +253,8 @@ fn attention_ref(
         for h in 0..heads {
             for i in 0..s_q {
                 let qi = &q[(n * s_q + i) * inner + h * d..][..d];
-                let scores: Vec<f64> = (0..s_kv)
+                let seen = if causal { i + 1 } else { s_kv };
+                let scores: Vec<f64> = (0..seen)
                     .map(|j| {
                         let kj = &k[(n * s_kv + j) * inner + h * d..][..d];
                         qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
@@ -262,7 +264,7 @@ fn attention_ref(
                 let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let sum: f64 = e.iter().sum();
                 for c in 0..d {
-                    out[(n * s_q + i) * inner + h * d + c] = (0..s_kv)
+                    out[(n * s_q + i) * inner + h * d + c] = (0..seen)
                         .map(|j| e[j] * v[(n * s_kv + j) * inner + h * d + c])
                         .sum::<f64>()
                         / sum;
@@ -281,20 +283,35 @@ fn bf16_and_f16_attention_match_f64() {
     ] {
         // Head sizes 40 and 8 (no multiple of 32), queries across several blocks of 64,
         // cross-attention with 77 keys.
-        for shape in [[2, 70, 70, 2, 40], [1, 130, 77, 3, 8], [1, 5, 300, 1, 64]] {
+        for shape in [
+            [2, 70, 70, 2, 40],
+            [1, 77, 77, 3, 8],
+            [1, 130, 77, 3, 8],
+            [1, 5, 300, 1, 64],
+        ] {
             let [b, s_q, s_kv, heads, d] = shape;
             let seed = shape.iter().sum::<usize>() as u64;
             let (q, qv) = tensor([b, s_q, heads * d], seed, 2.0, dtype);
             let (k, kv) = tensor([b, s_kv, heads * d], seed + 1, 2.0, dtype);
             let (v, vv) = tensor([b, s_kv, heads * d], seed + 2, 1.0, dtype);
-            let got = attention(q, k, v, heads)
+            let got = attention(q.clone(), k.clone(), v.clone(), heads)
                 .unwrap_or_else(|_| panic!("{dtype:?} takes the CPU kernel"));
             oxidiff_test_support::assert_close(
                 &format!("{dtype:?} attention {shape:?}"),
                 &data(got),
-                &attention_ref(&qv, &kv, &vv, shape),
+                &attention_ref(&qv, &kv, &vv, shape, false),
                 tol,
             );
+            if s_q == s_kv {
+                let got = masked_attention(q, k, v, heads, Masking::Causal)
+                    .unwrap_or_else(|_| panic!("{dtype:?} causal takes the CPU kernel"));
+                oxidiff_test_support::assert_close(
+                    &format!("{dtype:?} causal attention {shape:?}"),
+                    &data(got),
+                    &attention_ref(&qv, &kv, &vv, shape, true),
+                    tol,
+                );
+            }
         }
     }
 }
@@ -429,5 +446,38 @@ fn bf16_and_f16_norms_geglu_and_transpose_match_f64() {
             &expected,
             0.0,
         );
+    }
+}
+
+#[test]
+fn bf16_rounding_equals_the_half_crate() {
+    use oxidiff_models::cpu::common::round_bf16;
+    // Every 65521st bit pattern (all exponents, signs and mantissas, ties included by the
+    // specials below), infinities, NaNs, subnormals and the largest finite values.
+    let specials = [
+        0x0000_0000u32,
+        0x8000_0000,
+        0x7f80_0000,
+        0xff80_0000,
+        0x7fc0_0000,
+        0x7f80_0001,
+        0xffff_ffff,
+        0x0000_8000,
+        0x0001_8000,
+        0x3f80_8000,
+        0x3f81_8000,
+        0x7f7f_ffff,
+        0x7f7f_8000,
+        0x0000_0001,
+        0x807f_ffff,
+    ];
+    for bits in (0..=u32::MAX).step_by(65521).chain(specials) {
+        let x = f32::from_bits(bits);
+        let (got, want) = (round_bf16(x), bf16::from_f32(x));
+        if x.is_nan() {
+            assert!(got.is_nan(), "{bits:#x}: NaN stays NaN");
+        } else {
+            assert_eq!(got.to_bits(), want.to_bits(), "{bits:#x} ({x:e})");
+        }
     }
 }

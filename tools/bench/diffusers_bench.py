@@ -147,6 +147,8 @@ def main():
             result["end_to_end"] = timed(generate, args.e2e_repeat, result["first_generation_s"])
     json.dump({
         "impl": "diffusers", "mode": "torch", "dtype": args.dtype, "torch": torch.__version__,
+        "kernels": f"torch {torch.backends.cpu.get_cpu_capability()}, oneDNN "
+                   f"{'on' if torch.backends.mkldnn.is_available() else 'off'}",
         "threads": torch.get_num_threads(), "size": args.size, "steps": args.steps, **result,
         "peak_rss_bytes": peak_rss_bytes(),
     }, sys.stdout)

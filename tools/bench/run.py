@@ -57,13 +57,21 @@ def loadavg():
         return [float(x) for x in f.read().split()[:3]]
 
 
+def cpu_features():
+    """The vector and matrix extensions the kernels choose between, from /proc/cpuinfo."""
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
+                  if line.startswith("flags")), [])
+    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"]
+    return [f for f in wanted if f in flags]
+
+
 def run_one(side, dir_, size, steps, repeat, threads, args):
     env = dict(os.environ)
     env["RAYON_NUM_THREADS"] = str(threads)
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     common = ["--size", str(size), "--steps", str(steps), "--repeat", str(repeat),
-              "--e2e-repeat", str(args.e2e_repeat)]
+              "--e2e-repeat", str(args.e2e_repeat), "--dtype", args.dtype]
     if side == "diffusers":
         cmd = [sys.executable, "tools/bench/diffusers_bench.py", dir_, "--threads", str(threads)]
     else:
@@ -115,7 +123,10 @@ def report(result):
         base = sides["diffusers"]
         lines.append(f"\n{case['config']} ({case['size']}x{case['size']}, {case['steps']} DDIM "
                      f"steps, guidance 7.5), {case['threads']} thread(s), {case['rounds']} "
-                     f"round(s); load avg before runs {min(case['loadavg'])}-{max(case['loadavg'])}")
+                     f"round(s), {result.get('dtype', 'f32')}; load avg before runs "
+                     f"{min(case['loadavg'])}-{max(case['loadavg'])}")
+        kernels = {side: runs[0].get("kernels") for side, runs in case["runs"].items() if runs}
+        lines.append("kernels: " + "; ".join(f"{side}: {k}" for side, k in kernels.items() if k))
         lines.append(f"{'':24}" + "".join(f"{s:>30}" for s in sides) + "".join(
             f"{s + '/diffusers':>20}" for s in sides if s != "diffusers"))
         for key in [k for s, c in zip(STAGES, CPU) for k in (s, c)] + SINGLE:
@@ -197,6 +208,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=None,
                     help="timed calls per stage and process (default: 10 tiny, 2 SD 1.5)")
     ap.add_argument("--e2e-repeat", type=int, default=1, help="timed generations after the first")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
+                    help="both sides' compute dtype (diffusers' torch_dtype, oxidiff's --dtype)")
     ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder (made there on first use; default .cache/sd15-random)")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
     ap.add_argument("--pin-cpu", type=int, default=0,
@@ -209,9 +222,12 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                 if line.startswith("model name")), None)},
-        "command": " ".join(sys.argv), "modes": modes, "cases": [],
+                                 if line.startswith("model name")), None),
+                    "features": cpu_features()},
+        "command": " ".join(sys.argv), "modes": modes, "dtype": args.dtype, "cases": [],
     }
+    print(f"CPU: {result['machine']['cpu']} ({', '.join(result['machine']['features']) or 'no AVX2'}); "
+          f"dtype {args.dtype}", file=sys.stderr, flush=True)
     for name in args.configs.split(","):
         dir_, size, steps, repeat, rounds = CONFIGS[name]
         repeat, rounds = args.repeat or repeat, args.rounds or rounds
@@ -242,7 +258,7 @@ def main():
             # Written after every case, so an interrupted run keeps what it measured.
             with open(os.path.join(ROOT, args.json), "w") as f:
                 json.dump(result, f, indent=1)
-    text = report(result)
+    text = f"CPU: {result['machine']['cpu']} ({', '.join(result['machine']['features'])})\n" + report(result)
     print(text)
     result["table"] = text
     with open(os.path.join(ROOT, args.json), "w") as f:

@@ -29,6 +29,37 @@ pub fn attention<B: Backend>(
     v: Tensor<B, 3>,
     heads: usize,
 ) -> Result<Tensor<B, 3>, Unhandled<B>> {
+    masked_attention(q, k, v, heads, Masking::None)
+}
+
+/// Which keys each query sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Masking {
+    /// All of them.
+    None,
+    /// Query `i` sees keys `0..=i` (the text encoders' causal self-attention; `seq_q` must
+    /// equal `seq_kv`, else the inputs are handed back).
+    Causal,
+}
+
+impl Masking {
+    /// How many keys, from the first, query `row` sees.
+    pub(crate) fn visible(self, row: usize, s_kv: usize) -> usize {
+        match self {
+            Self::None => s_kv,
+            Self::Causal => (row + 1).min(s_kv),
+        }
+    }
+}
+
+/// [`attention`] with the keys masked as `masking` says.
+pub fn masked_attention<B: Backend>(
+    q: Tensor<B, 3>,
+    k: Tensor<B, 3>,
+    v: Tensor<B, 3>,
+    heads: usize,
+    masking: Masking,
+) -> Result<Tensor<B, 3>, Unhandled<B>> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let [b, s_q, inner] = q.dims();
     let [b_k, s_kv, inner_k] = k.dims();
@@ -42,6 +73,7 @@ pub fn attention<B: Backend>(
         || v.dims() != k.dims()
         || (b_k, inner_k) != (b, inner)
         || s_kv == 0
+        || (masking == Masking::Causal && s_q != s_kv)
         || burn_requested("OXIDIFF_CPU_ATTENTION", &OFF)
     {
         return Err((q, k, v));
@@ -54,6 +86,7 @@ pub fn attention<B: Backend>(
         s_kv,
         heads,
         head_dim: inner / heads,
+        masking,
     };
     if dtype != DType::F32 {
         return Ok(from_flex(attention_half(&q, &k, &v, shape)));
@@ -76,6 +109,7 @@ pub(crate) struct Shape {
     pub(crate) s_kv: usize,
     pub(crate) heads: usize,
     pub(crate) head_dim: usize,
+    pub(crate) masking: Masking,
 }
 
 impl Shape {
@@ -146,8 +180,14 @@ impl Shape {
             gemm::Parallelism::None,
         );
         let mut sums = [0.0f32; QUERY_BLOCK];
-        for (row, sum) in scores.chunks_exact_mut(s_kv).zip(sums.iter_mut()) {
-            *sum = exp_shifted(row);
+        for (r, (row, sum)) in scores
+            .chunks_exact_mut(s_kv)
+            .zip(sums.iter_mut())
+            .enumerate()
+        {
+            let (seen, masked) = row.split_at_mut(self.masking.visible(row0 + r, s_kv));
+            *sum = exp_shifted(seen);
+            masked.fill(0.0);
         }
         // out [rows, d] = p [rows, s_kv] @ v [s_kv, d], into the merged heads.
         let dst = out.0.add(q0);

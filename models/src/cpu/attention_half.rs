@@ -12,7 +12,7 @@ use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
 use super::attention::{exp_shifted, Shape};
-use super::common::{narrow, widen, OutPtr};
+use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::half_gemm::{self, HalfGemmPath, PackedB};
 
 /// Queries per block: its f32 scores and bf16 probabilities (`6 * QUERY_BLOCK * seq_kv` bytes,
@@ -63,6 +63,7 @@ fn bf16_amx(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf16]) 
         s_kv,
         heads,
         head_dim: d,
+        masking,
     } = shape;
     let inner = heads * d;
     let scale = 1.0 / (d as f32).sqrt();
@@ -97,14 +98,17 @@ fn bf16_amx(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf16]) 
                     }
                 });
                 let mut sums = [0.0f32; QUERY_BLOCK];
-                for ((row, p), sum) in scores[..rows * s_kv]
+                for (r, ((row, p), sum)) in scores[..rows * s_kv]
                     .chunks_exact_mut(s_kv)
                     .zip(probs.chunks_exact_mut(s_kv))
                     .zip(sums.iter_mut())
+                    .enumerate()
                 {
-                    *sum = exp_shifted(row);
+                    let (seen, masked) = row.split_at_mut(masking.visible(row0 + r, s_kv));
+                    *sum = exp_shifted(seen);
+                    masked.fill(0.0);
                     for (p, e) in p.iter_mut().zip(row.iter()) {
-                        *p = bf16::from_f32(*e);
+                        *p = round_bf16(*e);
                     }
                 }
                 half_gemm::gemm_on_this_thread(probs, s_kv, rows, &values, |block| {
@@ -116,7 +120,7 @@ fn bf16_amx(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf16]) 
                         let dst =
                             unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
                         for (d, s) in dst.iter_mut().zip(block.row(i)) {
-                            *d = bf16::from_f32(s * inv);
+                            *d = round_bf16(s * inv);
                         }
                     }
                 });

@@ -107,7 +107,7 @@ pub(crate) fn narrow(t: FlexTensor, dtype: DType) -> FlexTensor {
     let src = t.storage::<f32>();
     let bytes = match dtype {
         DType::F32 => return t,
-        DType::BF16 => Bytes::from_elems(convert(src, half::bf16::from_f32)),
+        DType::BF16 => Bytes::from_elems(convert(src, round_bf16)),
         DType::F16 => Bytes::from_elems(convert(src, half::f16::from_f32)),
         other => unreachable!("narrow: {other:?} is not a float the CPU kernels take"),
     };
@@ -130,4 +130,15 @@ pub(crate) fn convert<S: Sync + Copy, D: Send + Copy + Default>(
             }
         });
     out
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), NaN kept NaN: `half::bf16::from_f32` in
+/// branch-free integer arithmetic the compiler vectorizes (the library's has branches).
+#[inline(always)]
+pub fn round_bf16(x: f32) -> half::bf16 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits >> 16) | 0x40;
+    let is_nan = (bits & 0x7fff_ffff) > 0x7f80_0000;
+    half::bf16::from_bits(if is_nan { nan } else { rounded } as u16)
 }

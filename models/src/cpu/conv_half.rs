@@ -9,7 +9,7 @@ use half::bf16;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
-use super::common::{narrow, widen, OutPtr};
+use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::conv::{conv2d_nchw_f32, ConvGeometry, ConvPath, Im2col};
 use super::half_gemm::{self, HalfGemmPath, PackedB};
 
@@ -99,7 +99,7 @@ fn conv2d_bf16_amx(
                     // output, inside `out`.
                     let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
                     for (d, v) in dst.iter_mut().zip(block.row(i)) {
-                        *d = bf16::from_f32(v + bias);
+                        *d = round_bf16(v + bias);
                     }
                 }
             });

@@ -11,7 +11,7 @@ use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
 use super::common::{
-    burn_requested, exp_nonpositive, from_flex, into_flex, is_flex, is_half, widen,
+    burn_requested, exp_nonpositive, from_flex, into_flex, is_flex, is_half, round_bf16, widen,
 };
 
 /// Fewest elements worth a job of their own on rayon's pool.
@@ -55,7 +55,7 @@ impl Elem for half::bf16 {
     }
     #[inline(always)]
     fn put(v: f32) -> Self {
-        Self::from_f32(v)
+        round_bf16(v)
     }
 }
 

@@ -38,7 +38,7 @@ impl HalfGemmPath {
 /// The right-hand side of a product, laid out for one path.
 ///
 /// For AMX: `panels` panels of 16 columns; in a panel, for each pair of k rows `(2r, 2r + 1)`,
-/// 16 columns of the two values `(B[2r][j], B[2r + 1][j])`, 64 bytes; k padded with zeros to a
+/// 16 columns of the two values `(B[2r][j], B[2r + 1][j])` in one `u32`, 64 bytes; k padded with zeros to a
 /// multiple of 32 and n to a multiple of 32. For the widened path: `B` in f32, row-major.
 pub struct PackedB {
     k: usize,
@@ -47,7 +47,7 @@ pub struct PackedB {
 }
 
 enum Packed {
-    Pairs { values: Vec<u16>, k_pad: usize },
+    Pairs { values: Vec<u32>, k_pad: usize },
     Widened(Vec<f32>),
 }
 
@@ -63,8 +63,8 @@ impl PackedB {
         }
         let k_pad = k.next_multiple_of(TILE_K);
         let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
-        let panel_len = k_pad * TILE_ROWS;
-        let mut values = vec![0u16; panels * panel_len];
+        let panel_len = k_pad / 2 * TILE_ROWS;
+        let mut values = vec![0u32; panels * panel_len];
         values
             .par_chunks_mut(panel_len)
             .enumerate()
@@ -74,21 +74,21 @@ impl PackedB {
                 if cols == 0 {
                     return;
                 }
-                let row_of = |kk: usize| -> &[bf16] {
-                    if kk < k {
-                        &b[kk * ldb + j0..kk * ldb + j0 + cols]
-                    } else {
-                        &[]
-                    }
-                };
-                for (r, pairs) in panel.chunks_exact_mut(2 * TILE_ROWS).enumerate() {
-                    if 2 * r >= k {
+                for (r, pairs) in panel.chunks_exact_mut(TILE_ROWS).enumerate() {
+                    let kk = 2 * r;
+                    if kk >= k {
                         break;
                     }
-                    let (even, odd) = (row_of(2 * r), row_of(2 * r + 1));
-                    for (j, pair) in pairs.chunks_exact_mut(2).take(cols).enumerate() {
-                        pair[0] = even[j].to_bits();
-                        pair[1] = odd.get(j).map_or(0, |v| v.to_bits());
+                    let even = &b[kk * ldb + j0..kk * ldb + j0 + cols];
+                    if kk + 1 < k {
+                        let odd = &b[(kk + 1) * ldb + j0..(kk + 1) * ldb + j0 + cols];
+                        for ((pair, e), o) in pairs.iter_mut().zip(even).zip(odd) {
+                            *pair = pair_of(*e, *o);
+                        }
+                    } else {
+                        for (pair, e) in pairs.iter_mut().zip(even) {
+                            *pair = pair_of(*e, bf16::ZERO);
+                        }
                     }
                 }
             });
@@ -151,8 +151,8 @@ impl PackedB {
     fn pairs_from_transposed(bt: &[bf16], ldbt: usize, k: usize, n: usize) -> Self {
         let k_pad = k.next_multiple_of(TILE_K);
         let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
-        let panel_len = k_pad * TILE_ROWS;
-        let mut values = vec![0u16; panels * panel_len];
+        let panel_len = k_pad / 2 * TILE_ROWS;
+        let mut values = vec![0u32; panels * panel_len];
         values
             .par_chunks_mut(panel_len)
             .enumerate()
@@ -161,8 +161,9 @@ impl PackedB {
                 let cols = n.saturating_sub(j0).min(TILE_ROWS);
                 for j in 0..cols {
                     let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
-                    for (kk, v) in src.iter().enumerate() {
-                        panel[(kk / 2) * 2 * TILE_ROWS + 2 * j + kk % 2] = v.to_bits();
+                    for (r, two) in src.chunks(2).enumerate() {
+                        let odd = two.get(1).copied().unwrap_or(bf16::ZERO);
+                        panel[r * TILE_ROWS + j] = pair_of(two[0], odd);
                     }
                 }
             });
@@ -172,6 +173,12 @@ impl PackedB {
             data: Packed::Pairs { values, k_pad },
         }
     }
+}
+
+/// The two bf16 values of one k pair as the tiles read them: the even row's in the low half.
+#[inline(always)]
+fn pair_of(even: bf16, odd: bf16) -> u32 {
+    u32::from(even.to_bits()) | (u32::from(odd.to_bits()) << 16)
 }
 
 /// One block of the product handed to the epilogue: rows `row0..row0 + rows` and columns
@@ -254,7 +261,7 @@ struct Tiles<'a> {
     k: usize,
     k_pad: usize,
     n: usize,
-    pairs: &'a [u16],
+    pairs: &'a [u32],
 }
 
 /// A job's buffers: `A`'s rows padded where needed, and one block of `C`.
@@ -292,7 +299,7 @@ impl Tiles<'_> {
     fn job(&self, job: usize, scratch: &mut Scratch, epilogue: &(impl Fn(Block<'_>) + Sync)) {
         let (m, k, k_pad, n, lda) = (self.m, self.k, self.k_pad, self.n, self.lda);
         let row_blocks = m.div_ceil(BLOCK);
-        let panel_len = k_pad * TILE_ROWS;
+        let panel_len = k_pad / 2 * TILE_ROWS;
         let (chunk, block) = (job / row_blocks, job % row_blocks);
         let row0 = block * BLOCK;
         let rows = (m - row0).min(BLOCK);
@@ -313,7 +320,7 @@ impl Tiles<'_> {
         let mut col0 = chunk * COLUMN_CHUNK;
         while col0 < col_end {
             let panel = col0 / TILE_ROWS;
-            let b_ptr = self.pairs[panel * panel_len..].as_ptr();
+            let b_ptr = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
             // SAFETY: the 32 rows at `a_ptr` hold `k_pad` values each (in place: k == k_pad and
             // 32 whole rows; else the padded scratch); panels `panel` and `panel + 1` exist
             // because the panels cover n rounded up to 32 columns.
@@ -322,7 +329,7 @@ impl Tiles<'_> {
                     a_ptr,
                     lda_bytes,
                     b_ptr,
-                    panel_len * 2,
+                    panel_len * 4,
                     k_pad / TILE_K,
                     &mut scratch.out,
                 );

@@ -18,7 +18,7 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use half::bf16;
 
-use super::common::{from_flex, into_flex, is_flex, OutPtr};
+use super::common::{from_flex, into_flex, is_flex, round_bf16, OutPtr};
 use super::half_gemm::{self, HalfGemmPath, PackedB};
 
 /// The inputs handed back when [`linear`] does not apply.
@@ -65,7 +65,7 @@ pub fn linear<B: Backend, const D: usize>(
             let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
             let bias = &bias[block.col0..block.col0 + block.cols];
             for ((d, v), b) in dst.iter_mut().zip(block.row(i)).zip(bias) {
-                *d = bf16::from_f32(v + b);
+                *d = round_bf16(v + b);
             }
         }
     });
