@@ -238,3 +238,40 @@ fn unknown_class_is_an_error_naming_it_and_the_supported_ones() {
         assert!(err.contains(class), "{class} missing from: {err}");
     }
 }
+
+#[test]
+fn every_family_refuses_an_absurd_size_before_allocating() {
+    // 20000x20000 is over the library's bound (2^28 pixels): refused by the request check every
+    // pipeline runs, before latents of 25 million values per channel are made.
+    let device = Default::default();
+    for fixture in [
+        "tiny-sd1",
+        "tiny-sdxl",
+        "tiny-sd3",
+        "tiny-flux-dev",
+        "tiny-pixart-alpha",
+    ] {
+        let mut auto =
+            AutoPipeline::<B>::from_dir(&model_dir(fixture), &LoadOptions::default(), &device)
+                .unwrap();
+        let req = GenerateRequest {
+            width: Some(20_000),
+            height: Some(20_000),
+            ..request(auto.defaults().guidance_scale)
+        };
+        let err = auto
+            .generate_with(
+                &req,
+                &FamilyOptions::default(),
+                &mut TorchCpuGenerator::new(0),
+                |_| {},
+            )
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("20000x20000") && err.contains("pixels"),
+            "{fixture}: {err}"
+        );
+    }
+}

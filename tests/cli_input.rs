@@ -477,3 +477,96 @@ fn png_metadata_names_the_model_and_latents_file_and_img2img_pngs_are_refused() 
     txt2img(&args).refused(1, "use img2img with --image and --strength 0.75");
     assert!(!third.exists());
 }
+
+/// A copy of the tiny pipeline with one field of one component's config replaced.
+fn with_config(
+    tmp: &Path,
+    name: &str,
+    file: &str,
+    field: &str,
+    value: serde_json::Value,
+) -> PathBuf {
+    let dir = tmp.join(name);
+    common::copy_dir(&model(), &dir);
+    let path = dir.join(file);
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config[field] = value;
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+#[test]
+fn absurd_config_sizes_are_refused_before_anything_is_built() {
+    use serde_json::json;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("o.png");
+    let o = out.to_str().unwrap();
+    let cases = [
+        // A timestep table of 2.5e9 entries, then an abort (before: SIGABRT).
+        (
+            "channels",
+            "unet/config.json",
+            "block_out_channels",
+            json!([5_000_000_000u64, 16, 32, 32]),
+            "`block_out_channels: 5000000000`",
+        ),
+        // The default image size from it, overflowing the latents' size (before: a panic).
+        (
+            "sample",
+            "unet/config.json",
+            "sample_size",
+            json!(1_000_000_000u64),
+            "`sample_size: 1000000000`",
+        ),
+        (
+            "vae",
+            "vae/config.json",
+            "latent_channels",
+            json!(4_000_000_000u64),
+            "`latent_channels: 4000000000`",
+        ),
+        (
+            "clip",
+            "text_encoder/config.json",
+            "max_position_embeddings",
+            json!(1u64 << 40),
+            "`max_position_embeddings: 1099511627776`",
+        ),
+        // Tables of 1e9 and 1e12 entries (before: 6 GB and growing; an abort).
+        (
+            "timesteps",
+            "scheduler/scheduler_config.json",
+            "num_train_timesteps",
+            json!(1_000_000_000u64),
+            "num_train_timesteps",
+        ),
+        (
+            "timesteps12",
+            "scheduler/scheduler_config.json",
+            "num_train_timesteps",
+            json!(1_000_000_000_000u64),
+            "num_train_timesteps",
+        ),
+    ];
+    for (name, file, field, value, needle) in cases {
+        let dir = with_config(tmp.path(), name, file, field, value);
+        let ended = txt2img(&[
+            "--model",
+            dir.to_str().unwrap(),
+            "--steps",
+            "2",
+            "-o",
+            o,
+            "x",
+        ]);
+        ended.refused(1, needle);
+        // The message names the file to fix.
+        assert!(
+            ended.stderr.contains(file.split('/').next().unwrap()),
+            "{}",
+            ended.stderr
+        );
+        assert!(!out.exists());
+    }
+}

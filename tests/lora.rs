@@ -292,7 +292,22 @@ fn sdxl_text_encoder_2_lora_on_sd1_is_an_error() {
 
 /// Writes an F32 safetensors file of the given names and shapes (values 0.01 each).
 fn write_safetensors(path: &std::path::Path, tensors: &[(&str, &[usize])]) {
+    write_safetensors_with(path, tensors, None);
+}
+
+/// [`write_safetensors`] with diffusers' `lora_adapter_metadata` (PEFT configs) in the header.
+fn write_safetensors_with(
+    path: &std::path::Path,
+    tensors: &[(&str, &[usize])],
+    adapter_metadata: Option<serde_json::Value>,
+) {
     let mut header = serde_json::Map::new();
+    if let Some(meta) = adapter_metadata {
+        header.insert(
+            "__metadata__".into(),
+            serde_json::json!({ "lora_adapter_metadata": meta.to_string() }),
+        );
+    }
     let mut data = Vec::new();
     for (name, shape) in tensors {
         let n: usize = if shape.contains(&0) {
@@ -314,6 +329,54 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(&str, &[usize])]) {
     bytes.extend_from_slice(text.as_bytes());
     bytes.extend_from_slice(&data);
     std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn adapter_metadata_that_contradicts_itself_or_the_weights_is_an_error() {
+    use serde_json::json;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("meta.safetensors");
+    let pair: [(&str, &[usize]); 2] = [
+        ("unet.conv_in.lora_A.weight", &[1, 4, 3, 3]),
+        ("unet.conv_in.lora_B.weight", &[16, 1, 1, 1]),
+    ];
+    for (meta, needle) in [
+        (
+            json!({"unet.lora_alpha": "notanumber"}),
+            "`unet.lora_alpha` is not a number",
+        ),
+        (json!({"unet.r": -1}), "`unet.r` must be a positive integer"),
+        (
+            json!({"unet.r": "four"}),
+            "`unet.r` must be a positive integer",
+        ),
+        (
+            json!({"unet.r": 8, "unet.lora_alpha": 8}),
+            "has rank 1, but the adapter metadata says `r: 8`",
+        ),
+    ] {
+        write_safetensors_with(&path, &pair, Some(meta.clone()));
+        let err = LoraFile::open(&path)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("meta.safetensors") && err.contains(needle),
+            "{meta}: {err}"
+        );
+    }
+    // Consistent metadata loads, scaled alpha / r as PEFT does; a rank_pattern entry
+    // overrides `r` for its module.
+    for meta in [
+        json!({"unet.r": 1, "unet.lora_alpha": 2}),
+        json!({"unet.r": 8, "unet.lora_alpha": 2, "unet.rank_pattern": {"conv_in": 1}}),
+    ] {
+        write_safetensors_with(&path, &pair, Some(meta.clone()));
+        let file = LoraFile::open(&path).unwrap_or_else(|e| panic!("{meta}: {e}"));
+        let layers: Vec<_> = file.layers.values().flatten().collect();
+        assert_eq!(layers.len(), 1, "{meta}");
+        assert_eq!(layers[0].scaling, 2.0, "{meta}");
+    }
 }
 
 #[test]

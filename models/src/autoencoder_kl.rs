@@ -70,6 +70,25 @@ impl AutoencoderKLConfig {
     }
 
     pub fn validate(&self, path: &Path) -> Result<()> {
+        use crate::config::{check_at_most, MAX_DIMENSION, MAX_SAMPLE_SIZE};
+        let sizes = [
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels),
+            ("latent_channels", self.latent_channels),
+            ("norm_num_groups", self.norm_num_groups),
+            ("layers_per_block", self.layers_per_block),
+        ];
+        let channels = self
+            .block_out_channels
+            .iter()
+            .map(|&c| ("block_out_channels", c));
+        for (field, value) in sizes.into_iter().chain(channels) {
+            check_at_most(field, value, MAX_DIMENSION, path)?;
+        }
+        check_at_most("layers_per_block", self.layers_per_block, 64, path)?;
+        if let Some(sample) = self.sample_size {
+            check_at_most("sample_size", sample, MAX_SAMPLE_SIZE, path)?;
+        }
         let n = self.block_out_channels.len();
         if n == 0 || self.down_block_types.len() != n || self.up_block_types.len() != n {
             return Err(ModelError::Config {

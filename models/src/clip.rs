@@ -73,6 +73,19 @@ impl ClipTextConfig {
                 reason: format!("`hidden_act: {}`", config.hidden_act),
             });
         }
+        use crate::config::{check_at_most, MAX_DIMENSION};
+        let sizes = [
+            ("vocab_size", config.vocab_size),
+            ("hidden_size", config.hidden_size),
+            ("intermediate_size", config.intermediate_size),
+            ("projection_dim", config.projection_dim),
+            ("num_attention_heads", config.num_attention_heads),
+            ("max_position_embeddings", config.max_position_embeddings),
+        ];
+        for (field, value) in sizes {
+            check_at_most(field, value, MAX_DIMENSION, path)?;
+        }
+        check_at_most("num_hidden_layers", config.num_hidden_layers, 1024, path)?;
         if config.num_attention_heads == 0
             || !config
                 .hidden_size

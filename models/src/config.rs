@@ -68,3 +68,26 @@ pub fn check_groups(groups: usize, channels: &[usize], field: &str, path: &Path)
         None => Ok(()),
     }
 }
+
+/// The largest width, channel count or vocabulary a config may give. Released models stay far
+/// below (Flux: 3072 channels, T5-XXL: 10240 feed-forward, CLIP: 49408 tokens); a larger
+/// value is a corrupt or hostile file, refused before a layer or table is built from it.
+pub const MAX_DIMENSION: usize = 1 << 20;
+
+/// The largest `sample_size` (in latent pixels for denoisers, image pixels for VAEs) a config may
+/// give: 16384, past any real model's 128 (SDXL) or 1024 (a VAE).
+pub const MAX_SAMPLE_SIZE: usize = 1 << 14;
+
+/// Refuses `value` of `field` above `max`, naming the file and the field.
+pub fn check_at_most(field: &str, value: usize, max: usize, path: &Path) -> Result<()> {
+    if value > max {
+        return Err(ModelError::Config {
+            path: path.to_path_buf(),
+            reason: format!(
+                "`{field}: {value}` is larger than any real model's (at most {max} is accepted): \
+                 the config is corrupt"
+            ),
+        });
+    }
+    Ok(())
+}

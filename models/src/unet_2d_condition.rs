@@ -12,7 +12,9 @@ use burn::tensor::Tensor;
 use serde::Deserialize;
 
 use crate::attention::{Transformer2DModel, Transformer2DSpec};
-use crate::config::{check_groups, load_json, PerBlock};
+use crate::config::{
+    check_at_most, check_groups, load_json, PerBlock, MAX_DIMENSION, MAX_SAMPLE_SIZE,
+};
 use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
@@ -143,6 +145,7 @@ impl UNet2DConditionConfig {
             })
         };
         let n = self.block_out_channels.len();
+        self.check_sizes(path)?;
         if n == 0 || self.down_block_types.len() != n || self.up_block_types.len() != n {
             return Err(ModelError::Config {
                 path: path.to_path_buf(),
@@ -276,6 +279,62 @@ impl UNet2DConditionConfig {
                          `block_out_channels`)"
                     ),
                 });
+            }
+        }
+        Ok(())
+    }
+
+    /// Bounds every size the model builds tables or layers from before the weights are read
+    /// (a timestep table from `block_out_channels[0]`, the default latents from `sample_size`).
+    fn check_sizes(&self, path: &Path) -> Result<()> {
+        let each = |p: &PerBlock<usize>| match p {
+            PerBlock::One(v) => vec![*v],
+            PerBlock::Each(list) => list.clone(),
+        };
+        let mut sizes: Vec<(&str, usize)> = vec![
+            ("in_channels", self.in_channels),
+            ("out_channels", self.out_channels),
+            ("norm_num_groups", self.norm_num_groups),
+            ("conv_in_kernel", self.conv_in_kernel),
+            ("conv_out_kernel", self.conv_out_kernel),
+            (
+                "block_out_channels (entries)",
+                self.block_out_channels.len(),
+            ),
+        ];
+        sizes.extend(
+            self.block_out_channels
+                .iter()
+                .map(|&c| ("block_out_channels", c)),
+        );
+        sizes.extend(
+            each(&self.cross_attention_dim)
+                .into_iter()
+                .map(|c| ("cross_attention_dim", c)),
+        );
+        sizes.extend(
+            each(&self.attention_head_dim)
+                .into_iter()
+                .map(|c| ("attention_head_dim", c)),
+        );
+        if let Some(heads) = &self.num_attention_heads {
+            sizes.extend(each(heads).into_iter().map(|c| ("num_attention_heads", c)));
+        }
+        let optional = [
+            ("addition_time_embed_dim", self.addition_time_embed_dim),
+            (
+                "projection_class_embeddings_input_dim",
+                self.projection_class_embeddings_input_dim,
+            ),
+            ("time_cond_proj_dim", self.time_cond_proj_dim),
+        ];
+        sizes.extend(optional.iter().filter_map(|(f, v)| v.map(|v| (*f, v))));
+        for (field, value) in sizes {
+            check_at_most(field, value, MAX_DIMENSION, path)?;
+        }
+        if let Some(sample) = &self.sample_size {
+            for v in each(sample) {
+                check_at_most("sample_size", v, MAX_SAMPLE_SIZE, path)?;
             }
         }
         Ok(())

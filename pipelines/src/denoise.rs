@@ -146,6 +146,22 @@ pub struct PipelineOutput<B: Backend> {
     pub images: Option<Images>,
 }
 
+/// The largest image a request may ask for, in pixels: past it the latents alone would take
+/// gigabytes. The CLI's `--max-pixels` is much tighter by default.
+pub const MAX_IMAGE_PIXELS: u64 = 1 << 28;
+
+/// Refuses an image of more than [`MAX_IMAGE_PIXELS`], before anything of its size is made.
+pub fn check_image_pixels(w: usize, h: usize) -> Result<()> {
+    if (w as u64).saturating_mul(h as u64) > MAX_IMAGE_PIXELS {
+        return Err(PipelineError::InvalidInput(format!(
+            "{w}x{h} is more than {MAX_IMAGE_PIXELS} pixels (16384x16384); the pipelines refuse \
+             it before allocating anything (the default size comes from the UNet or \
+             transformer's `sample_size` when width and height are not given)"
+        )));
+    }
+    Ok(())
+}
+
 /// Checks prompts, negative prompts, steps and images per prompt; returns the image size
 /// (`default` when not given), which must be a positive multiple of `factor`.
 pub fn check_request<B: Backend>(
@@ -180,6 +196,7 @@ pub fn check_request<B: Backend>(
         req.height.unwrap_or(default.1),
     );
     let f = factor;
+    check_image_pixels(w, h)?;
     if w == 0 || h == 0 || w % f != 0 || h % f != 0 {
         return Err(PipelineError::InvalidInput(format!(
             "width and height must be positive multiples of {f}, got {w}x{h}; try {}x{}",

@@ -29,8 +29,9 @@ use oxidiff_schedulers::{NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenera
 
 use crate::compiled::{CompileStats, CompiledDenoiser};
 use crate::denoise::{
-    check_request, decode_to_tensor, initial_latents, negatives_for, with_guidance, DenoisingLoop,
-    GenerateRequest, OutputType, PipelineDefaults, PipelineOutput, StepInfo,
+    check_image_pixels, check_request, decode_to_tensor, initial_latents, negatives_for,
+    with_guidance, DenoisingLoop, GenerateRequest, OutputType, PipelineDefaults, PipelineOutput,
+    StepInfo,
 };
 use crate::error::{PipelineError, Result};
 use crate::image::{postprocess, resize_and_crop};
@@ -287,6 +288,8 @@ impl<B: Backend> PixArtPipeline<B> {
                 self.sample_size
             ))
         })?;
+        // The output is resized back to the requested size: bounded like any image.
+        check_image_pixels(requested.0, requested.1)?;
         if requested.0 == 0 || requested.1 == 0 {
             return Err(PipelineError::InvalidInput(format!(
                 "width and height must be positive, got {}x{}",

@@ -308,6 +308,11 @@ where
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
+/// The most training timesteps a config may give: every table a scheduler builds has this many
+/// entries, so a huge value would allocate gigabytes before any step (diffusers' schedules use
+/// 1000; consistency models 40).
+pub const MAX_TRAIN_TIMESTEPS: usize = 100_000;
+
 impl SchedulerConfig {
     /// Reads `scheduler_config.json`; errors name the file and the offending field.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
@@ -335,11 +340,24 @@ impl SchedulerConfig {
                 message: format!("found {}", json_kind(&value)),
             });
         }
-        serde_path_to_error::deserialize(value).map_err(|e| SchedulerError::Field {
-            origin: origin.to_string(),
-            field: e.path().to_string(),
-            message: e.into_inner().to_string(),
-        })
+        let config: Self =
+            serde_path_to_error::deserialize(value).map_err(|e| SchedulerError::Field {
+                origin: origin.to_string(),
+                field: e.path().to_string(),
+                message: e.into_inner().to_string(),
+            })?;
+        if config.num_train_timesteps > MAX_TRAIN_TIMESTEPS {
+            return Err(SchedulerError::Field {
+                origin: origin.to_string(),
+                field: "num_train_timesteps".into(),
+                message: format!(
+                    "{} is more than any trained model uses (at most {MAX_TRAIN_TIMESTEPS} is \
+                     accepted; diffusers' schedules use 1000): the config is corrupt",
+                    config.num_train_timesteps
+                ),
+            });
+        }
+        Ok(config)
     }
 
     /// The scheduler class named by `_class_name`.

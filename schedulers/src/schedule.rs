@@ -135,10 +135,11 @@ impl NoiseSchedule {
     /// zero terminal SNR, and their cumulative alpha products.
     pub fn new(cfg: &SchedulerConfig, class: &'static str, rescale_zero_snr: bool) -> Result<Self> {
         let n = cfg.num_train_timesteps;
-        if n < 2 {
+        let max = crate::config::MAX_TRAIN_TIMESTEPS;
+        if !(2..=max).contains(&n) {
             return Err(SchedulerError::Unsupported {
                 class,
-                message: format!("num_train_timesteps must be at least 2, got {n}"),
+                message: format!("num_train_timesteps must be between 2 and {max}, got {n}"),
             });
         }
         let (beta_start, beta_end) = match class {

@@ -102,9 +102,21 @@ struct AdapterConfig {
     lora_alpha: Option<f32>,
     alpha_pattern: Vec<(String, f32)>,
     use_rslora: bool,
+    /// PEFT's `r`, the rank every layer without a `rank_pattern` entry has.
+    rank: Option<usize>,
+    rank_pattern: Vec<String>,
 }
 
 impl AdapterConfig {
+    /// The rank the metadata gives `module`, unless a `rank_pattern` entry covers it.
+    fn rank_for(&self, module: &str) -> Option<usize> {
+        let patterned = self
+            .rank_pattern
+            .iter()
+            .any(|p| module == p || module.ends_with(&format!(".{p}")));
+        self.rank.filter(|_| !patterned)
+    }
+
     fn alpha_for(&self, module: &str) -> Option<f32> {
         self.alpha_pattern
             .iter()
@@ -215,6 +227,16 @@ impl LoraFile {
                 continue;
             }
             let config = configs.get(&component);
+            // PEFT scales by `alpha / r` from the config: a file whose weights have another
+            // rank than its metadata says is inconsistent, and either reading would guess.
+            if let Some(r) = config.and_then(|c| c.rank_for(&name)) {
+                if r != rank {
+                    problems.push(format!(
+                        "`{stem}` has rank {rank}, but the adapter metadata says `r: {r}`"
+                    ));
+                    continue;
+                }
+            }
             let alpha = match &parts.alpha {
                 Some(key) => {
                     let (values, _) = weights.read_f32(key)?;
@@ -419,6 +441,19 @@ fn adapter_configs(
                 config.alpha_pattern.push((module.clone(), alpha as f32));
             }
             any = true;
+        }
+        if let Some(r) = get("r") {
+            let rank = r.as_u64().filter(|&r| r > 0).ok_or_else(|| {
+                format!(
+                    "`{}.r` must be a positive integer (the adapter's rank), got {r}",
+                    component.name()
+                )
+            })?;
+            config.rank = Some(rank as usize);
+            any = true;
+        }
+        if let Some(serde_json::Value::Object(pattern)) = get("rank_pattern") {
+            config.rank_pattern = pattern.keys().cloned().collect();
         }
         config.use_rslora = get("use_rslora").and_then(serde_json::Value::as_bool) == Some(true);
         if get("use_dora").and_then(serde_json::Value::as_bool) == Some(true) {
