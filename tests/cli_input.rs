@@ -237,6 +237,31 @@ fn fifos_devices_and_oversized_input_files_are_refused() {
         o,
     ];
     txt2img(&args).refused(1, "FIFO");
+
+    // A weight file that is a FIFO is named as such (reading it would block forever).
+    let fifo_model = tmp.path().join("fifo-model");
+    common::copy_dir(&model, &fifo_model);
+    let weights = fifo_model.join("unet/diffusion_pytorch_model.safetensors");
+    std::fs::remove_file(&weights).unwrap();
+    let path = std::ffi::CString::new(weights.to_str().unwrap()).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+    let args = [
+        "--model",
+        fifo_model.to_str().unwrap(),
+        "--steps",
+        "1",
+        "-o",
+        o,
+        "x",
+    ];
+    let ended = txt2img(&args);
+    ended.refused(1, "is a FIFO");
+    assert!(
+        ended.stderr.contains("diffusion_pytorch_model.safetensors"),
+        "{}",
+        ended.stderr
+    );
 }
 
 #[test]

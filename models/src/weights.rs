@@ -98,6 +98,18 @@ impl Weights {
                     }
                     return Self::from_files(&[path]);
                 }
+                // Something of that name that is no regular file (a FIFO, a device, a folder):
+                // reading it could block forever or never end, so it is named, not skipped.
+                if let Ok(meta) = std::fs::metadata(&path) {
+                    return Err(ModelError::NoWeights {
+                        dir: dir.to_path_buf(),
+                        expected: format!(
+                            "{name} to be a regular file, but it is {}; replace it with the \
+                             safetensors file",
+                            file_kind(&meta)
+                        ),
+                    });
+                }
                 tried.push(name);
             }
         }
@@ -643,5 +655,28 @@ fn ensure_inside_model(path: &Path) -> Result<()> {
             target: real,
             model: model_real,
         })
+    }
+}
+
+/// What a path that is no regular file is, in words.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let kind = meta.file_type();
+        if kind.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if kind.is_char_device() || kind.is_block_device() {
+            return "a device";
+        }
+        if kind.is_socket() {
+            return "a socket";
+        }
+    }
+    if meta.is_dir() {
+        "a folder"
+    } else {
+        "not a regular file"
     }
 }
