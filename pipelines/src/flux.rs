@@ -39,6 +39,7 @@ use crate::denoise::{
 };
 use crate::error::{PipelineError, Result};
 use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
+use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
 pub const FLUX_CLASSES: [&str; 1] = ["FluxPipeline"];
@@ -319,26 +320,14 @@ impl<B: Backend> FluxPipeline<B> {
         let mut t5_rows = Vec::with_capacity(clip_rows.capacity());
         for (prompt, prompt_2) in prompts.iter().zip(prompts_2) {
             let clip = self.tokenizer.encode(prompt)?;
-            if clip.truncated {
-                let kept = self.tokenizer.decode(&clip.ids).unwrap_or_default();
-                tracing::warn!(
-                    "the prompt is longer than CLIP's {} tokens and was cut for CLIP; only this \
-                     part is used: {kept:?}",
-                    self.tokenizer.max_length()
-                );
-            }
+            warn_if_clip_cut(&self.tokenizer, &clip);
             let t5 = self.tokenizer_2.encode(prompt_2, max_sequence_length)?;
-            if t5.truncated() {
-                let all = self.tokenizer_2.tokenize(prompt_2)?;
-                let removed = self
-                    .tokenizer_2
-                    .decode(&all[max_sequence_length.saturating_sub(1)..])
-                    .unwrap_or_default();
-                tracing::warn!(
-                    "the prompt is longer than max_sequence_length ({max_sequence_length} T5 \
-                     tokens) and was cut; this part is not used: {removed:?}"
-                );
-            }
+            warn_if_t5_cut(
+                &self.tokenizer_2,
+                prompt_2,
+                max_sequence_length,
+                t5.truncated(),
+            )?;
             for _ in 0..images_per_prompt {
                 clip_rows.push(clip.ids.clone());
                 t5_rows.push(t5.ids.clone());

@@ -61,6 +61,7 @@ pub mod metadata;
 pub mod parallel;
 pub mod pixart_bins;
 pub mod resample;
+mod truncation;
 
 // One pipeline a file, side by side.
 pub mod flux;

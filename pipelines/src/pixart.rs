@@ -40,6 +40,7 @@ use crate::pixart_bins::{
     classify_height_width_bin, ASPECT_RATIO_1024_BIN, ASPECT_RATIO_2048_BIN, ASPECT_RATIO_256_BIN,
     ASPECT_RATIO_512_BIN,
 };
+use crate::truncation::warn_if_t5_cut;
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
 pub const PIXART_CLASSES: [&str; 2] = ["PixArtAlphaPipeline", "PixArtSigmaPipeline"];
@@ -246,17 +247,12 @@ impl<B: Backend> PixArtPipeline<B> {
         for prompt in prompts {
             let text = prompt.to_lowercase();
             let encoded = self.tokenizer.encode(text.trim(), max_sequence_length)?;
-            if encoded.truncated() {
-                let all = self.tokenizer.tokenize(text.trim())?;
-                let removed = self
-                    .tokenizer
-                    .decode(&all[max_sequence_length.saturating_sub(1)..])
-                    .unwrap_or_default();
-                tracing::warn!(
-                    "the prompt is longer than {max_sequence_length} T5 tokens and was cut; this \
-                     part is not used: {removed:?}"
-                );
-            }
+            warn_if_t5_cut(
+                &self.tokenizer,
+                text.trim(),
+                max_sequence_length,
+                encoded.truncated(),
+            )?;
             for _ in 0..images_per_prompt {
                 ids.push(encoded.ids.clone());
                 mask.push(encoded.attention_mask.clone());

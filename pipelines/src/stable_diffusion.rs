@@ -28,6 +28,7 @@ use crate::denoise::{
 use crate::error::{PipelineError, Result};
 use crate::inpaint::{check_unet_input, InpaintCondition};
 use crate::loading::LoadOptions;
+use crate::truncation::warn_if_clip_cut;
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
 pub const SUPPORTED_CLASSES: [&str; 3] = [
@@ -220,13 +221,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let mut rows = Vec::with_capacity(prompts.len() * images_per_prompt);
         for prompt in prompts {
             let encoded = self.tokenizer.encode(prompt)?;
-            if encoded.truncated {
-                let kept = self.tokenizer.decode(&encoded.ids).unwrap_or_default();
-                tracing::warn!(
-                    "the prompt is longer than CLIP's {} tokens and was cut; only this part is used: {kept:?}",
-                    self.tokenizer.max_length()
-                );
-            }
+            warn_if_clip_cut(&self.tokenizer, &encoded);
             for _ in 0..images_per_prompt {
                 rows.push(encoded.ids.clone());
             }

@@ -35,6 +35,7 @@ use crate::denoise::{
 };
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
+use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
 pub const SD3_CLASS: &str = "StableDiffusion3Pipeline";
@@ -328,14 +329,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             let mut rows = Vec::with_capacity(texts.len() * images_per_prompt);
             for text in texts {
                 let encoded = tokenizer.encode(text)?;
-                if encoded.truncated {
-                    let kept = tokenizer.decode(&encoded.ids).unwrap_or_default();
-                    tracing::warn!(
-                        "the prompt is longer than CLIP's {} tokens and was cut; only this part \
-                         is used: {kept:?}",
-                        tokenizer.max_length()
-                    );
-                }
+                warn_if_clip_cut(tokenizer, &encoded);
                 rows.extend(std::iter::repeat_n(encoded.ids, images_per_prompt));
             }
             Ok(rows)
@@ -387,16 +381,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
                 let mut ids = Vec::with_capacity(rows);
                 for text in prompts_3 {
                     let encoded = tokenizer.encode(text, max_sequence_length)?;
-                    if encoded.truncated() {
-                        let all = tokenizer.tokenize(text)?;
-                        let removed = tokenizer
-                            .decode(&all[max_sequence_length.saturating_sub(1)..])
-                            .unwrap_or_default();
-                        tracing::warn!(
-                            "the prompt is longer than max_sequence_length ({max_sequence_length} \
-                             T5 tokens) and was cut; this part is not used: {removed:?}"
-                        );
-                    }
+                    warn_if_t5_cut(tokenizer, text, max_sequence_length, encoded.truncated())?;
                     ids.extend(std::iter::repeat_n(encoded.ids, images_per_prompt));
                 }
                 t5.forward(&ids, None)?.to_device(&device)

@@ -36,6 +36,7 @@ use crate::denoise::{
 use crate::error::{PipelineError, Result};
 use crate::inpaint::{check_unet_input, InpaintCondition};
 use crate::loading::LoadOptions;
+use crate::truncation::warn_if_clip_cut;
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
 pub const SDXL_CLASS: &str = "StableDiffusionXLPipeline";
@@ -402,13 +403,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             let mut rows = Vec::with_capacity(texts.len() * images_per_prompt);
             for text in texts {
                 let encoded = tokenizer.encode(text)?;
-                if encoded.truncated {
-                    let kept = tokenizer.decode(&encoded.ids).unwrap_or_default();
-                    tracing::warn!(
-                        "the prompt is longer than CLIP's {} tokens and was cut; only this part is used: {kept:?}",
-                        tokenizer.max_length()
-                    );
-                }
+                warn_if_clip_cut(tokenizer, &encoded);
                 for _ in 0..images_per_prompt {
                     rows.push(encoded.ids.clone());
                 }

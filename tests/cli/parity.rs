@@ -131,7 +131,8 @@ fn pixart_folder_is_recognised_and_its_png_matches_diffusers() {
     assert!(result.status.success(), "{}", stderr(&result));
     let log = stderr(&result);
     assert!(
-        log.contains("longer than 8 T5 tokens") && log.contains("horse on the moon"),
+        log.contains("longer than max_sequence_length (8 T5 tokens)")
+            && log.contains("horse on the moon"),
         "{log}"
     );
     assert!(again.exists());
