@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 
 use crate::cpu::attention as cpu_attention;
 use crate::error::Result;
-use crate::nn::{Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
+use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
 use crate::normalization::RMSNorm;
 use crate::weights::VarBuilder;
 
@@ -255,10 +255,8 @@ impl<B: Backend> FeedForward<B> {
                 let gate = projected.narrow(2, inner, inner);
                 hidden * burn::tensor::activation::gelu(gate)
             }
-            FeedForwardActivation::Gelu => burn::tensor::activation::gelu(projected),
-            FeedForwardActivation::GeluTanh => {
-                burn::tensor::activation::gelu_approximate(projected)
-            }
+            FeedForwardActivation::Gelu => Activation::Gelu.forward(projected),
+            FeedForwardActivation::GeluTanh => Activation::GeluTanh.forward(projected),
         };
         self.proj_out.forward(hidden)
     }

@@ -281,7 +281,19 @@ impl Activation {
         })
     }
 
+    /// On burn-flex one parallel pass ([`cpu_elementwise::map`]), elsewhere Burn's activations.
     pub fn forward<B: Backend, const D: usize>(self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let cpu = match self {
+            Self::Silu => cpu_elementwise::map(x, cpu_elementwise::silu),
+            Self::Gelu => cpu_elementwise::map(x, cpu_elementwise::gelu),
+            Self::GeluTanh => cpu_elementwise::map(x, cpu_elementwise::gelu_tanh),
+            Self::QuickGelu => cpu_elementwise::map(x, cpu_elementwise::quick_gelu),
+            Self::Relu => cpu_elementwise::map(x, |v| v.max(0.0)),
+        };
+        let x = match cpu {
+            Ok(out) => return out,
+            Err(x) => x,
+        };
         match self {
             Self::Silu => activation::silu(x),
             Self::Gelu => activation::gelu(x),

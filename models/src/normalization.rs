@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 
 use crate::embeddings::{MicroConditions, PixArtAlphaCombinedTimestepSizeEmbeddings};
 use crate::error::Result;
-use crate::nn::Linear;
+use crate::nn::{Activation, Linear};
 use crate::weights::VarBuilder;
 
 /// diffusers' `AdaLayerNormSingle` (adaLN-single of PixArt): one timestep embedding shared by
@@ -41,7 +41,7 @@ impl<B: Backend> AdaLayerNormSingle<B> {
         let embedded = self.emb.forward(timestep, conditions);
         let modulation = self
             .linear
-            .forward(burn::tensor::activation::silu(embedded.clone()));
+            .forward(Activation::Silu.forward(embedded.clone()));
         (modulation, embedded)
     }
 }
@@ -94,7 +94,7 @@ fn modulation_chunks<B: Backend, const N: usize>(
     linear: &Linear<B>,
     emb: Tensor<B, 2>,
 ) -> [Tensor<B, 3>; N] {
-    let out = linear.forward(burn::tensor::activation::silu(emb));
+    let out = linear.forward(Activation::Silu.forward(emb));
     let [b, width] = out.dims();
     let out: Tensor<B, 3> = out.reshape([b, N, width / N]);
     std::array::from_fn(|i| out.clone().narrow(1, i, 1))

@@ -13,7 +13,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::activation::gelu_approximate;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
@@ -27,7 +26,7 @@ use crate::embeddings::{
     CombinedTimestepTextProjEmbeddings, FluxPosEmbed, RotaryEmbedding,
 };
 use crate::error::{ModelError, Result};
-use crate::nn::{layer_norm, Linear};
+use crate::nn::{layer_norm, Activation, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle, RMSNorm,
 };
@@ -352,7 +351,7 @@ impl<B: Backend> FluxSingleTransformerBlock<B> {
         rope: &RotaryEmbedding<B>,
     ) -> Tensor<B, 3> {
         let (normed, gate) = self.norm.forward(x.clone(), temb);
-        let mlp = gelu_approximate(self.proj_mlp.forward(normed.clone()));
+        let mlp = Activation::GeluTanh.forward(self.proj_mlp.forward(normed.clone()));
         let attn = self.attn.forward(normed, rope);
         let joined = Tensor::cat(vec![attn, mlp], 2);
         x + gate * self.proj_out.forward(joined)

@@ -481,3 +481,38 @@ fn bf16_rounding_equals_the_half_crate() {
         }
     }
 }
+
+#[test]
+fn activations_match_f64_in_f32_bf16_and_f16() {
+    use oxidiff_models::nn::Activation;
+    let erf_gelu = |x: f64| 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+    let tanh_gelu = |x: f64| {
+        0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+    };
+    let cases: [(Activation, &dyn Fn(f64) -> f64); 5] = [
+        (Activation::Silu, &|x| x / (1.0 + (-x).exp())),
+        (Activation::Gelu, &erf_gelu),
+        (Activation::GeluTanh, &tanh_gelu),
+        (Activation::QuickGelu, &|x| x / (1.0 + (-1.702 * x).exp())),
+        (Activation::Relu, &|x| x.max(0.0)),
+    ];
+    for (dtype, tol) in [
+        (FloatDType::F32, 2e-6),
+        (FloatDType::BF16, 2f64.powi(-8)),
+        (FloatDType::F16, 2f64.powi(-10)),
+    ] {
+        for (act, reference) in &cases {
+            // Values to +-12 (the exponentials' tails), a shape that is no multiple of anything.
+            let (x, xv) = tensor([3, 7, 41], 21, 12.0, dtype);
+            let expected: Vec<f64> = xv.iter().map(|&v| reference(v)).collect();
+            let got = act.forward(x);
+            assert_eq!(got.dtype(), dtype.into(), "{act:?} keeps the dtype");
+            oxidiff_test_support::assert_close(
+                &format!("{act:?} {dtype:?}"),
+                &data(got),
+                &expected,
+                tol,
+            );
+        }
+    }
+}

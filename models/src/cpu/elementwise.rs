@@ -186,6 +186,54 @@ pub fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
 }
 
+/// `tanh(x)`, branch-free from [`exp_nonpositive`]: `(1 - e) / (1 + e)` with `e = exp(-2|x|)`,
+/// the sign put back.
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    let e = exp_nonpositive(-2.0 * x.abs());
+    ((1.0 - e) / (1.0 + e)).copysign(x)
+}
+
+/// The tanh-approximated GELU (`gelu_pytorch_tanh`).
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)))
+}
+
+/// OpenAI CLIP's `x * sigmoid(1.702 x)`.
+#[inline(always)]
+pub fn quick_gelu(x: f32) -> f32 {
+    let y = 1.702 * x;
+    let e = exp_nonpositive(-y.abs());
+    let sigmoid = if y >= 0.0 { 1.0 } else { e } / (1.0 + e);
+    x * sigmoid
+}
+
+/// `f` applied to every element of `x` in one parallel pass (in place when `x` is the only
+/// holder of its storage), computing in f32; or `x` back where the kernels do not apply.
+/// Burn's activations take several passes (`x * sigmoid(a x)` is three), on one thread.
+pub fn map<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    f: impl Fn(f32) -> f32 + Sync,
+) -> Result<Tensor<B, D>, Tensor<B, D>> {
+    if !applies::<B>(&[x.dtype()]) {
+        return Err(x);
+    }
+    let dtype = x.dtype();
+    let t = into_flex(x);
+    Ok(from_flex(by_dtype!(dtype, map_typed(t, &f))))
+}
+
+fn map_typed<E: Elem>(t: FlexTensor, f: &(impl Fn(f32) -> f32 + Sync)) -> FlexTensor {
+    let mut t = writable::<E>(t);
+    let data = t.storage_mut::<E>();
+    let chunk = MIN_JOB.max(data.len().div_ceil(4 * rayon::current_num_threads().max(1)));
+    data.par_chunks_mut(chunk)
+        .for_each(|c| c.iter_mut().for_each(|v| *v = E::put(f(v.get()))));
+    t
+}
+
 /// The data of a 1-D parameter as f32 values.
 fn values<B: Backend>(t: &Tensor<B, 1>) -> Vec<f32> {
     widen(&into_flex(t.clone())).storage::<f32>().to_vec()
