@@ -114,13 +114,18 @@ pub(crate) fn conv2d_nchw_f32(
 ) -> FlexTensor {
     let x = x.to_contiguous();
     let weight = weight.to_contiguous();
-    let xs = x.layout().shape();
-    let ws = weight.layout().shape();
-    let (n, c_in, h, w) = (xs[0], xs[1], xs[2], xs[3]);
-    let (c_out, k) = (ws[0], ws[2]);
-    let (s, p) = (geometry.stride, geometry.padding);
-    let h_out = (h + 2 * p - k) / s + 1;
-    let w_out = (w + 2 * p - k) / s + 1;
+    let ConvShape {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        k,
+        s,
+        p,
+        h_out,
+        w_out,
+    } = ConvShape::of(&x, &weight, geometry);
     let plane_out = h_out * w_out;
 
     let mut out = vec![0.0f32; n * c_out * plane_out];
@@ -162,6 +167,42 @@ pub(crate) fn conv2d_nchw_f32(
         Layout::contiguous(vec![n, c_out, h_out, w_out].into()),
         DType::F32,
     )
+}
+
+/// The sizes of one convolution: input `[n, c_in, h, w]`, weight `[c_out, c_in, k, k]`,
+/// stride `s`, padding `p`, output `[n, c_out, h_out, w_out]`.
+pub(crate) struct ConvShape {
+    pub(crate) n: usize,
+    pub(crate) c_in: usize,
+    pub(crate) h: usize,
+    pub(crate) w: usize,
+    pub(crate) c_out: usize,
+    pub(crate) k: usize,
+    pub(crate) s: usize,
+    pub(crate) p: usize,
+    pub(crate) h_out: usize,
+    pub(crate) w_out: usize,
+}
+
+impl ConvShape {
+    /// Read from the tensors' shapes (the caller checked that the kernel fits the padded input).
+    pub(crate) fn of(x: &FlexTensor, weight: &FlexTensor, geometry: ConvGeometry) -> Self {
+        let xs = x.layout().shape();
+        let ws = weight.layout().shape();
+        let (k, s, p) = (ws[2], geometry.stride, geometry.padding);
+        Self {
+            n: xs[0],
+            c_in: xs[1],
+            h: xs[2],
+            w: xs[3],
+            c_out: ws[0],
+            k,
+            s,
+            p,
+            h_out: (xs[2] + 2 * p - k) / s + 1,
+            w_out: (xs[3] + 2 * p - k) / s + 1,
+        }
+    }
 }
 
 /// One convolution's sizes and data.

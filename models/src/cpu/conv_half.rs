@@ -10,7 +10,7 @@ use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
 use super::common::{narrow, round_bf16, widen, OutPtr};
-use super::conv::{conv2d_nchw_f32, ConvGeometry, ConvPath, Im2col};
+use super::conv::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
 use super::half_gemm::{self, HalfGemmPath, PackedB};
 
 /// Output positions per tile: its packed columns (`c_in * k * k` values each) stay near the L2
@@ -48,13 +48,18 @@ fn conv2d_bf16_amx(
 ) -> FlexTensor {
     let x = x.to_contiguous();
     let weight = weight.to_contiguous();
-    let xs = x.layout().shape();
-    let ws = weight.layout().shape();
-    let (n, c_in, h, w) = (xs[0], xs[1], xs[2], xs[3]);
-    let (c_out, k) = (ws[0], ws[2]);
-    let (s, p) = (geometry.stride, geometry.padding);
-    let h_out = (h + 2 * p - k) / s + 1;
-    let w_out = (w + 2 * p - k) / s + 1;
+    let ConvShape {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        k,
+        s,
+        p,
+        h_out,
+        w_out,
+    } = ConvShape::of(&x, &weight, geometry);
     let plane_out = h_out * w_out;
     let bias: Vec<f32> = match bias {
         Some(b) => widen(b).storage::<f32>().to_vec(),

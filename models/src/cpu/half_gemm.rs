@@ -61,42 +61,25 @@ impl PackedB {
         if path == HalfGemmPath::Widened {
             return Self::pack(path, k, n, |kk, j| b[kk * ldb + j]);
         }
-        let k_pad = k.next_multiple_of(TILE_K);
-        let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
-        let panel_len = k_pad / 2 * TILE_ROWS;
-        let mut values = vec![0u32; panels * panel_len];
-        values
-            .par_chunks_mut(panel_len)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                let j0 = p * TILE_ROWS;
-                let cols = n.saturating_sub(j0).min(TILE_ROWS);
-                if cols == 0 {
-                    return;
+        Self::pairs(k, n, |j0, cols, panel| {
+            for (r, pairs) in panel.chunks_exact_mut(TILE_ROWS).enumerate() {
+                let kk = 2 * r;
+                if kk >= k {
+                    break;
                 }
-                for (r, pairs) in panel.chunks_exact_mut(TILE_ROWS).enumerate() {
-                    let kk = 2 * r;
-                    if kk >= k {
-                        break;
+                let even = &b[kk * ldb + j0..kk * ldb + j0 + cols];
+                if kk + 1 < k {
+                    let odd = &b[(kk + 1) * ldb + j0..(kk + 1) * ldb + j0 + cols];
+                    for ((pair, e), o) in pairs.iter_mut().zip(even).zip(odd) {
+                        *pair = pair_of(*e, *o);
                     }
-                    let even = &b[kk * ldb + j0..kk * ldb + j0 + cols];
-                    if kk + 1 < k {
-                        let odd = &b[(kk + 1) * ldb + j0..(kk + 1) * ldb + j0 + cols];
-                        for ((pair, e), o) in pairs.iter_mut().zip(even).zip(odd) {
-                            *pair = pair_of(*e, *o);
-                        }
-                    } else {
-                        for (pair, e) in pairs.iter_mut().zip(even) {
-                            *pair = pair_of(*e, bf16::ZERO);
-                        }
+                } else {
+                    for (pair, e) in pairs.iter_mut().zip(even) {
+                        *pair = pair_of(*e, bf16::ZERO);
                     }
                 }
-            });
-        Self {
-            k,
-            n,
-            data: Packed::Pairs { values, k_pad },
-        }
+            }
+        })
     }
 
     /// Packs `B[kk][j] = bt[j * ldbt + kk]`: the transpose of `bt`, `n` rows of `k` values (the
@@ -149,6 +132,20 @@ impl PackedB {
     /// The pair layout from a transposed source, where each pair `(B[2r][j], B[2r + 1][j])` is
     /// two neighbours in row `j` of `bt`.
     fn pairs_from_transposed(bt: &[bf16], ldbt: usize, k: usize, n: usize) -> Self {
+        Self::pairs(k, n, |j0, cols, panel| {
+            for j in 0..cols {
+                let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
+                for (r, two) in src.chunks(2).enumerate() {
+                    let odd = two.get(1).copied().unwrap_or(bf16::ZERO);
+                    panel[r * TILE_ROWS + j] = pair_of(two[0], odd);
+                }
+            }
+        })
+    }
+
+    /// The pair layout for `k` rows and `n` columns, zero-padded, each panel of 16 columns
+    /// filled (in parallel) by `fill(first column, columns in it, panel)`.
+    fn pairs(k: usize, n: usize, fill: impl Fn(usize, usize, &mut [u32]) + Sync) -> Self {
         let k_pad = k.next_multiple_of(TILE_K);
         let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
         let panel_len = k_pad / 2 * TILE_ROWS;
@@ -159,12 +156,8 @@ impl PackedB {
             .for_each(|(p, panel)| {
                 let j0 = p * TILE_ROWS;
                 let cols = n.saturating_sub(j0).min(TILE_ROWS);
-                for j in 0..cols {
-                    let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
-                    for (r, two) in src.chunks(2).enumerate() {
-                        let odd = two.get(1).copied().unwrap_or(bf16::ZERO);
-                        panel[r * TILE_ROWS + j] = pair_of(two[0], odd);
-                    }
+                if cols > 0 {
+                    fill(j0, cols, panel);
                 }
             });
         Self {
