@@ -163,11 +163,25 @@ pub unsafe fn block_2x2(
     );
 }
 
-/// Hands the tile state back (`tilerelease`), so the thread's context switches stop saving it.
-///
+// Elsewhere [`available`] is false, so nothing calls these; they keep `half_gemm` portable.
+
 /// # Safety
-/// [`available`] returned true.
-#[cfg(target_arch = "x86_64")]
-pub unsafe fn release_thread() {
-    std::arch::asm!("tilerelease", options(nostack));
+/// Never called: [`available`] is false off x86_64.
+#[cfg(not(target_arch = "x86_64"))]
+pub unsafe fn configure_thread() {
+    unreachable!("AMX exists only on x86_64")
+}
+
+/// # Safety
+/// Never called: [`available`] is false off x86_64.
+#[cfg(not(target_arch = "x86_64"))]
+pub unsafe fn block_2x2(
+    _a: *const u16,
+    _lda_bytes: usize,
+    _b: *const u16,
+    _panel_bytes: usize,
+    _k_steps: usize,
+    _out: &mut [f32; BLOCK * BLOCK],
+) {
+    unreachable!("AMX exists only on x86_64")
 }
