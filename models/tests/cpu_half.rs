@@ -505,14 +505,22 @@ fn activations_match_f64_in_f32_bf16_and_f16() {
             // Values to +-12 (the exponentials' tails), a shape that is no multiple of anything.
             let (x, xv) = tensor([3, 7, 41], 21, 12.0, dtype);
             let expected: Vec<f64> = xv.iter().map(|&v| reference(v)).collect();
+            // A shared input is read, not overwritten; one held by nobody else is mapped in place.
+            let shared = act.forward(x.clone());
+            assert_eq!(
+                data(x.clone()),
+                xv.iter().map(|&v| v as f32).collect::<Vec<_>>()
+            );
             let got = act.forward(x);
             assert_eq!(got.dtype(), dtype.into(), "{act:?} keeps the dtype");
-            oxidiff_test_support::assert_close(
-                &format!("{act:?} {dtype:?}"),
-                &data(got),
-                &expected,
-                tol,
-            );
+            for (how, got) in [("shared", shared), ("owned", got)] {
+                oxidiff_test_support::assert_close(
+                    &format!("{act:?} {dtype:?} ({how})"),
+                    &data(got),
+                    &expected,
+                    tol,
+                );
+            }
         }
     }
 }

@@ -225,13 +225,28 @@ pub fn map<B: Backend, const D: usize>(
     Ok(from_flex(by_dtype!(dtype, map_typed(t, &f))))
 }
 
-fn map_typed<E: Elem>(t: FlexTensor, f: &(impl Fn(f32) -> f32 + Sync)) -> FlexTensor {
-    let mut t = writable::<E>(t);
-    let data = t.storage_mut::<E>();
-    let chunk = MIN_JOB.max(data.len().div_ceil(4 * rayon::current_num_threads().max(1)));
-    data.par_chunks_mut(chunk)
-        .for_each(|c| c.iter_mut().for_each(|v| *v = E::put(f(v.get()))));
-    t
+fn map_typed<E: Elem>(mut t: FlexTensor, f: &(impl Fn(f32) -> f32 + Sync)) -> FlexTensor {
+    let len = t.layout().num_elements();
+    let chunk = MIN_JOB.max(len.div_ceil(4 * rayon::current_num_threads().max(1)));
+    if is_whole(&t) && t.is_unique() {
+        t.storage_mut::<E>()
+            .par_chunks_mut(chunk)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = E::put(f(v.get()))));
+        return t;
+    }
+    // Shared (or a view): read the source once into the new buffer, rather than copying it
+    // first and mapping the copy.
+    let src = t.to_contiguous();
+    let shape = src.layout().shape().to_vec();
+    let mut out = vec![E::default(); len];
+    out.par_chunks_mut(chunk)
+        .zip(src.storage::<E>().par_chunks(chunk))
+        .for_each(|(d, s)| {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d = E::put(f(s.get()));
+            }
+        });
+    tensor_of(out, shape)
 }
 
 /// The data of a 1-D parameter as f32 values.

@@ -18,7 +18,7 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use half::bf16;
 
-use super::common::{from_flex, into_flex, is_flex, round_bf16, OutPtr};
+use super::common::{from_flex, into_flex, is_flex, round_bf16, widen, OutPtr};
 use super::half_gemm::{self, HalfGemmPath, PackedB};
 
 /// The inputs handed back when [`linear`] does not apply.
@@ -48,10 +48,7 @@ pub fn linear<B: Backend, const D: usize>(
     let x = into_flex(x).to_contiguous();
     let weight = into_flex(weight);
     let bias: Vec<f32> = match bias {
-        Some(b) => {
-            let b = into_flex(b).to_contiguous();
-            b.storage::<bf16>().iter().map(|v| v.to_f32()).collect()
-        }
+        Some(b) => widen(&into_flex(b)).storage::<f32>().to_vec(),
         None => vec![0.0; d_out],
     };
     let m = x.layout().num_elements() / d_in.max(1);
