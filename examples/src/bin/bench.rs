@@ -181,7 +181,7 @@ fn bench<B: Backend>(
     let mut report = serde_json::json!({
         "impl": "oxidiff", "mode": options.mode,
         "dtype": options.dtype.map_or("f32".to_string(), |d| format!("{d:?}").to_lowercase()),
-        "kernels": format!("bf16 products: {:?}", oxidiff::models::cpu::half_gemm::HalfGemmPath::detect()),
+        "kernels": if oxidiff::models::cpu::amx::available() { "bf16 products: AMX" } else { "bf16 products: widened to f32" },
         "threads": std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse::<usize>().ok()),
         "size": options.size, "steps": options.steps, "load_s": load,
         "peak_rss_after_load_bytes": peak_rss_bytes(),

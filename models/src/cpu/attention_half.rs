@@ -11,9 +11,10 @@ use rayon::prelude::*;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
+use super::amx;
 use super::attention::{exp_shifted, Shape};
 use super::common::{narrow, round_bf16, widen, OutPtr};
-use super::half_gemm::{self, HalfGemmPath, PackedB};
+use super::half_gemm::{self, PackedB};
 
 /// Queries per block: its f32 scores and bf16 probabilities (`6 * QUERY_BLOCK * seq_kv` bytes,
 /// 1.5 MiB at 4096 keys) stay in the L2 cache between the two products.
@@ -29,7 +30,7 @@ pub(crate) fn attention_half(
 ) -> FlexTensor {
     let dtype = q.dtype();
     let dims = vec![shape.batch, shape.s_q, shape.heads * shape.head_dim];
-    if dtype == DType::BF16 && HalfGemmPath::detect() == HalfGemmPath::Amx {
+    if dtype == DType::BF16 && amx::available() {
         let mut out = vec![bf16::ZERO; dims.iter().product()];
         bf16_amx(
             q.storage::<bf16>(),
@@ -78,8 +79,8 @@ fn bf16_amx(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf16]) 
         |(scores, probs), job| {
             let (sample, head) = (job / heads, job % heads);
             let kv0 = sample * s_kv * inner + head * d;
-            let keys = PackedB::from_transposed(HalfGemmPath::Amx, &k[kv0..], inner, d, s_kv);
-            let values = PackedB::from_rows(HalfGemmPath::Amx, &v[kv0..], inner, s_kv, d);
+            let keys = PackedB::from_transposed(&k[kv0..], inner, d, s_kv);
+            let values = PackedB::from_rows(&v[kv0..], inner, s_kv, d);
             let mut row0 = 0;
             while row0 < s_q {
                 let rows = QUERY_BLOCK.min(s_q - row0);

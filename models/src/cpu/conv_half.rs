@@ -9,9 +9,10 @@ use half::bf16;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
+use super::amx;
 use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::conv::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
-use super::half_gemm::{self, HalfGemmPath, PackedB};
+use super::half_gemm::{self, PackedB};
 
 /// Output positions per tile: its packed columns (`c_in * k * k` values each) stay near the L2
 /// cache while every block of output channels is multiplied with them.
@@ -27,7 +28,7 @@ pub(crate) fn conv2d_half(
     path: ConvPath,
 ) -> FlexTensor {
     let dtype = x.dtype();
-    if dtype == DType::BF16 && HalfGemmPath::detect() == HalfGemmPath::Amx {
+    if dtype == DType::BF16 && amx::available() {
         return conv2d_bf16_amx(x, weight, bias, geometry);
     }
     let out = conv2d_nchw_f32(
@@ -88,11 +89,11 @@ fn conv2d_bf16_amx(
             let row1 = (row0 + rows_per_tile).min(h_out);
             let cols = (row1 - row0) * w_out;
             let packed = if pointwise {
-                PackedB::from_rows(HalfGemmPath::Amx, &x[row0 * w..], h * w, col_len, cols)
+                PackedB::from_rows(&x[row0 * w..], h * w, col_len, cols)
             } else {
                 col.resize(col_len * cols, bf16::ZERO);
                 geometry.gather(&mut col, x, row0, row1);
-                PackedB::from_rows(HalfGemmPath::Amx, &col, cols, col_len, cols)
+                PackedB::from_rows(&col, cols, col_len, cols)
             };
             let first = b * c_out * plane_out + row0 * w_out;
             half_gemm::gemm(w_all, col_len, c_out, &packed, |block| {

@@ -1,10 +1,8 @@
-//! bf16 matrix products with f32 accumulation, for the CPU kernels in bf16: `C = A B` with `A`
-//! `[m, k]` row-major bf16 and `B` `[k, n]` packed once ([`PackedB`]), every 32x32 block of
-//! `C` handed in f32 to the caller's epilogue (bias, conversion, layout).
-//!
-//! Two paths, chosen at run time: AMX tiles ([`super::amx`]) where the CPU and OS allow, and
-//! elsewhere widening to f32 and the `gemm` crate, exact in the same sense (bf16 products are
-//! exact in f32; the sums round in f32 either way, in a different order).
+//! bf16 matrix products with f32 accumulation on AMX tiles ([`super::amx`]), for the CPU
+//! kernels in bf16: `C = A B` with `A` `[m, k]` row-major bf16 and `B` `[k, n]` packed once
+//! ([`PackedB`]), every 32x32 block of `C` handed in f32 to the caller's epilogue (bias,
+//! rounding, layout). Callers check [`amx::available`] first; without AMX they widen to f32 and
+//! use the f32 kernels instead.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -15,52 +13,23 @@ use super::amx::{self, BLOCK, TILE_K, TILE_ROWS};
 /// panels stay in the L2 cache while the job walks down the rows of `A`.
 const COLUMN_CHUNK: usize = 256;
 
-/// Which implementation runs the products.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HalfGemmPath {
-    /// AMX bf16 tiles.
-    Amx,
-    /// bf16 widened to f32, f32 products through the `gemm` crate.
-    Widened,
-}
-
-impl HalfGemmPath {
-    /// AMX where [`amx::available`] says so, else [`HalfGemmPath::Widened`].
-    pub fn detect() -> Self {
-        if amx::available() {
-            Self::Amx
-        } else {
-            Self::Widened
-        }
-    }
-}
-
-/// The right-hand side of a product, laid out for one path.
-///
-/// For AMX: `panels` panels of 16 columns; in a panel, for each pair of k rows `(2r, 2r + 1)`,
-/// 16 columns of the two values `(B[2r][j], B[2r + 1][j])` in one `u32`, 64 bytes; k padded with zeros to a
-/// multiple of 32 and n to a multiple of 32. For the widened path: `B` in f32, row-major.
+/// The right-hand side of a product in AMX's pair layout: panels of 16 columns; in a panel, for
+/// each pair of k rows `(2r, 2r + 1)`, 16 columns of the two values `(B[2r][j], B[2r + 1][j])`
+/// in one `u32`, 64 bytes; k padded with zeros to a multiple of 32 and n to a multiple of 32.
 pub struct PackedB {
     k: usize,
     n: usize,
-    data: Packed,
-}
-
-enum Packed {
-    Pairs { values: Vec<u32>, k_pad: usize },
-    Widened(Vec<f32>),
+    k_pad: usize,
+    values: Vec<u32>,
 }
 
 impl PackedB {
     /// Packs `B[kk][j] = b[kk * ldb + j]`, `k` rows of `n` columns.
-    pub fn from_rows(path: HalfGemmPath, b: &[bf16], ldb: usize, k: usize, n: usize) -> Self {
+    pub fn from_rows(b: &[bf16], ldb: usize, k: usize, n: usize) -> Self {
         assert!(
             k == 0 || n == 0 || b.len() >= (k - 1) * ldb + n,
             "B is shorter than its shape"
         );
-        if path == HalfGemmPath::Widened {
-            return Self::pack(path, k, n, |kk, j| b[kk * ldb + j]);
-        }
         Self::pairs(k, n, |j0, cols, panel| {
             for (r, pairs) in panel.chunks_exact_mut(TILE_ROWS).enumerate() {
                 let kk = 2 * r;
@@ -84,54 +53,11 @@ impl PackedB {
 
     /// Packs `B[kk][j] = bt[j * ldbt + kk]`: the transpose of `bt`, `n` rows of `k` values (the
     /// keys of an attention head, for `q k^T`).
-    pub fn from_transposed(
-        path: HalfGemmPath,
-        bt: &[bf16],
-        ldbt: usize,
-        k: usize,
-        n: usize,
-    ) -> Self {
-        if path == HalfGemmPath::Amx {
-            return Self::pairs_from_transposed(bt, ldbt, k, n);
-        }
-        Self::pack(path, k, n, |kk, j| bt[j * ldbt + kk])
-    }
-
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
-    pub fn n(&self) -> usize {
-        self.n
-    }
-
-    /// The widened layout: `B` in f32, row-major.
-    fn pack(
-        path: HalfGemmPath,
-        k: usize,
-        n: usize,
-        at: impl Fn(usize, usize) -> bf16 + Sync,
-    ) -> Self {
-        debug_assert_eq!(path, HalfGemmPath::Widened);
-        let mut values = vec![0.0f32; k * n];
-        values
-            .par_chunks_mut(n.max(1))
-            .enumerate()
-            .for_each(|(kk, row)| {
-                for (j, v) in row.iter_mut().enumerate() {
-                    *v = at(kk, j).to_f32();
-                }
-            });
-        Self {
-            k,
-            n,
-            data: Packed::Widened(values),
-        }
-    }
-
-    /// The pair layout from a transposed source, where each pair `(B[2r][j], B[2r + 1][j])` is
-    /// two neighbours in row `j` of `bt`.
-    fn pairs_from_transposed(bt: &[bf16], ldbt: usize, k: usize, n: usize) -> Self {
+    pub fn from_transposed(bt: &[bf16], ldbt: usize, k: usize, n: usize) -> Self {
+        assert!(
+            k == 0 || n == 0 || bt.len() >= (n - 1) * ldbt + k,
+            "B^T is shorter than its shape"
+        );
         Self::pairs(k, n, |j0, cols, panel| {
             for j in 0..cols {
                 let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
@@ -141,6 +67,14 @@ impl PackedB {
                 }
             }
         })
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
     }
 
     /// The pair layout for `k` rows and `n` columns, zero-padded, each panel of 16 columns
@@ -163,7 +97,8 @@ impl PackedB {
         Self {
             k,
             n,
-            data: Packed::Pairs { values, k_pad },
+            k_pad,
+            values,
         }
     }
 }
@@ -191,8 +126,11 @@ impl Block<'_> {
     }
 }
 
-/// `C = A B` for `A[i][kk] = a[i * lda + kk]` (`m` rows, `b.k()` columns), on the path `b` was
-/// packed for, every block of `C` passed to `epilogue` exactly once, in parallel on rayon's pool.
+/// `C = A B` for `A[i][kk] = a[i * lda + kk]` (`m` rows, `b.k()` columns), every block of `C`
+/// passed to `epilogue` exactly once, in parallel on rayon's pool.
+///
+/// # Panics
+/// When [`amx::available`] is false, or `a` is shorter than its shape.
 pub fn gemm(a: &[bf16], lda: usize, m: usize, b: &PackedB, epilogue: impl Fn(Block<'_>) + Sync) {
     run(a, lda, m, b, &epilogue, Threads::Pool);
 }
@@ -229,21 +167,20 @@ fn run(
         return;
     }
     assert!(a.len() >= (m - 1) * lda + k, "A is shorter than its shape");
-    match &b.data {
-        Packed::Widened(values) => widened(a, lda, m, k, n, values, epilogue, threads),
-        Packed::Pairs { values, k_pad } => {
-            let product = Tiles {
-                a,
-                lda,
-                m,
-                k,
-                k_pad: *k_pad,
-                n,
-                pairs: values,
-            };
-            product.run(epilogue, threads)
-        }
-    }
+    assert!(
+        amx::available(),
+        "half_gemm needs AMX: check amx::available() first"
+    );
+    let product = Tiles {
+        a,
+        lda,
+        m,
+        k,
+        k_pad: b.k_pad,
+        n,
+        pairs: &b.values,
+    };
+    product.run(epilogue, threads)
 }
 
 /// One product on the AMX path.
@@ -335,85 +272,6 @@ impl Tiles<'_> {
                 values: &scratch.out,
             });
             col0 += BLOCK;
-        }
-    }
-}
-
-/// The widened path: `A` to f32, one f32 product, then the blocks.
-#[allow(clippy::too_many_arguments)]
-fn widened(
-    a: &[bf16],
-    lda: usize,
-    m: usize,
-    k: usize,
-    n: usize,
-    b: &[f32],
-    epilogue: &(impl Fn(Block<'_>) + Sync),
-    threads: Threads,
-) {
-    let mut a32 = vec![0.0f32; m * k];
-    a32.par_chunks_mut(k.max(1))
-        .enumerate()
-        .for_each(|(i, row)| {
-            for (d, s) in row.iter_mut().zip(&a[i * lda..i * lda + k]) {
-                *d = s.to_f32();
-            }
-        });
-    let mut c = vec![0.0f32; m * n];
-    let pool = rayon::current_num_threads();
-    let parallelism = if threads == Threads::Pool && pool > 1 {
-        gemm::Parallelism::Rayon(pool)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the strides describe the three row-major buffers, each of the size given.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a32.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            1,
-            n as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-    let blocks: Vec<(usize, usize)> = (0..m.div_ceil(BLOCK))
-        .flat_map(|bi| (0..n.div_ceil(BLOCK)).map(move |bj| (bi * BLOCK, bj * BLOCK)))
-        .collect();
-    let hand_over = |values: &mut Box<[f32; BLOCK * BLOCK]>, &(row0, col0): &(usize, usize)| {
-        let rows = (m - row0).min(BLOCK);
-        let cols = (n - col0).min(BLOCK);
-        for i in 0..rows {
-            let src = &c[(row0 + i) * n + col0..(row0 + i) * n + col0 + cols];
-            values[i * BLOCK..i * BLOCK + cols].copy_from_slice(src);
-        }
-        epilogue(Block {
-            row0,
-            col0,
-            rows,
-            cols,
-            values,
-        });
-    };
-    let block = || Box::new([0.0f32; BLOCK * BLOCK]);
-    match threads {
-        Threads::Pool => blocks.par_iter().for_each_init(block, hand_over),
-        Threads::Caller => {
-            let mut values = block();
-            blocks.iter().for_each(|at| hand_over(&mut values, at));
         }
     }
 }

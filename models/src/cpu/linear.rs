@@ -18,8 +18,9 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use half::bf16;
 
+use super::amx;
 use super::common::{from_flex, into_flex, is_flex, round_bf16, widen, OutPtr};
-use super::half_gemm::{self, HalfGemmPath, PackedB};
+use super::half_gemm::{self, PackedB};
 
 /// The inputs handed back when [`linear`] does not apply.
 pub type Unhandled<B, const D: usize> = (Tensor<B, D>, Tensor<B, 2>, Option<Tensor<B, 1>>);
@@ -38,7 +39,7 @@ pub fn linear<B: Backend, const D: usize>(
     let [d_in, d_out] = weight.dims();
     if !is_flex::<B>()
         || !bf16_only
-        || HalfGemmPath::detect() != HalfGemmPath::Amx
+        || !amx::available()
         || x.dims()[D - 1] != d_in
         || bias.as_ref().is_some_and(|b| b.dims()[0] != d_out)
     {
@@ -114,7 +115,6 @@ fn packed_weight(weight: &FlexTensor) -> Arc<PackedB> {
     }
     let contiguous = weight.to_contiguous();
     let packed = Arc::new(PackedB::from_rows(
-        HalfGemmPath::Amx,
         contiguous.storage::<bf16>(),
         shape[1],
         shape[0],
