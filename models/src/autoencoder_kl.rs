@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec};
@@ -273,10 +273,25 @@ impl<B: Backend> LatentDist<B> {
 impl<B: Backend> AutoencoderKL<B> {
     /// Loads `vae/config.json` and the weights of the `vae` folder.
     pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
+        Self::from_dir_in(dir, variant, FloatDType::F32, device)
+    }
+
+    /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
+    /// stored in it is used in place and any other is converted once, never through f32.
+    pub fn from_dir_in(
+        dir: &Path,
+        variant: Option<&str>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Result<Self> {
         let path = dir.join("config.json");
         let config = AutoencoderKLConfig::from_file(&path)?;
         let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(&config, &path, VarBuilder::new(Arc::new(weights), device))
+        Self::load(
+            &config,
+            &path,
+            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        )
     }
 
     pub fn load(cfg: &AutoencoderKLConfig, config_path: &Path, vb: VarBuilder<B>) -> Result<Self> {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use serde::Deserialize;
 
 use crate::attention::multi_head_attention;
@@ -185,13 +185,25 @@ impl<B: Backend> ClipTextModel<B> {
         variant: Option<&str>,
         device: &B::Device,
     ) -> Result<Self> {
+        Self::from_dir_in(dir, with_projection, variant, FloatDType::F32, device)
+    }
+
+    /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
+    /// stored in it is used in place and any other is converted once, never through f32.
+    pub fn from_dir_in(
+        dir: &Path,
+        with_projection: bool,
+        variant: Option<&str>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Result<Self> {
         let path = dir.join("config.json");
         let config = ClipTextConfig::from_file(&path)?;
         let weights = Weights::from_component_dir(dir, &["model"], variant)?;
         Self::load(
             &config,
             with_projection,
-            VarBuilder::new(Arc::new(weights), device),
+            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
     }
 

@@ -20,7 +20,7 @@ struct CastParams(FloatDType);
 impl<B: Backend> ModuleMapper<B> for CastParams {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        Param::from_mapped_value(id, tensor.cast(self.0), mapper)
+        Param::from_mapped_value(id, cast_to(tensor, self.0), mapper)
     }
 }
 

@@ -30,6 +30,7 @@ pub mod transformer_flux;
 pub mod transformer_sd3;
 pub mod unet_2d_blocks;
 pub mod unet_2d_condition;
+mod weight_data;
 pub mod weights;
 
 pub use autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig, LatentDist};

@@ -16,8 +16,9 @@ use crate::cpu::linear as cpu_linear;
 use crate::error::{ModelError, Result};
 use crate::weights::VarBuilder;
 
-/// `torch.nn.Linear`; the weight is kept as Burn's `[in, out]` (transposed once at load: a
-/// transposed view would be copied to contiguous memory by the CPU matmul on every call).
+/// `torch.nn.Linear`; the weight is Burn's `[in, out]`, a transposed view of the checkpoint's
+/// `[out, in]` tensor (so loading copies nothing; the matrix products read it through its
+/// strides).
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
@@ -35,11 +36,22 @@ impl<B: Backend> Linear<B> {
         Ok(Self { weight, bias })
     }
 
-    /// On burn-flex in bf16 with AMX through [`crate::cpu::linear`], elsewhere Burn's `linear`.
+    /// On burn-flex in bf16 with AMX through [`crate::cpu::linear`], elsewhere Burn's `linear`
+    /// on `x` flattened to rows: for a 2-D input Burn multiplies by the weight as it is, while
+    /// for more dimensions it would first reshape the weight, which copies a strided view on
+    /// every call.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let bias = self.bias.as_ref().map(|b| b.val());
         match cpu_linear::linear(x, self.weight.val(), bias) {
             Ok(out) => out,
+            Err((x, weight, bias)) if D > 2 => {
+                let mut dims = x.dims();
+                let d_in = dims[D - 1];
+                let rows = x.shape().num_elements() / d_in.max(1);
+                let out = linear(x.reshape([rows, d_in]), weight, bias);
+                dims[D - 1] = out.dims()[1];
+                out.reshape(dims)
+            }
             Err((x, weight, bias)) => linear(x, weight, bias),
         }
     }

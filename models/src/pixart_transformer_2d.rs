@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec, FeedForward, FeedForwardActivation};
@@ -223,9 +223,23 @@ pub struct PixArtTransformer2DModel<B: Backend> {
 impl<B: Backend> PixArtTransformer2DModel<B> {
     /// Loads a `transformer` folder.
     pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
+        Self::from_dir_in(dir, variant, FloatDType::F32, device)
+    }
+
+    /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
+    /// stored in it is used in place and any other is converted once, never through f32.
+    pub fn from_dir_in(
+        dir: &Path,
+        variant: Option<&str>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Result<Self> {
         let config = PixArtTransformer2DConfig::from_file(&dir.join("config.json"))?;
         let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(&config, VarBuilder::new(Arc::new(weights), device))
+        Self::load(
+            &config,
+            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        )
     }
 
     pub fn load(cfg: &PixArtTransformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

@@ -282,10 +282,25 @@ pub struct T5EncoderModel<B: Backend> {
 impl<B: Backend> T5EncoderModel<B> {
     /// Loads a `text_encoder` folder (`config.json` and safetensors weights).
     pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
+        Self::from_dir_in(dir, variant, FloatDType::F32, device)
+    }
+
+    /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
+    /// stored in it is used in place and any other is converted once, never through f32.
+    pub fn from_dir_in(
+        dir: &Path,
+        variant: Option<&str>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Result<Self> {
         let path = dir.join("config.json");
         let config = T5Config::from_file(&path)?;
         let weights = Weights::from_component_dir(dir, &["model"], variant)?;
-        Self::load(&config, &path, VarBuilder::new(Arc::new(weights), device))
+        Self::load(
+            &config,
+            &path,
+            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        )
     }
 
     /// Builds the encoder from weights; `config_path` is only used in messages.

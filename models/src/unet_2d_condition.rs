@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use serde::Deserialize;
 
 use crate::attention::{Transformer2DModel, Transformer2DSpec};
@@ -386,12 +386,23 @@ pub struct UNet2DConditionModel<B: Backend> {
 impl<B: Backend> UNet2DConditionModel<B> {
     /// Loads `unet/config.json` and the weights of the `unet` folder.
     pub fn from_dir(dir: &Path, variant: Option<&str>, device: &B::Device) -> Result<Self> {
+        Self::from_dir_in(dir, variant, FloatDType::F32, device)
+    }
+
+    /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
+    /// stored in it is used in place and any other is converted once, never through f32.
+    pub fn from_dir_in(
+        dir: &Path,
+        variant: Option<&str>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Result<Self> {
         let config = UNet2DConditionConfig::from_file(&dir.join("config.json"))?;
         let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
         Self::load(
             &config,
             &dir.join("config.json"),
-            VarBuilder::new(Arc::new(weights), device),
+            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
     }
 

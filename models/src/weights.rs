@@ -3,7 +3,8 @@
 //! A [`Weights`] holds every tensor of one component folder (a single file, a `.fp16` variant,
 //! or shards listed in `*.safetensors.index.json`). A [`VarBuilder`] walks key paths the way the
 //! checkpoint names them (`down_blocks.0.resnets.0.conv1.weight`), so each layer is built straight
-//! from its weights, with the expected shape checked and the dtype converted on the way.
+//! from its weights, with the expected shape checked. A tensor stored in the dtype it is held in
+//! is the mapped file itself; any other is converted once ([`crate::weight_data`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
@@ -11,12 +12,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensors;
 
 use crate::error::{ModelError, Result};
+use crate::weight_data::{self, Stored};
 
 /// One memory-mapped safetensors file with its parsed and validated header.
 struct WeightFile {
@@ -209,7 +211,9 @@ impl Weights {
             })?;
             // SAFETY: the map is read-only; the file may change under us only if another process
             // rewrites it while we run, which is the same contract every mmap-based loader
-            // (safetensors, candle, PyTorch) has. All offsets are validated below before use.
+            // (safetensors, candle, PyTorch) has. Tensors stored in the dtype they are held in
+            // keep reading the map for as long as the model lives, so the checkpoint must not
+            // be rewritten in place while it is loaded. All offsets are validated below.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
                 path: path.clone(),
                 source,
@@ -425,6 +429,43 @@ impl Weights {
 
     /// Reads a tensor as f32 values with its shape, converting F16/BF16/F64.
     pub fn read_f32(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        let (entry, file, bytes, stored) = self.locate(key)?;
+        let mut values = weight_data::to_f32(bytes, stored);
+        release(file, entry);
+        if entry.transposed {
+            // `info.shape` is `[cols, rows]` of the stored `[rows, cols]` tensor.
+            let (cols, rows) = (entry.info.shape[0], entry.info.shape[1]);
+            values = weight_data::transpose(&values, rows, cols);
+        }
+        Ok((values, entry.info.shape.clone()))
+    }
+
+    /// Reads a tensor held in `dtype`, with its shape: the memory-mapped bytes themselves when
+    /// the file stores it in that dtype (nothing copied), otherwise converted once from the
+    /// stored type.
+    pub fn read(&self, key: &str, dtype: FloatDType) -> Result<TensorData> {
+        let (entry, file, bytes, stored) = self.locate(key)?;
+        let shape = entry.info.shape.clone();
+        if entry.transposed {
+            let (values, shape) = self.read_f32(key)?;
+            return Ok(weight_data::from_f32(values, shape, dtype));
+        }
+        let (start, end) = (
+            file.data_start + entry.info.data_offsets.0,
+            file.data_start + entry.info.data_offsets.1,
+        );
+        let (data, shared) = weight_data::tensor_data(bytes, stored, shape, dtype, || {
+            bytes::Bytes::from_owner(Mapped(file.clone())).slice(start..end)
+        });
+        if !shared {
+            release(file, entry);
+        }
+        Ok(data)
+    }
+
+    /// The entry of `key`, its file, its bytes in the map and their stored type; marks the key
+    /// used. The byte count is checked against the shape.
+    fn locate(&self, key: &str) -> Result<(&Entry, &Arc<WeightFile>, &[u8], Stored)> {
         let entry = self
             .entries
             .get(key)
@@ -433,56 +474,23 @@ impl Weights {
                 files: self.file_list(),
             })?;
         let file = &self.files[entry.file];
+        let stored = Stored::from_safetensors(entry.info.dtype).ok_or_else(|| {
+            ModelError::UnsupportedDtype {
+                key: key.to_string(),
+                path: file.path.clone(),
+                dtype: format!("{:?}", entry.info.dtype),
+            }
+        })?;
         let (start, end) = entry.info.data_offsets;
         // read_metadata validated that offsets lie inside the file.
         let bytes = &file.mmap[file.data_start + start..file.data_start + end];
-        let values: Vec<f32> = match entry.info.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F64 => bytes
-                .chunks_exact(8)
-                .map(|b| {
-                    f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
-                })
-                .collect(),
-            other => {
-                return Err(ModelError::UnsupportedDtype {
-                    key: key.to_string(),
-                    path: file.path.clone(),
-                    dtype: format!("{other:?}"),
-                })
-            }
-        };
-        // The bytes now live in `values`: let the kernel drop this range of the map from our
-        // resident set (it stays in the page cache), so loading never holds two copies.
-        // SAFETY: the map is a read-only, file-backed shared mapping, so MADV_DONTNEED discards
-        // nothing: a later read of the range faults the pages back in from the file. No
-        // reference into the map outlives this function.
-        #[cfg(unix)]
-        let _ = unsafe {
-            file.mmap.unchecked_advise_range(
-                memmap2::UncheckedAdvice::DontNeed,
-                file.data_start + start,
-                end - start,
-            )
-        };
         let count: usize = entry.info.shape.iter().product();
-        if values.len() != count {
+        if bytes.len() != count * stored.size() {
             return Err(ModelError::Safetensors {
                 path: file.path.clone(),
                 reason: format!(
                     "tensor `{key}` holds {} values, but its shape {:?} needs {count}",
-                    values.len(),
+                    bytes.len() / stored.size(),
                     entry.info.shape
                 ),
             });
@@ -490,18 +498,7 @@ impl Weights {
         if let Ok(mut used) = self.used.lock() {
             used.insert(key.to_string());
         }
-        if entry.transposed {
-            // `info.shape` is `[cols, rows]` of the stored `[rows, cols]` tensor.
-            let (cols, rows) = (entry.info.shape[0], entry.info.shape[1]);
-            let mut out = vec![0f32; values.len()];
-            for r in 0..rows {
-                for c in 0..cols {
-                    out[c * rows + r] = values[r * cols + c];
-                }
-            }
-            return Ok((out, entry.info.shape.clone()));
-        }
-        Ok((values, entry.info.shape.clone()))
+        Ok((entry, file, bytes, stored))
     }
 
     fn path_of(&self, key: &str) -> PathBuf {
@@ -512,12 +509,42 @@ impl Weights {
     }
 }
 
-/// Builds layers from weights by key path, on one device.
+/// A shared handle on a weight file's map, the owner of tensors that use its bytes in place.
+struct Mapped(Arc<WeightFile>);
+
+impl AsRef<[u8]> for Mapped {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.mmap
+    }
+}
+
+/// Lets the kernel drop `entry`'s range of the map from our resident set once its values were
+/// copied out (the pages stay in the page cache), so loading never holds two copies.
+fn release(file: &WeightFile, entry: &Entry) {
+    let (start, end) = entry.info.data_offsets;
+    // SAFETY: the map is a read-only, file-backed shared mapping, so MADV_DONTNEED discards
+    // nothing: a later read of the range (by a tensor that shares a neighbouring page) faults
+    // the pages back in from the file.
+    #[cfg(unix)]
+    let _ = unsafe {
+        file.mmap.unchecked_advise_range(
+            memmap2::UncheckedAdvice::DontNeed,
+            file.data_start + start,
+            end - start,
+        )
+    };
+    #[cfg(not(unix))]
+    let _ = (file, entry, start, end);
+}
+
+/// Builds layers from weights by key path, on one device, holding float weights in one dtype
+/// (f32 unless [`with_dtype`](Self::with_dtype) says otherwise).
 #[derive(Clone)]
 pub struct VarBuilder<B: Backend> {
     weights: Arc<Weights>,
     prefix: String,
     device: B::Device,
+    dtype: FloatDType,
 }
 
 impl<B: Backend> VarBuilder<B> {
@@ -526,7 +553,21 @@ impl<B: Backend> VarBuilder<B> {
             weights,
             prefix: String::new(),
             device: device.clone(),
+            dtype: FloatDType::F32,
         }
+    }
+
+    /// The same builder holding weights in `dtype` (diffusers' `torch_dtype`): each tensor is
+    /// read straight into it, shared with the file when stored in it, else converted once.
+    #[must_use]
+    pub fn with_dtype(mut self, dtype: FloatDType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// The dtype float weights are held in.
+    pub fn dtype(&self) -> FloatDType {
+        self.dtype
     }
 
     /// A builder one level down: `vb.pp("down_blocks").pp(0)`.
@@ -540,6 +581,7 @@ impl<B: Backend> VarBuilder<B> {
             weights: self.weights.clone(),
             prefix,
             device: self.device.clone(),
+            dtype: self.dtype,
         }
     }
 
@@ -564,51 +606,47 @@ impl<B: Backend> VarBuilder<B> {
         self.weights.contains(&self.key(name))
     }
 
+    /// The error for `key` found with shape `found` where `expected` was needed.
+    fn misfit(&self, key: String, expected: &[usize], found: Vec<usize>) -> ModelError {
+        ModelError::ShapeMismatch {
+            path: self.weights.path_of(&key),
+            key,
+            expected: expected.to_vec(),
+            found,
+        }
+    }
+
     /// Reads `name` as host f32 values, checking the shape.
     pub fn get_host(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let key = self.key(name);
         let (values, found) = self.weights.read_f32(&key)?;
         if found != shape {
-            return Err(ModelError::ShapeMismatch {
-                path: self.weights.path_of(&key),
-                key,
-                expected: shape.to_vec(),
-                found,
-            });
+            return Err(self.misfit(key, shape, found));
         }
         Ok(values)
     }
 
-    /// Loads a PyTorch `[out, in]` linear weight as Burn's `[in, out]`: transposed once here (in
-    /// cache-sized tiles), so every forward pass is a plain matmul on contiguous memory.
+    /// Loads a PyTorch `[out, in]` linear weight as Burn's `[in, out]`: the stored tensor,
+    /// transposed as a view (no copy), which the matrix products read in place through its
+    /// strides.
     pub fn get_linear_weight(&self, name: &str, d_in: usize, d_out: usize) -> Result<Tensor<B, 2>> {
-        let values = self.get_host(name, &[d_out, d_in])?;
-        let mut transposed = Vec::with_capacity(values.len());
-        transposed.resize(values.len(), 0f32);
-        const TILE: usize = 64;
-        for o0 in (0..d_out).step_by(TILE) {
-            for i0 in (0..d_in).step_by(TILE) {
-                for o in o0..(o0 + TILE).min(d_out) {
-                    let row = &values[o * d_in..(o + 1) * d_in];
-                    for i in i0..(i0 + TILE).min(d_in) {
-                        transposed[i * d_out + o] = row[i];
-                    }
-                }
-            }
-        }
-        Ok(Tensor::from_data(
-            TensorData::new(transposed, [d_in, d_out]),
-            &self.device,
-        ))
+        Ok(self.get(name, [d_out, d_in])?.transpose())
     }
 
-    /// Loads `name` as an f32 tensor of the expected shape.
+    /// Loads `name` as a tensor of the expected shape, in this builder's dtype.
     pub fn get<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
-        let values = self.get_host(name, &shape)?;
-        Ok(Tensor::from_data(
-            TensorData::new(values, shape),
-            &self.device,
-        ))
+        let key = self.key(name);
+        match self.weights.shape(&key) {
+            Some(found) if found != shape => {
+                let found = found.to_vec();
+                return Err(self.misfit(key, &shape, found));
+            }
+            _ => {}
+        }
+        let data = self.weights.read(&key, self.dtype)?;
+        // With the data's own dtype: without one, Burn converts to the device's default (f32).
+        let dtype = data.dtype;
+        Ok(Tensor::from_data(data, (&self.device, dtype)))
     }
 }
 

@@ -212,14 +212,25 @@ impl<B: Backend> FluxPipeline<B> {
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         check_pipeline_class(dir, &FLUX_CLASSES)?;
         let variant = options.variant.as_deref();
+        let dtype = options.weights_dtype();
         let tokenizer = ClipTokenizer::from_dir(&component(dir, "tokenizer")?)?;
-        let text_encoder =
-            ClipTextModel::from_dir(&component(dir, "text_encoder")?, false, variant, device)?;
+        let text_encoder = ClipTextModel::from_dir_in(
+            &component(dir, "text_encoder")?,
+            false,
+            variant,
+            dtype,
+            device,
+        )?;
         let tokenizer_2 = T5Tokenizer::from_dir(&component(dir, "tokenizer_2")?)?;
-        let text_encoder_2 =
-            T5EncoderModel::from_dir(&component(dir, "text_encoder_2")?, variant, device)?;
+        let text_encoder_2 = T5EncoderModel::from_dir_in(
+            &component(dir, "text_encoder_2")?,
+            variant,
+            dtype,
+            device,
+        )?;
         let transformer_dir = component(dir, "transformer")?;
-        let transformer = FluxTransformer2DModel::from_dir(&transformer_dir, variant, device)?;
+        let transformer =
+            FluxTransformer2DModel::from_dir_in(&transformer_dir, variant, dtype, device)?;
         let clip_dim = text_encoder.token_embedding.weight.dims()[1];
         let t5_dim = text_encoder_2.shared.weight.dims()[1];
         if clip_dim != transformer.pooled_projection_dim
@@ -237,7 +248,7 @@ impl<B: Backend> FluxPipeline<B> {
         let vae_dir = component(dir, "vae")?;
         let vae_config =
             oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
-        let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
+        let vae = AutoencoderKL::from_dir_in(&vae_dir, variant, dtype, device)?;
         let (scheduler_config, scheduler) = load_scheduler(dir, options)?;
         let cast = crate::loading::Cast(options.dtype);
         Ok(Self {

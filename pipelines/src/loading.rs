@@ -19,10 +19,18 @@ pub struct LoadOptions {
     /// Replace the checkpoint's scheduler (keeping its betas config): a diffusers class name or
     /// a short/A1111 name, with A1111's option words (`ddim`, `euler_a`, `DPM++ 2M Karras`).
     pub scheduler: Option<String>,
-    /// Cast the weights to this float dtype after loading (diffusers' `torch_dtype`); `None`
-    /// keeps f32 (weights stored as f16/bf16 are read into f32). Stable Diffusion, SDXL, Flux,
-    /// SD3 and PixArt compute in it and keep latents and scheduler math in f32.
+    /// The float dtype the weights are held in (diffusers' `torch_dtype`); `None` is f32. Each
+    /// tensor is read straight into it: used in place when the file stores it in that dtype,
+    /// converted once otherwise. Stable Diffusion, SDXL, Flux, SD3 and PixArt compute in it and
+    /// keep latents and scheduler math in f32.
     pub dtype: Option<FloatDType>,
+}
+
+impl LoadOptions {
+    /// The dtype weights are read into: [`dtype`](Self::dtype), or f32.
+    pub fn weights_dtype(&self) -> FloatDType {
+        self.dtype.unwrap_or(FloatDType::F32)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -88,7 +96,8 @@ pub fn load_scheduler<B: Backend>(
     Ok((config, scheduler))
 }
 
-/// The weight dtype a pipeline casts its components to after loading ([`LoadOptions::dtype`]).
+/// The weight dtype a pipeline casts its components to after loading ([`LoadOptions::dtype`]):
+/// a no-op for weights read in it, it also casts what a model computes at load in f32.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cast(pub Option<FloatDType>);
 

@@ -169,17 +169,26 @@ impl<B: Backend> PixArtPipeline<B> {
         let class = check_pipeline_class(dir, &PIXART_CLASSES)?;
         let variant = PixArtVariant::from_class(&class).unwrap_or(PixArtVariant::Alpha);
         let weights_variant = options.variant.as_deref();
+        let dtype = options.weights_dtype();
         let tokenizer = T5Tokenizer::from_dir(&component(dir, "tokenizer")?)?;
-        let text_encoder =
-            T5EncoderModel::from_dir(&component(dir, "text_encoder")?, weights_variant, device)?;
+        let text_encoder = T5EncoderModel::from_dir_in(
+            &component(dir, "text_encoder")?,
+            weights_variant,
+            dtype,
+            device,
+        )?;
         let transformer_dir = component(dir, "transformer")?;
         let transformer_config =
             PixArtTransformer2DConfig::from_file(&transformer_dir.join("config.json"))?;
-        let transformer =
-            PixArtTransformer2DModel::from_dir(&transformer_dir, weights_variant, device)?;
+        let transformer = PixArtTransformer2DModel::from_dir_in(
+            &transformer_dir,
+            weights_variant,
+            dtype,
+            device,
+        )?;
         let vae_dir = component(dir, "vae")?;
         let vae_config = AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
-        let vae = AutoencoderKL::from_dir(&vae_dir, weights_variant, device)?;
+        let vae = AutoencoderKL::from_dir_in(&vae_dir, weights_variant, dtype, device)?;
         let (scheduler_config, scheduler) = load_scheduler(dir, options)?;
         let cast = crate::loading::Cast(options.dtype);
         Ok(Self {

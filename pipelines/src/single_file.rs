@@ -85,6 +85,8 @@ struct Sources {
     /// The folder configs come from, if any.
     config: Option<PathBuf>,
     predicts_v: bool,
+    /// The dtype weights are read into.
+    dtype: burn::tensor::FloatDType,
 }
 
 impl Sources {
@@ -113,6 +115,7 @@ impl Sources {
             file,
             config,
             predicts_v,
+            dtype: options.load.weights_dtype(),
         })
     }
 
@@ -233,7 +236,8 @@ impl Sources {
         build: impl FnOnce(VarBuilder<B>) -> oxidiff_models::Result<M>,
     ) -> Result<M> {
         let weights = Arc::new(weights);
-        let model = build(VarBuilder::new(weights.clone(), device)).map_err(|e| {
+        let vb = VarBuilder::new(weights.clone(), device).with_dtype(self.dtype);
+        let model = build(vb).map_err(|e| {
             match (&self.config, e) {
                 // The built-in config did not fit: say where it came from and what to do.
                 (

@@ -96,12 +96,13 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         crate::loading::check_pipeline_class(dir, &SUPPORTED_CLASSES)?;
         let component = |name: &str| crate::loading::component(dir, name);
         let variant = options.variant.as_deref();
+        let dtype = options.weights_dtype();
         let tokenizer = ClipTokenizer::from_dir(&component("tokenizer")?)?;
         let text_encoder =
-            ClipTextModel::from_dir(&component("text_encoder")?, false, variant, device)?;
+            ClipTextModel::from_dir_in(&component("text_encoder")?, false, variant, dtype, device)?;
         let unet_dir = component("unet")?;
         let unet_config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
-        let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
+        let unet = UNet2DConditionModel::from_dir_in(&unet_dir, variant, dtype, device)?;
         if unet.needs_added_condition() {
             return Err(PipelineError::UnsupportedPipeline {
                 path: unet_dir.join("config.json"),
@@ -112,7 +113,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         let vae_dir = component("vae")?;
         let vae_config =
             oxidiff_models::AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
-        let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
+        let vae = AutoencoderKL::from_dir_in(&vae_dir, variant, dtype, device)?;
         let (scheduler_config, scheduler) = crate::loading::load_scheduler(dir, options)?;
         let sample_size = match &unet_config.sample_size {
             Some(oxidiff_models::config::PerBlock::One(s)) => *s,

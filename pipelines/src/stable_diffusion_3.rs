@@ -209,19 +209,22 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         };
 
         let variant = options.variant.as_deref();
+        let dtype = options.weights_dtype();
         let tokenizer = ClipTokenizer::from_dir(&tok_dir)?;
         let tokenizer_2 = ClipTokenizer::from_dir(&tok2_dir)?;
-        let text_encoder = ClipTextModel::from_dir(&te_dir, true, variant, device)?;
-        let text_encoder_2 = ClipTextModel::from_dir(&te2_dir, true, variant, device)?;
+        let text_encoder = ClipTextModel::from_dir_in(&te_dir, true, variant, dtype, device)?;
+        let text_encoder_2 = ClipTextModel::from_dir_in(&te2_dir, true, variant, dtype, device)?;
         let (text_encoder_3, tokenizer_3) = match t5_dirs {
             Some((te3_dir, tok3_dir)) => (
-                Some(T5EncoderModel::from_dir(&te3_dir, variant, device)?),
+                Some(T5EncoderModel::from_dir_in(
+                    &te3_dir, variant, dtype, device,
+                )?),
                 Some(T5Tokenizer::from_dir(&tok3_dir)?),
             ),
             None => (None, None),
         };
         let tr_config = SD3Transformer2DConfig::from_file(&tr_dir.join("config.json"))?;
-        let transformer = SD3Transformer2DModel::from_dir(&tr_dir, variant, device)?;
+        let transformer = SD3Transformer2DModel::from_dir_in(&tr_dir, variant, dtype, device)?;
         let vae_config = AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
         if vae_config.latent_channels != tr_config.in_channels {
             return Err(PipelineError::InvalidInput(format!(
@@ -232,7 +235,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
                 tr_config.in_channels
             )));
         }
-        let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
+        let vae = AutoencoderKL::from_dir_in(&vae_dir, variant, dtype, device)?;
         let (scheduler_config, scheduler) = crate::loading::load_scheduler(dir, options)?;
         let cast = crate::loading::Cast(options.dtype);
         Ok(Self {

@@ -186,6 +186,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             }
         };
         let variant = options.variant.as_deref();
+        let dtype = options.weights_dtype();
         // Every folder is checked before any weight is read.
         let first = if no_text_encoder {
             None
@@ -207,12 +208,14 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         let (tokenizer, text_encoder) = match &first {
             Some((tok_dir, te_dir)) => (
                 Some(ClipTokenizer::from_dir(tok_dir)?),
-                Some(ClipTextModel::from_dir(te_dir, false, variant, device)?),
+                Some(ClipTextModel::from_dir_in(
+                    te_dir, false, variant, dtype, device,
+                )?),
             ),
             None => (None, None),
         };
         let tokenizer_2 = ClipTokenizer::from_dir(&tok2_dir)?;
-        let text_encoder_2 = ClipTextModel::from_dir(&te2_dir, true, variant, device)?;
+        let text_encoder_2 = ClipTextModel::from_dir_in(&te2_dir, true, variant, dtype, device)?;
         let unet_config_path = unet_dir.join("config.json");
         let unet_config = UNet2DConditionConfig::from_file(&unet_config_path)?;
         let (Some(addition_time_embed_dim), Some(add_embedding_dim)) = (
@@ -269,9 +272,9 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 )));
             }
         }
-        let unet = UNet2DConditionModel::from_dir(&unet_dir, variant, device)?;
+        let unet = UNet2DConditionModel::from_dir_in(&unet_dir, variant, dtype, device)?;
         let vae_config = AutoencoderKLConfig::from_file(&vae_dir.join("config.json"))?;
-        let vae = AutoencoderKL::from_dir(&vae_dir, variant, device)?;
+        let vae = AutoencoderKL::from_dir_in(&vae_dir, variant, dtype, device)?;
         let mut scheduler_config =
             SchedulerConfig::from_file(sched_dir.join("scheduler_config.json"))?;
         if let Some(name) = &options.scheduler {

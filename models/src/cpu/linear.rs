@@ -1,7 +1,10 @@
-//! `x W + b` in bf16 on AMX for burn-flex, used by [`crate::nn::Linear`]: the rows of `x` are the
-//! left side of a [`super::half_gemm`] product read in place, the weight `[in, out]` is packed
-//! into AMX's pair layout once and kept while the weight lives, and the f32 sums are rounded
-//! once into the bf16 output with the bias added.
+//! `x W + b` on burn-flex, used by [`crate::nn::Linear`], whose weight `[in, out]` is a
+//! transposed view of the checkpoint's `[out, in]` tensor.
+//!
+//! In bf16 on AMX the rows of `x` are the left side of a [`super::half_gemm`] product read in
+//! place, the weight is packed into AMX's pair layout once and kept while the weight lives, and
+//! the f32 sums are rounded once into the bf16 output with the bias added. In f32, few rows are
+//! multiplied in the weight's own orientation ([`few_rows_f32`]); more go to Burn's `linear`.
 //!
 //! Packing the weight on every call would read and write it once per call, as much memory
 //! traffic as the product itself for the short sequences of the deep UNet levels and the text
@@ -25,24 +28,34 @@ use super::half_gemm::{self, PackedB};
 /// The inputs handed back when [`linear`] does not apply.
 pub type Unhandled<B, const D: usize> = (Tensor<B, D>, Tensor<B, 2>, Option<Tensor<B, 1>>);
 
-/// `x W + b` for `x` `[..., in]`, `weight` `[in, out]`, `bias` `[out]`, when the backend is
-/// burn-flex, all three are bf16 and AMX is available; otherwise the inputs untouched (`Err`) for
-/// Burn's `linear`.
+/// Rows up to which an f32 product with a checkpoint-layout weight is computed transposed.
+const FEW_ROWS: usize = 100000;
+
+/// `x W + b` for `x` `[..., in]`, `weight` `[in, out]`, `bias` `[out]` on burn-flex: in bf16 on
+/// AMX, and in f32 for few rows (see [`few_rows_f32`]); otherwise the inputs untouched (`Err`)
+/// for Burn's `linear`.
 pub fn linear<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,
     bias: Option<Tensor<B, 1>>,
 ) -> Result<Tensor<B, D>, Unhandled<B, D>> {
-    let bf16_only = x.dtype() == DType::BF16
-        && weight.dtype() == DType::BF16
-        && bias.as_ref().is_none_or(|b| b.dtype() == DType::BF16);
+    let all = |dtype| {
+        x.dtype() == dtype
+            && weight.dtype() == dtype
+            && bias.as_ref().is_none_or(|b| b.dtype() == dtype)
+    };
     let [d_in, d_out] = weight.dims();
     if !is_flex::<B>()
-        || !bf16_only
-        || !amx::available()
         || x.dims()[D - 1] != d_in
         || bias.as_ref().is_some_and(|b| b.dims()[0] != d_out)
     {
+        return Err((x, weight, bias));
+    }
+    let rows = x.shape().num_elements() / d_in.max(1);
+    if all(DType::F32) && rows <= FEW_ROWS && is_checkpoint_layout(&weight) {
+        return Ok(few_rows_f32(x, weight, bias));
+    }
+    if !all(DType::BF16) || !amx::available() {
         return Err((x, weight, bias));
     }
     let mut shape = x.dims().to_vec();
@@ -73,6 +86,38 @@ pub fn linear<B: Backend, const D: usize>(
         Layout::contiguous(shape.into()),
         DType::BF16,
     )))
+}
+
+/// Whether `weight` `[in, out]` is the transposed view of a contiguous `[out, in]` tensor, as
+/// [`crate::weights::VarBuilder::get_linear_weight`] loads it.
+fn is_checkpoint_layout<B: Backend>(weight: &Tensor<B, 2>) -> bool {
+    let flex = into_flex(weight.clone());
+    flex.layout().strides() == [1, flex.layout().shape()[0] as isize]
+}
+
+/// `x W + b` in f32 for few rows of `x`, computed as `(W^T x^T)^T`: `W^T` is the checkpoint's
+/// contiguous `[out, in]`, and in that orientation the `gemm` crate packs only the few rows of
+/// `x` on each call, where `x W` repacks the whole weight every time. The transposed result is
+/// copied back in tiles (burn-flex's strided bias add would read it one element at a time).
+fn few_rows_f32<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    let mut dims = x.dims();
+    let [d_in, d_out] = weight.dims();
+    let rows = x.shape().num_elements() / d_in.max(1);
+    let x = x.reshape([rows, d_in]);
+    let out_t = weight.transpose().matmul(x.transpose()).unsqueeze::<3>();
+    let out = super::elementwise::transpose(out_t)
+        .unwrap_or_else(|t| t.swap_dims(1, 2))
+        .reshape([rows, d_out]);
+    let out = match bias {
+        Some(bias) => out + bias.unsqueeze::<2>(),
+        None => out,
+    };
+    dims[D - 1] = d_out;
+    out.reshape(dims)
 }
 
 /// Where a weight's values lie: its storage, and its layout in it.
@@ -113,13 +158,16 @@ fn packed_weight(weight: &FlexTensor) -> Arc<PackedB> {
             }
         }
     }
-    let contiguous = weight.to_contiguous();
-    let packed = Arc::new(PackedB::from_rows(
-        contiguous.storage::<bf16>(),
-        shape[1],
-        shape[0],
-        shape[1],
-    ));
+    // A checkpoint's `[out, in]` weight transposed as a view is packed from its rows as they
+    // lie; any other layout is made contiguous first.
+    let (k, n) = (shape[0], shape[1]);
+    let packed = if layout.strides() == [1, k as isize] {
+        let values = &weight.storage::<bf16>()[layout.start_offset()..];
+        Arc::new(PackedB::from_transposed(values, k, k, n))
+    } else {
+        let contiguous = weight.to_contiguous();
+        Arc::new(PackedB::from_rows(contiguous.storage::<bf16>(), n, k, n))
+    };
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
     let cache = cache.get_or_insert_with(HashMap::new);
     cache.retain(|_, entry| entry.owner.strong_count() > 0);

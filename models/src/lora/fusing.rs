@@ -25,11 +25,8 @@ struct Delta {
 }
 
 impl Delta {
-    fn tensor<B: Backend, const D: usize>(
-        &self,
-        device: &B::Device,
-        dims: [usize; D],
-    ) -> Tensor<B, D> {
+    /// `up x down x factor`: the update of the checkpoint's weight, `[out, fan_in]`.
+    fn product<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
         let (out, fan_in) = (self.kind.out(), self.kind.fan_in());
         let up =
             Tensor::<B, 2>::from_data(TensorData::new(self.up.clone(), [out, self.rank]), device);
@@ -37,10 +34,26 @@ impl Delta {
             TensorData::new(self.down.clone(), [self.rank, fan_in]),
             device,
         );
-        let delta = up.matmul(down).mul_scalar(self.factor);
+        up.matmul(down).mul_scalar(self.factor)
+    }
+
+    /// `weight` with the update added, in the weight's dtype. A Linear holds its `[in, out]`
+    /// weight as a transposed view of the checkpoint's `[out, in]`; the update is added in that
+    /// orientation and the sum viewed back, so the weight keeps the layout it was loaded with
+    /// (and a matrix product sums it in the same order: a scale of 0 changes no bit).
+    fn add_to<B: Backend, const D: usize>(&self, weight: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = weight.dtype();
+        let update = self.product::<B>(&weight.device());
         match self.kind {
-            LoraLayerKind::Linear { .. } => delta.transpose().reshape(dims),
-            LoraLayerKind::Conv { .. } => delta.reshape(dims),
+            LoraLayerKind::Linear { .. } => {
+                let stored = weight.transpose();
+                let update = update.reshape(stored.dims()).cast(dtype);
+                (stored + update).transpose()
+            }
+            LoraLayerKind::Conv { .. } => {
+                let update = update.reshape(weight.dims()).cast(dtype);
+                weight + update
+            }
         }
     }
 }
@@ -221,11 +234,7 @@ impl<B: Backend> ModuleMapper<B> for Fuser<'_> {
             return param;
         };
         self.applied += 1;
-        param.map(|weight| {
-            let update = delta.tensor::<B, D>(&weight.device(), weight.dims());
-            let dtype = weight.dtype();
-            weight + update.cast(dtype)
-        })
+        param.map(|weight| delta.add_to(weight))
     }
 }
 
