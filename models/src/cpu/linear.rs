@@ -4,7 +4,7 @@
 //! In bf16 on AMX the rows of `x` are the left side of a [`super::half_gemm`] product read in
 //! place, the weight is packed into AMX's pair layout once and kept while the weight lives, and
 //! the f32 sums are rounded once into the bf16 output with the bias added. In f32, few rows are
-//! multiplied in the weight's own orientation ([`few_rows_f32`]); more go to Burn's `linear`.
+//! multiplied in the weight's own orientation; more go to Burn's `linear`.
 //!
 //! Packing the weight on every call would read and write it once per call, as much memory
 //! traffic as the product itself for the short sequences of the deep UNet levels and the text
@@ -32,7 +32,7 @@ pub type Unhandled<B, const D: usize> = (Tensor<B, D>, Tensor<B, 2>, Option<Tens
 const FEW_ROWS: usize = 100000;
 
 /// `x W + b` for `x` `[..., in]`, `weight` `[in, out]`, `bias` `[out]` on burn-flex: in bf16 on
-/// AMX, and in f32 for few rows (see [`few_rows_f32`]); otherwise the inputs untouched (`Err`)
+/// AMX, and in f32 for few rows (computed transposed); otherwise the inputs untouched (`Err`)
 /// for Burn's `linear`.
 pub fn linear<B: Backend, const D: usize>(
     x: Tensor<B, D>,
