@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec};
 use crate::config::load_json;
-use crate::dtype::{cast_to, dtype_of};
+use crate::dtype::{cast_to, dtype_of, ToDType};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
@@ -277,7 +277,8 @@ impl<B: Backend> AutoencoderKL<B> {
     }
 
     /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
-    /// stored in it is used in place and any other is converted once, never through f32.
+    /// stored in it is used in place and any other is converted once, never through f32 (what
+    /// the model computes at load, such as sinusoidal tables, is cast after).
     pub fn from_dir_in(
         dir: &Path,
         variant: Option<&str>,
@@ -292,6 +293,7 @@ impl<B: Backend> AutoencoderKL<B> {
             &path,
             VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
+        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &AutoencoderKLConfig, config_path: &Path, vb: VarBuilder<B>) -> Result<Self> {

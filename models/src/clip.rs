@@ -14,6 +14,7 @@ use serde::Deserialize;
 
 use crate::attention::multi_head_attention;
 use crate::config::load_json;
+use crate::dtype::ToDType;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, LayerNorm, Linear};
 use crate::weights::{VarBuilder, Weights};
@@ -189,7 +190,8 @@ impl<B: Backend> ClipTextModel<B> {
     }
 
     /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
-    /// stored in it is used in place and any other is converted once, never through f32.
+    /// stored in it is used in place and any other is converted once, never through f32 (what
+    /// the model computes at load, such as sinusoidal tables, is cast after).
     pub fn from_dir_in(
         dir: &Path,
         with_projection: bool,
@@ -205,6 +207,7 @@ impl<B: Backend> ClipTextModel<B> {
             with_projection,
             VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
+        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &ClipTextConfig, with_projection: bool, vb: VarBuilder<B>) -> Result<Self> {

@@ -18,7 +18,7 @@ use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec, FeedForward, FeedForwardActivation};
 use crate::config::load_json;
-use crate::dtype::{cast_to, dtype_of};
+use crate::dtype::{cast_to, dtype_of, ToDType};
 use crate::embeddings::{MicroConditions, PatchEmbed, PixArtAlphaTextProjection};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
@@ -227,7 +227,8 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
     }
 
     /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
-    /// stored in it is used in place and any other is converted once, never through f32.
+    /// stored in it is used in place and any other is converted once, never through f32 (what
+    /// the model computes at load, such as sinusoidal tables, is cast after).
     pub fn from_dir_in(
         dir: &Path,
         variant: Option<&str>,
@@ -240,6 +241,7 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
             &config,
             VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
+        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &PixArtTransformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

@@ -17,6 +17,7 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use serde::Deserialize;
 
 use crate::config::load_json;
+use crate::dtype::ToDType;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, Linear};
 use crate::weights::{VarBuilder, Weights};
@@ -286,7 +287,8 @@ impl<B: Backend> T5EncoderModel<B> {
     }
 
     /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
-    /// stored in it is used in place and any other is converted once, never through f32.
+    /// stored in it is used in place and any other is converted once, never through f32 (what
+    /// the model computes at load, such as sinusoidal tables, is cast after).
     pub fn from_dir_in(
         dir: &Path,
         variant: Option<&str>,
@@ -301,6 +303,7 @@ impl<B: Backend> T5EncoderModel<B> {
             &path,
             VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
+        .map(|model| model.to_dtype(dtype))
     }
 
     /// Builds the encoder from weights; `config_path` is only used in messages.

@@ -21,7 +21,7 @@ use serde::Deserialize;
 
 use crate::attention::{FeedForward, FeedForwardActivation, JointAttention, JointAttentionSpec};
 use crate::config::load_json;
-use crate::dtype::{cast_to, dtype_of};
+use crate::dtype::{cast_to, dtype_of, ToDType};
 use crate::embeddings::{CombinedTimestepTextProjEmbeddings, PatchEmbed};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
@@ -422,7 +422,8 @@ impl<B: Backend> SD3Transformer2DModel<B> {
     }
 
     /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
-    /// stored in it is used in place and any other is converted once, never through f32.
+    /// stored in it is used in place and any other is converted once, never through f32 (what
+    /// the model computes at load, such as sinusoidal tables, is cast after).
     pub fn from_dir_in(
         dir: &Path,
         variant: Option<&str>,
@@ -435,6 +436,7 @@ impl<B: Backend> SD3Transformer2DModel<B> {
             &config,
             VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
+        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &SD3Transformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

@@ -15,7 +15,7 @@ use crate::attention::{Transformer2DModel, Transformer2DSpec};
 use crate::config::{
     check_at_most, check_groups, load_json, PerBlock, MAX_DIMENSION, MAX_SAMPLE_SIZE,
 };
-use crate::dtype::{cast_to, dtype_of};
+use crate::dtype::{cast_to, dtype_of, ToDType};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
@@ -390,7 +390,8 @@ impl<B: Backend> UNet2DConditionModel<B> {
     }
 
     /// The same, with the float weights held in `dtype`: read straight into it, so a checkpoint
-    /// stored in it is used in place and any other is converted once, never through f32.
+    /// stored in it is used in place and any other is converted once, never through f32 (what
+    /// the model computes at load, such as sinusoidal tables, is cast after).
     pub fn from_dir_in(
         dir: &Path,
         variant: Option<&str>,
@@ -404,6 +405,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
             &dir.join("config.json"),
             VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
         )
+        .map(|model| model.to_dtype(dtype))
     }
 
     /// Builds the model from a parsed config; `config_path` is used in messages.

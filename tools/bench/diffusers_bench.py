@@ -56,6 +56,18 @@ def make(dir_, fixture):
     shutil.copytree(os.path.join(fixture, "tokenizer"), os.path.join(dir_, "tokenizer"), dirs_exist_ok=True)
 
 
+def make_variant(dir_, variant, fixture):
+    """Adds the `variant` (fp16) weight files to the folder, as the Hub's SD 1.5 ships them."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(dir_, torch_dtype=torch.float16, safety_checker=None,
+                                                   requires_safety_checker=False)
+    pipe.save_pretrained(dir_, variant=variant)
+    # save_pretrained adds a fast-tokenizer file; keep the folder's tokenizer as make() left it.
+    shutil.rmtree(os.path.join(dir_, "tokenizer"))
+    shutil.copytree(os.path.join(fixture, "tokenizer"), os.path.join(dir_, "tokenizer"))
+
+
 def peak_rss_bytes():
     """VmHWM of this process, as the Rust side reads it."""
     with open("/proc/self/status") as f:
@@ -95,11 +107,16 @@ def main():
     ap.add_argument("--e2e-repeat", type=int, default=1)
     ap.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32",
                     help="torch_dtype of the pipeline (the weights and the models' compute)")
+    ap.add_argument("--variant", default=None,
+                    help="weight files to read (diffusers' variant, e.g. fp16; made on first use)")
     ap.add_argument("--unet-only", action="store_true")
     ap.add_argument("--make-only", action="store_true")
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.dir, "model_index.json")):
         make(args.dir, args.fixture)
+    variant_file = os.path.join(args.dir, "unet", f"diffusion_pytorch_model.{args.variant}.safetensors")
+    if args.variant and not os.path.isfile(variant_file):
+        make_variant(args.dir, args.variant, args.fixture)
     if args.make_only:
         return
     torch.set_num_threads(args.threads)
@@ -108,7 +125,7 @@ def main():
     start = time.perf_counter()
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
     pipe = StableDiffusionPipeline.from_pretrained(args.dir, safety_checker=None, requires_safety_checker=False,
-                                                   torch_dtype=dtype)
+                                                   torch_dtype=dtype, variant=args.variant)
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     result = {"load_s": time.perf_counter() - start}

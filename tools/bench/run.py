@@ -72,6 +72,8 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     common = ["--size", str(size), "--steps", str(steps), "--repeat", str(repeat),
               "--e2e-repeat", str(args.e2e_repeat), "--dtype", args.dtype]
+    if args.variant:
+        common += ["--variant", args.variant]
     if side == "diffusers":
         cmd = [sys.executable, "tools/bench/diffusers_bench.py", dir_, "--threads", str(threads)]
     else:
@@ -123,7 +125,7 @@ def report(result):
         base = sides["diffusers"]
         lines.append(f"\n{case['config']} ({case['size']}x{case['size']}, {case['steps']} DDIM "
                      f"steps, guidance 7.5), {case['threads']} thread(s), {case['rounds']} "
-                     f"round(s), {result.get('dtype', 'f32')}; load avg before runs "
+                     f"round(s), {result.get('dtype', 'f32')}{', variant ' + result['variant'] if result.get('variant') else ''}; load avg before runs "
                      f"{min(case['loadavg'])}-{max(case['loadavg'])}")
         kernels = {side: runs[0].get("kernels") for side, runs in case["runs"].items() if runs}
         lines.append("kernels: " + "; ".join(f"{side}: {k}" for side, k in kernels.items() if k))
@@ -210,6 +212,8 @@ def main():
     ap.add_argument("--e2e-repeat", type=int, default=1, help="timed generations after the first")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
                     help="both sides' compute dtype (diffusers' torch_dtype, oxidiff's --dtype)")
+    ap.add_argument("--variant", default=None,
+                    help="both sides read these weight files (diffusers' variant, e.g. fp16: made on first use)")
     ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder (made there on first use; default .cache/sd15-random)")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
     ap.add_argument("--pin-cpu", type=int, default=0,
@@ -224,7 +228,8 @@ def main():
                     "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                  if line.startswith("model name")), None),
                     "features": cpu_features()},
-        "command": " ".join(sys.argv), "modes": modes, "dtype": args.dtype, "cases": [],
+        "command": " ".join(sys.argv), "modes": modes, "dtype": args.dtype, "variant": args.variant,
+        "cases": [],
     }
     print(f"CPU: {result['machine']['cpu']} ({', '.join(result['machine']['features']) or 'no AVX2'}); "
           f"dtype {args.dtype}", file=sys.stderr, flush=True)
@@ -236,6 +241,9 @@ def main():
         if not os.path.isfile(os.path.join(dir_, "model_index.json")):
             subprocess.run([sys.executable, "tools/bench/diffusers_bench.py", dir_, "--make-only"],
                            cwd=ROOT, check=True)
+        if args.variant:
+            subprocess.run([sys.executable, "tools/bench/diffusers_bench.py", dir_, "--make-only",
+                            "--variant", args.variant], cwd=ROOT, check=True)
         for threads in [int(t) for t in args.threads.split(",")]:
             print(f"{name}, {threads} thread(s)", file=sys.stderr, flush=True)
             runs = {side: [] for side in ["diffusers"] + modes}

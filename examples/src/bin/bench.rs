@@ -4,8 +4,9 @@
 //! as the diffusers script, printed as one JSON line.
 //!
 //! `bench DIR [--size 256] [--steps 4] [--repeat 3] [--e2e-repeat 1] [--mode cpu|eager|compiled]
-//! [--dtype f32|bf16|f16] [--unet-only] [--load-only]` (`--dtype` as `txt2img --dtype`: the
-//! weights and the models' compute in that dtype, latents and the scheduler in f32)
+//! [--dtype f32|bf16|f16] [--variant fp16] [--unet-only] [--load-only]` (`--dtype` as
+//! `txt2img --dtype`: the weights and the models' compute in that dtype, latents and the
+//! scheduler in f32; `--variant` as diffusers' `variant`: which weight files are read)
 //!
 //! Measured, in this order, in one process:
 //! - `load_s`: `from_pretrained` (and `compile()` in compiled mode, which only wraps the step);
@@ -40,7 +41,7 @@ use oxidiff::{Cpu, Oxi, OxiDevice};
 use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
-                     [--mode cpu|eager|compiled] [--dtype f32|bf16|f16] [--unet-only] [--load-only]";
+                     [--mode cpu|eager|compiled] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--load-only]";
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
     match args.iter().position(|a| a == name) {
@@ -110,6 +111,7 @@ struct Options {
     load_only: bool,
     mode: String,
     dtype: Option<FloatDType>,
+    variant: Option<String>,
 }
 
 fn main() -> Result<()> {
@@ -142,6 +144,10 @@ fn main() -> Result<()> {
                 _ => bail!("--dtype: use f32, bf16 or f16\n{USAGE}"),
             },
         },
+        variant: match args.iter().position(|a| a == "--variant") {
+            None => None,
+            Some(i) => Some(args.get(i + 1).context(USAGE)?.clone()),
+        },
     };
     if options.size == 0 || !options.size.is_multiple_of(8) {
         bail!("--size {}: use a positive multiple of 8", options.size);
@@ -171,7 +177,7 @@ fn bench<B: Backend>(
     let load_options = LoadOptions {
         scheduler: Some("DDIMScheduler".into()),
         dtype: options.dtype,
-        ..Default::default()
+        variant: options.variant.clone(),
     };
     let mut pipe =
         StableDiffusionPipeline::<B>::from_pretrained(&options.dir, &load_options, device)

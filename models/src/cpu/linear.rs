@@ -1,17 +1,20 @@
 //! `x W + b` on burn-flex, used by [`crate::nn::Linear`], whose weight `[in, out]` is a
 //! transposed view of the checkpoint's `[out, in]` tensor.
 //!
-//! In bf16 on AMX the rows of `x` are the left side of a [`super::half_gemm`] product read in
-//! place, the weight is packed into AMX's pair layout once and kept while the weight lives, and
-//! the f32 sums are rounded once into the bf16 output with the bias added. In f32, few rows are
-//! multiplied in the weight's own orientation; more go to Burn's `linear`.
+//! In bf16 on AMX, with the weight in that layout, the product is computed transposed: the
+//! checkpoint's rows are the left side of a [`super::half_gemm`] product, read in place, and
+//! the rows of `x` are packed into AMX's pair layout on each call (as many values as `x`, far
+//! fewer than the product's work). A weight in any other layout (one cast by
+//! [`crate::ToDType`], which makes it contiguous `[in, out]`) is packed instead, once, and the
+//! packing kept while the weight lives: packing it on every call would read and write it once
+//! per call, as much memory traffic as the product itself for short sequences. Those packed
+//! copies are keyed by the weight's storage and dropped once that storage is gone; the cache
+//! holds the storage only weakly, and since burn-flex writes in place only through storage
+//! nobody else references (`Arc::get_mut`, `Arc::make_mut`), a weight changed in place moves
+//! to new storage and gets a new packing. The f32 sums are rounded once into the bf16 output
+//! with the bias added.
 //!
-//! Packing the weight on every call would read and write it once per call, as much memory
-//! traffic as the product itself for the short sequences of the deep UNet levels and the text
-//! encoder. The packed copies are keyed by the weight's storage and dropped once that storage
-//! is gone; the cache holds the storage only weakly, and since burn-flex writes in place only
-//! through storage nobody else references (`Arc::get_mut`, `Arc::make_mut`), a weight changed in
-//! place (a fused LoRA) moves to new storage and gets a new packing.
+//! In f32, few rows are multiplied in the weight's own orientation; more go to Burn's `linear`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -58,6 +61,7 @@ pub fn linear<B: Backend, const D: usize>(
     if !all(DType::BF16) || !amx::available() {
         return Err((x, weight, bias));
     }
+    let checkpoint_layout = is_checkpoint_layout(&weight);
     let mut shape = x.dims().to_vec();
     let x = into_flex(x).to_contiguous();
     let weight = into_flex(weight);
@@ -66,20 +70,40 @@ pub fn linear<B: Backend, const D: usize>(
         None => vec![0.0; d_out],
     };
     let m = x.layout().num_elements() / d_in.max(1);
-    let packed = packed_weight(&weight);
     let mut out = vec![bf16::ZERO; m * d_out];
     let ptr = OutPtr(out.as_mut_ptr());
-    half_gemm::gemm(x.storage::<bf16>(), d_in, m, &packed, |block| {
-        for i in 0..block.rows {
-            let at = (block.row0 + i) * d_out + block.col0;
-            // SAFETY: blocks are disjoint parts of `out`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
-            let bias = &bias[block.col0..block.col0 + block.cols];
-            for ((d, v), b) in dst.iter_mut().zip(block.row(i)).zip(bias) {
-                *d = round_bf16(v + b);
+    let x_rows = x.storage::<bf16>();
+    if checkpoint_layout {
+        // `(W^T x^T)^T`: the checkpoint's `[out, in]` rows are the left side, read in place,
+        // and the rows of `x` are packed (as the transpose of the right side) on each call;
+        // a block of the product is `out[j][i]` for outputs `i` and rows `j` of `x`.
+        let stored = &weight.storage::<bf16>()[weight.layout().start_offset()..];
+        let packed_x = PackedB::from_transposed(x_rows, d_in, d_in, m);
+        half_gemm::gemm(stored, d_in, d_out, &packed_x, |block| {
+            for i in 0..block.rows {
+                let feature = block.row0 + i;
+                let b = bias[feature];
+                for (j, v) in block.row(i).iter().enumerate() {
+                    let at = (block.col0 + j) * d_out + feature;
+                    // SAFETY: blocks are disjoint parts of `out`.
+                    unsafe { *ptr.add(at).0 = round_bf16(v + b) };
+                }
             }
-        }
-    });
+        });
+    } else {
+        let packed = packed_weight(&weight);
+        half_gemm::gemm(x_rows, d_in, m, &packed, |block| {
+            for i in 0..block.rows {
+                let at = (block.row0 + i) * d_out + block.col0;
+                // SAFETY: blocks are disjoint parts of `out`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
+                let bias = &bias[block.col0..block.col0 + block.cols];
+                for ((d, v), b) in dst.iter_mut().zip(block.row(i)).zip(bias) {
+                    *d = round_bf16(v + b);
+                }
+            }
+        });
+    }
     shape[D - 1] = d_out;
     Ok(from_flex(FlexTensor::new(
         Bytes::from_elems(out),
@@ -158,16 +182,9 @@ fn packed_weight(weight: &FlexTensor) -> Arc<PackedB> {
             }
         }
     }
-    // A checkpoint's `[out, in]` weight transposed as a view is packed from its rows as they
-    // lie; any other layout is made contiguous first.
     let (k, n) = (shape[0], shape[1]);
-    let packed = if layout.strides() == [1, k as isize] {
-        let values = &weight.storage::<bf16>()[layout.start_offset()..];
-        Arc::new(PackedB::from_transposed(values, k, k, n))
-    } else {
-        let contiguous = weight.to_contiguous();
-        Arc::new(PackedB::from_rows(contiguous.storage::<bf16>(), n, k, n))
-    };
+    let contiguous = weight.to_contiguous();
+    let packed = Arc::new(PackedB::from_rows(contiguous.storage::<bf16>(), n, k, n));
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
     let cache = cache.get_or_insert_with(HashMap::new);
     cache.retain(|_, entry| entry.owner.strong_count() > 0);
