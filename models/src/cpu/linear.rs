@@ -80,13 +80,13 @@ pub fn linear<B: Backend, const D: usize>(
         let stored = &weight.storage::<bf16>()[weight.layout().start_offset()..];
         let packed_x = PackedB::from_transposed(x_rows, d_in, d_in, m);
         half_gemm::gemm(stored, d_in, d_out, &packed_x, |block| {
-            for i in 0..block.rows {
-                let feature = block.row0 + i;
-                let b = bias[feature];
-                for (j, v) in block.row(i).iter().enumerate() {
-                    let at = (block.col0 + j) * d_out + feature;
-                    // SAFETY: blocks are disjoint parts of `out`.
-                    unsafe { *ptr.add(at).0 = round_bf16(v + b) };
+            let bias = &bias[block.row0..block.row0 + block.rows];
+            for j in 0..block.cols {
+                let at = (block.col0 + j) * d_out + block.row0;
+                // SAFETY: blocks are disjoint parts of `out`.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.rows) };
+                for (i, (d, b)) in dst.iter_mut().zip(bias).enumerate() {
+                    *d = round_bf16(block.values[i * amx::BLOCK + j] + b);
                 }
             }
         });
