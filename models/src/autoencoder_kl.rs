@@ -2,7 +2,6 @@
 //! and `vae.py`).
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
@@ -11,11 +10,11 @@ use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec};
 use crate::config::load_json;
-use crate::dtype::{cast_to, dtype_of, ToDType};
+use crate::dtype::{cast_to, dtype_of};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
-use crate::weights::{VarBuilder, Weights};
+use crate::weights::{load_component, VarBuilder};
 
 /// `vae/config.json`, with diffusers' defaults.
 #[derive(Debug, Clone, Deserialize)]
@@ -287,13 +286,14 @@ impl<B: Backend> AutoencoderKL<B> {
     ) -> Result<Self> {
         let path = dir.join("config.json");
         let config = AutoencoderKLConfig::from_file(&path)?;
-        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(
-            &config,
-            &path,
-            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        load_component(
+            dir,
+            &["diffusion_pytorch_model"],
+            variant,
+            dtype,
+            device,
+            |vb| Self::load(&config, &path, vb),
         )
-        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &AutoencoderKLConfig, config_path: &Path, vb: VarBuilder<B>) -> Result<Self> {

@@ -5,7 +5,6 @@
 //! have it; both load.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
@@ -14,10 +13,9 @@ use serde::Deserialize;
 
 use crate::attention::multi_head_attention;
 use crate::config::load_json;
-use crate::dtype::ToDType;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, LayerNorm, Linear};
-use crate::weights::{VarBuilder, Weights};
+use crate::weights::{load_component, VarBuilder};
 
 /// `text_encoder/config.json` (a transformers `CLIPTextConfig`).
 #[derive(Debug, Clone, Deserialize)]
@@ -201,13 +199,9 @@ impl<B: Backend> ClipTextModel<B> {
     ) -> Result<Self> {
         let path = dir.join("config.json");
         let config = ClipTextConfig::from_file(&path)?;
-        let weights = Weights::from_component_dir(dir, &["model"], variant)?;
-        Self::load(
-            &config,
-            with_projection,
-            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
-        )
-        .map(|model| model.to_dtype(dtype))
+        load_component(dir, &["model"], variant, dtype, device, |vb| {
+            Self::load(&config, with_projection, vb)
+        })
     }
 
     pub fn load(cfg: &ClipTextConfig, with_projection: bool, vb: VarBuilder<B>) -> Result<Self> {

@@ -9,7 +9,6 @@
 //! the noise prediction and the variance; pipelines keep the first `in_channels`.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
@@ -18,14 +17,14 @@ use serde::Deserialize;
 
 use crate::attention::{Attention, AttentionSpec, FeedForward, FeedForwardActivation};
 use crate::config::load_json;
-use crate::dtype::{cast_to, dtype_of, ToDType};
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{MicroConditions, PatchEmbed, PixArtAlphaTextProjection};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
 use crate::normalization::{modulate, AdaLayerNormSingle};
 use crate::parallel::block_widths;
 use crate::unet_2d_condition::transformer_block_rules;
-use crate::weights::{VarBuilder, Weights};
+use crate::weights::{load_component, VarBuilder};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
 /// `transformer/config.json`.
@@ -236,12 +235,14 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let config = PixArtTransformer2DConfig::from_file(&dir.join("config.json"))?;
-        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(
-            &config,
-            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        load_component(
+            dir,
+            &["diffusion_pytorch_model"],
+            variant,
+            dtype,
+            device,
+            |vb| Self::load(&config, vb),
         )
-        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &PixArtTransformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

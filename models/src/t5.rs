@@ -7,7 +7,6 @@
 //! `encoder.block.0.layer.0.SelfAttention.q.weight`, `shared.weight`.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
@@ -17,10 +16,9 @@ use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use serde::Deserialize;
 
 use crate::config::load_json;
-use crate::dtype::ToDType;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, Linear};
-use crate::weights::{VarBuilder, Weights};
+use crate::weights::{load_component, VarBuilder};
 
 /// `text_encoder/config.json` (a transformers `T5Config`).
 #[derive(Debug, Clone, Deserialize)]
@@ -297,13 +295,9 @@ impl<B: Backend> T5EncoderModel<B> {
     ) -> Result<Self> {
         let path = dir.join("config.json");
         let config = T5Config::from_file(&path)?;
-        let weights = Weights::from_component_dir(dir, &["model"], variant)?;
-        Self::load(
-            &config,
-            &path,
-            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
-        )
-        .map(|model| model.to_dtype(dtype))
+        load_component(dir, &["model"], variant, dtype, device, |vb| {
+            Self::load(&config, &path, vb)
+        })
     }
 
     /// Builds the encoder from weights; `config_path` is only used in messages.

@@ -10,7 +10,6 @@
 //! and k. The output is the velocity of every latent token, `[batch, seq, out_channels]`.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
@@ -20,7 +19,7 @@ use serde::Deserialize;
 
 use crate::attention::{scaled_dot_product_attention, FeedForward, FeedForwardActivation};
 use crate::config::load_json;
-use crate::dtype::{cast_to, dtype_of, ToDType};
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{
     apply_rotary_emb, CombinedTimestepGuidanceTextProjEmbeddings,
     CombinedTimestepTextProjEmbeddings, FluxPosEmbed, RotaryEmbedding,
@@ -30,7 +29,7 @@ use crate::nn::{layer_norm, Activation, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle, RMSNorm,
 };
-use crate::weights::{VarBuilder, Weights};
+use crate::weights::{load_component, VarBuilder};
 
 /// `transformer/config.json`.
 #[derive(Debug, Clone, Deserialize)]
@@ -426,12 +425,14 @@ impl<B: Backend> FluxTransformer2DModel<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let config = FluxTransformer2DConfig::from_file(&dir.join("config.json"))?;
-        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(
-            &config,
-            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        load_component(
+            dir,
+            &["diffusion_pytorch_model"],
+            variant,
+            dtype,
+            device,
+            |vb| Self::load(&config, vb),
         )
-        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &FluxTransformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

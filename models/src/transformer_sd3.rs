@@ -11,7 +11,6 @@
 //! modulated by the conditioning (`norm_out`), projected and un-patched.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
@@ -21,14 +20,14 @@ use serde::Deserialize;
 
 use crate::attention::{FeedForward, FeedForwardActivation, JointAttention, JointAttentionSpec};
 use crate::config::load_json;
-use crate::dtype::{cast_to, dtype_of, ToDType};
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{CombinedTimestepTextProjEmbeddings, PatchEmbed};
 use crate::error::{ModelError, Result};
 use crate::nn::{layer_norm, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLnZeroOutput, SD35AdaLayerNormZeroX,
 };
-use crate::weights::{VarBuilder, Weights};
+use crate::weights::{load_component, VarBuilder};
 
 /// `transformer/config.json`.
 #[derive(Debug, Clone, Deserialize)]
@@ -431,12 +430,14 @@ impl<B: Backend> SD3Transformer2DModel<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let config = SD3Transformer2DConfig::from_file(&dir.join("config.json"))?;
-        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(
-            &config,
-            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        load_component(
+            dir,
+            &["diffusion_pytorch_model"],
+            variant,
+            dtype,
+            device,
+            |vb| Self::load(&config, vb),
         )
-        .map(|model| model.to_dtype(dtype))
     }
 
     pub fn load(cfg: &SD3Transformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

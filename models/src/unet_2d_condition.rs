@@ -4,7 +4,6 @@
 //! (`down_blocks.0.resnets.0.conv1`); the blocks are in [`crate::unet_2d_blocks`].
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
@@ -15,7 +14,7 @@ use crate::attention::{Transformer2DModel, Transformer2DSpec};
 use crate::config::{
     check_at_most, check_groups, load_json, PerBlock, MAX_DIMENSION, MAX_SAMPLE_SIZE,
 };
-use crate::dtype::{cast_to, dtype_of, ToDType};
+use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
@@ -24,7 +23,7 @@ use crate::unet_2d_blocks::{
     CrossAttnDownBlock2D, CrossAttnUpBlock2D, DownBlock, DownBlock2D, DownBlockSpec, MidBlock,
     ResnetSettings, UNetMidBlock2D, UNetMidBlock2DCrossAttn, UpBlock, UpBlock2D, UpBlockSpec,
 };
-use crate::weights::{VarBuilder, Weights};
+use crate::weights::{load_component, VarBuilder};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
 /// `unet/config.json`, with diffusers' defaults.
@@ -399,13 +398,14 @@ impl<B: Backend> UNet2DConditionModel<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let config = UNet2DConditionConfig::from_file(&dir.join("config.json"))?;
-        let weights = Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?;
-        Self::load(
-            &config,
-            &dir.join("config.json"),
-            VarBuilder::new(Arc::new(weights), device).with_dtype(dtype),
+        load_component(
+            dir,
+            &["diffusion_pytorch_model"],
+            variant,
+            dtype,
+            device,
+            |vb| Self::load(&config, &dir.join("config.json"), vb),
         )
-        .map(|model| model.to_dtype(dtype))
     }
 
     /// Builds the model from a parsed config; `config_path` is used in messages.

@@ -430,14 +430,10 @@ impl Weights {
     /// Reads a tensor as f32 values with its shape, converting F16/BF16/F64.
     pub fn read_f32(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>)> {
         let (entry, file, bytes, stored) = self.locate(key)?;
-        let mut values = weight_data::to_f32(bytes, stored);
-        release(file, entry);
-        if entry.transposed {
-            // `info.shape` is `[cols, rows]` of the stored `[rows, cols]` tensor.
-            let (cols, rows) = (entry.info.shape[0], entry.info.shape[1]);
-            values = weight_data::transpose(&values, rows, cols);
-        }
-        Ok((values, entry.info.shape.clone()))
+        Ok((
+            f32_values(entry, file, bytes, stored),
+            entry.info.shape.clone(),
+        ))
     }
 
     /// Reads a tensor held in `dtype`, with its shape: the memory-mapped bytes themselves when
@@ -447,7 +443,7 @@ impl Weights {
         let (entry, file, bytes, stored) = self.locate(key)?;
         let shape = entry.info.shape.clone();
         if entry.transposed {
-            let (values, shape) = self.read_f32(key)?;
+            let values = f32_values(entry, file, bytes, stored);
             return Ok(weight_data::from_f32(values, shape, dtype));
         }
         let (start, end) = (
@@ -507,6 +503,19 @@ impl Weights {
             .map(|e| self.files[e.file].path.clone())
             .unwrap_or_default()
     }
+}
+
+/// `entry`'s values (`bytes`, stored as `stored`) as f32, transposed back when the entry is a
+/// transposed view; its range of the map is released.
+fn f32_values(entry: &Entry, file: &WeightFile, bytes: &[u8], stored: Stored) -> Vec<f32> {
+    let values = weight_data::to_f32(bytes, stored);
+    release(file, entry);
+    if entry.transposed {
+        // `info.shape` is `[cols, rows]` of the stored `[rows, cols]` tensor.
+        let (cols, rows) = (entry.info.shape[0], entry.info.shape[1]);
+        return weight_data::transpose(&values, rows, cols);
+    }
+    values
 }
 
 /// A shared handle on a weight file's map, the owner of tensors that use its bytes in place.
@@ -648,6 +657,23 @@ impl<B: Backend> VarBuilder<B> {
         let dtype = data.dtype;
         Ok(Tensor::from_data(data, (&self.device, dtype)))
     }
+}
+
+/// A model built from a component folder the way every model's `from_dir_in` does it: the
+/// weights named `bases` (and `variant`) read into `dtype` by `build`, then what the model
+/// computed at load in f32 (sinusoidal tables) cast into `dtype` too.
+pub(crate) fn load_component<B: Backend, M: burn::module::Module<B>>(
+    dir: &Path,
+    bases: &[&str],
+    variant: Option<&str>,
+    dtype: FloatDType,
+    device: &B::Device,
+    build: impl FnOnce(VarBuilder<B>) -> Result<M>,
+) -> Result<M> {
+    use crate::dtype::ToDType;
+    let weights = Weights::from_component_dir(dir, bases, variant)?;
+    let model = build(VarBuilder::new(Arc::new(weights), device).with_dtype(dtype))?;
+    Ok(model.to_dtype(dtype))
 }
 
 /// A weights file must not be a link out of its model folder (the folder above the component's
