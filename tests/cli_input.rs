@@ -595,3 +595,55 @@ fn absurd_config_sizes_are_refused_before_anything_is_built() {
         assert!(!out.exists());
     }
 }
+
+#[test]
+fn a_transformer_gguf_runs_flux_and_bad_ones_are_refused() {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let gguf = fixtures.join("tiny-flux-gguf/flux-Q4_K.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    // schnell's folder with the GGUF transformer's config (its weights stay unread).
+    let flux = tmp.path().join("flux");
+    common::copy_dir(&fixtures.join("tiny-flux-schnell"), &flux);
+    std::fs::copy(
+        fixtures.join("tiny-flux-gguf/transformer/config.json"),
+        flux.join("transformer/config.json"),
+    )
+    .unwrap();
+    let out = tmp.path().join("o.png");
+    let base = [
+        "--model",
+        flux.to_str().unwrap(),
+        "a lighthouse",
+        "--steps",
+        "1",
+        "--width",
+        "32",
+        "--height",
+        "32",
+        "--output",
+        out.to_str().unwrap(),
+    ];
+    let with = |transformer: &Path, model: Option<&Path>| {
+        let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+        if let Some(m) = model {
+            args[1] = m.to_str().unwrap().to_string();
+        }
+        args.extend(["--transformer".into(), transformer.to_str().unwrap().into()]);
+        txt2img(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    // The tiny-flux-gguf transformer is built for schnell's text encoders: a real run.
+    let ended = with(&gguf, None);
+    assert_eq!(ended.code, Some(0), "{}", ended.stderr);
+    let image = image::open(&out).unwrap();
+    assert_eq!((image.width(), image.height()), (32, 32));
+    std::fs::remove_file(&out).unwrap();
+    // A safetensors file is no GGUF; a file that is cut short; a pipeline without a transformer.
+    let not_gguf = fixtures.join("tiny-flux-schnell/transformer/diffusion_pytorch_model.safetensors");
+    with(&not_gguf, None).refused(1, "not a GGUF file");
+    let short = tmp.path().join("short.gguf");
+    let bytes = std::fs::read(&gguf).unwrap();
+    std::fs::write(&short, &bytes[..bytes.len() / 2]).unwrap();
+    with(&short, None).refused(1, "truncated");
+    with(&gguf, Some(&model())).refused(1, "cannot take one");
+    assert!(!out.exists(), "a refused run writes nothing");
+}

@@ -19,6 +19,11 @@ struct CastParams(FloatDType);
 
 impl<B: Backend> ModuleMapper<B> for CastParams {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if !param.is_initialized() {
+            // A quantized weight's lazy dense form: cast when (if ever) it is made.
+            let dtype = self.0;
+            return param.init_mapper(move |t| cast_to(t, dtype));
+        }
         let (id, tensor, mapper) = param.consume();
         Param::from_mapped_value(id, cast_to(tensor, self.0), mapper)
     }

@@ -74,6 +74,8 @@ pub enum ModelError {
         looked_for: String,
         found: String,
     },
+    #[error("{path} is not a usable GGUF file: {reason}")]
+    Gguf { path: PathBuf, reason: String },
     #[error("LoRA {path}: {reason}")]
     Lora { path: PathBuf, reason: String },
 }

@@ -16,6 +16,7 @@ pub mod device;
 pub mod dtype;
 pub mod embeddings;
 pub mod error;
+pub mod gguf;
 pub mod lora;
 pub mod nn;
 pub mod normalization;

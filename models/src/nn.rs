@@ -3,45 +3,80 @@
 //! Written once and shared by the UNet, VAE and text encoders. Each layer's weights are named as
 //! in PyTorch (`weight`, `bias`), so a layer is loaded from `vb.pp("conv1")` with no remapping.
 
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{conv2d, embedding, linear};
 use burn::tensor::ops::ConvOptions;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{FloatDType, Int, Shape, Tensor};
 
 use crate::cpu::conv::{self as cpu_conv, ConvGeometry};
 use crate::cpu::elementwise as cpu_elementwise;
 use crate::cpu::linear as cpu_linear;
+use crate::cpu::quantized_linear as cpu_quantized;
 use crate::error::{ModelError, Result};
+use crate::gguf::QuantizedMatrix;
+use crate::weight_data;
 use crate::weights::VarBuilder;
 
 /// `torch.nn.Linear`; the weight is Burn's `[in, out]`, a transposed view of the checkpoint's
 /// `[out, in]` tensor (so loading copies nothing; the matrix products read it through its
 /// strides).
+///
+/// A weight stored quantized (a GGUF file) is kept in its blocks in `quantized` and multiplied
+/// block by block on the CPU backend; `weight` is then a lazy parameter that dequantizes it
+/// only when something asks for the dense tensor (another backend, a cast through Burn's own
+/// mappers, tensor parallelism). Once it has, the dense weight is the one used.
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     pub bias: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    pub quantized: Option<QuantizedMatrix>,
 }
 
 impl<B: Backend> Linear<B> {
     pub fn load(vb: &VarBuilder<B>, d_in: usize, d_out: usize, bias: bool) -> Result<Self> {
-        let weight = Param::from_tensor(vb.get_linear_weight("weight", d_in, d_out)?);
+        let quantized = vb.get_quantized_linear("weight", d_in, d_out)?;
+        let weight = match &quantized {
+            Some(matrix) => lazy_dense(matrix.clone(), vb.dtype(), vb.device()),
+            None => Param::from_tensor(vb.get_linear_weight("weight", d_in, d_out)?),
+        };
         let bias = if bias {
             Some(Param::from_tensor(vb.get("bias", [d_out])?))
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok(Self {
+            weight,
+            bias,
+            quantized,
+        })
     }
 
-    /// On burn-flex in bf16 with AMX through [`crate::cpu::linear`], elsewhere Burn's `linear`
-    /// on `x` flattened to rows: for a 2-D input Burn multiplies by the weight as it is, while
-    /// for more dimensions it would first reshape the weight, which copies a strided view on
-    /// every call.
+    /// Input and output features, without dequantizing a quantized weight.
+    pub fn dims(&self) -> [usize; 2] {
+        let shape = self.weight.lazy_shape();
+        [shape[0], shape[1]]
+    }
+
+    /// On burn-flex with a quantized weight through [`crate::cpu::quantized_linear`]; in bf16
+    /// with AMX through [`crate::cpu::linear`]; elsewhere Burn's `linear` on `x` flattened to
+    /// rows: for a 2-D input Burn multiplies by the weight as it is, while for more dimensions
+    /// it would first reshape the weight, which copies a strided view on every call.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let bias = self.bias.as_ref().map(|b| b.val());
+        let mut bias = self.bias.as_ref().map(|b| b.val());
+        let mut x = x;
+        if let Some(matrix) = self
+            .quantized
+            .as_ref()
+            .filter(|_| !self.weight.is_initialized())
+        {
+            match cpu_quantized::linear(x, matrix, bias) {
+                Ok(out) => return out,
+                Err((back, b)) => (x, bias) = (back, b),
+            }
+        }
         match cpu_linear::linear(x, self.weight.val(), bias) {
             Ok(out) => out,
             Err((x, weight, bias)) if D > 2 => {
@@ -55,6 +90,30 @@ impl<B: Backend> Linear<B> {
             Err((x, weight, bias)) => linear(x, weight, bias),
         }
     }
+}
+
+/// The `[in, out]` dense weight of `matrix` in `dtype`, computed when first asked for.
+fn lazy_dense<B: Backend>(
+    matrix: QuantizedMatrix,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Param<Tensor<B, 2>> {
+    let shape = Shape::new([matrix.cols(), matrix.rows()]);
+    Param::uninitialized(
+        ParamId::new(),
+        move |device, _| {
+            let data = weight_data::from_f32(
+                matrix.dequantize(),
+                vec![matrix.rows(), matrix.cols()],
+                dtype,
+            );
+            let dtype = data.dtype;
+            Tensor::<B, 2>::from_data(data, (device, dtype)).transpose()
+        },
+        device.clone(),
+        false,
+        shape,
+    )
 }
 
 /// `torch.nn.Conv2d` with square kernel, symmetric padding and optional groups.

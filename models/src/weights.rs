@@ -18,6 +18,7 @@ use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensors;
 
 use crate::error::{ModelError, Result};
+use crate::gguf::{GgmlType, GgufFile, QuantizedMatrix};
 use crate::weight_data::{self, Stored};
 
 /// One memory-mapped safetensors file with its parsed and validated header.
@@ -33,6 +34,11 @@ struct Entry {
     info: TensorInfo,
     /// Read as the transpose of the stored 2-D tensor (`info.shape` is the transposed shape).
     transposed: bool,
+    /// GGML blocks (from a GGUF file): `info.shape` is the logical shape and `info.dtype` is
+    /// `U8`; the bytes are whole rows of blocks.
+    quant: Option<GgmlType>,
+    /// Read with the halves of the first axis swapped ([`TensorView::SwapHalves`]).
+    swap_halves: bool,
 }
 
 /// How a tensor of a [`Weights::view`] is read from its source tensor: a single-file checkpoint
@@ -47,6 +53,9 @@ pub enum TensorView {
     Rows { start: usize, count: usize },
     /// The transpose of a 2-D tensor (OpenCLIP's `text_projection`).
     Transpose,
+    /// The two halves of the first axis swapped (the original Flux checkpoints store the final
+    /// modulation as `[scale, shift]`, diffusers as `[shift, scale]`); read as a copy.
+    SwapHalves,
 }
 
 /// All tensors of a component, from one or more safetensors files.
@@ -200,6 +209,57 @@ impl Weights {
         Self::open_checked(&[path.to_path_buf()])
     }
 
+    /// Opens a GGUF file, its tensors named as in the file (diffusers' names, or the original
+    /// ones a single-file rename maps). F32, F16 and BF16 tensors are read like safetensors
+    /// ones; quantized 2-D weights are kept in their blocks ([`Self::quantized`]), and any other
+    /// read of a quantized tensor dequantizes it.
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        let gguf = GgufFile::open(path)?;
+        let mut entries = HashMap::new();
+        for t in &gguf.tensors {
+            let dtype = match t.kind {
+                GgmlType::F32 => Dtype::F32,
+                GgmlType::F16 => Dtype::F16,
+                GgmlType::BF16 => Dtype::BF16,
+                _ => Dtype::U8,
+            };
+            let info = TensorInfo {
+                dtype,
+                shape: t.shape.clone(),
+                data_offsets: (t.start, t.end),
+            };
+            let quant = t.kind.is_quantized().then_some(t.kind);
+            entries.insert(
+                t.name.clone(),
+                Entry {
+                    file: 0,
+                    info,
+                    transposed: false,
+                    quant,
+                    swap_halves: false,
+                },
+            );
+        }
+        let metadata = gguf
+            .metadata
+            .iter()
+            .filter_map(|(k, v)| match v {
+                crate::gguf::MetaValue::Str(s) => Some((k.clone(), s.clone())),
+                _ => None,
+            })
+            .collect();
+        Ok(Self {
+            files: vec![Arc::new(WeightFile {
+                path: gguf.path,
+                mmap: gguf.mmap,
+                data_start: 0,
+            })],
+            entries,
+            used: Mutex::new(BTreeSet::new()),
+            metadata,
+        })
+    }
+
     fn open_checked(paths: &[PathBuf]) -> Result<Self> {
         let mut metadata_map = BTreeMap::new();
         let mut files = Vec::with_capacity(paths.len());
@@ -246,6 +306,8 @@ impl Weights {
                         file: index,
                         info: info.clone(),
                         transposed: false,
+                        quant: None,
+                        swap_halves: false,
                     },
                 );
             }
@@ -289,6 +351,24 @@ impl Weights {
             };
             let mut info = entry.info.clone();
             let mut transposed = entry.transposed;
+            let mut swap_halves = entry.swap_halves;
+            if let Some(kind) = entry.quant {
+                // Blocks run along the last axis: only whole rows can be taken or regrouped.
+                let fits = match &view {
+                    TensorView::Whole | TensorView::Rows { .. } | TensorView::SwapHalves => true,
+                    TensorView::Reshape(new_shape) => new_shape.last() == shape.last(),
+                    TensorView::Transpose => false,
+                };
+                if !fits {
+                    return Err(ModelError::Unsupported {
+                        path: self.path_of(&source),
+                        reason: format!(
+                            "tensor `{source}` is quantized ({kind}) and cannot be read as \
+                             {view:?}: re-quantize the file from the original checkpoint"
+                        ),
+                    });
+                }
+            }
             match view {
                 TensorView::Whole => {}
                 TensorView::Reshape(new_shape) => {
@@ -302,19 +382,35 @@ impl Weights {
                 }
                 TensorView::Rows { start, count } => {
                     let rows = shape.first().copied().unwrap_or(0);
-                    if transposed || shape.is_empty() || start + count > rows {
+                    if transposed || swap_halves || shape.is_empty() || start + count > rows {
                         let mut expected = shape.clone();
                         if let Some(first) = expected.first_mut() {
                             *first = start + count;
                         }
                         return Err(misfit(expected));
                     }
-                    let row_bytes = shape[1..].iter().product::<usize>() * info.dtype.bitsize() / 8;
+                    let row_values = shape[1..].iter().product::<usize>();
+                    let row_bytes = match entry.quant {
+                        Some(kind) => {
+                            let last = shape.last().copied().unwrap_or(1);
+                            kind.row_bytes(last).unwrap_or(0) * (row_values / last.max(1))
+                        }
+                        None => row_values * info.dtype.bitsize() / 8,
+                    };
                     let begin = info.data_offsets.0 + start * row_bytes;
                     info.data_offsets = (begin, begin + count * row_bytes);
                     info.shape[0] = count;
                 }
+                TensorView::SwapHalves => {
+                    if transposed || swap_halves || shape.first().is_none_or(|r| r % 2 != 0) {
+                        return Err(misfit(shape.clone()));
+                    }
+                    swap_halves = true;
+                }
                 TensorView::Transpose => {
+                    if swap_halves {
+                        return Err(misfit(shape.clone()));
+                    }
                     if shape.len() != 2 {
                         return Err(misfit(vec![shape.iter().product(), 1]));
                     }
@@ -328,6 +424,8 @@ impl Weights {
                     file: entry.file,
                     info,
                     transposed,
+                    quant: entry.quant,
+                    swap_halves,
                 },
             );
         }
@@ -366,6 +464,8 @@ impl Weights {
                     file: 0,
                     info,
                     transposed: false,
+                    quant: None,
+                    swap_halves: false,
                 };
                 (name, entry)
             })
@@ -429,6 +529,10 @@ impl Weights {
 
     /// Reads a tensor as f32 values with its shape, converting F16/BF16/F64.
     pub fn read_f32(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>)> {
+        if let Some(matrix) = self.quantized_any(key)? {
+            let shape = self.entries[key].info.shape.clone();
+            return Ok((matrix.dequantize(), shape));
+        }
         let (entry, file, bytes, stored) = self.locate(key)?;
         Ok((
             f32_values(entry, file, bytes, stored),
@@ -440,6 +544,10 @@ impl Weights {
     /// the file stores it in that dtype (nothing copied), otherwise converted once from the
     /// stored type.
     pub fn read(&self, key: &str, dtype: FloatDType) -> Result<TensorData> {
+        if let Some(matrix) = self.quantized_any(key)? {
+            let shape = self.entries[key].info.shape.clone();
+            return Ok(weight_data::from_f32(matrix.dequantize(), shape, dtype));
+        }
         let (entry, file, bytes, stored) = self.locate(key)?;
         let shape = entry.info.shape.clone();
         if entry.transposed {
@@ -450,6 +558,13 @@ impl Weights {
             file.data_start + entry.info.data_offsets.0,
             file.data_start + entry.info.data_offsets.1,
         );
+        if entry.swap_halves {
+            let swapped = swap_halves(bytes);
+            let (data, _) = weight_data::tensor_data(&swapped, stored, shape, dtype, || {
+                bytes::Bytes::from(swapped.clone())
+            });
+            return Ok(data);
+        }
         let (data, shared) = weight_data::tensor_data(bytes, stored, shape, dtype, || {
             bytes::Bytes::from_owner(Mapped(file.clone())).slice(start..end)
         });
@@ -457,6 +572,55 @@ impl Weights {
             release(file, entry);
         }
         Ok(data)
+    }
+
+    /// The quantized blocks of the 2-D weight `key`, shared with the file's map, or `None` when
+    /// the tensor is stored as plain floats.
+    pub fn quantized(&self, key: &str) -> Result<Option<QuantizedMatrix>> {
+        match self.entries.get(key) {
+            Some(entry) if entry.quant.is_some() && entry.info.shape.len() == 2 => {
+                self.quantized_any(key)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The blocks of quantized tensor `key` of any rank, seen as `[values / last, last]`;
+    /// `None` for a plain one. Marks the key used.
+    fn quantized_any(&self, key: &str) -> Result<Option<QuantizedMatrix>> {
+        let Some(entry) = self.entries.get(key) else {
+            return Err(ModelError::MissingKey {
+                key: key.to_string(),
+                files: self.file_list(),
+            });
+        };
+        let Some(kind) = entry.quant else {
+            return Ok(None);
+        };
+        let file = &self.files[entry.file];
+        let cols = entry.info.shape.last().copied().unwrap_or(1);
+        let rows = entry.info.shape.iter().product::<usize>() / cols.max(1);
+        let (start, end) = (
+            file.data_start + entry.info.data_offsets.0,
+            file.data_start + entry.info.data_offsets.1,
+        );
+        let mut bytes = bytes::Bytes::from_owner(Mapped(file.clone())).slice(start..end);
+        if entry.swap_halves {
+            bytes = bytes::Bytes::from(swap_halves(&bytes));
+        }
+        let matrix =
+            QuantizedMatrix::new(kind, rows, cols, bytes).ok_or_else(|| ModelError::Gguf {
+                path: file.path.clone(),
+                reason: format!(
+                    "tensor `{key}` ({kind}) has {} bytes, which do not hold its shape {:?}",
+                    end - start,
+                    entry.info.shape
+                ),
+            })?;
+        if let Ok(mut used) = self.used.lock() {
+            used.insert(key.to_string());
+        }
+        Ok(Some(matrix))
     }
 
     /// The entry of `key`, its file, its bytes in the map and their stored type; marks the key
@@ -508,7 +672,11 @@ impl Weights {
 /// `entry`'s values (`bytes`, stored as `stored`) as f32, transposed back when the entry is a
 /// transposed view; its range of the map is released.
 fn f32_values(entry: &Entry, file: &WeightFile, bytes: &[u8], stored: Stored) -> Vec<f32> {
-    let values = weight_data::to_f32(bytes, stored);
+    let values = if entry.swap_halves {
+        weight_data::to_f32(&swap_halves(bytes), stored)
+    } else {
+        weight_data::to_f32(bytes, stored)
+    };
     release(file, entry);
     if entry.transposed {
         // `info.shape` is `[cols, rows]` of the stored `[rows, cols]` tensor.
@@ -516,6 +684,13 @@ fn f32_values(entry: &Entry, file: &WeightFile, bytes: &[u8], stored: Stored) ->
         return weight_data::transpose(&values, rows, cols);
     }
     values
+}
+
+/// `bytes` with its two halves swapped (rows are whole runs of bytes, so this swaps the halves
+/// of the first axis whatever the element type).
+fn swap_halves(bytes: &[u8]) -> Vec<u8> {
+    let half = bytes.len() / 2;
+    [&bytes[half..], &bytes[..half]].concat()
 }
 
 /// A shared handle on a weight file's map, the owner of tensors that use its bytes in place.
@@ -642,6 +817,25 @@ impl<B: Backend> VarBuilder<B> {
         Ok(self.get(name, [d_out, d_in])?.transpose())
     }
 
+    /// The GGML blocks of the `[d_out, d_in]` linear weight `name`, when it is stored quantized
+    /// (from a GGUF file); `None` when it is plain floats.
+    pub fn get_quantized_linear(
+        &self,
+        name: &str,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<Option<QuantizedMatrix>> {
+        let key = self.key(name);
+        match self.weights.shape(&key) {
+            Some(found) if found != [d_out, d_in] => {
+                let found = found.to_vec();
+                Err(self.misfit(key, &[d_out, d_in], found))
+            }
+            Some(_) => self.weights.quantized(&key),
+            None => Ok(None),
+        }
+    }
+
     /// Loads `name` as a tensor of the expected shape, in this builder's dtype.
     pub fn get<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
         let key = self.key(name);
@@ -670,8 +864,19 @@ pub(crate) fn load_component<B: Backend, M: burn::module::Module<B>>(
     device: &B::Device,
     build: impl FnOnce(VarBuilder<B>) -> Result<M>,
 ) -> Result<M> {
-    use crate::dtype::ToDType;
     let weights = Weights::from_component_dir(dir, bases, variant)?;
+    build_component(weights, dtype, device, build)
+}
+
+/// A model built by `build` from `weights` held in `dtype`, then what it computed at load cast
+/// into `dtype` (the second half of [`load_component`], for weights from elsewhere: a GGUF file).
+pub(crate) fn build_component<B: Backend, M: burn::module::Module<B>>(
+    weights: Weights,
+    dtype: FloatDType,
+    device: &B::Device,
+    build: impl FnOnce(VarBuilder<B>) -> Result<M>,
+) -> Result<M> {
+    use crate::dtype::ToDType;
     let model = build(VarBuilder::new(Arc::new(weights), device).with_dtype(dtype))?;
     Ok(model.to_dtype(dtype))
 }

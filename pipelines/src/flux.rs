@@ -229,8 +229,12 @@ impl<B: Backend> FluxPipeline<B> {
             device,
         )?;
         let transformer_dir = component(dir, "transformer")?;
-        let transformer =
-            FluxTransformer2DModel::from_dir_in(&transformer_dir, variant, dtype, device)?;
+        let transformer = match &options.transformer {
+            Some(file) => {
+                FluxTransformer2DModel::from_gguf_in(file, &transformer_dir, dtype, device)?
+            }
+            None => FluxTransformer2DModel::from_dir_in(&transformer_dir, variant, dtype, device)?,
+        };
         let clip_dim = text_encoder.token_embedding.weight.dims()[1];
         let t5_dim = text_encoder_2.shared.weight.dims()[1];
         if clip_dim != transformer.pooled_projection_dim

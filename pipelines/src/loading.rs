@@ -24,9 +24,27 @@ pub struct LoadOptions {
     /// converted once otherwise. Stable Diffusion, SDXL, Flux, SD3 and PixArt compute in it and
     /// keep latents and scheduler math in f32.
     pub dtype: Option<FloatDType>,
+    /// A GGUF file whose (possibly quantized) weights replace the folder's transformer, read
+    /// with the folder's `transformer/config.json` (`--transformer FILE.gguf`, as diffusers
+    /// users pass `from_single_file(FILE.gguf, config=DIR, subfolder="transformer",
+    /// quantization_config=GGUFQuantizationConfig(...))`). Flux only, for now.
+    pub transformer: Option<PathBuf>,
 }
 
 impl LoadOptions {
+    /// An error unless [`transformer`](Self::transformer) is unset: `pipeline` cannot take a
+    /// transformer file (yet).
+    pub fn refuse_transformer_file(&self, pipeline: &str) -> Result<()> {
+        match &self.transformer {
+            None => Ok(()),
+            Some(file) => Err(PipelineError::InvalidInput(format!(
+                "a transformer file ({}) replaces the transformer of a Flux pipeline; {pipeline} \
+                 cannot take one",
+                file.display()
+            ))),
+        }
+    }
+
     /// The dtype weights are read into: [`dtype`](Self::dtype), or f32.
     pub fn weights_dtype(&self) -> FloatDType {
         self.dtype.unwrap_or(FloatDType::F32)

@@ -166,6 +166,7 @@ impl<B: Backend> PixArtPipeline<B> {
 
     /// Loads a diffusers-format `PixArtAlphaPipeline` or `PixArtSigmaPipeline` folder.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("PixArt")?;
         let class = check_pipeline_class(dir, &PIXART_CLASSES)?;
         let variant = PixArtVariant::from_class(&class).unwrap_or(PixArtVariant::Alpha);
         let weights_variant = options.variant.as_deref();

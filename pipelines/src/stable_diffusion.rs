@@ -93,6 +93,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
 
     /// Loads a diffusers-format pipeline folder.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("Stable Diffusion")?;
         crate::loading::check_pipeline_class(dir, &SUPPORTED_CLASSES)?;
         let component = |name: &str| crate::loading::component(dir, name);
         let variant = options.variant.as_deref();

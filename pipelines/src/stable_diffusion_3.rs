@@ -163,6 +163,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
     /// `tokenizer_3` may be `[null, null]` in `model_index.json` (diffusers'
     /// `text_encoder_3=None`); every other component is required.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("Stable Diffusion 3")?;
         crate::loading::check_pipeline_class(dir, &[SD3_CLASS])?;
         let index_path = dir.join("model_index.json");
         let index: serde_json::Value = load_json(&index_path)?;

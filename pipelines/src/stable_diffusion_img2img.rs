@@ -41,6 +41,7 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
 
     /// Loads a Stable Diffusion pipeline folder for image to image.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("Stable Diffusion img2img")?;
         StableDiffusionPipeline::from_dir(dir, options, device).map(Self::from)
     }
 

@@ -50,6 +50,7 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
 
     /// Loads a Stable Diffusion pipeline folder for inpainting.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("Stable Diffusion inpainting")?;
         StableDiffusionPipeline::from_dir(dir, options, device).map(Self::from)
     }
 

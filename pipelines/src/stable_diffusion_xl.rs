@@ -149,6 +149,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
 
     /// Loads a diffusers-format SDXL pipeline folder.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("SDXL")?;
         let index_path = dir.join("model_index.json");
         if !index_path.is_file() {
             return Err(PipelineError::ModelNotFound {

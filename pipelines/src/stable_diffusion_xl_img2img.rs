@@ -172,6 +172,7 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
 
     /// Loads an SDXL pipeline folder for image to image.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("SDXL img2img")?;
         StableDiffusionXLPipeline::from_dir(dir, options, device).map(Self::from)
     }
 

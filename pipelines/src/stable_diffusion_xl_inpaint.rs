@@ -44,6 +44,7 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
 
     /// Loads an SDXL pipeline folder for inpainting.
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
+        options.refuse_transformer_file("SDXL inpainting")?;
         StableDiffusionXLPipeline::from_dir(dir, options, device).map(Self::from)
     }
 

@@ -178,6 +178,7 @@ fn bench<B: Backend>(
         scheduler: Some("DDIMScheduler".into()),
         dtype: options.dtype,
         variant: options.variant.clone(),
+        transformer: None,
     };
     let mut pipe =
         StableDiffusionPipeline::<B>::from_pretrained(&options.dir, &load_options, device)

@@ -13,3 +13,4 @@ pub mod conv_half;
 pub mod elementwise;
 pub mod half_gemm;
 pub mod linear;
+pub mod quantized_linear;

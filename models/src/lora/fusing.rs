@@ -144,6 +144,20 @@ pub fn plan<B: Backend, M: LoraTarget<B>>(
         }
     }
     for (layer, module) in resolved {
+        if module.quantized {
+            return Err(ModelError::Lora {
+                path: file.path.clone(),
+                reason: format!(
+                    "`{}` targets `{}`, whose weight is held in quantized GGUF blocks; a LoRA \
+                     cannot be fused into those, and applying one at run time is not supported \
+                     yet: load the {} from a safetensors checkpoint to use this LoRA. Nothing \
+                     was fused",
+                    layer.key,
+                    module.name,
+                    component.name()
+                ),
+            });
+        }
         let (kind, rank) = (module.kind, layer.rank());
         // Checked: a hostile header may pair a zero dimension with huge ones.
         let down_fan_in = layer.down.1[1..]

@@ -62,6 +62,8 @@ pub struct LoraModule {
     /// The Burn field path of its weight (`down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.weight`).
     pub path: String,
     pub kind: LoraLayerKind,
+    /// Its weight is held in quantized blocks (a GGUF file), which a LoRA cannot be fused into.
+    pub quantized: bool,
 }
 
 /// A model that takes LoRAs: how its Burn field paths map to the checkpoint's module names.
@@ -440,7 +442,8 @@ impl PathTracker {
 
 struct Collector {
     tracker: PathTracker,
-    found: Vec<(String, Vec<usize>, bool)>,
+    /// Path, dims, whether a Linear, whether held quantized (its dense form not yet made).
+    found: Vec<(String, Vec<usize>, bool, bool)>,
 }
 
 impl<B: Backend> ModuleVisitor<B> for Collector {
@@ -458,8 +461,13 @@ impl<B: Backend> ModuleVisitor<B> for Collector {
             Some(("weight", "Struct:Conv2d")) if D == 4 => false,
             _ => return,
         };
-        self.found
-            .push((self.tracker.path(), param.val().dims().to_vec(), linear));
+        // The lazy shape: asking for the value would dequantize a quantized weight.
+        self.found.push((
+            self.tracker.path(),
+            param.lazy_shape().to_vec(),
+            linear,
+            !param.is_initialized(),
+        ));
     }
 }
 
@@ -473,7 +481,7 @@ pub fn lora_modules<B: Backend, M: LoraTarget<B>>(model: &M) -> Vec<LoraModule> 
     collector
         .found
         .into_iter()
-        .map(|(path, dims, linear)| {
+        .map(|(path, dims, linear, quantized)| {
             let module_path = path.strip_suffix(".weight").unwrap_or(&path);
             let kind = if linear {
                 LoraLayerKind::Linear {
@@ -491,6 +499,7 @@ pub fn lora_modules<B: Backend, M: LoraTarget<B>>(model: &M) -> Vec<LoraModule> 
                 name: M::checkpoint_module(module_path),
                 path,
                 kind,
+                quantized,
             }
         })
         .collect()
@@ -505,6 +514,7 @@ mod tests {
             name: name.into(),
             path: name.into(),
             kind: LoraLayerKind::Linear { d_in: 2, d_out },
+            quantized: false,
         }
     }
 

@@ -9,6 +9,7 @@
 pub mod config;
 pub mod detect;
 pub mod file;
+pub mod flux;
 pub mod rename;
 
 pub use detect::{

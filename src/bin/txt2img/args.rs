@@ -72,6 +72,11 @@ pub struct Args {
     /// Weight variant to load, e.g. `fp16` (`*.fp16.safetensors`).
     #[arg(long)]
     pub variant: Option<String>,
+    /// A GGUF file (Q8_0, Q4_K, ... as city96 publishes for FLUX.1) replacing the transformer
+    /// of the Flux folder --model, read with that folder's `transformer/config.json`; quantized
+    /// weights stay quantized in memory.
+    #[arg(long, value_name = "FILE.gguf")]
+    pub transformer: Option<PathBuf>,
     /// What the image should not show (the unconditional prompt of classifier-free guidance).
     #[arg(long)]
     pub negative_prompt: Option<String>,

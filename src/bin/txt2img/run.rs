@@ -119,6 +119,7 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
         dtype: (args.dtype != Precision::F32).then_some(dtype),
+        transformer: args.transformer.clone(),
     };
     let single_file = is_single_file(Path::new(&args.model)).then(|| SingleFileOptions {
         load: options.clone(),
@@ -128,6 +129,12 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
     });
     if single_file.is_none() && (args.config.is_some() || args.tokenizer.is_some()) {
         bail!("--config and --tokenizer apply to a single-file --model (a .safetensors file)");
+    }
+    if single_file.is_some() && args.transformer.is_some() {
+        bail!(
+            "--transformer replaces the transformer of a diffusers Flux folder; {} is one file",
+            args.model
+        );
     }
     if single_file.is_some() && args.variant.is_some() {
         bail!(

@@ -1,0 +1,167 @@
+//! A Flux transformer from GGUF files against diffusers' own GGUF loading
+//! (`from_single_file(..., quantization_config=GGUFQuantizationConfig(compute_dtype=float32))`):
+//! one call and a whole schnell generation for Q8_0, Q4_0 and Q4_K files, with the weights kept
+//! in their blocks and multiplied block by block; the same file under the original (BFL) key
+//! names; and a file that does not fit the config. Fixtures of `tools/golden/make_gguf.py`.
+//!
+//! Tolerances, relative to the largest value: 1e-4 against diffusers' model holding gguf-py's
+//! f32 dequantization of the file (f32 on both sides, equal weights, different summation
+//! orders), and 2e-3 against diffusers' GGUF path itself: its CPU path dequantizes in f16 (its
+//! `dequantize_blocks_*` keep the f16 scale's dtype, so every weight is rounded to f16 before
+//! the f32 product), where oxidiff dequantizes in f32 as gguf-py and GGML do (bit for bit, see
+//! `models/tests/gguf.rs`); that rounding moves the output by 3e-4 (Q8_0, Q4_0) to 1.2e-3
+//! (Q4_K). PNG pixels within 2 levels of diffusers' PNG.
+
+mod common;
+
+use std::path::PathBuf;
+
+use burn::tensor::{FloatDType, Tensor};
+use common::{assert_close, fixtures, model_dir, Golden, B};
+use oxidiff::models::FluxTransformer2DModel;
+use oxidiff::pipelines::{FluxPipeline, FluxRequest, GenerateRequest, LoadOptions};
+use oxidiff::schedulers::TorchCpuGenerator;
+
+const TOL: f32 = 1e-4;
+/// Against diffusers' f16 dequantization (see above).
+const TOL_DIFFUSERS: f32 = 2e-3;
+const TYPES: [&str; 3] = ["Q8_0", "Q4_0", "Q4_K"];
+
+fn gguf_dir() -> PathBuf {
+    fixtures().join("tiny-flux-gguf")
+}
+
+fn load(file: &str) -> FluxTransformer2DModel<B> {
+    let dir = gguf_dir();
+    FluxTransformer2DModel::<B>::from_gguf_in(
+        &dir.join(file),
+        &dir.join("transformer"),
+        FloatDType::F32,
+        &Default::default(),
+    )
+    .unwrap()
+}
+
+fn call(golden: &Golden, model: &FluxTransformer2DModel<B>) -> Tensor<B, 3> {
+    let device = Default::default();
+    let (ids, shape) = golden.host("input.img_ids");
+    let img_ids: Vec<Vec<f32>> = ids.chunks(shape[1]).map(<[f32]>::to_vec).collect();
+    let rope = model.rotary_embedding(&vec![vec![0.0; 3]; 7], &img_ids, &device);
+    model
+        .forward(
+            golden.tensor("input.hidden_states"),
+            golden.tensor("input.encoder_hidden_states"),
+            golden.tensor("input.pooled_projections"),
+            golden.tensor("input.timestep"),
+            None,
+            &rope,
+        )
+        .unwrap()
+}
+
+#[test]
+fn quantized_transformer_calls_match_diffusers_gguf() {
+    let golden = Golden::load("gguf");
+    for kind in TYPES {
+        let model = load(&format!("flux-{kind}.gguf"));
+        let quantized = model
+            .transformer_blocks
+            .first()
+            .and_then(|b| b.attn.to_q.quantized.as_ref())
+            .map(|q| q.kind().to_string());
+        assert_eq!(quantized.as_deref(), Some(kind), "to_q kept in its blocks");
+        let out = call(&golden, &model);
+        assert_close(&golden, &format!("{kind}.out_f32"), out.clone(), TOL);
+        assert_close(&golden, &format!("{kind}.out"), out, TOL_DIFFUSERS);
+        // The product ran on the blocks: the dense weight was never made.
+        assert!(!model.transformer_blocks[0]
+            .attn
+            .to_q
+            .weight
+            .is_initialized());
+    }
+}
+
+#[test]
+fn bfl_key_names_load_the_same_model() {
+    let golden = Golden::load("gguf");
+    let out = call(&golden, &load("flux-bfl-Q8_0.gguf"));
+    assert_close(&golden, "Q8_0.out_f32", out, TOL);
+}
+
+#[test]
+fn schnell_with_a_quantized_transformer_matches_diffusers_images() {
+    let golden = Golden::load("gguf");
+    let s = &golden.json["schnell"];
+    let int = |k: &str| s[k].as_u64().unwrap() as usize;
+    let device = Default::default();
+    let mut pipe = FluxPipeline::<B>::from_dir(
+        &model_dir("tiny-flux-schnell"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let req = FluxRequest {
+        common: GenerateRequest {
+            prompts: vec![s["prompt"].as_str().unwrap().into()],
+            num_inference_steps: int("num_inference_steps"),
+            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+            width: Some(int("width")),
+            height: Some(int("height")),
+            latents: Some(golden.tensor("schnell.initial_latents")),
+            ..Default::default()
+        },
+        max_sequence_length: int("max_sequence_length"),
+        ..Default::default()
+    };
+    for kind in TYPES {
+        pipe.transformer = load(&format!("flux-{kind}.gguf"));
+        let out = pipe
+            .generate_with(&req, &mut TorchCpuGenerator::new(0), |_| {})
+            .unwrap();
+        let image = out.images.unwrap().to_rgb8(0).unwrap();
+        common::assert_png_close(&image, &format!("gguf-flux-{kind}.png"), 2);
+    }
+}
+
+#[test]
+fn a_gguf_that_does_not_fit_the_config_names_the_tensor() {
+    // The tiny-flux-schnell transformer's config (inner dim 32) against the file's (256).
+    let dir = gguf_dir();
+    let err = FluxTransformer2DModel::<B>::from_gguf_in(
+        &dir.join("flux-Q8_0.gguf"),
+        &model_dir("tiny-flux-schnell").join("transformer"),
+        FloatDType::F32,
+        &Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("flux-Q8_0.gguf") && err.contains("has shape"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_lora_on_quantized_weights_is_refused_and_nothing_changes() {
+    let mut pipe = FluxPipeline::<B>::from_dir(
+        &model_dir("tiny-flux-schnell"),
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    pipe.transformer = load("flux-Q8_0.gguf");
+    let err = pipe
+        .load_lora(fixtures().join("lora/tiny-flux-peft.safetensors"), 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("quantized GGUF blocks") && err.contains("tiny-flux-peft"),
+        "{err}"
+    );
+    assert!(!pipe.transformer.transformer_blocks[0]
+        .attn
+        .to_q
+        .weight
+        .is_initialized());
+}
