@@ -638,7 +638,8 @@ fn a_transformer_gguf_runs_flux_and_bad_ones_are_refused() {
     assert_eq!((image.width(), image.height()), (32, 32));
     std::fs::remove_file(&out).unwrap();
     // A safetensors file is no GGUF; a file that is cut short; a pipeline without a transformer.
-    let not_gguf = fixtures.join("tiny-flux-schnell/transformer/diffusion_pytorch_model.safetensors");
+    let not_gguf =
+        fixtures.join("tiny-flux-schnell/transformer/diffusion_pytorch_model.safetensors");
     with(&not_gguf, None).refused(1, "not a GGUF file");
     let short = tmp.path().join("short.gguf");
     let bytes = std::fs::read(&gguf).unwrap();

@@ -28,6 +28,9 @@ Writes:
                                          model with the weights dequantized by gguf-py in f32)
                                          and its inputs
   tests/fixtures/golden/gguf-flux-{Q8_0,Q4_0,Q4_K}.png  schnell generations with each file
+  tests/fixtures/tiny-sd3-gguf/transformer/config.json, sd3-{Q8_0,Q4_0,Q4_K}.gguf  the same
+                                         for an SD3 transformer (inner dim 256), with one call of
+                                         each in golden/gguf.safetensors (`sd3.*`)
   tests/fixtures/golden/gguf.json         settings and versions
 """
 import json
@@ -44,11 +47,17 @@ import torch
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import save_canonical, save_json  # noqa: E402
+from make_tiny_flux import SCHNELL_RUN  # noqa: E402
 from make_tiny_sd import gen, perturb  # noqa: E402
 
 import diffusers  # noqa: E402
 import gguf  # noqa: E402
-from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig  # noqa: E402
+from diffusers import (  # noqa: E402
+    FluxPipeline,
+    FluxTransformer2DModel,
+    GGUFQuantizationConfig,
+    SD3Transformer2DModel,
+)
 from diffusers.utils import logging as dlogging  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
@@ -61,6 +70,7 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 GOLDEN = os.path.join(FIXTURES, "golden")
 GGUF_DIR = os.path.join(FIXTURES, "gguf")
 FLUX_DIR = os.path.join(FIXTURES, "tiny-flux-gguf")
+SD3_DIR = os.path.join(FIXTURES, "tiny-sd3-gguf")
 SEED = 7100
 QK_K = 256
 
@@ -72,14 +82,6 @@ BLOCK_TYPES = [
 K_SCALES = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 FLUX_TYPES = ["Q8_0", "Q4_0", "Q4_K"]
 
-SCHNELL_RUN = {
-    "prompt": "a lighthouse at dusk, oil painting",
-    "num_inference_steps": 2,
-    "guidance_scale": 0.0,
-    "height": 48,
-    "width": 80,
-    "max_sequence_length": 16,
-}
 
 
 def random_blocks(qtype, rows, cols, rng):
@@ -175,9 +177,68 @@ def build_flux():
     return model
 
 
+def build_sd3():
+    torch.manual_seed(SEED + 3)
+    model = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=64,
+        num_attention_heads=4, joint_attention_dim=256, caption_projection_dim=256,
+        pooled_projection_dim=256, out_channels=16, pos_embed_max_size=12,
+    ).eval()
+    perturb(model, SEED + 4)
+    return model
+
+
+def exact_copy(cls, config, path):
+    """`cls` built from `config` with every tensor of GGUF `path` dequantized in f32 by gguf-py."""
+    exact = cls.from_config(config).eval()
+    reader = gguf.GGUFReader(path)
+    state = {
+        t.name: torch.from_numpy(
+            gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).copy()
+        ).reshape([int(n) for n in reversed(t.shape)])
+        for t in reader.tensors
+    }
+    exact.load_state_dict(state, strict=True)
+    return exact
+
+
+def sd3_references(tensors):
+    model = build_sd3()
+    config_dir = os.path.join(SD3_DIR, "transformer")
+    shutil.rmtree(SD3_DIR, ignore_errors=True)
+    model.save_pretrained(config_dir)
+    for f in os.listdir(config_dir):
+        if f != "config.json":
+            os.remove(os.path.join(config_dir, f))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    inputs = {
+        "hidden_states": torch.randn((2, 16, 8, 8), generator=gen(SEED + 20)),
+        "encoder_hidden_states": torch.randn((2, 5, 256), generator=gen(SEED + 21)),
+        "pooled_projections": torch.randn((2, 256), generator=gen(SEED + 22)),
+        "timestep": torch.tensor([600.0, 600.0]),
+    }
+    for k, v in inputs.items():
+        tensors[f"sd3.input.{k}"] = v
+    for qtype in FLUX_TYPES:
+        path = os.path.join(SD3_DIR, f"sd3-{qtype}.gguf")
+        write_flux_gguf(path, state, qtype, arch="sd3")
+        transformer = SD3Transformer2DModel.from_single_file(
+            path, config=SD3_DIR, subfolder="transformer",
+            quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+            torch_dtype=torch.float32,
+        ).eval()
+        with torch.no_grad():
+            out = transformer(**inputs).sample
+            assert out.std() > 0.1, out.std()
+            tensors[f"sd3.{qtype}.out"] = out
+            exact = exact_copy(SD3Transformer2DModel, transformer.config, path)
+            tensors[f"sd3.{qtype}.out_f32"] = exact(**inputs).sample
+
+
 def city96_type(name, tensor, qtype):
     """The type city96's converter stores `tensor` in for a `qtype` file."""
-    if tensor.ndim == 1 or tensor.numel() <= 1024:
+    # city96 keeps SD3's positional table in full precision (diffusers adds it unquantized).
+    if tensor.ndim == 1 or tensor.numel() <= 1024 or "pos_embed.pos_embed" in name:
         return "F32"
     block = gguf.GGML_QUANT_SIZES[Q[qtype]][0]
     if tensor.shape[-1] % block != 0:
@@ -253,8 +314,8 @@ def to_bfl(state):
     return out
 
 
-def write_flux_gguf(path, state, qtype):
-    writer = gguf.GGUFWriter(path, arch="flux")
+def write_flux_gguf(path, state, qtype, arch="flux"):
+    writer = gguf.GGUFWriter(path, arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, tensor in state.items():
         data, raw = encode(tensor, city96_type(name, tensor, qtype))
@@ -315,15 +376,7 @@ def main():
         tensors[f"{tag}.out"] = out
         # The same model with every tensor dequantized in f32 by gguf-py (diffusers' CPU path
         # rounds dequantized weights to f16): the tight reference.
-        exact = FluxTransformer2DModel.from_config(transformer.config).eval()
-        reader = gguf.GGUFReader(os.path.join(FLUX_DIR, name))
-        state = {
-            t.name: torch.from_numpy(
-                gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).copy()
-            ).reshape([int(n) for n in reversed(t.shape)])
-            for t in reader.tensors
-        }
-        exact.load_state_dict(state, strict=True)
+        exact = exact_copy(FluxTransformer2DModel, transformer.config, os.path.join(FLUX_DIR, name))
         with torch.no_grad():
             tensors[f"{tag}.out_f32"] = exact(**inputs, img_ids=img_ids, txt_ids=txt_ids).sample
         pipe = FluxPipeline.from_pretrained(schnell, transformer=transformer,
@@ -337,6 +390,7 @@ def main():
                 output_type="pil",
             ).images[0]
         image.save(os.path.join(GOLDEN, f"gguf-flux-{tag}.png"))
+    sd3_references(tensors)
     save_canonical(os.path.join(GOLDEN, "gguf.safetensors"), tensors)
     info["schnell"] = SCHNELL_RUN
     info["types"] = FLUX_TYPES

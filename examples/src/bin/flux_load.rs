@@ -2,10 +2,12 @@
 //! format; `tools/bench/make_flux_bf16.py` makes one with random weights) with its weights held
 //! in `--dtype` (default bf16), runs one forward pass, and prints one JSON line: the weights'
 //! size on disk, the load time, and the peak RSS (`VmHWM`) after loading and after the forward
-//! pass, so the memory a bf16 model takes can be set against its size.
+//! pass, so the memory a bf16 model takes can be set against its size. With `--gguf FILE` the
+//! weights come from that GGUF file instead (`tools/bench/make_flux_gguf.py` converts DIR's),
+//! with DIR's config: quantized weights stay in their blocks.
 //!
-//! `flux_load DIR [--dtype bf16|f16|f32] [--tokens 256] [--text-tokens 32]` (1 thread:
-//! `RAYON_NUM_THREADS=1 taskset -c 0`)
+//! `flux_load DIR [--gguf FILE] [--dtype bf16|f16|f32] [--tokens 256] [--text-tokens 32]`
+//! (1 thread: `RAYON_NUM_THREADS=1 taskset -c 0`)
 
 use std::time::Instant;
 
@@ -30,15 +32,22 @@ fn main() -> Result<()> {
     let tokens: usize = arg("--tokens").map_or(Ok(256), |t| t.parse())?;
     let text_tokens: usize = arg("--text-tokens").map_or(Ok(32), |t| t.parse())?;
     let dir = std::path::Path::new(&dir);
-    let weight_bytes: u64 = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
-        .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
-        .sum();
+    let gguf = arg("--gguf").map(std::path::PathBuf::from);
+    let weight_bytes: u64 = match &gguf {
+        Some(file) => std::fs::metadata(file)?.len(),
+        None => std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+            .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+            .sum(),
+    };
     let device = Default::default();
     let start = Instant::now();
-    let model = FluxTransformer2DModel::<Cpu>::from_dir_in(dir, None, dtype, &device)
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let model = match &gguf {
+        Some(file) => FluxTransformer2DModel::<Cpu>::from_gguf_in(file, dir, dtype, &device),
+        None => FluxTransformer2DModel::<Cpu>::from_dir_in(dir, None, dtype, &device),
+    }
+    .with_context(|| format!("loading {}", dir.display()))?;
     let load_s = start.elapsed().as_secs_f64();
     let rss_after_load = peak_rss_bytes();
 
@@ -77,6 +86,7 @@ fn main() -> Result<()> {
         "{}",
         serde_json::json!({
             "dir": dir.display().to_string(), "dtype": format!("{dtype:?}").to_lowercase(),
+            "gguf": gguf.as_ref().map(|g| g.display().to_string()),
             "weight_bytes": weight_bytes, "load_s": load_s, "forward_s": forward_s,
             "output_finite": finite,
             "peak_rss_after_load_bytes": rss_after_load,

@@ -1,8 +1,9 @@
-//! A Flux transformer from GGUF files against diffusers' own GGUF loading
+//! Transformers from GGUF files against diffusers' own GGUF loading
 //! (`from_single_file(..., quantization_config=GGUFQuantizationConfig(compute_dtype=float32))`):
 //! one call and a whole schnell generation for Q8_0, Q4_0 and Q4_K files, with the weights kept
 //! in their blocks and multiplied block by block; the same file under the original (BFL) key
-//! names; and a file that does not fit the config. Fixtures of `tools/golden/make_gguf.py`.
+//! names; an SD3 transformer's call for the same three types; and a file that does not fit the
+//! config. Fixtures of `tools/golden/make_gguf.py`.
 //!
 //! Tolerances, relative to the largest value: 1e-4 against diffusers' model holding gguf-py's
 //! f32 dequantization of the file (f32 on both sides, equal weights, different summation
@@ -18,7 +19,7 @@ use std::path::PathBuf;
 
 use burn::tensor::{FloatDType, Tensor};
 use common::{assert_close, fixtures, model_dir, Golden, B};
-use oxidiff::models::FluxTransformer2DModel;
+use oxidiff::models::{FluxTransformer2DModel, SD3Transformer2DModel};
 use oxidiff::pipelines::{FluxPipeline, FluxRequest, GenerateRequest, LoadOptions};
 use oxidiff::schedulers::TorchCpuGenerator;
 
@@ -164,4 +165,84 @@ fn a_lora_on_quantized_weights_is_refused_and_nothing_changes() {
         .to_q
         .weight
         .is_initialized());
+}
+
+/// On XLA's CPU plugin, compiled: the quantized weights go to the device dequantized (the
+/// program computes in dense f32), and the image is still diffusers' within 2 levels.
+#[test]
+fn schnell_with_a_quantized_transformer_compiled_on_xla_cpu_matches_diffusers() {
+    use oxidiff::{Oxi, OxiDevice, ToDevice};
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let device: OxiDevice = "xla:cpu:0"
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));
+    let golden = Golden::load("gguf");
+    let s = &golden.json["schnell"];
+    let int = |k: &str| s[k].as_u64().unwrap() as usize;
+    let host = OxiDevice::Cpu;
+    let mut pipe = FluxPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-flux-schnell"),
+        &LoadOptions::default(),
+        &host,
+    )
+    .unwrap();
+    let dir = gguf_dir();
+    pipe.transformer = FluxTransformer2DModel::<Oxi>::from_gguf_in(
+        &dir.join("flux-Q4_K.gguf"),
+        &dir.join("transformer"),
+        FloatDType::F32,
+        &host,
+    )
+    .unwrap();
+    let mut pipe = pipe.to(&device);
+    pipe.compile().unwrap();
+    let req = FluxRequest {
+        common: GenerateRequest {
+            prompts: vec![s["prompt"].as_str().unwrap().into()],
+            num_inference_steps: int("num_inference_steps"),
+            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+            width: Some(int("width")),
+            height: Some(int("height")),
+            latents: Some(Tensor::from_data(
+                golden.tensor::<4>("schnell.initial_latents").into_data(),
+                &device,
+            )),
+            ..Default::default()
+        },
+        max_sequence_length: int("max_sequence_length"),
+        ..Default::default()
+    };
+    let out = pipe
+        .generate_with(&req, &mut TorchCpuGenerator::new(0), |_| {})
+        .unwrap();
+    assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
+    let image = out.images.unwrap().to_rgb8(0).unwrap();
+    common::assert_png_close(&image, "gguf-flux-Q4_K.png", 2);
+}
+
+#[test]
+fn quantized_sd3_transformer_calls_match_diffusers_gguf() {
+    let golden = Golden::load("gguf");
+    let dir = fixtures().join("tiny-sd3-gguf");
+    for kind in TYPES {
+        let model = SD3Transformer2DModel::<B>::from_gguf_in(
+            &dir.join(format!("sd3-{kind}.gguf")),
+            &dir.join("transformer"),
+            FloatDType::F32,
+            &Default::default(),
+        )
+        .unwrap();
+        let out = model
+            .forward(
+                golden.tensor("sd3.input.hidden_states"),
+                golden.tensor("sd3.input.timestep"),
+                golden.tensor("sd3.input.encoder_hidden_states"),
+                golden.tensor("sd3.input.pooled_projections"),
+            )
+            .unwrap();
+        assert_close(&golden, &format!("sd3.{kind}.out_f32"), out.clone(), TOL);
+        assert_close(&golden, &format!("sd3.{kind}.out"), out, TOL_DIFFUSERS);
+    }
 }
