@@ -177,6 +177,18 @@ def build_flux():
     return model
 
 
+def fresh_config_folder(model, root):
+    """Empties `root`, writes `model`'s `transformer/config.json` there (no weights) and
+    returns a copy of its state dict."""
+    config_dir = os.path.join(root, "transformer")
+    shutil.rmtree(root, ignore_errors=True)
+    model.save_pretrained(config_dir)
+    for f in os.listdir(config_dir):
+        if f != "config.json":
+            os.remove(os.path.join(config_dir, f))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def build_sd3():
     torch.manual_seed(SEED + 3)
     model = SD3Transformer2DModel(
@@ -204,13 +216,7 @@ def exact_copy(cls, config, path):
 
 def sd3_references(tensors):
     model = build_sd3()
-    config_dir = os.path.join(SD3_DIR, "transformer")
-    shutil.rmtree(SD3_DIR, ignore_errors=True)
-    model.save_pretrained(config_dir)
-    for f in os.listdir(config_dir):
-        if f != "config.json":
-            os.remove(os.path.join(config_dir, f))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = fresh_config_folder(model, SD3_DIR)
     inputs = {
         "hidden_states": torch.randn((2, 16, 8, 8), generator=gen(SEED + 20)),
         "encoder_hidden_states": torch.randn((2, 5, 256), generator=gen(SEED + 21)),
@@ -329,13 +335,7 @@ def write_flux_gguf(path, state, qtype, arch="flux"):
 def main():
     write_blocks()
     model = build_flux()
-    config_dir = os.path.join(FLUX_DIR, "transformer")
-    shutil.rmtree(FLUX_DIR, ignore_errors=True)
-    model.save_pretrained(config_dir)
-    for f in os.listdir(config_dir):
-        if f != "config.json":
-            os.remove(os.path.join(config_dir, f))
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = fresh_config_folder(model, FLUX_DIR)
     for qtype in FLUX_TYPES:
         write_flux_gguf(os.path.join(FLUX_DIR, f"flux-{qtype}.gguf"), state, qtype)
     write_flux_gguf(os.path.join(FLUX_DIR, "flux-bfl-Q8_0.gguf"), to_bfl(dict(state)), "Q8_0")
