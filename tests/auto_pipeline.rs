@@ -11,8 +11,9 @@ use common::{model_dir, to_vec, B};
 use oxidiff::pipelines::{
     AutoPipeline, FamilyOptions, FluxPipeline, FluxRequest, GenerateRequest, LoadOptions,
     OutputType, PipelineDefaults, PipelineError, PipelineFamily, PixArtPipeline, PixArtRequest,
-    Sd3Request, StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
-    XlOptions,
+    Sd3Request, StableDiffusion3Pipeline, StableDiffusionPipeline,
+    StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline,
+    XlEditOptions, XlRequest,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 
@@ -96,8 +97,28 @@ fn auto_pipeline_matches_sdxl_with_diffusers_guidance() {
     )
     .unwrap();
     assert_eq!(pipe.defaults().guidance_scale, 5.0);
-    let out = pipe.generate(&req, &XlOptions::default()).unwrap();
+    let default = XlRequest::<B>::default();
+    assert_eq!(
+        (
+            default.common.guidance_scale,
+            default.common.num_inference_steps
+        ),
+        (5.0, 50),
+        "XlRequest::default() is diffusers' StableDiffusionXLPipeline.__call__"
+    );
+    let out = pipe.generate(&XlRequest::new(req.clone())).unwrap();
     assert_eq!(auto, to_vec(out.latents));
+
+    // The editing pipelines' own defaults (diffusers 0.42's `__call__` signatures).
+    let img2img = StableDiffusionXLImg2ImgPipeline::from(pipe);
+    let request = img2img.default_request();
+    assert_eq!(request.common.guidance_scale, 5.0);
+    assert_eq!(img2img.defaults().strength, Some(0.3));
+    assert_eq!(XlEditOptions::default().strength, 0.3);
+    let inpaint = StableDiffusionXLInpaintPipeline::from(img2img.pipe);
+    assert_eq!(inpaint.default_request().common.guidance_scale, 7.5);
+    assert_eq!(inpaint.defaults().strength, Some(0.9999));
+    assert_eq!(XlEditOptions::inpainting().strength, 0.9999);
 }
 
 #[test]

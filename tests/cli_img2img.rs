@@ -109,12 +109,38 @@ fn sdxl_checkpoints_go_to_the_sdxl_img2img_and_inpaint_pipelines() {
         log.contains("StableDiffusionXLImg2ImgPipeline, ") && log.contains("eager"),
         "{log}"
     );
+    // diffusers' SDXL inpainting defaults to guidance 7.5; the golden run took 5.
     let mask = golden("inpaint-mask.png");
+    let mask = mask.to_str().unwrap();
     check(
         &model,
-        &["--mask", mask.to_str().unwrap(), "--strength", "0.8"],
+        &["--mask", mask, "--strength", "0.8", "--guidance", "5"],
         "inpaint-xl-inpaint.png",
     );
+    // Without --guidance and --strength, each pipeline takes diffusers' own defaults.
+    let tmp = tempfile::tempdir().unwrap();
+    let input = golden("img2img-input.png");
+    for (extra, guidance, strength) in [
+        (&[][..], 5.0, "0.3"),
+        (&["--mask", mask][..], 7.5, "0.9999"),
+    ] {
+        let out = tmp.path().join("defaults.png");
+        let mut args = vec!["--model", model.to_str().unwrap(), "--image"];
+        args.extend([input.to_str().unwrap(), "--steps", "4", "-o"]);
+        args.extend([out.to_str().unwrap(), PROMPT]);
+        args.extend_from_slice(extra);
+        let result = img2img(&args);
+        assert!(result.status.success(), "{}", stderr(&result));
+        let params = oxidiff::pipelines::GenerationParameters::from_png(&out).unwrap();
+        assert_eq!(params.guidance_scale, guidance, "{extra:?}");
+        let recorded = params.extra.iter().find(|(k, _)| k == "Denoising strength");
+        assert_eq!(
+            recorded.map(|(_, v)| v.as_str()),
+            Some(strength),
+            "{extra:?}"
+        );
+        std::fs::remove_file(&out).unwrap();
+    }
 }
 
 /// stabilityai's refiner layout: no first text encoder (`text_encoder: [null, null]`), only

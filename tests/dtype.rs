@@ -14,7 +14,7 @@ use common::{model_dir, relative_error};
 use oxidiff::pipelines::{
     FluxPipeline, FluxRequest, GenerateRequest, LoadOptions, PixArtPipeline, PixArtRequest,
     Sd3Request, SingleFileOptions, StableDiffusion3Pipeline, StableDiffusionPipeline,
-    StableDiffusionXLPipeline, XlOptions,
+    StableDiffusionXLPipeline, XlRequest,
 };
 use oxidiff::{Oxi, OxiDevice};
 
@@ -421,7 +421,7 @@ fn generate_single_file(
             pipe.vae.decoder.conv_in.weight.val().dtype(),
             pipe.text_encoder_2.token_embedding.weight.val().dtype(),
         ]);
-        pipe.generate(&request(), &XlOptions::default()).unwrap()
+        pipe.generate(&XlRequest::new(request())).unwrap()
     } else {
         let mut pipe =
             StableDiffusionPipeline::<Oxi>::from_single_file(&path, &options, device).unwrap();

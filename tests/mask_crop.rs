@@ -17,7 +17,7 @@ use oxidiff::pipelines::mask_crop::{crop_and_fill, crop_region};
 use oxidiff::pipelines::{
     GenerateRequest, Images, InpaintOptions, LoadOptions, OutputType,
     StableDiffusionInpaintPipeline, StableDiffusionXLImg2ImgPipeline,
-    StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage, XlOptions,
+    StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage, XlRequest,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 
@@ -188,8 +188,7 @@ fn sdxl_inpaint_with_padding_mask_crop_matches_diffusers() {
     let mut generator = TorchCpuGenerator::new(req.seed);
     let out = pipe
         .generate_with(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             &image,
             &mask,
@@ -203,8 +202,7 @@ fn sdxl_inpaint_with_padding_mask_crop_matches_diffusers() {
     let mut img2img = StableDiffusionXLImg2ImgPipeline::from(pipe.pipe);
     let err = img2img
         .generate(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             XlInitImage::Image(&image),
         )

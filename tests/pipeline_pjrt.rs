@@ -153,7 +153,7 @@ fn compiled_unet_matches_and_does_not_recompile() {
 /// the CPU; new size/crop conditioning and guidance reuse the compiled program.
 #[test]
 fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
-    use oxidiff::pipelines::{StableDiffusionXLPipeline, XlOptions};
+    use oxidiff::pipelines::{StableDiffusionXLPipeline, XlOptions, XlRequest};
     if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
         return;
     }
@@ -175,8 +175,12 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
         crops_coords_top_left: (8, 4),
         ..Default::default()
     };
+    let xl_request = |device: &OxiDevice| XlRequest {
+        common: request(&golden, device),
+        xl: xl.clone(),
+    };
     let expected = pipe
-        .generate_with(&request(&golden, &cpu), &xl, &mut NoNoise, |_| {})
+        .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
         .unwrap()
         .images
         .unwrap()
@@ -184,7 +188,7 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
 
     let mut pipe = pipe.to(&xla(0));
     let eager = pipe
-        .generate_with(&request(&golden, &cpu), &xl, &mut NoNoise, |_| {})
+        .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
         .unwrap();
     let err = relative_error(&eager.images.unwrap().data, &expected);
     assert!(
@@ -195,7 +199,7 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
 
     pipe.compile().unwrap();
     let compiled = pipe
-        .generate_with(&request(&golden, &cpu), &xl, &mut NoNoise, |_| {})
+        .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
         .unwrap();
     let err = relative_error(&compiled.images.unwrap().data, &expected);
     assert!(err <= 1e-4, "SDXL compiled vs cpu: relative error {err:e}");
@@ -205,10 +209,12 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
         original_size: Some((1024, 1024)),
         ..Default::default()
     };
-    let mut req = request(&golden, &cpu);
-    req.guidance_scale = 3.0;
-    pipe.generate_with(&req, &other, &mut NoNoise, |_| {})
-        .unwrap();
+    let mut req = XlRequest {
+        common: request(&golden, &cpu),
+        xl: other,
+    };
+    req.common.guidance_scale = 3.0;
+    pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
     assert_eq!(
         pipe.compile_stats().map(|s| s.programs),
         Some(1),

@@ -14,6 +14,7 @@ use common::{assert_close, model_dir, relative_error, Golden, B};
 use oxidiff::models::AddedCondition;
 use oxidiff::pipelines::{
     GenerateRequest, LoadOptions, OutputType, PipelineError, StableDiffusionXLPipeline, XlOptions,
+    XlRequest,
 };
 use oxidiff::schedulers::NoNoise;
 
@@ -38,7 +39,7 @@ fn pair(v: &serde_json::Value) -> (usize, usize) {
     )
 }
 
-fn request(golden: &Golden, negative: bool) -> (GenerateRequest<B>, XlOptions) {
+fn request(golden: &Golden, negative: bool) -> XlRequest<B> {
     let s = &golden.json["pipeline"];
     let req = GenerateRequest {
         prompts: vec![s["prompt"].as_str().unwrap().into()],
@@ -60,7 +61,7 @@ fn request(golden: &Golden, negative: bool) -> (GenerateRequest<B>, XlOptions) {
         target_size: Some(pair(&s["target_size"])),
         ..Default::default()
     };
-    (req, xl)
+    XlRequest { common: req, xl }
 }
 
 #[test]
@@ -189,10 +190,10 @@ fn unet_with_added_condition_matches_diffusers() {
 #[test]
 fn sdxl_euler_generation_matches_diffusers_step_by_step() {
     let (mut pipe, golden) = load();
-    let (req, xl) = request(&golden, true);
+    let req = request(&golden, true);
     let steps = RefCell::new(Vec::new());
     let out = pipe
-        .generate_with(&req, &xl, &mut NoNoise, |info| {
+        .generate_with(&req, &mut NoNoise, |info| {
             steps
                 .borrow_mut()
                 .push((info.timestep, info.latents.clone()))
@@ -220,17 +221,17 @@ fn sdxl_euler_generation_matches_diffusers_step_by_step() {
 #[test]
 fn no_negative_prompt_uses_zero_embeddings_and_denoising_end_stops_early() {
     let (mut pipe, golden) = load();
-    let (mut req, xl) = request(&golden, false);
-    req.output = OutputType::Latents;
-    let out = pipe.generate(&req, &xl).unwrap();
+    let mut req = request(&golden, false);
+    req.common.output = OutputType::Latents;
+    let out = pipe.generate(&req).unwrap();
     assert_close(&golden, "pipe.zeros.latents", out.latents, TOL);
 
-    let (mut req, mut xl) = request(&golden, true);
-    req.output = OutputType::Latents;
-    xl.denoising_end = golden.json["pipeline"]["denoising_end"].as_f64();
+    let mut req = request(&golden, true);
+    req.common.output = OutputType::Latents;
+    req.xl.denoising_end = golden.json["pipeline"]["denoising_end"].as_f64();
     let mut steps = 0;
     let out = pipe
-        .generate_with(&req, &xl, &mut NoNoise, |_| steps += 1)
+        .generate_with(&req, &mut NoNoise, |_| steps += 1)
         .unwrap();
     assert_eq!(
         steps,
@@ -242,20 +243,18 @@ fn no_negative_prompt_uses_zero_embeddings_and_denoising_end_stops_early() {
 #[test]
 fn bad_sizes_and_a_missing_second_text_encoder_are_clear_errors() {
     let (mut pipe, golden) = load();
-    let (mut req, xl) = request(&golden, true);
-    req.width = Some(60);
-    req.latents = None;
-    let err = pipe.generate(&req, &xl).unwrap_err().to_string();
+    let mut req = request(&golden, true);
+    req.common.width = Some(60);
+    req.common.latents = None;
+    let err = pipe.generate(&req).unwrap_err().to_string();
     assert!(
         err.contains("multiples of 8") && err.contains("60x64"),
         "{err}"
     );
-    req.width = Some(64);
-    let bad_end = XlOptions {
-        denoising_end: Some(1.5),
-        ..xl.clone()
-    };
-    let err = pipe.generate(&req, &bad_end).unwrap_err().to_string();
+    req.common.width = Some(64);
+    let mut bad_end = req.clone();
+    bad_end.xl.denoising_end = Some(1.5);
+    let err = pipe.generate(&bad_end).unwrap_err().to_string();
     assert!(err.contains("denoising_end"), "{err}");
 
     let dir = tempfile::tempdir().unwrap();

@@ -16,7 +16,7 @@ use oxidiff::pipelines::image::{load_image, load_mask};
 use oxidiff::pipelines::{
     GenerateRequest, LoadOptions, OutputType, StableDiffusionXLImg2ImgPipeline,
     StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline, XlEditOptions, XlInitImage,
-    XlOptions,
+    XlOptions, XlRequest,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 
@@ -90,8 +90,7 @@ fn sdxl_img2img_matches_diffusers() {
     let mut generator = TorchCpuGenerator::new(req.seed);
     let out = pipe
         .generate_with(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             XlInitImage::Image(&image),
             &mut generator,
@@ -134,8 +133,7 @@ fn sdxl_inpaint(case: &str, nine_channels: bool) {
     let mut generator = TorchCpuGenerator::new(req.seed);
     let out = pipe
         .generate_with(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             &image,
             &mask,
@@ -186,8 +184,7 @@ fn heun_refiner_from_denoising_start_matches_diffusers() {
     let mut generator = TorchCpuGenerator::new(req.seed);
     let out = refiner
         .generate_with(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             XlInitImage::Latents(golden.tensor("xl-base.latents")),
             &mut generator,
@@ -221,14 +218,17 @@ fn base_denoising_end_hands_latents_to_the_refiner_as_diffusers() {
         output: OutputType::Latents,
         ..req.clone()
     };
-    let xl = XlOptions {
-        denoising_end: Some(split),
-        ..Default::default()
+    let base_req = XlRequest {
+        common: base_req,
+        xl: XlOptions {
+            denoising_end: Some(split),
+            ..Default::default()
+        },
     };
     let steps = RefCell::new(Vec::new());
     let mut generator = TorchCpuGenerator::new(req.seed);
     let handoff = base
-        .generate_with(&base_req, &xl, &mut generator, recorder(&steps))
+        .generate_with(&base_req, &mut generator, recorder(&steps))
         .unwrap();
     assert!(handoff.images.is_none());
     let steps = steps.into_inner();
@@ -258,8 +258,7 @@ fn base_denoising_end_hands_latents_to_the_refiner_as_diffusers() {
     let mut generator = TorchCpuGenerator::new(req.seed);
     let out = refiner
         .generate_with(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             XlInitImage::Latents(handoff.latents),
             &mut generator,
@@ -286,14 +285,14 @@ fn bad_edits_and_a_refiner_unet_without_aesthetics_are_errors() {
         &Default::default(),
     )
     .unwrap();
-    let xl = XlOptions::default();
+    let req = XlRequest::new(req);
     for strength in [0.0, 1.01, f64::NAN] {
         let edit = XlEditOptions {
             strength,
             ..Default::default()
         };
         let err = pipe
-            .generate(&req, &xl, &edit, &image, &mask)
+            .generate(&req, &edit, &image, &mask)
             .unwrap_err()
             .to_string();
         assert!(
@@ -303,7 +302,7 @@ fn bad_edits_and_a_refiner_unet_without_aesthetics_are_errors() {
     }
     let small = mask.crop_imm(0, 0, 64, 56);
     let err = pipe
-        .generate(&req, &xl, &XlEditOptions::default(), &image, &small)
+        .generate(&req, &XlEditOptions::default(), &image, &small)
         .unwrap_err()
         .to_string();
     assert!(
@@ -321,12 +320,10 @@ fn bad_edits_and_a_refiner_unet_without_aesthetics_are_errors() {
             denoising_start: start,
             ..Default::default()
         };
-        let xl = XlOptions {
-            denoising_end: end,
-            ..Default::default()
-        };
+        let mut req = req.clone();
+        req.xl.denoising_end = end;
         let err = img2img
-            .generate(&req, &xl, &edit, XlInitImage::Image(&image))
+            .generate(&req, &edit, XlInitImage::Image(&image))
             .unwrap_err()
             .to_string();
         assert!(err.contains(expected), "{start:?} {end:?}: {err}");
@@ -411,8 +408,7 @@ fn refiner_without_the_first_text_encoder_matches_diffusers() {
         let mut generator = TorchCpuGenerator::new(request(&golden).seed);
         let out = refiner
             .generate_with(
-                &request(&golden),
-                &XlOptions::default(),
+                &XlRequest::new(request(&golden)),
                 &edit,
                 init,
                 &mut generator,
@@ -462,8 +458,7 @@ fn refiner_without_the_first_text_encoder_casts_to_bf16() {
     };
     let out = refiner
         .generate(
-            &request(&golden),
-            &XlOptions::default(),
+            &XlRequest::new(request(&golden)),
             &edit,
             XlInitImage::Image(&input_image()),
         )

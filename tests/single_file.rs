@@ -26,7 +26,7 @@ use oxidiff::models::{
 };
 use oxidiff::pipelines::{
     GenerateRequest, PipelineError, SingleFileOptions, StableDiffusionPipeline,
-    StableDiffusionXLPipeline, XlOptions,
+    StableDiffusionXLPipeline, XlRequest,
 };
 use oxidiff::schedulers::NoNoise;
 
@@ -168,12 +168,7 @@ fn sdxl_single_file_matches_diffusers_from_single_file() {
     let decoded = pipe.vae.decode(golden.tensor("vae.decode.in"));
     assert_close(&golden, "vae.decode.out", decoded, TOL);
     let out = pipe
-        .generate_with(
-            &request(&golden),
-            &XlOptions::default(),
-            &mut NoNoise,
-            |_| {},
-        )
+        .generate_with(&XlRequest::new(request(&golden)), &mut NoNoise, |_| {})
         .unwrap();
     assert_image(&golden, name, &out.images.unwrap());
 }
@@ -1155,8 +1150,7 @@ fn sdxl_refiner_single_file_matches_diffusers_from_single_file() {
     let mut generator = oxidiff::schedulers::TorchCpuGenerator::new(req.seed);
     let out = pipe
         .generate_with(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             XlInitImage::Image(&image),
             &mut generator,
@@ -1430,8 +1424,7 @@ fn sdxl_inpainting_single_file_matches_diffusers_from_single_file() {
     let mut generator = oxidiff::schedulers::TorchCpuGenerator::new(req.seed);
     let out = pipe
         .generate_with(
-            &req,
-            &XlOptions::default(),
+            &XlRequest::new(req.clone()),
             &edit,
             &image,
             &mask,

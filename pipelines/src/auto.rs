@@ -22,7 +22,7 @@ use crate::pixart::{PixArtPipeline, PixArtRequest, PIXART_CLASSES};
 use crate::single_file::{single_file_pipeline_class, SingleFileOptions};
 use crate::stable_diffusion::{StableDiffusionPipeline, SUPPORTED_CLASSES};
 use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
-use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, SDXL_CLASSES};
+use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlRequest, SDXL_CLASSES};
 
 /// The pipeline families [`AutoPipeline`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -241,7 +241,7 @@ impl<B: Backend> AutoPipeline<B> {
         match self {
             Self::StableDiffusion(pipe) => pipe.generate_with(req, noise, callback),
             Self::StableDiffusionXL(pipe) => {
-                pipe.generate_with(req, &XlOptions::default(), noise, callback)
+                pipe.generate_with(&XlRequest::new(common), noise, callback)
             }
             Self::StableDiffusion3(pipe) => {
                 let request = Sd3Request {

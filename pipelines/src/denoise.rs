@@ -71,6 +71,8 @@ pub struct PipelineDefaults {
     pub guidance_scale: f64,
     /// T5 tokens per prompt, for the families with a T5 encoder.
     pub max_sequence_length: Option<usize>,
+    /// The part of the schedule run from the given image, for image to image and inpainting.
+    pub strength: Option<f64>,
 }
 
 impl PipelineDefaults {
@@ -79,30 +81,56 @@ impl PipelineDefaults {
         num_inference_steps: 50,
         guidance_scale: 7.5,
         max_sequence_length: None,
+        strength: None,
+    };
+    /// `StableDiffusionImg2ImgPipeline.__call__`.
+    pub const STABLE_DIFFUSION_IMG2IMG: Self = Self {
+        strength: Some(0.8),
+        ..Self::STABLE_DIFFUSION
+    };
+    /// `StableDiffusionInpaintPipeline.__call__`.
+    pub const STABLE_DIFFUSION_INPAINT: Self = Self {
+        strength: Some(1.0),
+        ..Self::STABLE_DIFFUSION
     };
     /// `StableDiffusionXLPipeline.__call__`.
     pub const STABLE_DIFFUSION_XL: Self = Self {
         num_inference_steps: 50,
         guidance_scale: 5.0,
         max_sequence_length: None,
+        strength: None,
+    };
+    /// `StableDiffusionXLImg2ImgPipeline.__call__` (the refiner's too).
+    pub const STABLE_DIFFUSION_XL_IMG2IMG: Self = Self {
+        strength: Some(0.3),
+        ..Self::STABLE_DIFFUSION_XL
+    };
+    /// `StableDiffusionXLInpaintPipeline.__call__`: guidance 7.5, unlike SDXL's other two.
+    pub const STABLE_DIFFUSION_XL_INPAINT: Self = Self {
+        guidance_scale: 7.5,
+        strength: Some(0.9999),
+        ..Self::STABLE_DIFFUSION_XL
     };
     /// `StableDiffusion3Pipeline.__call__`.
     pub const STABLE_DIFFUSION_3: Self = Self {
         num_inference_steps: 28,
         guidance_scale: 7.0,
         max_sequence_length: Some(256),
+        strength: None,
     };
     /// `FluxPipeline.__call__`.
     pub const FLUX: Self = Self {
         num_inference_steps: 28,
         guidance_scale: 3.5,
         max_sequence_length: Some(512),
+        strength: None,
     };
     /// `PixArtAlphaPipeline.__call__` (Sigma's differs only in the sequence length).
     pub const PIXART_ALPHA: Self = Self {
         num_inference_steps: 20,
         guidance_scale: 4.5,
         max_sequence_length: Some(120),
+        strength: None,
     };
     /// `PixArtSigmaPipeline.__call__`.
     pub const PIXART_SIGMA: Self = Self {

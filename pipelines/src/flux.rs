@@ -305,6 +305,11 @@ impl<B: Backend> FluxPipeline<B> {
         PipelineDefaults::FLUX
     }
 
+    /// A request with diffusers' defaults ([`FluxRequest::default`]).
+    pub fn default_request(&self) -> FluxRequest<B> {
+        FluxRequest::default()
+    }
+
     /// Whether the transformer embeds the guidance scale (dev), as opposed to schnell.
     pub fn guidance_embeds(&self) -> bool {
         self.transformer.guidance_embeds()

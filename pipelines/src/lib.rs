@@ -100,7 +100,7 @@ pub use stable_diffusion::{guided_noise, GuidedStepInputs, StableDiffusionPipeli
 pub use stable_diffusion_3::{Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
-pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds};
+pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds, XlRequest};
 pub use stable_diffusion_xl_img2img::{
     StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage,
 };

@@ -244,6 +244,15 @@ impl<B: Backend> PixArtPipeline<B> {
         }
     }
 
+    /// A request with this variant's diffusers defaults (its T5 length is `None`: the
+    /// variant's own).
+    pub fn default_request(&self) -> PixArtRequest<B> {
+        PixArtRequest {
+            common: self.defaults().request(),
+            ..Default::default()
+        }
+    }
+
     /// Encodes prompts as diffusers does without caption cleaning (`text.lower().strip()`):
     /// `[n * images_per_prompt, max_sequence_length, dim]` and the masks.
     pub fn encode_prompts(

@@ -214,6 +214,11 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         PipelineDefaults::STABLE_DIFFUSION
     }
 
+    /// A request with diffusers' defaults (`GenerateRequest::default()`).
+    pub fn default_request(&self) -> GenerateRequest<B> {
+        self.defaults().request()
+    }
+
     /// Encodes prompts to CLIP hidden states `[n * images_per_prompt, 77, dim]`.
     pub fn encode_prompts(
         &self,

@@ -269,6 +269,11 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         PipelineDefaults::STABLE_DIFFUSION_3
     }
 
+    /// A request with diffusers' defaults ([`Sd3Request::default`]).
+    pub fn default_request(&self) -> Sd3Request<B> {
+        Sd3Request::default()
+    }
+
     /// Swaps the scheduler, keeping the checkpoint's config where it applies.
     pub fn set_scheduler(&mut self, name: &str) -> Result<()> {
         let config = self.scheduler_config.switched_to_named(name)?;

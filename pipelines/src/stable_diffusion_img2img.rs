@@ -12,7 +12,7 @@ use burn::tensor::backend::Backend;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
-use crate::denoise::{check_request, GenerateRequest, PipelineOutput, StepInfo};
+use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
 use crate::img2img::{
@@ -43,6 +43,17 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
     pub fn from_dir(dir: &Path, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         options.refuse_transformer_file("Stable Diffusion img2img")?;
         StableDiffusionPipeline::from_dir(dir, options, device).map(Self::from)
+    }
+
+    /// diffusers' `__call__` defaults (50 steps, guidance 7.5, strength 0.8); `.request()` gives a
+    /// request with them, `.strength` the strength to pass.
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_IMG2IMG
+    }
+
+    /// A request with diffusers' steps and guidance (the strength is `defaults().strength`).
+    pub fn default_request(&self) -> GenerateRequest<B> {
+        self.defaults().request()
     }
 
     /// Generates from `image` with the default generator seeded by `req.seed`.

@@ -19,7 +19,7 @@ use burn::tensor::backend::Backend;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
-use crate::denoise::{check_request, GenerateRequest, PipelineOutput, StepInfo};
+use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::Result;
 use crate::image::{preprocess, preprocess_mask};
 use crate::img2img::{check_strength, check_strength_steps, strength_timesteps};
@@ -57,6 +57,17 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
     /// The UNet's input channels: 9 for an inpainting UNet, 4 for the masked-latent method.
     pub fn unet_in_channels(&self) -> usize {
         self.pipe.unet.conv_in.weight.dims()[1]
+    }
+
+    /// diffusers' `__call__` defaults (50 steps, guidance 7.5, strength 1.0); `.request()` gives a
+    /// request with them, `.strength` the strength to pass.
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_INPAINT
+    }
+
+    /// A request with diffusers' steps and guidance (the strength is `defaults().strength`).
+    pub fn default_request(&self) -> GenerateRequest<B> {
+        self.defaults().request()
     }
 
     /// Inpaints with the default generator seeded by `req.seed`.

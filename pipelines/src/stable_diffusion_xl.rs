@@ -71,6 +71,36 @@ pub struct XlOptions {
     pub denoising_end: Option<f64>,
 }
 
+/// One SDXL request: the common settings and SDXL's own. `Default` is diffusers'
+/// `StableDiffusionXLPipeline.__call__` (50 steps, guidance 5.0); build on it
+/// (`XlRequest { xl, ..Default::default() }`, then set `common`'s fields) or on
+/// [`StableDiffusionXLPipeline::default_request`], not on [`GenerateRequest::default`],
+/// which is Stable Diffusion's (guidance 7.5).
+#[derive(Debug, Clone)]
+pub struct XlRequest<B: Backend> {
+    pub common: GenerateRequest<B>,
+    pub xl: XlOptions,
+}
+
+impl<B: Backend> Default for XlRequest<B> {
+    fn default() -> Self {
+        Self {
+            common: PipelineDefaults::STABLE_DIFFUSION_XL.request(),
+            xl: XlOptions::default(),
+        }
+    }
+}
+
+impl<B: Backend> XlRequest<B> {
+    /// `common` with SDXL's default options.
+    pub fn new(common: GenerateRequest<B>) -> Self {
+        Self {
+            common,
+            xl: XlOptions::default(),
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 struct XlModelIndex {
     #[serde(rename = "_class_name")]
@@ -321,6 +351,11 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         PipelineDefaults::STABLE_DIFFUSION_XL
     }
 
+    /// A request with diffusers' defaults ([`XlRequest::default`]).
+    pub fn default_request(&self) -> XlRequest<B> {
+        XlRequest::default()
+    }
+
     /// Fuses a LoRA file (diffusers/PEFT or kohya/A1111 format) into the UNet and the text
     /// encoders at `scale` (a LoRA with `text_encoder` layers is an error for a folder without
     /// one), as diffusers' `load_lora_weights(path)` +
@@ -464,24 +499,20 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             .collect()
     }
 
-    /// Generates with the default generator seeded by `req.seed`.
-    pub fn generate(
-        &mut self,
-        req: &GenerateRequest<B>,
-        xl: &XlOptions,
-    ) -> Result<PipelineOutput<B>> {
-        let mut generator = TorchCpuGenerator::new(req.seed);
-        self.generate_with(req, xl, &mut generator, |_| {})
+    /// Generates with the default generator seeded by `request.common.seed`.
+    pub fn generate(&mut self, request: &XlRequest<B>) -> Result<PipelineOutput<B>> {
+        let mut generator = TorchCpuGenerator::new(request.common.seed);
+        self.generate_with(request, &mut generator, |_| {})
     }
 
     /// Generates with the given noise source and a callback after every step.
     pub fn generate_with(
         &mut self,
-        req: &GenerateRequest<B>,
-        xl: &XlOptions,
+        request: &XlRequest<B>,
         noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
+        let (req, xl) = (&request.common, &request.xl);
         let default = self.default_size();
         let (width, height) = check_request(req, (default, default), self.vae_scale_factor)?;
         self.check_options(req, xl)?;

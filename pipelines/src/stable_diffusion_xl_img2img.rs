@@ -15,16 +15,16 @@ use burn::tensor::Tensor;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, Scheduler, TorchCpuGenerator};
 
-use crate::denoise::{check_request, GenerateRequest, PipelineOutput, StepInfo};
+use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
 use crate::img2img::{check_strength, encode_image_latents, strength_timesteps};
 use crate::loading::LoadOptions;
-use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions};
+use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlRequest};
 
 /// The image-editing options of the SDXL img2img and inpaint pipelines; `Default` is
-/// diffusers' img2img (strength 0.3, aesthetic scores 6 and 2.5; diffusers' SDXL inpainting
-/// defaults to strength 0.9999).
+/// diffusers' img2img (strength 0.3, aesthetic scores 6 and 2.5);
+/// [`inpainting`](Self::inpainting) is its inpainting (strength 0.9999).
 #[derive(Debug, Clone, PartialEq)]
 pub struct XlEditOptions {
     /// In (0, 1]: the part of the schedule that is run. Unused with `denoising_start`.
@@ -50,6 +50,16 @@ impl Default for XlEditOptions {
             aesthetic_score: 6.0,
             negative_aesthetic_score: 2.5,
             padding_mask_crop: None,
+        }
+    }
+}
+
+impl XlEditOptions {
+    /// diffusers' SDXL inpainting defaults: the image-to-image ones with strength 0.9999.
+    pub fn inpainting() -> Self {
+        Self {
+            strength: 0.9999,
+            ..Self::default()
         }
     }
 }
@@ -176,16 +186,25 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
         StableDiffusionXLPipeline::from_dir(dir, options, device).map(Self::from)
     }
 
-    /// Image to image with the default generator seeded by `req.seed`.
+    /// diffusers' `__call__` defaults (steps, guidance 5.0, strength 0.3).
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_XL_IMG2IMG
+    }
+
+    /// A request with diffusers' defaults (the strength is [`XlEditOptions::default`]'s).
+    pub fn default_request(&self) -> XlRequest<B> {
+        XlRequest::new(self.defaults().request())
+    }
+
+    /// Image to image with the default generator seeded by `request.common.seed`.
     pub fn generate(
         &mut self,
-        req: &GenerateRequest<B>,
-        xl: &XlOptions,
+        request: &XlRequest<B>,
         edit: &XlEditOptions,
         image: XlInitImage<'_, B>,
     ) -> Result<PipelineOutput<B>> {
-        let mut generator = TorchCpuGenerator::new(req.seed);
-        self.generate_with(req, xl, edit, image, &mut generator, |_| {})
+        let mut generator = TorchCpuGenerator::new(request.common.seed);
+        self.generate_with(request, edit, image, &mut generator, |_| {})
     }
 
     /// Image to image from `image`: resized to `req.width` x `req.height` when given, else
@@ -194,13 +213,13 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
     /// `denoising_start`), then the scheduler's.
     pub fn generate_with(
         &mut self,
-        req: &GenerateRequest<B>,
-        xl: &XlOptions,
+        request: &XlRequest<B>,
         edit: &XlEditOptions,
         image: XlInitImage<'_, B>,
         noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
+        let (req, xl) = (&request.common, &request.xl);
         check_edit(edit, xl)?;
         if edit.padding_mask_crop.is_some() {
             return Err(PipelineError::InvalidInput(

@@ -12,7 +12,7 @@ use burn::tensor::backend::Backend;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
-use crate::denoise::{check_request, GenerateRequest, PipelineOutput, StepInfo};
+use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::Result;
 use crate::image::{preprocess, preprocess_mask};
 use crate::img2img::check_strength_steps;
@@ -20,7 +20,7 @@ use crate::inpaint::{
     check_mask_size, crop_for_request, inpaint_channels, prepare_inpaint, InpaintStart,
 };
 use crate::loading::LoadOptions;
-use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions};
+use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlRequest};
 use crate::stable_diffusion_xl_img2img::{
     check_edit, edit_time_ids, edit_timesteps, XlEditOptions,
 };
@@ -53,17 +53,26 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
         self.pipe.unet.conv_in.weight.dims()[1]
     }
 
-    /// Inpaints with the default generator seeded by `req.seed`.
+    /// diffusers' `__call__` defaults (steps, guidance 7.5, strength 0.9999).
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_XL_INPAINT
+    }
+
+    /// A request with diffusers' defaults (the strength is [`XlEditOptions::inpainting`]'s).
+    pub fn default_request(&self) -> XlRequest<B> {
+        XlRequest::new(self.defaults().request())
+    }
+
+    /// Inpaints with the default generator seeded by `request.common.seed`.
     pub fn generate(
         &mut self,
-        req: &GenerateRequest<B>,
-        xl: &XlOptions,
+        request: &XlRequest<B>,
         edit: &XlEditOptions,
         image: &image::DynamicImage,
         mask: &image::DynamicImage,
     ) -> Result<PipelineOutput<B>> {
-        let mut generator = TorchCpuGenerator::new(req.seed);
-        self.generate_with(req, xl, edit, image, mask, &mut generator, |_| {})
+        let mut generator = TorchCpuGenerator::new(request.common.seed);
+        self.generate_with(request, edit, image, mask, &mut generator, |_| {})
     }
 
     /// Repaints the white part of `mask` (same size as `image`). Image and mask are resized
@@ -75,14 +84,14 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
     #[allow(clippy::too_many_arguments)]
     pub fn generate_with(
         &mut self,
-        req: &GenerateRequest<B>,
-        xl: &XlOptions,
+        request: &XlRequest<B>,
         edit: &XlEditOptions,
         image: &image::DynamicImage,
         mask: &image::DynamicImage,
         noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
+        let (req, xl) = (&request.common, &request.xl);
         check_edit(edit, xl)?;
         if edit.denoising_start.is_none() {
             check_strength_steps(edit.strength, req.num_inference_steps)?;

@@ -21,9 +21,9 @@ use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
 use oxidiff::pipelines::{
     is_single_file, pipeline_class, resolve_model, single_file_pipeline_class, GenerateRequest,
     GenerationParameters, Images, InpaintOptions, LoadOptions, LoraReport, LoraSpec,
-    SingleFileOptions, StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
-    StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage,
-    XlOptions,
+    PipelineDefaults, SingleFileOptions, StableDiffusionImg2ImgPipeline,
+    StableDiffusionInpaintPipeline, StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage, XlRequest,
 };
 use oxidiff::pipelines::{StableDiffusionPipeline, StableDiffusionXLPipeline};
 use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerator};
@@ -74,7 +74,8 @@ struct Args {
     negative_prompt: Option<String>,
     #[arg(long, default_value_t = 50)]
     steps: usize,
-    /// Classifier-free guidance scale; default 7.5 (SD) or 5 (SDXL).
+    /// Classifier-free guidance scale; default as diffusers: 7.5, or 5 for SDXL image to
+    /// image.
     #[arg(long)]
     guidance: Option<f64>,
     /// Scheduler by diffusers class or short/A1111 name (as txt2img).
@@ -297,13 +298,15 @@ fn run(args: Args) -> Result<()> {
             SDXL_CLASSES.join(", ")
         );
     }
-    let strength = args.strength.unwrap_or(match (xl, mask.is_some()) {
-        (false, false) => 0.8,
-        (false, true) => 1.0,
-        (true, false) => 0.3,
-        (true, true) => 0.9999,
-    });
-    let guidance = args.guidance.unwrap_or(if xl { 5.0 } else { 7.5 });
+    // diffusers' `__call__` defaults of the pipeline that will run, from the library.
+    let defaults = match (xl, mask.is_some()) {
+        (false, false) => PipelineDefaults::STABLE_DIFFUSION_IMG2IMG,
+        (false, true) => PipelineDefaults::STABLE_DIFFUSION_INPAINT,
+        (true, false) => PipelineDefaults::STABLE_DIFFUSION_XL_IMG2IMG,
+        (true, true) => PipelineDefaults::STABLE_DIFFUSION_XL_INPAINT,
+    };
+    let strength = args.strength.or(defaults.strength).unwrap_or(1.0);
+    let guidance = args.guidance.unwrap_or(defaults.guidance_scale);
     let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
     let edited = match device {
         // The plain CPU backend, where oxidiff's CPU kernels apply.
@@ -522,8 +525,7 @@ fn edit<B: EditBackend>(
                 B::compile_xl(&mut pipe.pipe)?;
             }
             let out = pipe.generate_with(
-                &request,
-                &XlOptions::default(),
+                &XlRequest::new(request),
                 &edit,
                 XlInitImage::Image(image),
                 &mut generator,
@@ -544,8 +546,7 @@ fn edit<B: EditBackend>(
                 B::compile_xl(&mut pipe.pipe)?;
             }
             let out = pipe.generate_with(
-                &request,
-                &XlOptions::default(),
+                &XlRequest::new(request),
                 &edit,
                 image,
                 mask,

@@ -140,7 +140,7 @@ fn pixart_folder_is_recognised_and_its_png_matches_diffusers() {
 
 #[test]
 fn sdxl_folder_is_dispatched_to_the_sdxl_pipeline() {
-    use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionXLPipeline, XlOptions};
+    use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionXLPipeline, XlRequest};
     let tmp = tempfile::tempdir().unwrap();
     let golden = Golden::load("tiny-sdxl");
     let (values, shape) = golden.host("pipe.latents");
@@ -187,7 +187,7 @@ fn sdxl_folder_is_dispatched_to_the_sdxl_pipeline() {
         latents: Some(golden.tensor("pipe.latents")),
         ..Default::default()
     };
-    let expected = pipe.generate(&request, &XlOptions::default()).unwrap();
+    let expected = pipe.generate(&XlRequest::new(request.clone())).unwrap();
     let expected = expected.images.unwrap().to_rgb8(0).unwrap();
     let max_diff = ours
         .as_raw()
