@@ -105,14 +105,18 @@ pub fn assert_png_close(ours: &image::RgbImage, name: &str, levels: u8) {
     let reference = image::open(fixtures().join("golden").join(name))
         .expect("golden PNG")
         .to_rgb8();
-    assert_eq!(ours.dimensions(), reference.dimensions(), "{name}: size");
-    let max_diff = ours
-        .as_raw()
-        .iter()
-        .zip(reference.as_raw())
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .unwrap_or(0);
+    let max_diff = png_level_diff(ours, &reference);
     assert!(max_diff <= levels, "{name}: differs by {max_diff} levels");
     eprintln!("{name}: max difference {max_diff} levels");
+}
+
+/// The largest per-channel difference of two 8-bit RGB images of the same size.
+pub fn png_level_diff(a: &image::RgbImage, b: &image::RgbImage) -> u8 {
+    assert_eq!(a.dimensions(), b.dimensions(), "image sizes differ");
+    a.as_raw()
+        .iter()
+        .zip(b.as_raw())
+        .map(|(x, y)| x.abs_diff(*y))
+        .max()
+        .unwrap_or(0)
 }
