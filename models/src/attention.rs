@@ -12,7 +12,7 @@ use crate::cpu::attention as cpu_attention;
 use crate::error::Result;
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
 use crate::normalization::RMSNorm;
-use crate::weights::VarBuilder;
+use crate::var_builder::VarBuilder;
 
 /// Multi-head scaled dot-product attention over `[batch, seq, heads * head_dim]` inputs.
 ///

@@ -14,7 +14,7 @@ use crate::dtype::{cast_to, dtype_of};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
-use crate::weights::{load_component, VarBuilder};
+use crate::var_builder::{load_component, VarBuilder};
 
 /// `vae/config.json`, with diffusers' defaults.
 #[derive(Debug, Clone, Deserialize)]

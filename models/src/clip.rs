@@ -15,7 +15,7 @@ use crate::attention::multi_head_attention;
 use crate::config::load_json;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, LayerNorm, Linear};
-use crate::weights::{load_component, VarBuilder};
+use crate::var_builder::{load_component, VarBuilder};
 
 /// `text_encoder/config.json` (a transformers `CLIPTextConfig`).
 #[derive(Debug, Clone, Deserialize)]

@@ -12,7 +12,7 @@ use burn::tensor::{FloatDType, Tensor, TensorData};
 use crate::dtype::{cast_to, dtype_of};
 use crate::error::Result;
 use crate::nn::{Activation, Linear};
-use crate::weights::VarBuilder;
+use crate::var_builder::VarBuilder;
 
 /// Sinusoidal projection of timesteps, `get_timestep_embedding` in diffusers.
 #[derive(Module, Debug)]

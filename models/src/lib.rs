@@ -31,6 +31,7 @@ pub mod transformer_flux;
 pub mod transformer_sd3;
 pub mod unet_2d_blocks;
 pub mod unet_2d_condition;
+pub mod var_builder;
 mod weight_data;
 pub mod weights;
 
@@ -48,4 +49,5 @@ pub use tokenizer::{ClipTokenizer, Encoded, MaskedTokens, T5Tokenizer};
 pub use transformer_flux::{FluxTransformer2DConfig, FluxTransformer2DModel};
 pub use transformer_sd3::{SD3Transformer2DConfig, SD3Transformer2DModel};
 pub use unet_2d_condition::{AddedCondition, UNet2DConditionConfig, UNet2DConditionModel};
-pub use weights::{TensorView, VarBuilder, Weights};
+pub use var_builder::VarBuilder;
+pub use weights::{TensorView, Weights};

@@ -16,8 +16,8 @@ use crate::cpu::linear as cpu_linear;
 use crate::cpu::quantized_linear as cpu_quantized;
 use crate::error::{ModelError, Result};
 use crate::gguf::QuantizedMatrix;
+use crate::var_builder::VarBuilder;
 use crate::weight_data;
-use crate::weights::VarBuilder;
 
 /// `torch.nn.Linear`; the weight is Burn's `[in, out]`, a transposed view of the checkpoint's
 /// `[out, in]` tensor (so loading copies nothing; the matrix products read it through its

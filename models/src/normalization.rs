@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 use crate::embeddings::{MicroConditions, PixArtAlphaCombinedTimestepSizeEmbeddings};
 use crate::error::Result;
 use crate::nn::{Activation, Linear};
-use crate::weights::VarBuilder;
+use crate::var_builder::VarBuilder;
 
 /// diffusers' `AdaLayerNormSingle` (adaLN-single of PixArt): one timestep embedding shared by
 /// every block, projected once to the six modulation vectors of all blocks.

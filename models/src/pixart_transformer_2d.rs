@@ -24,7 +24,7 @@ use crate::nn::{layer_norm, Linear};
 use crate::normalization::{modulate, AdaLayerNormSingle};
 use crate::parallel::block_widths;
 use crate::unet_2d_condition::transformer_block_rules;
-use crate::weights::{load_component, VarBuilder};
+use crate::var_builder::{load_component, VarBuilder};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
 /// `transformer/config.json`.

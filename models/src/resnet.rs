@@ -8,7 +8,7 @@ use burn::tensor::Tensor;
 
 use crate::error::Result;
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm, Linear};
-use crate::weights::VarBuilder;
+use crate::var_builder::VarBuilder;
 
 /// Shape of a [`ResnetBlock2D`].
 #[derive(Debug, Clone, Copy)]

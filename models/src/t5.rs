@@ -18,7 +18,7 @@ use serde::Deserialize;
 use crate::config::load_json;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, Linear};
-use crate::weights::{load_component, VarBuilder};
+use crate::var_builder::{load_component, VarBuilder};
 
 /// `text_encoder/config.json` (a transformers `T5Config`).
 #[derive(Debug, Clone, Deserialize)]

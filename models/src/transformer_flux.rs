@@ -29,7 +29,7 @@ use crate::nn::{layer_norm, Activation, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle, RMSNorm,
 };
-use crate::weights::{build_component, load_component, VarBuilder, Weights};
+use crate::var_builder::{load_component, VarBuilder};
 
 /// `transformer/config.json`.
 #[derive(Debug, Clone, Deserialize)]
@@ -433,25 +433,6 @@ impl<B: Backend> FluxTransformer2DModel<B> {
             device,
             |vb| Self::load(&config, vb),
         )
-    }
-
-    /// A transformer from a GGUF file (`--transformer FILE.gguf`, diffusers'
-    /// `from_single_file(..., quantization_config=GGUFQuantizationConfig(...))`), with the
-    /// config of `config_dir/config.json`. The file's tensors carry diffusers' key names or the
-    /// original ones (city96's files; renamed as [`crate::single_file::flux`] says); quantized
-    /// weights stay in their blocks, and plain ones are held in `dtype`.
-    pub fn from_gguf_in(
-        file: &Path,
-        config_dir: &Path,
-        dtype: FloatDType,
-        device: &B::Device,
-    ) -> Result<Self> {
-        let config = FluxTransformer2DConfig::from_file(&config_dir.join("config.json"))?;
-        let mut weights = Weights::from_gguf(file)?;
-        if crate::single_file::flux::has_original_flux_names(&weights) {
-            weights = weights.view(crate::single_file::flux::flux_names(&config))?;
-        }
-        build_component(weights, dtype, device, |vb| Self::load(&config, vb))
     }
 
     pub fn load(cfg: &FluxTransformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

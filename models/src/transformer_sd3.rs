@@ -27,7 +27,7 @@ use crate::nn::{layer_norm, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLnZeroOutput, SD35AdaLayerNormZeroX,
 };
-use crate::weights::{build_component, load_component, VarBuilder, Weights};
+use crate::var_builder::{load_component, VarBuilder};
 
 /// `transformer/config.json`.
 #[derive(Debug, Clone, Deserialize)]
@@ -438,29 +438,6 @@ impl<B: Backend> SD3Transformer2DModel<B> {
             device,
             |vb| Self::load(&config, vb),
         )
-    }
-
-    /// A transformer from a GGUF file whose tensors carry diffusers' key names, with the config
-    /// of `config_dir/config.json` (diffusers' `from_single_file(...,
-    /// quantization_config=GGUFQuantizationConfig(...))`): quantized weights stay in their
-    /// blocks, plain ones are held in `dtype`.
-    pub fn from_gguf_in(
-        file: &Path,
-        config_dir: &Path,
-        dtype: FloatDType,
-        device: &B::Device,
-    ) -> Result<Self> {
-        let config = SD3Transformer2DConfig::from_file(&config_dir.join("config.json"))?;
-        let weights = Weights::from_gguf(file)?;
-        if weights.contains("joint_blocks.0.x_block.attn.qkv.weight") {
-            return Err(ModelError::Unsupported {
-                path: file.to_path_buf(),
-                reason: "its tensors carry the original SD3 key names (`joint_blocks.N...`); \
-                         oxidiff reads SD3 GGUF files with diffusers' key names for now"
-                    .into(),
-            });
-        }
-        build_component(weights, dtype, device, |vb| Self::load(&config, vb))
     }
 
     pub fn load(cfg: &SD3Transformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {

@@ -10,7 +10,7 @@ use crate::attention::{Transformer2DModel, Transformer2DSpec};
 use crate::error::Result;
 use crate::nn::Activation;
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
-use crate::weights::VarBuilder;
+use crate::var_builder::VarBuilder;
 
 /// The ResNet settings every block of one UNet shares.
 #[derive(Debug, Clone, Copy)]

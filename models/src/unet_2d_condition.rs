@@ -23,7 +23,7 @@ use crate::unet_2d_blocks::{
     CrossAttnDownBlock2D, CrossAttnUpBlock2D, DownBlock, DownBlock2D, DownBlockSpec, MidBlock,
     ResnetSettings, UNetMidBlock2D, UNetMidBlock2DCrossAttn, UpBlock, UpBlock2D, UpBlockSpec,
 };
-use crate::weights::{load_component, VarBuilder};
+use crate::var_builder::{load_component, VarBuilder};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
 /// `unet/config.json`, with diffusers' defaults.

@@ -11,8 +11,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{FloatDType, TensorData};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, TensorInfo};
 use safetensors::SafeTensors;
@@ -661,7 +660,7 @@ impl Weights {
         Ok((entry, file, bytes, stored))
     }
 
-    fn path_of(&self, key: &str) -> PathBuf {
+    pub(crate) fn path_of(&self, key: &str) -> PathBuf {
         self.entries
             .get(key)
             .map(|e| self.files[e.file].path.clone())
@@ -719,166 +718,6 @@ fn release(file: &WeightFile, entry: &Entry) {
     };
     #[cfg(not(unix))]
     let _ = (file, entry, start, end);
-}
-
-/// Builds layers from weights by key path, on one device, holding float weights in one dtype
-/// (f32 unless [`with_dtype`](Self::with_dtype) says otherwise).
-#[derive(Clone)]
-pub struct VarBuilder<B: Backend> {
-    weights: Arc<Weights>,
-    prefix: String,
-    device: B::Device,
-    dtype: FloatDType,
-}
-
-impl<B: Backend> VarBuilder<B> {
-    pub fn new(weights: Arc<Weights>, device: &B::Device) -> Self {
-        Self {
-            weights,
-            prefix: String::new(),
-            device: device.clone(),
-            dtype: FloatDType::F32,
-        }
-    }
-
-    /// The same builder holding weights in `dtype` (diffusers' `torch_dtype`): each tensor is
-    /// read straight into it, shared with the file when stored in it, else converted once.
-    #[must_use]
-    pub fn with_dtype(mut self, dtype: FloatDType) -> Self {
-        self.dtype = dtype;
-        self
-    }
-
-    /// The dtype float weights are held in.
-    pub fn dtype(&self) -> FloatDType {
-        self.dtype
-    }
-
-    /// A builder one level down: `vb.pp("down_blocks").pp(0)`.
-    pub fn pp(&self, name: impl std::fmt::Display) -> Self {
-        let prefix = if self.prefix.is_empty() {
-            name.to_string()
-        } else {
-            format!("{}.{}", self.prefix, name)
-        };
-        Self {
-            weights: self.weights.clone(),
-            prefix,
-            device: self.device.clone(),
-            dtype: self.dtype,
-        }
-    }
-
-    pub fn device(&self) -> &B::Device {
-        &self.device
-    }
-
-    pub fn weights(&self) -> &Arc<Weights> {
-        &self.weights
-    }
-
-    /// Full key of `name` under this builder's prefix.
-    pub fn key(&self, name: &str) -> String {
-        if self.prefix.is_empty() {
-            name.to_string()
-        } else {
-            format!("{}.{}", self.prefix, name)
-        }
-    }
-
-    pub fn contains(&self, name: &str) -> bool {
-        self.weights.contains(&self.key(name))
-    }
-
-    /// The error for `key` found with shape `found` where `expected` was needed.
-    fn misfit(&self, key: String, expected: &[usize], found: Vec<usize>) -> ModelError {
-        ModelError::ShapeMismatch {
-            path: self.weights.path_of(&key),
-            key,
-            expected: expected.to_vec(),
-            found,
-        }
-    }
-
-    /// Reads `name` as host f32 values, checking the shape.
-    pub fn get_host(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let key = self.key(name);
-        let (values, found) = self.weights.read_f32(&key)?;
-        if found != shape {
-            return Err(self.misfit(key, shape, found));
-        }
-        Ok(values)
-    }
-
-    /// Loads a PyTorch `[out, in]` linear weight as Burn's `[in, out]`: the stored tensor,
-    /// transposed as a view (no copy), which the matrix products read in place through its
-    /// strides.
-    pub fn get_linear_weight(&self, name: &str, d_in: usize, d_out: usize) -> Result<Tensor<B, 2>> {
-        Ok(self.get(name, [d_out, d_in])?.transpose())
-    }
-
-    /// The GGML blocks of the `[d_out, d_in]` linear weight `name`, when it is stored quantized
-    /// (from a GGUF file); `None` when it is plain floats.
-    pub fn get_quantized_linear(
-        &self,
-        name: &str,
-        d_in: usize,
-        d_out: usize,
-    ) -> Result<Option<QuantizedMatrix>> {
-        let key = self.key(name);
-        match self.weights.shape(&key) {
-            Some(found) if found != [d_out, d_in] => {
-                let found = found.to_vec();
-                Err(self.misfit(key, &[d_out, d_in], found))
-            }
-            Some(_) => self.weights.quantized(&key),
-            None => Ok(None),
-        }
-    }
-
-    /// Loads `name` as a tensor of the expected shape, in this builder's dtype.
-    pub fn get<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
-        let key = self.key(name);
-        match self.weights.shape(&key) {
-            Some(found) if found != shape => {
-                let found = found.to_vec();
-                return Err(self.misfit(key, &shape, found));
-            }
-            _ => {}
-        }
-        let data = self.weights.read(&key, self.dtype)?;
-        // With the data's own dtype: without one, Burn converts to the device's default (f32).
-        let dtype = data.dtype;
-        Ok(Tensor::from_data(data, (&self.device, dtype)))
-    }
-}
-
-/// A model built from a component folder the way every model's `from_dir_in` does it: the
-/// weights named `bases` (and `variant`) read into `dtype` by `build`, then what the model
-/// computed at load in f32 (sinusoidal tables) cast into `dtype` too.
-pub(crate) fn load_component<B: Backend, M: burn::module::Module<B>>(
-    dir: &Path,
-    bases: &[&str],
-    variant: Option<&str>,
-    dtype: FloatDType,
-    device: &B::Device,
-    build: impl FnOnce(VarBuilder<B>) -> Result<M>,
-) -> Result<M> {
-    let weights = Weights::from_component_dir(dir, bases, variant)?;
-    build_component(weights, dtype, device, build)
-}
-
-/// A model built by `build` from `weights` held in `dtype`, then what it computed at load cast
-/// into `dtype` (the second half of [`load_component`], for weights from elsewhere: a GGUF file).
-pub(crate) fn build_component<B: Backend, M: burn::module::Module<B>>(
-    weights: Weights,
-    dtype: FloatDType,
-    device: &B::Device,
-    build: impl FnOnce(VarBuilder<B>) -> Result<M>,
-) -> Result<M> {
-    use crate::dtype::ToDType;
-    let model = build(VarBuilder::new(Arc::new(weights), device).with_dtype(dtype))?;
-    Ok(model.to_dtype(dtype))
 }
 
 /// A weights file must not be a link out of its model folder (the folder above the component's

@@ -13,8 +13,9 @@ use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
 use oxidiff_models::gguf::GgmlType;
 use oxidiff_models::nn::Linear;
-use oxidiff_models::weights::{TensorView, VarBuilder, Weights};
+use oxidiff_models::weights::{TensorView, Weights};
 use oxidiff_models::ToDType;
+use oxidiff_models::VarBuilder;
 
 type B = Flex;
 

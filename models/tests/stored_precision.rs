@@ -11,7 +11,8 @@ use burn::tensor::{AllocationProperty, DType, FloatDType, Tensor, TensorData};
 use burn_flex::{Flex, FlexTensor};
 use half::{bf16, f16};
 use oxidiff_models::nn::Linear;
-use oxidiff_models::weights::{VarBuilder, Weights};
+use oxidiff_models::weights::Weights;
+use oxidiff_models::VarBuilder;
 use safetensors::tensor::{Dtype, TensorView};
 
 type B = Flex;

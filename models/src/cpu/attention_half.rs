@@ -12,7 +12,7 @@ use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
 use super::amx;
-use super::attention::{exp_shifted, Shape};
+use super::attention_f32::{exp_shifted, Shape};
 use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::half_gemm::{self, PackedB};
 

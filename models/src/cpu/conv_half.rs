@@ -11,7 +11,7 @@ use burn_flex::{FlexTensor, Layout};
 
 use super::amx;
 use super::common::{narrow, round_bf16, widen, OutPtr};
-use super::conv::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
+use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
 use super::half_gemm::{self, PackedB};
 
 /// Output positions per tile: its packed columns (`c_in * k * k` values each) stay near the L2

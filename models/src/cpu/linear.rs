@@ -113,7 +113,7 @@ pub fn linear<B: Backend, const D: usize>(
 }
 
 /// Whether `weight` `[in, out]` is the transposed view of a contiguous `[out, in]` tensor, as
-/// [`crate::weights::VarBuilder::get_linear_weight`] loads it.
+/// [`crate::var_builder::VarBuilder::get_linear_weight`] loads it.
 fn is_checkpoint_layout<B: Backend>(weight: &Tensor<B, 2>) -> bool {
     let flex = into_flex(weight.clone());
     flex.layout().strides() == [1, flex.layout().shape()[0] as isize]

@@ -6,9 +6,11 @@
 
 pub mod amx;
 pub mod attention;
+pub mod attention_f32;
 pub mod attention_half;
 pub mod common;
 pub mod conv;
+pub mod conv_f32;
 pub mod conv_half;
 pub mod elementwise;
 pub mod half_gemm;

@@ -10,6 +10,7 @@ pub mod config;
 pub mod detect;
 pub mod file;
 pub mod flux;
+pub mod gguf;
 pub mod rename;
 
 pub use detect::{
