@@ -596,6 +596,98 @@ fn absurd_config_sizes_are_refused_before_anything_is_built() {
     }
 }
 
+/// The transformer and T5 configs are bounded as the UNet's, VAE's and CLIP's are: each absurd
+/// size is refused when the config is read, naming the file and the field, before a layer
+/// exists (before, `from_file` accepted them and the model's build allocated them).
+#[test]
+fn absurd_transformer_and_t5_config_sizes_are_refused_when_read() {
+    use oxidiff::models::{
+        FluxTransformer2DConfig, ModelError, PixArtTransformer2DConfig, SD3Transformer2DConfig,
+        T5Config,
+    };
+    use serde_json::json;
+    type Read = fn(&Path) -> Result<(), ModelError>;
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let flux: Read = |p| FluxTransformer2DConfig::from_file(p).map(drop);
+    let sd3: Read = |p| SD3Transformer2DConfig::from_file(p).map(drop);
+    let pixart: Read = |p| PixArtTransformer2DConfig::from_file(p).map(drop);
+    let t5: Read = |p| T5Config::from_file(p).map(drop);
+    let big = json!(1u64 << 40);
+    let cases: [(&str, Read, &str, serde_json::Value, &str); 8] = [
+        (
+            "tiny-flux-dev/transformer",
+            flux,
+            "num_layers",
+            json!(100_000),
+            "`num_layers: 100000`",
+        ),
+        (
+            "tiny-flux-dev/transformer",
+            flux,
+            "attention_head_dim",
+            json!(1u64 << 21),
+            "num_attention_heads * attention_head_dim",
+        ),
+        (
+            "tiny-flux-dev/transformer",
+            flux,
+            "joint_attention_dim",
+            big.clone(),
+            "`joint_attention_dim: 1099511627776`",
+        ),
+        (
+            "tiny-sd3/transformer",
+            sd3,
+            "pos_embed_max_size",
+            json!(1_000_000),
+            "`pos_embed_max_size: 1000000`",
+        ),
+        (
+            "tiny-sd3/transformer",
+            sd3,
+            "caption_projection_dim",
+            big.clone(),
+            "`caption_projection_dim",
+        ),
+        (
+            "tiny-pixart-alpha/transformer",
+            pixart,
+            "sample_size",
+            json!(1_000_000_000),
+            "`sample_size: 1000000000`",
+        ),
+        (
+            "tiny-flux-dev/text_encoder_2",
+            t5,
+            "d_ff",
+            big.clone(),
+            "`d_ff: 1099511627776`",
+        ),
+        (
+            "tiny-flux-dev/text_encoder_2",
+            t5,
+            "vocab_size",
+            big,
+            "`vocab_size: 1099511627776`",
+        ),
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    for (i, (folder, read, field, value, needle)) in cases.into_iter().enumerate() {
+        let original = fixtures.join(folder).join("config.json");
+        read(&original).unwrap_or_else(|e| panic!("{folder}: the fixture reads: {e}"));
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&original).unwrap()).unwrap();
+        config[field] = value;
+        let path = tmp.path().join(format!("config-{i}.json"));
+        std::fs::write(&path, config.to_string()).unwrap();
+        let err = read(&path).expect_err(field).to_string();
+        assert!(
+            err.contains(needle) && err.contains(&format!("config-{i}.json")),
+            "{folder} {field}: {err}"
+        );
+    }
+}
+
 #[test]
 fn a_transformer_gguf_runs_flux_and_bad_ones_are_refused() {
     let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");

@@ -91,3 +91,28 @@ pub fn check_at_most(field: &str, value: usize, max: usize, path: &Path) -> Resu
     }
     Ok(())
 }
+
+/// The most layers (blocks) a config may give: 1024, past any real model's (T5-XXL: 24, Flux:
+/// 19 + 38, SD3.5 Large: 38).
+pub const MAX_LAYERS: usize = 1024;
+
+/// Refuses any width above [`MAX_DIMENSION`] (heads times head width counted as one) and any
+/// layer count above [`MAX_LAYERS`], naming the file and the field, before a layer is built.
+pub fn check_transformer_sizes(
+    path: &Path,
+    dimensions: &[(&str, usize)],
+    heads: [(&str, usize); 2],
+    layers: &[(&str, usize)],
+) -> Result<()> {
+    for &(field, value) in dimensions {
+        check_at_most(field, value, MAX_DIMENSION, path)?;
+    }
+    let [(count_field, count), (width_field, width)] = heads;
+    let inner = count.saturating_mul(width);
+    let field = format!("{count_field} * {width_field}");
+    check_at_most(&field, inner, MAX_DIMENSION, path)?;
+    for &(field, value) in layers {
+        check_at_most(field, value, MAX_LAYERS, path)?;
+    }
+    Ok(())
+}

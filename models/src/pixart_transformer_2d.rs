@@ -78,6 +78,25 @@ impl Default for PixArtTransformer2DConfig {
 impl PixArtTransformer2DConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let config: Self = load_json(path)?;
+        crate::config::check_transformer_sizes(
+            path,
+            &[
+                ("in_channels", config.in_channels),
+                ("out_channels", config.out_channels.unwrap_or(0)),
+                (
+                    "cross_attention_dim",
+                    config.cross_attention_dim.unwrap_or(0),
+                ),
+                ("caption_channels", config.caption_channels.unwrap_or(0)),
+            ],
+            [
+                ("num_attention_heads", config.num_attention_heads),
+                ("attention_head_dim", config.attention_head_dim),
+            ],
+            &[("num_layers", config.num_layers)],
+        )?;
+        use crate::config::{check_at_most, MAX_SAMPLE_SIZE};
+        check_at_most("sample_size", config.sample_size, MAX_SAMPLE_SIZE, path)?;
         let unsupported = |reason: String| ModelError::Unsupported {
             path: path.to_path_buf(),
             reason,

@@ -69,6 +69,20 @@ pub struct FeedForwardKind {
 impl T5Config {
     pub fn from_file(path: &Path) -> Result<Self> {
         let config: Self = load_json(path)?;
+        crate::config::check_transformer_sizes(
+            path,
+            &[
+                ("vocab_size", config.vocab_size),
+                ("d_model", config.d_model),
+                ("d_ff", config.d_ff),
+                (
+                    "relative_attention_num_buckets",
+                    config.relative_attention_num_buckets,
+                ),
+            ],
+            [("num_heads", config.num_heads), ("d_kv", config.d_kv)],
+            &[("num_layers", config.num_layers)],
+        )?;
         config.feed_forward(path)?;
         if config.num_heads == 0 || config.d_kv == 0 || config.num_layers == 0 {
             return Err(ModelError::Config {

@@ -70,6 +70,23 @@ impl Default for FluxTransformer2DConfig {
 impl FluxTransformer2DConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let config: Self = load_json(path)?;
+        crate::config::check_transformer_sizes(
+            path,
+            &[
+                ("in_channels", config.in_channels),
+                ("out_channels", config.out_channels.unwrap_or(0)),
+                ("joint_attention_dim", config.joint_attention_dim),
+                ("pooled_projection_dim", config.pooled_projection_dim),
+            ],
+            [
+                ("num_attention_heads", config.num_attention_heads),
+                ("attention_head_dim", config.attention_head_dim),
+            ],
+            &[
+                ("num_layers", config.num_layers),
+                ("num_single_layers", config.num_single_layers),
+            ],
+        )?;
         let bad = |reason: String| ModelError::Config {
             path: path.to_path_buf(),
             reason,

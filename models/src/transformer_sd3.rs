@@ -74,6 +74,26 @@ impl Default for SD3Transformer2DConfig {
 impl SD3Transformer2DConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
         let config: Self = load_json(path)?;
+        crate::config::check_transformer_sizes(
+            path,
+            &[
+                ("in_channels", config.in_channels),
+                ("out_channels", config.out_channels.unwrap_or(0)),
+                ("joint_attention_dim", config.joint_attention_dim),
+                ("caption_projection_dim", config.caption_projection_dim),
+                ("pooled_projection_dim", config.pooled_projection_dim),
+            ],
+            [
+                ("num_attention_heads", config.num_attention_heads),
+                ("attention_head_dim", config.attention_head_dim),
+            ],
+            &[("num_layers", config.num_layers)],
+        )?;
+        use crate::config::{check_at_most, MAX_SAMPLE_SIZE};
+        check_at_most("sample_size", config.sample_size, MAX_SAMPLE_SIZE, path)?;
+        // The position table is `pos_embed_max_size^2` rows: SD3's 192 (96 for SD3.5 Medium's
+        // 384); 1024 rows a side already covers 16384-pixel images at patch size 2.
+        check_at_most("pos_embed_max_size", config.pos_embed_max_size, 1024, path)?;
         let invalid = |reason: String| ModelError::Config {
             path: path.to_path_buf(),
             reason,
