@@ -19,10 +19,11 @@ export OXIDIFF_REQUIRE_TERRAIN=1
 # Every test binary prints `test result: ok. N passed; ...`: their sum is the count of tests
 # that ran. Without arguments (CI) it must reach the floor in tools/test-floor, so a filter,
 # a cfg gate or a lost test binary that silently drops tests fails the run; with arguments
-# (a filtered run) the count is only printed.
+# (a filtered run) the count is only printed. --no-fail-fast: a red run reports every failing
+# binary, not only the first.
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-cargo test --workspace "$@" | tee "$log"
+cargo test --workspace --no-fail-fast "$@" | tee "$log"
 ran="$(sed -n 's/^test result: [a-zA-Z]*\. \([0-9][0-9]*\) passed.*/\1/p' "$log" | awk '{n += $1} END {print n + 0}')"
 floor="$(grep -v '^#' tools/test-floor | tr -d '[:space:]')"
 if [[ $# -eq 0 ]]; then
