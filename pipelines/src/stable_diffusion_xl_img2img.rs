@@ -45,7 +45,7 @@ pub struct XlEditOptions {
 impl Default for XlEditOptions {
     fn default() -> Self {
         Self {
-            strength: 0.3,
+            strength: edit_strength(PipelineDefaults::STABLE_DIFFUSION_XL_IMG2IMG),
             denoising_start: None,
             aesthetic_score: 6.0,
             negative_aesthetic_score: 2.5,
@@ -54,11 +54,16 @@ impl Default for XlEditOptions {
     }
 }
 
+/// The strength of an editing pipeline's defaults (those consts always carry one).
+fn edit_strength(defaults: PipelineDefaults) -> f64 {
+    defaults.strength.unwrap_or(1.0)
+}
+
 impl XlEditOptions {
     /// diffusers' SDXL inpainting defaults: the image-to-image ones with strength 0.9999.
     pub fn inpainting() -> Self {
         Self {
-            strength: 0.9999,
+            strength: edit_strength(PipelineDefaults::STABLE_DIFFUSION_XL_INPAINT),
             ..Self::default()
         }
     }
