@@ -1,7 +1,9 @@
 //! `AutoPipeline` against the concrete pipelines: each tiny fixture folder loads by its
 //! `_class_name`, reports its family and diffusers' `__call__` defaults, and gives bit for bit
 //! the latents its concrete pipeline gives for the same request and seed; an unknown
-//! `_class_name` is an error naming it and the supported ones.
+//! `_class_name` is an error naming it and the supported ones. The same for the editing auto
+//! pipelines (`AutoPipelineForImage2Image`, `AutoPipelineForInpainting`), which also refuse
+//! the families that do not edit and the options their pipeline does not take.
 //!
 //! Both sides run the same code on the same backend, so the latents must be equal, not close.
 
@@ -9,11 +11,12 @@ mod common;
 
 use common::{model_dir, to_vec, B};
 use oxidiff::pipelines::{
-    AutoPipeline, FamilyOptions, FluxPipeline, FluxRequest, GenerateRequest, LoadOptions,
-    OutputType, PipelineDefaults, PipelineError, PipelineFamily, PixArtPipeline, PixArtRequest,
-    Sd3Request, StableDiffusion3Pipeline, StableDiffusionPipeline,
-    StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline,
-    XlEditOptions, XlRequest,
+    AutoPipeline, AutoPipelineForImage2Image, AutoPipelineForInpainting, EditOptions,
+    FamilyOptions, FluxPipeline, FluxRequest, GenerateRequest, LoadOptions, OutputType,
+    PipelineDefaults, PipelineError, PipelineFamily, PixArtPipeline, PixArtRequest, Sd3Request,
+    StableDiffusion3Pipeline, StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline, StableDiffusionXLImg2ImgPipeline, StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline, XlEditOptions, XlInitImage, XlRequest,
 };
 use oxidiff::schedulers::TorchCpuGenerator;
 
@@ -295,4 +298,256 @@ fn every_family_refuses_an_absurd_size_before_allocating() {
             "{fixture}: {err}"
         );
     }
+}
+
+/// The golden edit input and its mask (the same size).
+fn edit_inputs() -> (image::DynamicImage, image::DynamicImage) {
+    let golden = common::fixtures().join("golden");
+    let image = image::open(golden.join("img2img-input.png")).unwrap();
+    let mask = image::open(golden.join("inpaint-mask.png")).unwrap();
+    (image, mask)
+}
+
+#[test]
+fn auto_image2image_runs_each_familys_pipeline_with_its_defaults() {
+    let device = Default::default();
+    let (image, _) = edit_inputs();
+    let cases = [
+        (
+            "tiny-sd1",
+            PipelineFamily::StableDiffusion,
+            "StableDiffusionImg2ImgPipeline",
+            PipelineDefaults::STABLE_DIFFUSION_IMG2IMG,
+        ),
+        (
+            "tiny-sdxl",
+            PipelineFamily::StableDiffusionXL,
+            "StableDiffusionXLImg2ImgPipeline",
+            PipelineDefaults::STABLE_DIFFUSION_XL_IMG2IMG,
+        ),
+    ];
+    for (fixture, family, class, defaults) in cases {
+        let dir = model_dir(fixture);
+        let mut auto =
+            AutoPipelineForImage2Image::<B>::from_dir(&dir, &LoadOptions::default(), &device)
+                .unwrap();
+        assert_eq!(
+            (auto.family(), auto.pipeline_class(), auto.defaults()),
+            (family, class, defaults),
+            "{fixture}"
+        );
+        let req = GenerateRequest {
+            num_inference_steps: 4,
+            ..request(defaults.guidance_scale)
+        };
+        let ours = auto
+            .generate_with(
+                &req,
+                &EditOptions::default(),
+                &image,
+                &mut TorchCpuGenerator::new(req.seed),
+                |_| {},
+            )
+            .unwrap();
+        // The concrete pipeline at diffusers' default strength.
+        let strength = defaults.strength.unwrap();
+        let mut generator = TorchCpuGenerator::new(req.seed);
+        let theirs = match family {
+            PipelineFamily::StableDiffusion => StableDiffusionImg2ImgPipeline::<B>::from_dir(
+                &dir,
+                &LoadOptions::default(),
+                &device,
+            )
+            .unwrap()
+            .generate_with(&req, &image, strength, &mut generator, |_| {}),
+            _ => StableDiffusionXLImg2ImgPipeline::<B>::from_dir(
+                &dir,
+                &LoadOptions::default(),
+                &device,
+            )
+            .unwrap()
+            .generate_with(
+                &XlRequest::new(req.clone()),
+                &XlEditOptions {
+                    strength,
+                    ..Default::default()
+                },
+                XlInitImage::Image(&image),
+                &mut generator,
+                |_| {},
+            ),
+        }
+        .unwrap();
+        assert_eq!(to_vec(ours.latents), to_vec(theirs.latents), "{fixture}");
+    }
+}
+
+#[test]
+fn auto_inpainting_runs_each_familys_pipeline_with_its_defaults() {
+    let device = Default::default();
+    let (image, mask) = edit_inputs();
+    let options = EditOptions {
+        strength: Some(0.75),
+        ..Default::default()
+    };
+    let cases = [
+        (
+            "tiny-sd1-inpaint",
+            PipelineFamily::StableDiffusion,
+            "StableDiffusionInpaintPipeline",
+            PipelineDefaults::STABLE_DIFFUSION_INPAINT,
+        ),
+        (
+            "tiny-sdxl",
+            PipelineFamily::StableDiffusionXL,
+            "StableDiffusionXLInpaintPipeline",
+            PipelineDefaults::STABLE_DIFFUSION_XL_INPAINT,
+        ),
+    ];
+    for (fixture, family, class, defaults) in cases {
+        let dir = model_dir(fixture);
+        let mut auto =
+            AutoPipelineForInpainting::<B>::from_dir(&dir, &LoadOptions::default(), &device)
+                .unwrap();
+        assert_eq!(
+            (auto.family(), auto.pipeline_class(), auto.defaults()),
+            (family, class, defaults),
+            "{fixture}"
+        );
+        assert_eq!(
+            auto.default_request().guidance_scale,
+            defaults.guidance_scale
+        );
+        let req = GenerateRequest {
+            num_inference_steps: 4,
+            ..request(defaults.guidance_scale)
+        };
+        let ours = auto
+            .generate_with(
+                &req,
+                &options,
+                &image,
+                &mask,
+                &mut TorchCpuGenerator::new(req.seed),
+                |_| {},
+            )
+            .unwrap();
+        let mut generator = TorchCpuGenerator::new(req.seed);
+        let theirs = match family {
+            PipelineFamily::StableDiffusion => StableDiffusionInpaintPipeline::<B>::from_dir(
+                &dir,
+                &LoadOptions::default(),
+                &device,
+            )
+            .unwrap()
+            .generate_with(&req, &image, &mask, 0.75, &mut generator, |_| {}),
+            _ => StableDiffusionXLInpaintPipeline::<B>::from_dir(
+                &dir,
+                &LoadOptions::default(),
+                &device,
+            )
+            .unwrap()
+            .generate_with(
+                &XlRequest::new(req.clone()),
+                &XlEditOptions {
+                    strength: 0.75,
+                    ..XlEditOptions::inpainting()
+                },
+                &image,
+                &mask,
+                &mut generator,
+                |_| {},
+            ),
+        }
+        .unwrap();
+        assert_eq!(to_vec(ours.latents), to_vec(theirs.latents), "{fixture}");
+    }
+}
+
+#[test]
+fn auto_editing_refuses_other_families_and_options_the_pipeline_does_not_take() {
+    let device = Default::default();
+    let (image, mask) = edit_inputs();
+    // A Flux folder: named, with the classes that edit, before any weight is read.
+    let err = AutoPipelineForImage2Image::<B>::from_dir(
+        &model_dir("tiny-flux-dev"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(
+        err.contains("FluxPipeline")
+            && err.contains("cannot do image to image")
+            && err.contains("StableDiffusionXLImg2ImgPipeline"),
+        "{err}"
+    );
+    let err = AutoPipelineForInpainting::<B>::from_dir(
+        &model_dir("tiny-sd3"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(err.contains("cannot do inpainting"), "{err}");
+
+    let req = request(7.5);
+    let mut img2img = AutoPipelineForImage2Image::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let refused = [
+        EditOptions {
+            aesthetic_score: 7.0,
+            ..Default::default()
+        },
+        EditOptions {
+            padding_mask_crop: Some(8),
+            ..Default::default()
+        },
+        EditOptions {
+            strength: Some(1.5),
+            ..Default::default()
+        },
+    ];
+    for options in &refused {
+        let result = img2img.generate_with(
+            &req,
+            options,
+            &image,
+            &mut TorchCpuGenerator::new(0),
+            |_| {},
+        );
+        assert!(
+            matches!(result, Err(PipelineError::InvalidInput(_))),
+            "{options:?}: {:?}",
+            result.err()
+        );
+    }
+    let mut inpaint = AutoPipelineForInpainting::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let err = inpaint
+        .generate_with(
+            &req,
+            &refused[0],
+            &image,
+            &mask,
+            &mut TorchCpuGenerator::new(0),
+            |_| {},
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("aesthetic scores apply to SDXL refiners"),
+        "{err}"
+    );
 }

@@ -26,6 +26,13 @@ pub enum PipelineError {
         class: String,
         supported: String,
     },
+    #[error("{path}: pipeline class `{class}` cannot do {task}; {task} takes {supported}")]
+    CannotEdit {
+        path: PathBuf,
+        class: String,
+        task: &'static str,
+        supported: String,
+    },
     #[error(transparent)]
     Parallel(#[from] oxidiff_parallel::ParallelError),
     #[error("compiled mode: {0}")]

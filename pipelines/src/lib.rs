@@ -7,7 +7,8 @@
 //! Pipelines: [`StableDiffusionPipeline`] (SD 1.x/2.x), [`StableDiffusionImg2ImgPipeline`],
 //! [`StableDiffusionXLPipeline`], [`StableDiffusion3Pipeline`], [`FluxPipeline`],
 //! [`PixArtPipeline`] and the inpainting variants, each standing on the shared [`denoise`]
-//! floor; [`AutoPipeline`] loads whichever a folder's `_class_name` names,
+//! floor; [`AutoPipeline`] loads whichever a folder's `_class_name` names (for editing
+//! [`AutoPipelineForImage2Image`] and [`AutoPipelineForInpainting`]),
 //! [`resolve_model`] finds a folder or a Hub id in the local Hub cache.
 //!
 //! # Several images, each with its own seed
@@ -77,9 +78,11 @@ pub mod stable_diffusion_xl_inpaint;
 // Above the pipelines: loading by class or file, ahead-of-time tracing.
 pub mod aot;
 pub mod auto;
+pub mod auto_edit;
 pub mod single_file;
 
 pub use auto::{AutoPipeline, FamilyOptions, PipelineFamily};
+pub use auto_edit::{AutoPipelineForImage2Image, AutoPipelineForInpainting, EditOptions};
 pub use compiled::{CompileStats, CompiledDenoiser};
 pub use denoise::{GenerateRequest, OutputType, PipelineDefaults, PipelineOutput, StepInfo};
 pub use error::{PipelineError, Result};

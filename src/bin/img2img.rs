@@ -16,16 +16,11 @@ use oxidiff::files::check_regular;
 use oxidiff::pipelines::image::{load_image, load_mask};
 use oxidiff::pipelines::lora::prompt_with_tags;
 use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
-use oxidiff::pipelines::stable_diffusion::SUPPORTED_CLASSES as SD_CLASSES;
-use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASSES;
 use oxidiff::pipelines::{
-    is_single_file, pipeline_class, resolve_model, single_file_pipeline_class, GenerateRequest,
-    GenerationParameters, Images, InpaintOptions, LoadOptions, LoraReport, LoraSpec,
-    PipelineDefaults, SingleFileOptions, StableDiffusionImg2ImgPipeline,
-    StableDiffusionInpaintPipeline, StableDiffusionXLImg2ImgPipeline,
-    StableDiffusionXLInpaintPipeline, XlEditOptions, XlInitImage, XlRequest,
+    is_single_file, resolve_model, AutoPipelineForImage2Image, AutoPipelineForInpainting,
+    EditOptions, GenerateRequest, GenerationParameters, Images, LoadOptions, LoraReport, LoraSpec,
+    Result as PipelineResult, SingleFileOptions, StepInfo,
 };
-use oxidiff::pipelines::{StableDiffusionPipeline, StableDiffusionXLPipeline};
 use oxidiff::schedulers::{SchedulerKind, TorchCpuGenerator};
 use oxidiff::{Cpu, Oxi, OxiDevice};
 
@@ -257,85 +252,34 @@ fn run(args: Args) -> Result<()> {
         scheduler: args.scheduler.clone(),
         ..Default::default()
     };
-    let single_file = is_single_file(Path::new(&args.model)).then(|| SingleFileOptions {
-        load: options.clone(),
-        config: args.config.clone(),
-        tokenizer: args.tokenizer.clone(),
-        prediction_type: None,
-    });
-    let (dir, class) = match &single_file {
-        Some(_) => {
-            if args.variant.is_some() {
-                bail!(
-                    "--variant picks weight files in a diffusers folder; {} is one file",
-                    args.model
-                );
-            }
-            let path = PathBuf::from(&args.model);
-            let class = single_file_pipeline_class(&path)
-                .with_context(|| format!("loading {}", args.model))?;
-            (path, class.to_string())
+    let source = if is_single_file(Path::new(&args.model)) {
+        if args.variant.is_some() {
+            bail!(
+                "--variant picks weight files in a diffusers folder; {} is one file",
+                args.model
+            );
         }
-        None => {
-            if args.config.is_some() || args.tokenizer.is_some() {
-                bail!(
-                    "--config and --tokenizer apply to a single-file --model (a .safetensors \
-                     file)"
-                );
-            }
-            let dir = resolve_model(&args.model, args.variant.as_deref())
-                .with_context(|| format!("loading {}", args.model))?;
-            let class = pipeline_class(&dir).with_context(|| format!("loading {}", args.model))?;
-            (dir, class)
+        Source::File(
+            PathBuf::from(&args.model),
+            SingleFileOptions {
+                load: options,
+                config: args.config.clone(),
+                tokenizer: args.tokenizer.clone(),
+                prediction_type: None,
+            },
+        )
+    } else {
+        if args.config.is_some() || args.tokenizer.is_some() {
+            bail!("--config and --tokenizer apply to a single-file --model (a .safetensors file)");
         }
+        let dir = resolve_model(&args.model, args.variant.as_deref())
+            .with_context(|| format!("loading {}", args.model))?;
+        Source::Dir(dir, options)
     };
-    let xl = SDXL_CLASSES.contains(&class.as_str());
-    if !xl && !SD_CLASSES.contains(&class.as_str()) {
-        bail!(
-            "{}: pipeline class `{class}` cannot edit images; img2img takes {} and {}",
-            dir.join("model_index.json").display(),
-            SD_CLASSES.join(", "),
-            SDXL_CLASSES.join(", ")
-        );
-    }
-    // diffusers' `__call__` defaults of the pipeline that will run, from the library.
-    let defaults = match (xl, mask.is_some()) {
-        (false, false) => PipelineDefaults::STABLE_DIFFUSION_IMG2IMG,
-        (false, true) => PipelineDefaults::STABLE_DIFFUSION_INPAINT,
-        (true, false) => PipelineDefaults::STABLE_DIFFUSION_XL_IMG2IMG,
-        (true, true) => PipelineDefaults::STABLE_DIFFUSION_XL_INPAINT,
-    };
-    let strength = args.strength.or(defaults.strength).unwrap_or(1.0);
-    let guidance = args.guidance.unwrap_or(defaults.guidance_scale);
-    let negative_prompt = args.negative_prompt.clone().unwrap_or_default();
     let edited = match device {
         // The plain CPU backend, where oxidiff's CPU kernels apply.
-        OxiDevice::Cpu => edit::<Cpu>(
-            &args,
-            &dir,
-            &single_file,
-            &options,
-            &Default::default(),
-            xl,
-            &image,
-            mask.as_ref(),
-            strength,
-            guidance,
-            &negative_prompt,
-        )?,
-        device => edit::<Oxi>(
-            &args,
-            &dir,
-            &single_file,
-            &options,
-            &device,
-            xl,
-            &image,
-            mask.as_ref(),
-            strength,
-            guidance,
-            &negative_prompt,
-        )?,
+        OxiDevice::Cpu => edit::<Cpu>(&args, &source, &Default::default(), &image, mask.as_ref())?,
+        device => edit::<Oxi>(&args, &source, &device, &image, mask.as_ref())?,
     };
     let Edited {
         images: output_images,
@@ -343,13 +287,15 @@ fn run(args: Args) -> Result<()> {
         pipeline,
         compiled,
         loras,
+        strength,
+        guidance,
     } = edited;
     let images: Images = output_images.context("the pipeline returned no images")?;
     let mut extra = vec![("Denoising strength".into(), strength.to_string())];
     extra.extend(closing_fields(&loras));
     let parameters = GenerationParameters {
         prompt: prompt_with_tags(&args.prompt, &loras),
-        negative_prompt,
+        negative_prompt: args.negative_prompt.clone().unwrap_or_default(),
         steps: args.steps,
         sampler: sampler_field(args.scheduler.as_deref(), sampler),
         guidance_scale: guidance,
@@ -378,43 +324,70 @@ fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// Where the model comes from: a diffusers folder or a single-file checkpoint.
+enum Source {
+    Dir(PathBuf, LoadOptions),
+    File(PathBuf, SingleFileOptions),
+}
+
+/// The library's editing pipeline `--mask` picks.
+enum Editor<B: Backend> {
+    Image2Image(AutoPipelineForImage2Image<B>),
+    Inpainting(AutoPipelineForInpainting<B>),
+}
+
+/// Calls `$body` with `$pipe` bound to whichever auto pipeline edits.
+macro_rules! each {
+    ($editor:expr, $pipe:ident => $body:expr) => {
+        match $editor {
+            Editor::Image2Image($pipe) => $body,
+            Editor::Inpainting($pipe) => $body,
+        }
+    };
+}
+
+impl<B: Backend> Editor<B> {
+    fn load(source: &Source, inpainting: bool, device: &B::Device) -> PipelineResult<Self> {
+        Ok(match (source, inpainting) {
+            (Source::Dir(dir, options), false) => {
+                Self::Image2Image(AutoPipelineForImage2Image::from_dir(dir, options, device)?)
+            }
+            (Source::Dir(dir, options), true) => {
+                Self::Inpainting(AutoPipelineForInpainting::from_dir(dir, options, device)?)
+            }
+            (Source::File(path, options), false) => Self::Image2Image(
+                AutoPipelineForImage2Image::from_single_file(path, options, device)?,
+            ),
+            (Source::File(path, options), true) => Self::Inpainting(
+                AutoPipelineForInpainting::from_single_file(path, options, device)?,
+            ),
+        })
+    }
+}
+
 /// What img2img needs of a backend beyond Burn's: compiled mode where it has one
 /// (`check_usage` refuses `--compile` on the CPU).
 trait EditBackend: Backend {
-    fn compile_sd(pipe: &mut StableDiffusionPipeline<Self>) -> Result<()>;
-    fn compile_xl(pipe: &mut StableDiffusionXLPipeline<Self>) -> Result<()>;
+    fn compile(editor: &mut Editor<Self>) -> Result<()>;
     /// Programs compiled mode built (`None` when eager).
-    fn programs_sd(pipe: &StableDiffusionPipeline<Self>) -> Option<u64>;
-    fn programs_xl(pipe: &StableDiffusionXLPipeline<Self>) -> Option<u64>;
+    fn programs(editor: &Editor<Self>) -> Option<u64>;
 }
 
 impl EditBackend for Cpu {
-    fn compile_sd(_: &mut StableDiffusionPipeline<Self>) -> Result<()> {
+    fn compile(_: &mut Editor<Self>) -> Result<()> {
         bail!("--compile needs a PJRT device")
     }
-    fn compile_xl(_: &mut StableDiffusionXLPipeline<Self>) -> Result<()> {
-        bail!("--compile needs a PJRT device")
-    }
-    fn programs_sd(_: &StableDiffusionPipeline<Self>) -> Option<u64> {
-        None
-    }
-    fn programs_xl(_: &StableDiffusionXLPipeline<Self>) -> Option<u64> {
+    fn programs(_: &Editor<Self>) -> Option<u64> {
         None
     }
 }
 
 impl EditBackend for Oxi {
-    fn compile_sd(pipe: &mut StableDiffusionPipeline<Self>) -> Result<()> {
-        Ok(pipe.compile()?)
+    fn compile(editor: &mut Editor<Self>) -> Result<()> {
+        Ok(each!(editor, pipe => pipe.compile())?)
     }
-    fn compile_xl(pipe: &mut StableDiffusionXLPipeline<Self>) -> Result<()> {
-        Ok(pipe.compile()?)
-    }
-    fn programs_sd(pipe: &StableDiffusionPipeline<Self>) -> Option<u64> {
-        pipe.compile_stats().map(|s| s.programs)
-    }
-    fn programs_xl(pipe: &StableDiffusionXLPipeline<Self>) -> Option<u64> {
-        pipe.compile_stats().map(|s| s.programs)
+    fn programs(editor: &Editor<Self>) -> Option<u64> {
+        each!(editor, pipe => pipe.compile_stats()).map(|s| s.programs)
     }
 }
 
@@ -425,30 +398,46 @@ struct Edited {
     pipeline: &'static str,
     compiled: Option<u64>,
     loras: Vec<LoraReport>,
-}
-
-/// Loads the SD or SDXL img2img/inpaint pipeline on backend `B` and edits `image`.
-#[allow(clippy::too_many_arguments)]
-fn edit<B: EditBackend>(
-    args: &Args,
-    dir: &Path,
-    single_file: &Option<SingleFileOptions>,
-    options: &LoadOptions,
-    device: &B::Device,
-    xl: bool,
-    image: &image::DynamicImage,
-    mask: Option<&image::DynamicImage>,
     strength: f64,
     guidance: f64,
-    negative_prompt: &str,
+}
+
+/// Loads the library's editing pipeline on backend `B` and edits `image` (inpaints with
+/// `mask`), with its diffusers defaults where no flag is given.
+fn edit<B: EditBackend>(
+    args: &Args,
+    source: &Source,
+    device: &B::Device,
+    image: &image::DynamicImage,
+    mask: Option<&image::DynamicImage>,
 ) -> Result<Edited> {
+    let mut editor = Editor::<B>::load(source, mask.is_some(), device)
+        .with_context(|| format!("loading {}", args.model))?;
+    let loras = fuse_loras(
+        &args.lora,
+        |p, s| each!(&mut editor, pipe => pipe.load_lora(p, s)),
+    )?;
+    if args.compile {
+        B::compile(&mut editor)?;
+    }
+    let defaults = each!(&editor, pipe => pipe.defaults());
+    let options = EditOptions {
+        strength: args.strength,
+        aesthetic_score: args.aesthetic_score,
+        negative_aesthetic_score: args.negative_aesthetic_score,
+        padding_mask_crop: args.padding_mask_crop,
+    };
+    let strength = options.strength_or(defaults);
+    let guidance = args.guidance.unwrap_or(defaults.guidance_scale);
     let request = GenerateRequest {
         prompts: vec![args.prompt.clone()],
-        negative_prompts: if negative_prompt.is_empty() {
-            Vec::new()
-        } else {
-            vec![negative_prompt.to_string()]
-        },
+        // An empty negative prompt is none (SDXL then zeroes it, as diffusers does for `None`).
+        negative_prompts: args
+            .negative_prompt
+            .iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect(),
         num_inference_steps: args.steps,
         guidance_scale: guidance,
         width: args.width,
@@ -456,111 +445,24 @@ fn edit<B: EditBackend>(
         seed: args.seed,
         ..Default::default()
     };
-    let load = |e| anyhow::Error::new(e).context(format!("loading {}", args.model));
-    // A folder through `from_dir`, a single file through `from_single_file`.
-    macro_rules! load {
-        ($pipeline:ident) => {
-            match single_file {
-                Some(sf) => $pipeline::<B>::from_single_file(dir, sf, device),
-                None => $pipeline::<B>::from_dir(dir, options, device),
-            }
-            .map_err(load)?
-        };
-    }
     let mut generator = TorchCpuGenerator::new(args.seed);
-    let edit = XlEditOptions {
+    let no_callback = |_: StepInfo<'_, B>| {};
+    let out = match (&mut editor, mask) {
+        (Editor::Image2Image(pipe), _) => {
+            pipe.generate_with(&request, &options, image, &mut generator, no_callback)?
+        }
+        (Editor::Inpainting(pipe), Some(mask)) => {
+            pipe.generate_with(&request, &options, image, mask, &mut generator, no_callback)?
+        }
+        (Editor::Inpainting(_), None) => bail!("inpainting needs --mask"),
+    };
+    Ok(Edited {
+        images: out.images,
+        sampler: each!(&editor, pipe => pipe.scheduler().kind()),
+        pipeline: each!(&editor, pipe => pipe.pipeline_class()),
+        compiled: B::programs(&editor),
+        loras,
         strength,
-        aesthetic_score: args.aesthetic_score,
-        negative_aesthetic_score: args.negative_aesthetic_score,
-        padding_mask_crop: args.padding_mask_crop,
-        ..Default::default()
-    };
-    let no_callback = |_: oxidiff::pipelines::StepInfo<'_, B>| {};
-    let edited = match (xl, mask) {
-        (false, None) => {
-            let mut pipe = load!(StableDiffusionImg2ImgPipeline);
-            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                B::compile_sd(&mut pipe.pipe)?;
-            }
-            let out = pipe.generate_with(&request, image, strength, &mut generator, no_callback)?;
-            Edited {
-                images: out.images,
-                sampler: pipe.pipe.scheduler.kind(),
-                pipeline: "StableDiffusionImg2ImgPipeline",
-                compiled: B::programs_sd(&pipe.pipe),
-                loras,
-            }
-        }
-        (false, Some(mask)) => {
-            let mut pipe = load!(StableDiffusionInpaintPipeline);
-            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                B::compile_sd(&mut pipe.pipe)?;
-            }
-            let inpaint = InpaintOptions {
-                strength,
-                padding_mask_crop: args.padding_mask_crop,
-            };
-            let out = pipe.generate_with_options(
-                &request,
-                image,
-                mask,
-                &inpaint,
-                &mut generator,
-                no_callback,
-            )?;
-            Edited {
-                images: out.images,
-                sampler: pipe.pipe.scheduler.kind(),
-                pipeline: "StableDiffusionInpaintPipeline",
-                compiled: B::programs_sd(&pipe.pipe),
-                loras,
-            }
-        }
-        (true, None) => {
-            let mut pipe = load!(StableDiffusionXLImg2ImgPipeline);
-            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                B::compile_xl(&mut pipe.pipe)?;
-            }
-            let out = pipe.generate_with(
-                &XlRequest::new(request),
-                &edit,
-                XlInitImage::Image(image),
-                &mut generator,
-                no_callback,
-            )?;
-            Edited {
-                images: out.images,
-                sampler: pipe.pipe.scheduler.kind(),
-                pipeline: "StableDiffusionXLImg2ImgPipeline",
-                compiled: B::programs_xl(&pipe.pipe),
-                loras,
-            }
-        }
-        (true, Some(mask)) => {
-            let mut pipe = load!(StableDiffusionXLInpaintPipeline);
-            let loras = fuse_loras(&args.lora, |p, s| pipe.pipe.load_lora(p, s))?;
-            if args.compile {
-                B::compile_xl(&mut pipe.pipe)?;
-            }
-            let out = pipe.generate_with(
-                &XlRequest::new(request),
-                &edit,
-                image,
-                mask,
-                &mut generator,
-                no_callback,
-            )?;
-            Edited {
-                images: out.images,
-                sampler: pipe.pipe.scheduler.kind(),
-                pipeline: "StableDiffusionXLInpaintPipeline",
-                compiled: B::programs_xl(&pipe.pipe),
-                loras,
-            }
-        }
-    };
-    Ok(edited)
+        guidance,
+    })
 }
