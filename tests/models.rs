@@ -7,6 +7,7 @@ mod common;
 
 use burn::tensor::{Tensor, TensorData};
 use common::{assert_close, model_dir, Golden, B};
+use oxidiff::models::vae_tiling::VaeTiling;
 use oxidiff::models::{AutoencoderKL, ClipTextModel, ClipTokenizer, UNet2DConditionModel};
 
 const TOL: f32 = 1e-4;
@@ -132,6 +133,60 @@ fn vae_decode_and_encode_match_diffusers_sd1() {
 #[test]
 fn vae_decode_and_encode_match_diffusers_sd2() {
     vae_matches("tiny-sd2");
+}
+
+/// tools/golden/make_vae_tiling.py: 64-pixel tiles (8 latent cells) over inputs that leave
+/// partial tiles at the right and bottom edges.
+#[test]
+fn tiled_vae_decode_and_encode_match_diffusers_and_slicing_changes_nothing() {
+    let golden = Golden::load("vae-tiling");
+    let device = Default::default();
+    let mut vae =
+        AutoencoderKL::<B>::from_dir(&model_dir("tiny-sd1").join("vae"), None, &device).unwrap();
+    // diffusers' default tiles are the config's sample_size (64 here).
+    assert_eq!(vae.default_tiling, VaeTiling::new(64, 8).unwrap());
+    let latents: Tensor<B, 4> = golden.tensor("latents");
+    let untiled = vae.decode(latents.clone());
+    vae.enable_tiling(VaeTiling::new(64, 8).unwrap());
+    let tiled = vae.decode(latents.clone());
+    // Tiling really changes the result (diffusers' own difference is in the json).
+    let recorded = golden.json["tiled_vs_untiled_max_abs"].as_f64().unwrap() as f32;
+    let ours = (tiled.clone() - untiled.clone()).abs().max().into_scalar();
+    assert!(
+        recorded > 1.0 && (ours - recorded).abs() < 1e-2,
+        "{ours} vs {recorded}"
+    );
+    assert_close(&golden, "decode.tiled", tiled.clone(), TOL);
+    let dist = vae.encode(golden.tensor("image"));
+    assert_close(&golden, "encode.mean", dist.mean, TOL);
+    assert_close(&golden, "encode.logvar", dist.logvar, TOL);
+
+    // Slicing decodes one image at a time: the same values as the batch.
+    vae.enable_slicing();
+    let sliced = vae.decode(latents.clone());
+    vae.disable_tiling();
+    let sliced_untiled = vae.decode(latents);
+    let diff = |a: Tensor<B, 4>, b: Tensor<B, 4>| (a - b).abs().max().into_scalar();
+    assert!(diff(sliced, tiled) < 1e-5);
+    assert!(diff(sliced_untiled, untiled) < 1e-5);
+}
+
+#[test]
+fn vae_tiles_that_do_not_fit_are_refused() {
+    for (size, factor) in [(60, 8), (8, 8), (0, 8)] {
+        let err = VaeTiling::new(size, factor).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("{size} pixels")) && err.contains("multiple of 8"),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        VaeTiling::new(64, 8).unwrap(),
+        VaeTiling {
+            sample: 64,
+            latent: 8
+        }
+    );
 }
 
 /// Hub checkpoints (and transformers < 5) store CLIP weights under `text_model.`; transformers 5

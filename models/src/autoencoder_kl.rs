@@ -14,6 +14,7 @@ use crate::dtype::{cast_to, dtype_of};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
+use crate::vae_tiling::VaeTiling;
 use crate::var_builder::{load_component, VarBuilder};
 
 /// `vae/config.json`, with diffusers' defaults.
@@ -136,6 +137,16 @@ impl AutoencoderKLConfig {
     pub fn scale_factor(&self) -> usize {
         1 << (self.block_out_channels.len() - 1)
     }
+
+    /// diffusers' default tiles: `sample_size` pixels (32 when the config has none), the
+    /// latent tile that over the scale factor, rounded down.
+    pub fn default_tiling(&self) -> VaeTiling {
+        let sample = self.sample_size.unwrap_or(32);
+        VaeTiling {
+            sample,
+            latent: sample / self.scale_factor(),
+        }
+    }
 }
 
 /// The VAE's middle block: resnet, spatial self-attention, resnet.
@@ -249,6 +260,16 @@ pub struct AutoencoderKL<B: Backend> {
     pub scaling_factor: f64,
     /// Subtracted before scaling (SD3, Flux); zero for SD 1.x/2.x.
     pub shift_factor: f64,
+    /// diffusers' `enable_tiling()`: inputs larger than one tile are encoded and decoded tile
+    /// by tile ([`VaeTiling`]); `None`: in one piece.
+    #[module(skip)]
+    pub tiling: Option<VaeTiling>,
+    /// diffusers' `enable_slicing()`: a batch is encoded and decoded one image at a time.
+    #[module(skip)]
+    pub slicing: bool,
+    /// diffusers' tiles for this VAE: its config's `sample_size` pixels.
+    #[module(skip)]
+    pub default_tiling: VaeTiling,
 }
 
 /// The latent distribution `encode` returns: a diagonal Gaussian.
@@ -423,31 +444,58 @@ impl<B: Backend> AutoencoderKL<B> {
             post_quant_conv,
             scaling_factor: cfg.scaling_factor,
             shift_factor: cfg.shift_factor.unwrap_or(0.0),
+            tiling: None,
+            slicing: false,
+            default_tiling: cfg.default_tiling(),
         })
+    }
+
+    /// Tiled encode and decode from now on (diffusers' `enable_tiling()`, with `tile` for its
+    /// `tile_sample_min_size` / `tile_latent_min_size`; [`default_tiling`](Self::default_tiling)
+    /// field is diffusers' default).
+    pub fn enable_tiling(&mut self, tile: VaeTiling) {
+        self.tiling = Some(tile);
+    }
+
+    /// Encode and decode in one piece again.
+    pub fn disable_tiling(&mut self) {
+        self.tiling = None;
+    }
+
+    /// A batch one image at a time from now on (diffusers' `enable_slicing()`).
+    pub fn enable_slicing(&mut self) {
+        self.slicing = true;
+    }
+
+    /// A batch at once again.
+    pub fn disable_slicing(&mut self) {
+        self.slicing = false;
+    }
+
+    /// `f` on the whole batch, or with slicing on each image of it, concatenated.
+    fn per_slice(&self, x: Tensor<B, 4>, f: impl Fn(Tensor<B, 4>) -> Tensor<B, 4>) -> Tensor<B, 4> {
+        let n = x.dims()[0];
+        if self.slicing && n > 1 {
+            Tensor::cat((0..n).map(|i| f(x.clone().narrow(0, i, 1))).collect(), 0)
+        } else {
+            f(x)
+        }
     }
 
     /// Encodes images in `[-1, 1]`, `[batch, 3, h, w]`, to the latent distribution (unscaled).
     /// Computed in the weights' dtype; the distribution is in `image`'s dtype.
     pub fn encode(&self, image: Tensor<B, 4>) -> LatentDist<B> {
-        let enc = &self.encoder;
         let caller = dtype_of(&image);
-        let image = cast_to(image, dtype_of(&enc.conv_in.weight.val()));
-        let mut x = enc.conv_in.forward(image);
-        for block in &enc.down_blocks {
-            for resnet in &block.resnets {
-                x = resnet.forward(x, None);
+        let image = cast_to(image, dtype_of(&self.encoder.conv_in.weight.val()));
+        let x = self.per_slice(image, |x| {
+            let [_, _, h, w] = x.dims();
+            match self.tiling {
+                Some(tile) if h > tile.sample || w > tile.sample => {
+                    tile.encode(x, |x| self.encode_moments(x))
+                }
+                _ => self.encode_moments(x),
             }
-            for down in &block.downsamplers {
-                x = down.forward(x);
-            }
-        }
-        x = enc.mid_block.forward(x);
-        x = enc
-            .conv_out
-            .forward(enc.conv_norm_out.forward_then(x, enc.act));
-        if let Some(conv) = &self.quant_conv {
-            x = conv.forward(x);
-        }
+        });
         let x = cast_to(x, caller);
         let c = x.dims()[1] / 2;
         LatentDist {
@@ -470,9 +518,45 @@ impl<B: Backend> AutoencoderKL<B> {
     /// Decodes unscaled latents to images in about `[-1, 1]`.
     /// Computed in the weights' dtype; the images are in `latents`' dtype.
     pub fn decode(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
-        let dec = &self.decoder;
         let caller = dtype_of(&latents);
-        let latents = cast_to(latents, dtype_of(&dec.conv_in.weight.val()));
+        let latents = cast_to(latents, dtype_of(&self.decoder.conv_in.weight.val()));
+        let x = self.per_slice(latents, |z| {
+            let [_, _, h, w] = z.dims();
+            match self.tiling {
+                Some(tile) if h > tile.latent || w > tile.latent => {
+                    tile.decode(z, |z| self.decode_pixels(z))
+                }
+                _ => self.decode_pixels(z),
+            }
+        });
+        cast_to(x, caller)
+    }
+
+    /// The encoder and `quant_conv`: pixels to moments, in the weights' dtype.
+    fn encode_moments(&self, image: Tensor<B, 4>) -> Tensor<B, 4> {
+        let enc = &self.encoder;
+        let mut x = enc.conv_in.forward(image);
+        for block in &enc.down_blocks {
+            for resnet in &block.resnets {
+                x = resnet.forward(x, None);
+            }
+            for down in &block.downsamplers {
+                x = down.forward(x);
+            }
+        }
+        x = enc.mid_block.forward(x);
+        x = enc
+            .conv_out
+            .forward(enc.conv_norm_out.forward_then(x, enc.act));
+        match &self.quant_conv {
+            Some(conv) => conv.forward(x),
+            None => x,
+        }
+    }
+
+    /// `post_quant_conv` and the decoder: latents to pixels, in the weights' dtype.
+    fn decode_pixels(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        let dec = &self.decoder;
         let mut x = match &self.post_quant_conv {
             Some(conv) => conv.forward(latents),
             None => latents,
@@ -487,9 +571,7 @@ impl<B: Backend> AutoencoderKL<B> {
                 x = up.forward(x, None);
             }
         }
-        let x = dec
-            .conv_out
-            .forward(dec.conv_norm_out.forward_then(x, dec.act));
-        cast_to(x, caller)
+        dec.conv_out
+            .forward(dec.conv_norm_out.forward_then(x, dec.act))
     }
 }

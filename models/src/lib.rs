@@ -31,6 +31,7 @@ pub mod transformer_flux;
 pub mod transformer_sd3;
 pub mod unet_2d_blocks;
 pub mod unet_2d_condition;
+pub mod vae_tiling;
 pub mod var_builder;
 mod weight_data;
 pub mod weights;

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use burn::tensor::backend::Backend;
 use oxidiff_backend_tpu::Oxi;
+use oxidiff_models::AutoencoderKL;
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, Scheduler};
 
@@ -201,6 +202,11 @@ impl<B: Backend> AutoPipeline<B> {
     /// The scheduler the loop runs.
     pub fn scheduler(&self) -> &dyn Scheduler<B> {
         each!(self, pipe => &*pipe.scheduler)
+    }
+
+    /// The VAE, for its tiling and slicing ([`AutoencoderKL::enable_tiling`]).
+    pub fn vae_mut(&mut self) -> &mut AutoencoderKL<B> {
+        each!(self, pipe => &mut pipe.vae)
     }
 
     /// Fuses a LoRA into the denoiser and the text encoders it targets, at `scale`.

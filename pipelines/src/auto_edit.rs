@@ -10,6 +10,7 @@ use std::path::Path;
 use burn::tensor::backend::Backend;
 use image::DynamicImage;
 use oxidiff_backend_tpu::Oxi;
+use oxidiff_models::AutoencoderKL;
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, Scheduler};
 
@@ -202,6 +203,22 @@ macro_rules! editing_pipeline {
                 match self {
                     Self::StableDiffusion(pipe) => &*pipe.pipe.scheduler,
                     Self::StableDiffusionXL(pipe) => &*pipe.pipe.scheduler,
+                }
+            }
+
+            /// The VAE, for its tiling and slicing ([`AutoencoderKL::enable_tiling`]).
+            pub fn vae_mut(&mut self) -> &mut AutoencoderKL<B> {
+                match self {
+                    Self::StableDiffusion(pipe) => &mut pipe.pipe.vae,
+                    Self::StableDiffusionXL(pipe) => &mut pipe.pipe.vae,
+                }
+            }
+
+            /// Pixels per latent cell.
+            pub fn vae_scale_factor(&self) -> usize {
+                match self {
+                    Self::StableDiffusion(pipe) => pipe.pipe.vae_scale_factor,
+                    Self::StableDiffusionXL(pipe) => pipe.pipe.vae_scale_factor,
                 }
             }
 

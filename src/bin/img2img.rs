@@ -11,6 +11,7 @@ use burn::tensor::backend::Backend;
 use clap::Parser;
 use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, OutputError};
 use oxidiff::cli::usage::{self, DEFAULT_MAX_PIXELS};
+use oxidiff::cli::vae::VaeArgs;
 use oxidiff::cli::{closing_fields, model_name, UsageError};
 use oxidiff::files::check_regular;
 use oxidiff::pipelines::image::{load_image, load_mask};
@@ -109,6 +110,8 @@ struct Args {
     /// (`<lora:NAME:SCALE>` after the prompt, a `Lora hashes` field).
     #[arg(long, value_name = "FILE[:SCALE]")]
     lora: Vec<LoraSpec>,
+    #[command(flatten)]
+    vae: VaeArgs,
 }
 
 /// Fuses each `--lora` with `load` (the pipeline's `load_lora`), before any compile.
@@ -420,6 +423,10 @@ fn edit<B: EditBackend>(
     if args.compile {
         B::compile(&mut editor)?;
     }
+    each!(&mut editor, pipe => {
+        let factor = pipe.vae_scale_factor();
+        args.vae.apply(pipe.vae_mut(), factor)
+    })?;
     let defaults = each!(&editor, pipe => pipe.defaults());
     let options = EditOptions {
         strength: args.strength,

@@ -5,6 +5,7 @@
 
 pub mod output;
 pub mod usage;
+pub mod vae;
 
 pub use usage::UsageError;
 

@@ -12,6 +12,7 @@ mod metadata;
 mod outputs;
 mod parity;
 mod progress;
+mod vae;
 
 use std::path::Path;
 use std::process::Output;

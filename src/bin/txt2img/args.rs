@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use burn::tensor::FloatDType;
 use clap::Parser;
 use oxidiff::cli::usage::DEFAULT_MAX_PIXELS;
+use oxidiff::cli::vae::VaeArgs;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::LoraSpec;
 use oxidiff::pipelines::{FLUX_CLASSES, PIXART_CLASSES, SD3_CLASS};
@@ -188,6 +189,8 @@ pub struct Args {
     /// `<lora:NAME:SCALE>` after the prompt and a `Lora hashes` field.
     #[arg(long, value_name = "FILE[:SCALE]")]
     pub lora: Vec<LoraSpec>,
+    #[command(flatten)]
+    pub vae: VaeArgs,
 }
 
 /// `--output-type`.

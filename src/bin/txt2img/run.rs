@@ -335,6 +335,8 @@ fn generate<B: CliBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
         loras.push(report);
     }
     B::prepare(&mut pipe, args)?;
+    let factor = pipe.vae_scale_factor();
+    args.vae.apply(pipe.vae_mut(), factor)?;
     let loaded = started.elapsed();
     tracing::info!(seconds = loaded.as_secs_f64(), %class, "loaded");
     // diffusers' defaults of the pipeline; sd-turbo is run as its model card says.
