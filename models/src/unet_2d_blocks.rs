@@ -394,6 +394,14 @@ impl<B: Backend> DownBlock<B> {
         }
     }
 
+    /// The downsampler (none in the last block).
+    pub fn downsamplers(&self) -> &[Downsample2D<B>] {
+        match self {
+            Self::CrossAttnDownBlock2D(block) => &block.downsamplers,
+            Self::DownBlock2D(block) => &block.downsamplers,
+        }
+    }
+
     pub fn attentions_mut(&mut self) -> &mut [Transformer2DModel<B>] {
         match self {
             Self::CrossAttnDownBlock2D(block) => &mut block.attentions,

@@ -10,18 +10,21 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 use serde::Deserialize;
 
-use crate::attention::{Transformer2DModel, Transformer2DSpec};
+use crate::attention::Transformer2DModel;
 use crate::config::{
     check_at_most, check_groups, load_json, PerBlock, MAX_DIMENSION, MAX_SAMPLE_SIZE,
 };
+use crate::controlnet::ControlResiduals;
 use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
 use crate::parallel::{block_widths, set_geglu_groups};
 use crate::unet_2d_blocks::{
-    CrossAttnDownBlock2D, CrossAttnUpBlock2D, DownBlock, DownBlock2D, DownBlockSpec, MidBlock,
-    ResnetSettings, UNetMidBlock2D, UNetMidBlock2DCrossAttn, UpBlock, UpBlock2D, UpBlockSpec,
+    CrossAttnUpBlock2D, DownBlock, MidBlock, UpBlock, UpBlock2D, UpBlockSpec,
+};
+use crate::unet_layout::{
+    check_added_condition, embed_added, embed_time, TimeEmbeddings, UNetLayout,
 };
 use crate::var_builder::{load_component, VarBuilder};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
@@ -415,109 +418,21 @@ impl<B: Backend> UNet2DConditionModel<B> {
         vb: VarBuilder<B>,
     ) -> Result<Self> {
         cfg.validate(config_path)?;
-        let n = cfg.block_out_channels.len();
-        let channels = &cfg.block_out_channels;
-        let heads = cfg.heads(config_path)?;
-        let layers = cfg
-            .layers_per_block
-            .expand(n, "layers_per_block", config_path)?;
-        let context_dims = cfg
-            .cross_attention_dim
-            .expand(n, "cross_attention_dim", config_path)?;
-        let t_layers = cfg.transformer_layers_per_block.expand(
-            n,
-            "transformer_layers_per_block",
-            config_path,
-        )?;
-        let only_cross = cfg
-            .only_cross_attention
-            .expand(n, "only_cross_attention", config_path)?;
-        let act = Activation::from_name(&cfg.act_fn).unwrap_or(Activation::Silu);
-        let temb_dim = channels[0] * 4;
-        let groups = cfg.norm_num_groups;
-        let resnet = ResnetSettings {
-            temb_channels: temb_dim,
-            groups,
-            eps: cfg.norm_eps,
-            act,
-        };
-        let transformer = |c, i: usize| Transformer2DSpec {
-            channels: c,
-            heads: heads[i],
-            context_dim: context_dims[i],
-            layers: t_layers[i],
-            norm_num_groups: groups,
-            use_linear_projection: cfg.use_linear_projection,
-            only_cross_attention: only_cross[i],
-        };
-
-        let device = vb.device().clone();
-        let time_proj = Timesteps::new(channels[0], cfg.flip_sin_to_cos, cfg.freq_shift, &device);
-        let time_embedding =
-            TimestepEmbedding::load(&vb.pp("time_embedding"), channels[0], temb_dim, act)?;
-        let (add_time_proj, add_embedding) = match (
-            cfg.addition_embed_type.as_deref(),
-            cfg.addition_time_embed_dim,
-            cfg.projection_class_embeddings_input_dim,
-        ) {
-            (Some("text_time"), Some(dim), Some(c_in)) => (
-                Some(Timesteps::new(
-                    dim,
-                    cfg.flip_sin_to_cos,
-                    cfg.freq_shift,
-                    &device,
-                )),
-                // diffusers builds it with TimestepEmbedding's default activation, not `act_fn`.
-                Some(TimestepEmbedding::load(
-                    &vb.pp("add_embedding"),
-                    c_in,
-                    temb_dim,
-                    Activation::Silu,
-                )?),
-            ),
-            _ => (None, None),
-        };
+        let layout = UNetLayout::new(cfg, config_path)?;
+        let n = layout.channels.len();
+        let channels = &layout.channels;
+        let TimeEmbeddings {
+            time_proj,
+            time_embedding,
+            add_time_proj,
+            add_embedding,
+        } = layout.load_time_embeddings(cfg, &vb)?;
         let conv_in = Conv2d::load(
             &vb.pp("conv_in"),
             ConvSpec::same(cfg.in_channels, channels[0], cfg.conv_in_kernel),
         )?;
-
-        let mut down_blocks = Vec::with_capacity(n);
-        let mut c_out = channels[0];
-        for (i, kind) in cfg.down_block_types.iter().enumerate() {
-            let vb_block = vb.pp("down_blocks").pp(i);
-            let c_in = c_out;
-            c_out = channels[i];
-            let spec = DownBlockSpec {
-                in_channels: c_in,
-                out_channels: c_out,
-                num_layers: layers[i],
-                add_downsample: i + 1 < n,
-                downsample_padding: cfg.downsample_padding,
-                resnet,
-            };
-            down_blocks.push(if kind == "CrossAttnDownBlock2D" {
-                DownBlock::CrossAttnDownBlock2D(CrossAttnDownBlock2D::load(
-                    &vb_block,
-                    spec,
-                    transformer(c_out, i),
-                )?)
-            } else {
-                DownBlock::DownBlock2D(DownBlock2D::load(&vb_block, spec)?)
-            });
-        }
-
-        let c_mid = channels[n - 1];
-        let vb_mid = vb.pp("mid_block");
-        let mid_block = match cfg.mid_block_type.as_deref() {
-            None => None,
-            Some("UNetMidBlock2DCrossAttn") => Some(MidBlock::UNetMidBlock2DCrossAttn(
-                UNetMidBlock2DCrossAttn::load(&vb_mid, c_mid, resnet, transformer(c_mid, n - 1))?,
-            )),
-            Some(_) => Some(MidBlock::UNetMidBlock2D(UNetMidBlock2D::load(
-                &vb_mid, c_mid, resnet,
-            )?)),
-        };
+        let down_blocks = layout.load_down_blocks(cfg, &vb)?;
+        let mid_block = layout.load_mid_block(cfg, &vb)?;
 
         let mut up_blocks = Vec::with_capacity(n);
         let reversed: Vec<usize> = channels.iter().rev().copied().collect();
@@ -531,15 +446,15 @@ impl<B: Backend> UNet2DConditionModel<B> {
                 in_channels: reversed[(i + 1).min(n - 1)],
                 prev_output_channel: c_prev,
                 out_channels: c_out,
-                num_layers: layers[rev] + 1,
+                num_layers: layout.layers[rev] + 1,
                 add_upsample: i + 1 < n,
-                resnet,
+                resnet: layout.resnet,
             };
             up_blocks.push(if kind == "CrossAttnUpBlock2D" {
                 UpBlock::CrossAttnUpBlock2D(CrossAttnUpBlock2D::load(
                     &vb_block,
                     spec,
-                    transformer(c_out, rev),
+                    layout.transformer(c_out, rev),
                 )?)
             } else {
                 UpBlock::UpBlock2D(UpBlock2D::load(&vb_block, spec)?)
@@ -557,7 +472,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
             up_blocks,
             conv_norm_out: GroupNorm::load(
                 &vb.pp("conv_norm_out"),
-                groups,
+                layout.groups,
                 channels[0],
                 cfg.norm_eps,
             )?,
@@ -565,7 +480,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
                 &vb.pp("conv_out"),
                 ConvSpec::same(channels[0], cfg.out_channels, cfg.conv_out_kernel),
             )?,
-            act,
+            act: layout.act,
             center_input_sample: cfg.center_input_sample,
         })
     }
@@ -585,7 +500,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
         timestep: Tensor<B, 1>,
         encoder_hidden_states: Tensor<B, 3>,
     ) -> Tensor<B, 4> {
-        self.forward_inner(sample, timestep, encoder_hidden_states, None)
+        self.forward_inner(sample, timestep, encoder_hidden_states, None, None)
     }
 
     /// Checks SDXL's added condition against this UNet and a latents batch, from shapes
@@ -596,37 +511,12 @@ impl<B: Backend> UNet2DConditionModel<B> {
         batch: usize,
         added: Option<&AddedCondition<B>>,
     ) -> Result<()> {
-        match (&self.add_time_proj, &self.add_embedding, added) {
-            (Some(proj), Some(embedding), Some(cond)) => {
-                let [b, n] = cond.time_ids.dims();
-                let [tb, tw] = cond.text_embeds.dims();
-                if b != batch || tb != batch {
-                    return Err(ModelError::Input(format!(
-                        "added condition for batch {b} (text_embeds {:?}), latents batch {batch}",
-                        cond.text_embeds.dims()
-                    )));
-                }
-                let width = tw + n * proj.freqs.dims()[1] * 2;
-                let want = embedding.linear_1.weight.dims()[0];
-                if width != want {
-                    return Err(ModelError::Input(format!(
-                        "the added condition is {width} wide ({tw} text_embeds + {n} time ids), \
-                         `add_embedding` expects {want} (`projection_class_embeddings_input_dim`)"
-                    )));
-                }
-                Ok(())
-            }
-            (Some(_), _, None) => Err(ModelError::Input(
-                "this UNet has `addition_embed_type: text_time` (SDXL) and needs \
-                 `text_embeds` and `time_ids`"
-                    .into(),
-            )),
-            (None, _, Some(_)) => Err(ModelError::Input(
-                "this UNet has no addition embedding; `text_embeds`/`time_ids` are for SDXL UNets"
-                    .into(),
-            )),
-            _ => Ok(()),
-        }
+        check_added_condition(
+            self.add_time_proj.as_ref(),
+            self.add_embedding.as_ref(),
+            batch,
+            added,
+        )
     }
 
     /// [`forward`](Self::forward) with SDXL's added conditioning, which an SDXL UNet requires
@@ -638,21 +528,45 @@ impl<B: Backend> UNet2DConditionModel<B> {
         encoder_hidden_states: Tensor<B, 3>,
         added: Option<&AddedCondition<B>>,
     ) -> Result<Tensor<B, 4>> {
+        self.forward_controlled(sample, timestep, encoder_hidden_states, added, None)
+    }
+
+    /// [`forward_with_condition`](Self::forward_with_condition) with a ControlNet's residuals
+    /// added to the skip connections and to the mid block's output (diffusers'
+    /// `down_block_additional_residuals` / `mid_block_additional_residual`); they must have
+    /// the shapes of this UNet's ([`ControlResiduals`]).
+    pub fn forward_controlled(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        added: Option<&AddedCondition<B>>,
+        control: Option<&ControlResiduals<B>>,
+    ) -> Result<Tensor<B, 4>> {
         self.check_added_condition(sample.dims()[0], added)?;
-        let aug = match (&self.add_time_proj, &self.add_embedding, added) {
-            (Some(proj), Some(embedding), Some(cond)) => {
-                let [b, n] = cond.time_ids.dims();
-                let dtype = dtype_of(&self.conv_in.weight.val());
-                let time_embeds = proj
-                    .forward(cast_to(cond.time_ids.clone(), dtype).reshape([b * n]))
-                    .reshape([b as i32, -1]);
-                let text_embeds = cast_to(cond.text_embeds.clone(), dtype);
-                let input = Tensor::cat(vec![text_embeds, time_embeds], 1);
-                Some(embedding.forward(input))
+        let dtype = dtype_of(&self.conv_in.weight.val());
+        let aug = embed_added(
+            self.add_time_proj.as_ref(),
+            self.add_embedding.as_ref(),
+            added,
+            dtype,
+        );
+        Ok(self.forward_inner(sample, timestep, encoder_hidden_states, aug, control))
+    }
+
+    /// The channels of each skip connection, in order (what a ControlNet's residuals must
+    /// match).
+    pub fn skip_channels(&self) -> Vec<usize> {
+        let mut skips = vec![self.conv_in.weight.dims()[0]];
+        for block in &self.down_blocks {
+            for resnet in block.resnets() {
+                skips.push(resnet.conv2.weight.dims()[0]);
             }
-            _ => None,
-        };
-        Ok(self.forward_inner(sample, timestep, encoder_hidden_states, aug))
+            for down in block.downsamplers() {
+                skips.push(down.conv.weight.dims()[0]);
+            }
+        }
+        skips
     }
 
     fn forward_inner(
@@ -661,6 +575,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
         timestep: Tensor<B, 1>,
         encoder_hidden_states: Tensor<B, 3>,
         aug: Option<Tensor<B, 2>>,
+        control: Option<&ControlResiduals<B>>,
     ) -> Tensor<B, 4> {
         // Computed in the weights' dtype, returned in the caller's (see `crate::dtype`).
         let (caller, dtype) = (dtype_of(&sample), dtype_of(&self.conv_in.weight.val()));
@@ -668,14 +583,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
         let timestep = cast_to(timestep, dtype);
         let encoder_hidden_states = cast_to(encoder_hidden_states, dtype);
         let batch = sample.dims()[0];
-        let timestep = if timestep.dims()[0] == batch {
-            timestep
-        } else {
-            timestep.repeat_dim(0, batch)
-        };
-        let temb = self
-            .time_embedding
-            .forward(self.time_proj.forward(timestep));
+        let temb = embed_time(&self.time_proj, &self.time_embedding, timestep, batch);
         let temb = match aug {
             Some(aug) => temb + aug,
             None => temb,
@@ -694,8 +602,16 @@ impl<B: Backend> UNet2DConditionModel<B> {
             x = out;
             skips.extend(states);
         }
+        if let Some(control) = control {
+            for (skip, residual) in skips.iter_mut().zip(&control.down) {
+                *skip = skip.clone() + cast_to(residual.clone(), dtype);
+            }
+        }
         if let Some(mid) = &self.mid_block {
             x = mid.forward(x, &temb, &ctx);
+        }
+        if let Some(control) = control {
+            x = x + cast_to(control.mid.clone(), dtype);
         }
         for block in &self.up_blocks {
             // `skips` holds exactly one entry per up-block resnet, by construction.
