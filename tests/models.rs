@@ -225,3 +225,52 @@ fn clip_loads_keys_with_text_model_prefix() {
         TOL,
     );
 }
+
+/// tools/golden/make_controlnet.py: the ControlNet's residuals at a conditioning scale and in
+/// guess mode, and the UNet's prediction with them added.
+#[test]
+fn controlnet_residuals_and_controlled_unet_match_diffusers() {
+    use oxidiff::models::ControlNetModel;
+    let golden = Golden::load("controlnet");
+    let device = Default::default();
+    let net = ControlNetModel::<B>::from_dir(&model_dir("tiny-controlnet-sd1"), None, &device)
+        .unwrap();
+    let unet =
+        UNet2DConditionModel::<B>::from_dir(&model_dir("tiny-sd1").join("unet"), None, &device)
+            .unwrap();
+    net.check_fits(&unet).unwrap();
+    let n = golden.json["residuals"].as_u64().unwrap() as usize;
+    let run = |scale, guess| {
+        net.forward(
+            golden.tensor("sample"),
+            golden.tensor("timestep"),
+            golden.tensor("context"),
+            golden.tensor("cond"),
+            scale,
+            guess,
+            None,
+        )
+        .unwrap()
+    };
+    let residuals = run(0.7, false);
+    assert_eq!(residuals.down.len(), n);
+    for (i, r) in residuals.down.iter().enumerate() {
+        assert_close(&golden, &format!("down.{i}"), r.clone(), TOL);
+    }
+    assert_close(&golden, "mid", residuals.mid.clone(), TOL);
+    let guess = run(1.0, true);
+    for (i, r) in guess.down.iter().enumerate() {
+        assert_close(&golden, &format!("guess.down.{i}"), r.clone(), TOL);
+    }
+    assert_close(&golden, "guess.mid", guess.mid, TOL);
+    let noise = unet
+        .forward_controlled(
+            golden.tensor("sample"),
+            golden.tensor("timestep"),
+            golden.tensor("context"),
+            None,
+            Some(&residuals),
+        )
+        .unwrap();
+    assert_close(&golden, "unet.out", noise, TOL);
+}
