@@ -233,8 +233,8 @@ fn controlnet_residuals_and_controlled_unet_match_diffusers() {
     use oxidiff::models::ControlNetModel;
     let golden = Golden::load("controlnet");
     let device = Default::default();
-    let net = ControlNetModel::<B>::from_dir(&model_dir("tiny-controlnet-sd1"), None, &device)
-        .unwrap();
+    let net =
+        ControlNetModel::<B>::from_dir(&model_dir("tiny-controlnet-sd1"), None, &device).unwrap();
     let unet =
         UNet2DConditionModel::<B>::from_dir(&model_dir("tiny-sd1").join("unet"), None, &device)
             .unwrap();

@@ -284,6 +284,35 @@ pub fn preprocess<B: Backend>(
     multiple: usize,
     device: &B::Device,
 ) -> Result<Tensor<B, 4>> {
+    // diffusers: `np.array(image).astype(np.float32) / 255.0`, then `2 * x - 1`.
+    pixels(image, (width, height), multiple, device, |v| {
+        2.0 * (f32::from(v) / 255.0) - 1.0
+    })
+}
+
+/// A ControlNet's conditioning image as diffusers' `control_image_processor` makes it: RGB,
+/// resized as [`preprocess`] does, values in `[0, 1]` (no normalisation), `[1, 3, h, w]`.
+pub fn preprocess_control<B: Backend>(
+    image: &image::DynamicImage,
+    width: Option<usize>,
+    height: Option<usize>,
+    multiple: usize,
+    device: &B::Device,
+) -> Result<Tensor<B, 4>> {
+    pixels(image, (width, height), multiple, device, |v| {
+        f32::from(v) / 255.0
+    })
+}
+
+/// `image` as RGB at the given size (else its own), rounded down to `multiple`, each byte
+/// mapped by `value`, `[1, 3, h, w]`.
+fn pixels<B: Backend>(
+    image: &image::DynamicImage,
+    (width, height): (Option<usize>, Option<usize>),
+    multiple: usize,
+    device: &B::Device,
+    value: impl Fn(u8) -> f32,
+) -> Result<Tensor<B, 4>> {
     let rgb = image.to_rgb8();
     let round = |v: usize| v - v % multiple.max(1);
     let w = round(width.unwrap_or(rgb.width() as usize));
@@ -296,12 +325,7 @@ pub fn preprocess<B: Backend>(
         )));
     }
     let rgb = resized(rgb, w, h);
-    // diffusers: `np.array(image).astype(np.float32) / 255.0`, then `2 * x - 1`.
-    let values: Vec<f32> = rgb
-        .as_raw()
-        .iter()
-        .map(|&v| 2.0 * (f32::from(v) / 255.0) - 1.0)
-        .collect();
+    let values: Vec<f32> = rgb.as_raw().iter().map(|&v| value(v)).collect();
     let hwc = Tensor::<B, 3>::from_data(burn::tensor::TensorData::new(values, [h, w, 3]), device);
     Ok(hwc.permute([2, 0, 1]).unsqueeze::<4>())
 }

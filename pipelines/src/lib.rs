@@ -47,6 +47,7 @@
 
 // The ground floor, shared by every pipeline.
 pub mod compiled;
+pub mod control;
 pub mod denoise;
 pub mod error;
 pub mod guard;
@@ -69,6 +70,7 @@ pub mod flux;
 pub mod pixart;
 pub mod stable_diffusion;
 pub mod stable_diffusion_3;
+pub mod stable_diffusion_controlnet;
 pub mod stable_diffusion_img2img;
 pub mod stable_diffusion_inpaint;
 pub mod stable_diffusion_xl;
@@ -84,6 +86,7 @@ pub mod single_file;
 pub use auto::{AutoPipeline, FamilyOptions, PipelineFamily};
 pub use auto_edit::{AutoPipelineForImage2Image, AutoPipelineForInpainting, EditOptions};
 pub use compiled::{CompileStats, CompiledDenoiser};
+pub use control::{Control, ControlRequest};
 pub use denoise::{GenerateRequest, OutputType, PipelineDefaults, PipelineOutput, StepInfo};
 pub use error::{PipelineError, Result};
 pub use flux::{FluxPipeline, FluxPromptEmbeds, FluxRequest, FLUX_CLASSES};
@@ -101,6 +104,7 @@ pub use pixart::{
 pub use single_file::{is_single_file, single_file_pipeline_class, SingleFileOptions};
 pub use stable_diffusion::{guided_noise, GuidedStepInputs, StableDiffusionPipeline};
 pub use stable_diffusion_3::{Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
+pub use stable_diffusion_controlnet::StableDiffusionControlNetPipeline;
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds, XlRequest};

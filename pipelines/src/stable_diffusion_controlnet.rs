@@ -1,0 +1,209 @@
+//! `StableDiffusionControlNetPipeline`: SD 1.x/2.x text to image steered by one or more
+//! ControlNets, as diffusers' `pipeline_controlnet.py` (several ControlNets are its
+//! `MultiControlNetModel`: their residuals are summed).
+//!
+//! The components, prompt encoding, initial latents and decode are
+//! [`StableDiffusionPipeline`]'s; each step runs every ControlNet inside its guidance window and
+//! hands their residuals to the UNet. Eager only for now: the UNet and ControlNets run op by op
+//! on any backend.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
+use oxidiff_models::{ControlNetModel, ControlResiduals, ToDevice};
+use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
+
+use crate::control::{check_downscale, ControlRequest, PreparedControls};
+use crate::denoise::{
+    check_request, decode_latents, DenoisingLoop, GenerateRequest, PipelineDefaults,
+    PipelineOutput, StepInfo,
+};
+use crate::error::{PipelineError, Result};
+use crate::loading::LoadOptions;
+use crate::stable_diffusion::StableDiffusionPipeline;
+
+/// SD 1.x/2.x with ControlNets (diffusers' `StableDiffusionControlNetPipeline`).
+pub struct StableDiffusionControlNetPipeline<B: Backend> {
+    pub pipe: StableDiffusionPipeline<B>,
+    pub controlnets: Vec<ControlNetModel<B>>,
+}
+
+impl<B: Backend> StableDiffusionControlNetPipeline<B> {
+    /// The pipeline `pipe` with `controlnets` (at least one), each checked against its UNet:
+    /// a ControlNet made for another base model is an error naming what differs.
+    pub fn new(
+        pipe: StableDiffusionPipeline<B>,
+        controlnets: Vec<ControlNetModel<B>>,
+    ) -> Result<Self> {
+        if controlnets.is_empty() {
+            return Err(PipelineError::InvalidInput(
+                "a ControlNet pipeline needs at least one ControlNet".into(),
+            ));
+        }
+        for (k, net) in controlnets.iter().enumerate() {
+            net.check_fits(&pipe.unet)
+                .map_err(|e| PipelineError::InvalidInput(format!("ControlNet {k}: {e}")))?;
+        }
+        check_downscale(&controlnets, pipe.vae_scale_factor)?;
+        let device = pipe.unet_device();
+        let controlnets = controlnets.into_iter().map(|n| n.to(&device)).collect();
+        Ok(Self { pipe, controlnets })
+    }
+
+    /// Loads a Stable Diffusion folder and ControlNet folders (each with `config.json` and
+    /// `diffusion_pytorch_model.safetensors`).
+    pub fn from_dir(
+        dir: &Path,
+        controlnets: &[&Path],
+        options: &LoadOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let pipe = StableDiffusionPipeline::from_dir(dir, options, device)?;
+        let nets = controlnets
+            .iter()
+            .map(|path| {
+                ControlNetModel::from_dir_in(
+                    path,
+                    options.variant.as_deref(),
+                    options.dtype.unwrap_or(FloatDType::F32),
+                    device,
+                )
+                .map_err(PipelineError::from)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(pipe, nets)
+    }
+
+    /// The Stable Diffusion pipeline without its ControlNets.
+    pub fn into_inner(self) -> StableDiffusionPipeline<B> {
+        self.pipe
+    }
+
+    /// diffusers' `__call__` defaults (50 steps, guidance 7.5).
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION
+    }
+
+    /// Generates with the default generator seeded by `req.seed`.
+    pub fn generate(
+        &mut self,
+        req: &GenerateRequest<B>,
+        control: &ControlRequest,
+    ) -> Result<PipelineOutput<B>> {
+        let mut generator = TorchCpuGenerator::new(req.seed);
+        self.generate_with(req, control, &mut generator, |_| {})
+    }
+
+    /// Text to image under `control` (one [`Control`](crate::control::Control) per
+    /// ControlNet). The size is the request's, else the first control image's (rounded down
+    /// to a multiple of 8); the control images are resized to it. Noise is drawn from `noise`
+    /// as [`StableDiffusionPipeline::generate_with`] draws it.
+    pub fn generate_with(
+        &mut self,
+        req: &GenerateRequest<B>,
+        control: &ControlRequest,
+        noise: &mut dyn NoiseSource<B>,
+        mut callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        control.check(self.controlnets.len())?;
+        let pipe = &mut self.pipe;
+        let f = pipe.vae_scale_factor;
+        let (width, height) = control.size(req.width, req.height, f);
+        let sized = GenerateRequest {
+            width: Some(width),
+            height: Some(height),
+            latents: None,
+            cancel: None,
+            ..req.clone()
+        };
+        check_request(&sized, (width, height), f)?;
+        let batch = req.prompts.len() * req.num_images_per_prompt;
+        let context = pipe.encode_context(req)?.to_device(&pipe.device);
+        let guided = context.dims()[0] == 2 * batch;
+        let images = PreparedControls::new(control, (width, height), batch, guided, &pipe.device)?;
+        pipe.scheduler.set_timesteps(req.num_inference_steps)?;
+        pipe.scheduler.set_eta(req.eta);
+        let latents = crate::denoise::initial_latents(
+            req,
+            [batch, 4, height / f, width / f],
+            (width, height),
+            noise,
+            pipe.scheduler.init_noise_sigma(),
+            &pipe.device,
+        )?;
+        let timesteps = pipe.scheduler.timesteps().to_vec();
+        let n = timesteps.len();
+        // The conditional half of the context, for guess mode with guidance.
+        let positive = context.clone().narrow(0, context.dims()[0] - batch, batch);
+        let (unet, nets) = (&pipe.unet, &self.controlnets);
+        let mut step = 0;
+        let latents = DenoisingLoop {
+            scheduler: &mut *pipe.scheduler,
+            timesteps: &timesteps,
+            latents,
+            req,
+            device: &pipe.device,
+            noise,
+        }
+        .run(
+            |sample, timestep, guidance| {
+                // The loop calls this once per step, in order.
+                let i = step;
+                step += 1;
+                let unet_input = if guided {
+                    Tensor::cat(vec![sample.clone(), sample.clone()], 0)
+                } else {
+                    sample.clone()
+                };
+                let mut residuals: Option<ControlResiduals<B>> = None;
+                for ((net, c), image) in nets.iter().zip(&control.controls).zip(&images.images) {
+                    let scale = if c.keeps(i, n) { c.scale } else { 0.0 };
+                    let r = if control.guess_mode && guided {
+                        net.forward(
+                            sample.clone(),
+                            timestep.clone(),
+                            positive.clone(),
+                            image.clone(),
+                            scale,
+                            true,
+                            None,
+                        )?
+                        .after_zeros()
+                    } else {
+                        net.forward(
+                            unet_input.clone(),
+                            timestep.clone(),
+                            context.clone(),
+                            image.clone(),
+                            scale,
+                            control.guess_mode,
+                            None,
+                        )?
+                    };
+                    residuals = Some(match residuals {
+                        None => r,
+                        Some(sum) => sum.add(r),
+                    });
+                }
+                let prediction = unet.forward_controlled(
+                    unet_input,
+                    timestep,
+                    context.clone(),
+                    None,
+                    residuals.as_ref(),
+                )?;
+                Ok(if guided {
+                    let uncond = prediction.clone().narrow(0, 0, batch);
+                    let text = prediction.narrow(0, batch, batch);
+                    uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
+                } else {
+                    prediction
+                })
+            },
+            &mut callback,
+        )?;
+        let images = decode_latents(&pipe.vae, &latents, req.output)?;
+        Ok(PipelineOutput { latents, images })
+    }
+}

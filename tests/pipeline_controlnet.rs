@@ -1,0 +1,170 @@
+//! `StableDiffusionControlNetPipeline` against diffusers' (tools/golden/make_controlnet.py):
+//! one ControlNet, two with guidance windows, guess mode, each within 2 PNG levels; the control
+//! really changes the image; bad input (a ControlNet of another base model, control images not
+//! matching the ControlNets, bad windows) is refused before anything runs.
+
+mod common;
+
+use common::{assert_png_close, fixtures, model_dir, png_level_diff, B};
+use oxidiff::models::ControlNetModel;
+use oxidiff::pipelines::{
+    Control, ControlRequest, GenerateRequest, LoadOptions, StableDiffusionControlNetPipeline,
+    StableDiffusionPipeline,
+};
+
+fn request() -> GenerateRequest<B> {
+    GenerateRequest {
+        prompts: vec!["a photo of an astronaut riding a horse".into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 4,
+        guidance_scale: 7.5,
+        seed: 42,
+        ..Default::default()
+    }
+}
+
+fn control_image() -> image::DynamicImage {
+    image::open(fixtures().join("golden").join("controlnet-input.png")).unwrap()
+}
+
+fn pipeline(nets: &[&str]) -> StableDiffusionControlNetPipeline<B> {
+    let dirs: Vec<_> = nets.iter().map(|n| model_dir(n)).collect();
+    let refs: Vec<&std::path::Path> = dirs.iter().map(|d| d.as_path()).collect();
+    StableDiffusionControlNetPipeline::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &refs,
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap()
+}
+
+fn run(
+    pipe: &mut StableDiffusionControlNetPipeline<B>,
+    control: &ControlRequest,
+) -> image::RgbImage {
+    let out = pipe.generate(&request(), control).unwrap();
+    out.images.unwrap().to_rgb8(0).unwrap()
+}
+
+#[test]
+fn one_controlnet_matches_diffusers_and_changes_the_image() {
+    let mut pipe = pipeline(&["tiny-controlnet-sd1"]);
+    let control = ControlRequest {
+        controls: vec![Control::new(control_image())],
+        guess_mode: false,
+    };
+    let ours = run(&mut pipe, &control);
+    assert_png_close(&ours, "controlnet-sd1-single.png", 2);
+    // The same request without ControlNet is another image.
+    let plain = StableDiffusionControlNetPipeline::into_inner(pipe)
+        .generate(&GenerateRequest {
+            width: Some(64),
+            height: Some(64),
+            ..request()
+        })
+        .unwrap()
+        .images
+        .unwrap()
+        .to_rgb8(0)
+        .unwrap();
+    assert!(png_level_diff(&plain, &ours) > 10);
+}
+
+#[test]
+fn two_controlnets_with_guidance_windows_and_guess_mode_match_diffusers() {
+    let mut pipe = pipeline(&["tiny-controlnet-sd1", "tiny-controlnet-sd1-b"]);
+    let image = control_image();
+    let control = ControlRequest {
+        controls: vec![
+            Control {
+                scale: 0.8,
+                guidance_start: 0.0,
+                guidance_end: 0.75,
+                ..Control::new(image.clone())
+            },
+            Control {
+                scale: 0.5,
+                guidance_start: 0.25,
+                guidance_end: 1.0,
+                ..Control::new(image.clone())
+            },
+        ],
+        guess_mode: false,
+    };
+    assert_png_close(&run(&mut pipe, &control), "controlnet-sd1-multi.png", 2);
+
+    let mut one = pipeline(&["tiny-controlnet-sd1"]);
+    let guess = ControlRequest {
+        controls: vec![Control {
+            scale: 0.9,
+            ..Control::new(image)
+        }],
+        guess_mode: true,
+    };
+    assert_png_close(&run(&mut one, &guess), "controlnet-sd1-guess.png", 2);
+}
+
+#[test]
+fn controlnets_of_another_model_and_bad_controls_are_refused() {
+    let device = Default::default();
+    // tiny-sd2's UNet has one layer per block: the residuals do not fit.
+    let sd2 = StableDiffusionPipeline::<B>::from_dir(
+        &model_dir("tiny-sd2"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let net =
+        ControlNetModel::<B>::from_dir(&model_dir("tiny-controlnet-sd1"), None, &device).unwrap();
+    let err = StableDiffusionControlNetPipeline::new(sd2, vec![net])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("made for another base model") && err.contains("skip connections"),
+        "{err}"
+    );
+
+    let mut pipe = pipeline(&["tiny-controlnet-sd1"]);
+    let image = control_image();
+    let bad = [
+        (
+            ControlRequest {
+                controls: vec![Control::new(image.clone()), Control::new(image.clone())],
+                guess_mode: false,
+            },
+            "2 control images for 1 ControlNets",
+        ),
+        (ControlRequest::default(), "0 control images"),
+        (
+            ControlRequest {
+                controls: vec![Control {
+                    guidance_end: 1.5,
+                    ..Control::new(image.clone())
+                }],
+                guess_mode: false,
+            },
+            "must lie in [0, 1]",
+        ),
+        (
+            ControlRequest {
+                controls: vec![Control {
+                    guidance_start: 0.6,
+                    guidance_end: 0.4,
+                    ..Control::new(image.clone())
+                }],
+                guess_mode: false,
+            },
+            "must be below its end",
+        ),
+    ];
+    for (control, needle) in bad {
+        let err = pipe
+            .generate(&request(), &control)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+}
