@@ -183,9 +183,11 @@ pub struct ControlResiduals<B: Backend> {
     pub mid: Tensor<B, 4>,
 }
 
-impl<B: Backend> ControlResiduals<B> {
-    /// The sum of two ControlNets' residuals (diffusers' `MultiControlNetModel`).
-    pub fn add(self, other: Self) -> Self {
+/// The sum of two ControlNets' residuals (diffusers' `MultiControlNetModel`).
+impl<B: Backend> std::ops::Add for ControlResiduals<B> {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
         Self {
             down: self
                 .down
@@ -196,7 +198,9 @@ impl<B: Backend> ControlResiduals<B> {
             mid: self.mid + other.mid,
         }
     }
+}
 
+impl<B: Backend> ControlResiduals<B> {
     /// Zeros for the unconditional half of a guided batch, then these (guess mode with
     /// classifier-free guidance: only the conditional half is controlled).
     pub fn after_zeros(self) -> Self {

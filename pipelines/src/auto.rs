@@ -9,11 +9,12 @@ use std::path::Path;
 
 use burn::tensor::backend::Backend;
 use oxidiff_backend_tpu::Oxi;
-use oxidiff_models::AutoencoderKL;
+use oxidiff_models::{AutoencoderKL, ControlNetModel};
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, Scheduler};
 
 use crate::compiled::CompileStats;
+use crate::control::ControlRequest;
 use crate::denoise::{GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::flux::{FluxPipeline, FluxRequest, FLUX_CLASSES};
@@ -23,6 +24,7 @@ use crate::pixart::{PixArtPipeline, PixArtRequest, PIXART_CLASSES};
 use crate::single_file::{single_file_pipeline_class, SingleFileOptions};
 use crate::stable_diffusion::{StableDiffusionPipeline, SUPPORTED_CLASSES};
 use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
+use crate::stable_diffusion_controlnet::StableDiffusionControlNetPipeline;
 use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlRequest, SDXL_CLASSES};
 
 /// The pipeline families [`AutoPipeline`] runs.
@@ -86,6 +88,10 @@ pub struct FamilyOptions {
     pub resolution_binning: bool,
     /// Flux's true classifier-free guidance (1: off).
     pub true_cfg_scale: f64,
+    /// The control images and settings of a pipeline with ControlNets
+    /// ([`AutoPipeline::with_controlnets`]), one per ControlNet; required by it, refused by
+    /// the others.
+    pub control: Option<ControlRequest>,
 }
 
 impl Default for FamilyOptions {
@@ -94,6 +100,7 @@ impl Default for FamilyOptions {
             max_sequence_length: None,
             resolution_binning: true,
             true_cfg_scale: 1.0,
+            control: None,
         }
     }
 }
@@ -101,6 +108,8 @@ impl Default for FamilyOptions {
 /// One of the text-to-image pipelines, loaded by its `_class_name`.
 pub enum AutoPipeline<B: Backend> {
     StableDiffusion(Box<StableDiffusionPipeline<B>>),
+    /// SD 1.x/2.x with ControlNets ([`with_controlnets`](AutoPipeline::with_controlnets)).
+    StableDiffusionControlNet(Box<StableDiffusionControlNetPipeline<B>>),
     StableDiffusionXL(Box<StableDiffusionXLPipeline<B>>),
     StableDiffusion3(Box<StableDiffusion3Pipeline<B>>),
     Flux(Box<FluxPipeline<B>>),
@@ -112,6 +121,7 @@ macro_rules! each {
     ($self:expr, $pipe:ident => $body:expr) => {
         match $self {
             AutoPipeline::StableDiffusion($pipe) => $body,
+            AutoPipeline::StableDiffusionControlNet($pipe) => $body,
             AutoPipeline::StableDiffusionXL($pipe) => $body,
             AutoPipeline::StableDiffusion3($pipe) => $body,
             AutoPipeline::Flux($pipe) => $body,
@@ -168,10 +178,29 @@ impl<B: Backend> AutoPipeline<B> {
         })
     }
 
+    /// The same pipeline steered by `controlnets` (diffusers' `from_pipe` with
+    /// `controlnet=`): SD 1.x/2.x for now; each ControlNet is checked against the UNet.
+    pub fn with_controlnets(self, controlnets: Vec<ControlNetModel<B>>) -> Result<Self> {
+        match self {
+            Self::StableDiffusion(pipe) => Ok(Self::StableDiffusionControlNet(Box::new(
+                StableDiffusionControlNetPipeline::new(*pipe, controlnets)?,
+            ))),
+            Self::StableDiffusionControlNet(pipe) => {
+                Self::StableDiffusion(Box::new(pipe.into_inner())).with_controlnets(controlnets)
+            }
+            other => Err(PipelineError::InvalidInput(format!(
+                "ControlNets are implemented for Stable Diffusion 1.x/2.x pipelines                  (StableDiffusionControlNetPipeline), not yet for {:?}",
+                other.family()
+            ))),
+        }
+    }
+
     /// Which family runs.
     pub fn family(&self) -> PipelineFamily {
         match self {
-            Self::StableDiffusion(_) => PipelineFamily::StableDiffusion,
+            Self::StableDiffusion(_) | Self::StableDiffusionControlNet(_) => {
+                PipelineFamily::StableDiffusion
+            }
             Self::StableDiffusionXL(_) => PipelineFamily::StableDiffusionXL,
             Self::StableDiffusion3(_) => PipelineFamily::StableDiffusion3,
             Self::Flux(_) => PipelineFamily::Flux,
@@ -242,10 +271,25 @@ impl<B: Backend> AutoPipeline<B> {
         if options.max_sequence_length.is_some() && !t5 {
             return refuse("max_sequence_length", "SD3, Flux and PixArt");
         }
+        let controlled = matches!(self, Self::StableDiffusionControlNet(_));
+        if options.control.is_some() != controlled {
+            return Err(PipelineError::InvalidInput(if controlled {
+                "this pipeline has ControlNets: give their control images \
+                 (FamilyOptions::control)"
+                    .into()
+            } else {
+                "control images need ControlNets: load them with AutoPipeline::with_controlnets"
+                    .into()
+            }));
+        }
         let defaults = self.defaults();
         let common = req.clone();
         match self {
             Self::StableDiffusion(pipe) => pipe.generate_with(req, noise, callback),
+            Self::StableDiffusionControlNet(pipe) => {
+                let control = options.control.clone().unwrap_or_default();
+                pipe.generate_with(req, &control, noise, callback)
+            }
             Self::StableDiffusionXL(pipe) => {
                 pipe.generate_with(&XlRequest::new(common), noise, callback)
             }

@@ -264,7 +264,8 @@ pub fn load_mask(path: &Path) -> Result<image::DynamicImage> {
     load_image_as(path, "mask")
 }
 
-fn load_image_as(path: &Path, what: &str) -> Result<image::DynamicImage> {
+/// Reads an image (PNG, JPEG, WebP), naming it as `what` and the file on failure.
+pub fn load_image_as(path: &Path, what: &str) -> Result<image::DynamicImage> {
     image::open(path).map_err(|e| {
         PipelineError::InvalidInput(format!(
             "cannot read the {what} {}: {e} (PNG, JPEG and WebP are supported)",

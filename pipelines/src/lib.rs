@@ -61,6 +61,7 @@ pub mod lora;
 pub mod mask_crop;
 pub mod metadata;
 pub mod parallel;
+pub mod path_scale;
 pub mod pixart_bins;
 pub mod resample;
 mod truncation;

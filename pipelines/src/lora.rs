@@ -23,30 +23,10 @@ pub struct LoraSpec {
 impl FromStr for LoraSpec {
     type Err = String;
 
-    /// `FILE` or `FILE:SCALE`; a tail after the last `:` that is not a number stays part of
-    /// the path (so `C:\loras\x.safetensors` works).
+    /// `FILE` or `FILE:SCALE` ([`parse_path_scale`](crate::path_scale::parse_path_scale)).
     fn from_str(text: &str) -> std::result::Result<Self, String> {
-        if text.is_empty() {
-            return Err("expected FILE or FILE:SCALE".into());
-        }
-        if let Some((path, scale)) = text.rsplit_once(':') {
-            if let Ok(scale) = scale.trim().parse::<f32>() {
-                if !scale.is_finite() {
-                    return Err(format!("LoRA scale `{scale}` is not a finite number"));
-                }
-                if path.is_empty() {
-                    return Err("expected FILE:SCALE, found no file".into());
-                }
-                return Ok(Self {
-                    path: PathBuf::from(path),
-                    scale,
-                });
-            }
-        }
-        Ok(Self {
-            path: PathBuf::from(text),
-            scale: 1.0,
-        })
+        let (path, scale) = crate::path_scale::parse_path_scale(text, "LoRA")?;
+        Ok(Self { path, scale })
     }
 }
 

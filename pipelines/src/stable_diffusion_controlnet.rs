@@ -5,15 +5,18 @@
 //! The components, prompt encoding, initial latents and decode are
 //! [`StableDiffusionPipeline`]'s; each step runs every ControlNet inside its guidance window and
 //! hands their residuals to the UNet. Eager only for now: the UNet and ControlNets run op by op
-//! on any backend.
+//! on any backend (`compile` says so).
 
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
+use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::{ControlNetModel, ControlResiduals, ToDevice};
+use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
+use crate::compiled::CompileStats;
 use crate::control::{check_downscale, ControlRequest, PreparedControls};
 use crate::denoise::{
     check_request, decode_latents, DenoisingLoop, GenerateRequest, PipelineDefaults,
@@ -23,10 +26,51 @@ use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
 use crate::stable_diffusion::StableDiffusionPipeline;
 
-/// SD 1.x/2.x with ControlNets (diffusers' `StableDiffusionControlNetPipeline`).
+/// SD 1.x/2.x with ControlNets (diffusers' `StableDiffusionControlNetPipeline`). It is a
+/// Stable Diffusion pipeline plus ControlNets, and derefs to that pipeline for its components
+/// (tokenizer, encoders, VAE, scheduler, LoRA).
 pub struct StableDiffusionControlNetPipeline<B: Backend> {
     pub pipe: StableDiffusionPipeline<B>,
     pub controlnets: Vec<ControlNetModel<B>>,
+}
+
+impl<B: Backend> std::ops::Deref for StableDiffusionControlNetPipeline<B> {
+    type Target = StableDiffusionPipeline<B>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.pipe
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for StableDiffusionControlNetPipeline<B> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.pipe
+    }
+}
+
+impl StableDiffusionControlNetPipeline<Oxi> {
+    /// Compiled mode is not implemented for ControlNet pipelines yet: an error saying so (the
+    /// pipeline runs eagerly on any device).
+    pub fn compile(&mut self) -> Result<()> {
+        Err(eager_only())
+    }
+
+    /// See [`compile`](Self::compile).
+    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
+        Err(eager_only())
+    }
+
+    /// Always `None`: the pipeline runs eagerly.
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        None
+    }
+}
+
+fn eager_only() -> PipelineError {
+    PipelineError::Compile(
+        "ControlNet pipelines run eagerly for now (each op at once, on any device); drop          --compile/--tp/--dp"
+            .into(),
+    )
 }
 
 impl<B: Backend> StableDiffusionControlNetPipeline<B> {
@@ -183,7 +227,7 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
                     };
                     residuals = Some(match residuals {
                         None => r,
-                        Some(sum) => sum.add(r),
+                        Some(sum) => sum + r,
                     });
                 }
                 let prediction = unet.forward_controlled(

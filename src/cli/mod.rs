@@ -3,6 +3,7 @@
 //! size limit, and one-message error reports. Errors are typed here; the binaries wrap them in
 //! `anyhow` and map a [`UsageError`] to exit status 2.
 
+pub mod control;
 pub mod output;
 pub mod usage;
 pub mod vae;

@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod control;
 mod damaged;
 mod flags;
 mod hub;

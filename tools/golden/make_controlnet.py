@@ -15,10 +15,11 @@ Writes:
 - tests/fixtures/golden/controlnet.{json,safetensors}: the first ControlNet's residuals on
   seeded inputs at conditioning scale 0.7, in guess mode at scale 1, and the UNet's noise
   prediction with the first residuals added.
-- tests/fixtures/golden/controlnet-sd1-{single,multi,guess}.png: whole pipeline runs
+- tests/fixtures/golden/controlnet-sd1-{single,multi,guess,shared}.png: whole pipeline runs
   (prompt below, negative prompt "blurry", 4 steps, guidance 7.5, seed 42, 64x64, PNDM):
   one ControlNet at scale 1; both at scales 0.8 and 0.5 with guidance windows [0, 0.75] and
-  [0.25, 1]; one in guess mode at scale 0.9.
+  [0.25, 1]; one in guess mode at scale 0.9; both at 0.8 and 0.5 sharing the window [0.25, 1]
+  (what txt2img's one pair of window flags gives).
 Reruns give identical bytes.
 """
 import os
@@ -41,10 +42,13 @@ RUNS = {
     "multi": dict(nets=[0, 1], controlnet_conditioning_scale=[0.8, 0.5],
                   control_guidance_start=[0.0, 0.25], control_guidance_end=[0.75, 1.0]),
     "guess": dict(nets=[0], controlnet_conditioning_scale=0.9, guess_mode=True),
+    "shared": dict(nets=[0, 1], controlnet_conditioning_scale=[0.8, 0.5],
+                   control_guidance_start=0.25, control_guidance_end=1.0),
 }
 
 
 def make_controlnet(unet, seed, folder):
+    torch.manual_seed(seed)  # the layers from_unet does not copy start from torch's default init
     net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(8, 8, 16, 16))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -56,6 +60,7 @@ def make_controlnet(unet, seed, folder):
         for p in net.controlnet_cond_embedding.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     net.save_pretrained(folder, safe_serialization=True)
+    sd.canonicalize_safetensors(folder)
     return ControlNetModel.from_pretrained(folder)
 
 

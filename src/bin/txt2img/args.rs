@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use burn::tensor::FloatDType;
 use clap::Parser;
+use oxidiff::cli::control::ControlArgs;
 use oxidiff::cli::usage::DEFAULT_MAX_PIXELS;
 use oxidiff::cli::vae::VaeArgs;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
@@ -191,6 +192,8 @@ pub struct Args {
     pub lora: Vec<LoraSpec>,
     #[command(flatten)]
     pub vae: VaeArgs,
+    #[command(flatten)]
+    pub control: ControlArgs,
 }
 
 /// `--output-type`.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff::cli::usage;
 use oxidiff::cli::{closing_fields, file_name, model_name, UsageError};
 use oxidiff::latents::{encode_npy, read_latents};
@@ -87,6 +87,12 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
         usage::finite(&source("--guidance"), guidance)?;
     }
     usage::finite("--true-cfg-scale", args.true_cfg_scale)?;
+    args.control.check(args.max_pixels)?;
+    if args.control.active() && (args.compile || args.tp != 1 || args.dp != 1) {
+        return Err(UsageError(
+            "--controlnet runs eagerly for now: drop --compile/--tp/--dp".into(),
+        ));
+    }
     Ok(())
 }
 
@@ -334,6 +340,13 @@ fn generate<B: CliBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
         }
         loras.push(report);
     }
+    if args.control.active() {
+        let nets = args
+            .control
+            .load::<B>(options.dtype.unwrap_or(FloatDType::F32), device)
+            .context("loading --controlnet")?;
+        pipe = pipe.with_controlnets(nets)?;
+    }
     B::prepare(&mut pipe, args)?;
     let factor = pipe.vae_scale_factor();
     args.vae.apply(pipe.vae_mut(), factor)?;
@@ -375,6 +388,7 @@ fn generate<B: CliBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
         max_sequence_length: args.max_sequence_length,
         resolution_binning: !args.no_resolution_binning,
         true_cfg_scale: args.true_cfg_scale,
+        control: args.control.request()?,
     };
     let scheduler = pipe.scheduler().kind();
     let sampler = sampler_field(args.scheduler.as_deref(), scheduler);
@@ -443,6 +457,7 @@ fn generate<B: CliBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
                         if let Some(path) = &args.latents {
                             extra.push((LATENTS_FIELD.to_string(), file_name(path)));
                         }
+                        extra.extend(args.control.png_fields());
                         extra.extend(closing_fields(&loras));
                         let parameters = GenerationParameters {
                             prompt: prompt_with_tags(&prompt, &loras),

@@ -1,0 +1,220 @@
+//! The ControlNet flags: `--controlnet DIR_OR_FILE[:SCALE]` (repeatable), `--control-image
+//! FILE` (one per ControlNet, in order), `--control-guidance-start F`,
+//! `--control-guidance-end F` and `--guess-mode`, checked before any model loads, and the PNG
+//! fields A1111's ControlNet extension writes (`ControlNet 0: "..."`).
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::FloatDType;
+use oxidiff_models::ControlNetModel;
+use oxidiff_pipelines::image::load_image_as;
+use oxidiff_pipelines::path_scale::parse_path_scale;
+use oxidiff_pipelines::{Control, ControlRequest, PipelineError};
+
+use crate::cli::usage::pixels_within;
+use crate::cli::UsageError;
+use crate::files::check_regular;
+
+/// A ControlNet and its conditioning scale, as `--controlnet DIR_OR_FILE[:SCALE]` takes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControlNetSpec {
+    pub path: PathBuf,
+    pub scale: f32,
+}
+
+impl FromStr for ControlNetSpec {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        let (path, scale) = parse_path_scale(text, "ControlNet")?;
+        Ok(Self { path, scale })
+    }
+}
+
+impl ControlNetSpec {
+    /// The ControlNet's folder: the path itself, or the folder of a weights file given.
+    pub fn folder(&self) -> &Path {
+        if self.path.is_file() {
+            self.path.parent().unwrap_or(Path::new("."))
+        } else {
+            &self.path
+        }
+    }
+
+    /// The name the PNG records: the folder's (or file's) name.
+    pub fn name(&self) -> String {
+        let path = if self.path.is_file() {
+            self.folder()
+        } else {
+            &self.path
+        };
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| self.path.display().to_string())
+    }
+}
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ControlArgs {
+    /// A ControlNet to steer the image (diffusers' StableDiffusionControlNetPipeline; SD
+    /// 1.x/2.x models): a diffusers ControlNet folder (config.json and
+    /// diffusion_pytorch_model.safetensors) or that weights file, at SCALE (its
+    /// `controlnet_conditioning_scale`, default 1). Repeat for several, each with its
+    /// --control-image. Recorded in the PNG as A1111's ControlNet extension does.
+    #[arg(long, value_name = "DIR_OR_FILE[:SCALE]")]
+    pub controlnet: Vec<ControlNetSpec>,
+    /// The conditioning image of each --controlnet, in the same order (PNG, JPEG or WebP;
+    /// resized to the output size, which defaults to the first image's).
+    #[arg(long, value_name = "FILE")]
+    pub control_image: Vec<PathBuf>,
+    /// The fraction of the steps after which the ControlNets start to apply, in [0, 1).
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    pub control_guidance_start: f64,
+    /// The fraction of the steps after which they stop applying, in (0, 1].
+    #[arg(long, value_name = "F", default_value_t = 1.0)]
+    pub control_guidance_end: f64,
+    /// diffusers' guess mode: the ControlNets see no negative prompt and their residuals grow
+    /// from 0.1 to 1 through the blocks (A1111's "ControlNet is more important").
+    #[arg(long)]
+    pub guess_mode: bool,
+}
+
+impl ControlArgs {
+    /// Whether any ControlNet is given.
+    pub fn active(&self) -> bool {
+        !self.controlnet.is_empty()
+    }
+
+    /// The checks that need no model: as many control images as ControlNets, a window inside
+    /// [0, 1] with its start before its end, every ControlNet folder and image present and
+    /// each image within `max_pixels` (from its header, before any pixel is decoded).
+    pub fn check(&self, max_pixels: u64) -> Result<(), UsageError> {
+        let (nets, images) = (self.controlnet.len(), self.control_image.len());
+        if nets == 0 {
+            if images > 0 || self.guess_mode {
+                return Err(UsageError(
+                    "--control-image and --guess-mode need a --controlnet".into(),
+                ));
+            }
+            if (self.control_guidance_start, self.control_guidance_end) != (0.0, 1.0) {
+                return Err(UsageError(
+                    "--control-guidance-start/--control-guidance-end need a --controlnet".into(),
+                ));
+            }
+            return Ok(());
+        }
+        if nets != images {
+            return Err(UsageError(format!(
+                "{nets} --controlnet and {images} --control-image: give one control image per \
+                 ControlNet, in the same order"
+            )));
+        }
+        let (start, end) = (self.control_guidance_start, self.control_guidance_end);
+        let inside = |v: f64| (0.0..=1.0).contains(&v);
+        if !inside(start) || !inside(end) || start >= end {
+            return Err(UsageError(format!(
+                "--control-guidance-start {start} and --control-guidance-end {end}: give a \
+                 window inside [0, 1] whose start is below its end"
+            )));
+        }
+        for spec in &self.controlnet {
+            if !spec.folder().join("config.json").is_file() {
+                return Err(UsageError(format!(
+                    "--controlnet {}: no ControlNet there; give a diffusers ControlNet folder \
+                     (config.json and diffusion_pytorch_model.safetensors) or its weights file",
+                    spec.path.display()
+                )));
+            }
+        }
+        for path in &self.control_image {
+            check_regular(path, "control image")
+                .map_err(|e| UsageError(format!("--control-image: {e}")))?;
+            let (w, h) = image::image_dimensions(path).map_err(|e| {
+                UsageError(format!(
+                    "--control-image {}: not an image this build reads (PNG, JPEG, WebP): {e}",
+                    path.display()
+                ))
+            })?;
+            if pixels_within(w as usize, h as usize, max_pixels).is_none() {
+                return Err(UsageError(format!(
+                    "pass --max-pixels N to read the control image {} ({w}x{h}): images are \
+                     limited to {max_pixels} pixels",
+                    path.display()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the ControlNets on `device`, weights in `dtype`.
+    pub fn load<B: Backend>(
+        &self,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Result<Vec<ControlNetModel<B>>, PipelineError> {
+        self.controlnet
+            .iter()
+            .map(|spec| {
+                Ok(ControlNetModel::from_dir_in(
+                    spec.folder(),
+                    None,
+                    dtype,
+                    device,
+                )?)
+            })
+            .collect()
+    }
+
+    /// The control request (images decoded), or `None` without ControlNets.
+    pub fn request(&self) -> Result<Option<ControlRequest>, PipelineError> {
+        if !self.active() {
+            return Ok(None);
+        }
+        let controls = self
+            .controlnet
+            .iter()
+            .zip(&self.control_image)
+            .map(|(spec, path)| {
+                Ok(Control {
+                    scale: f64::from(spec.scale),
+                    guidance_start: self.control_guidance_start,
+                    guidance_end: self.control_guidance_end,
+                    ..Control::new(load_image_as(path, "control image")?)
+                })
+            })
+            .collect::<Result<Vec<_>, PipelineError>>()?;
+        Ok(Some(ControlRequest {
+            controls,
+            guess_mode: self.guess_mode,
+        }))
+    }
+
+    /// The PNG's ControlNet fields, as A1111's ControlNet extension writes them (the
+    /// parameters text quotes each value).
+    pub fn png_fields(&self) -> Vec<(String, String)> {
+        let mode = if self.guess_mode {
+            "ControlNet is more important"
+        } else {
+            "Balanced"
+        };
+        self.controlnet
+            .iter()
+            .enumerate()
+            .map(|(k, spec)| {
+                (
+                    format!("ControlNet {k}"),
+                    format!(
+                        "Module: none, Model: {}, Weight: {}, Guidance Start: {}, Guidance \
+                         End: {}, Control Mode: {mode}",
+                        spec.name(),
+                        spec.scale,
+                        self.control_guidance_start,
+                        self.control_guidance_end
+                    ),
+                )
+            })
+            .collect()
+    }
+}

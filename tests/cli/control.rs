@@ -1,0 +1,212 @@
+//! `--controlnet`, `--control-image`, the guidance window and `--guess-mode` through txt2img
+//! against diffusers' `StableDiffusionControlNetPipeline` (tools/golden/make_controlnet.py),
+//! the PNG's A1111 ControlNet fields, and bad input refused before the model loads.
+
+use std::path::Path;
+
+use crate::common::{assert_png_close, fixtures, model_dir, stderr, txt2img};
+
+/// The golden settings (4 steps, seed 42, guidance 7.5, negative prompt "blurry") on tiny-sd1
+/// with `extra` flags into `out`; returns stderr and the exit code.
+fn run(out: &Path, extra: &[&str]) -> (String, Option<i32>) {
+    let model = model_dir("tiny-sd1");
+    let mut args = vec![
+        "--model",
+        model.to_str().unwrap(),
+        "--steps",
+        "4",
+        "--seed",
+        "42",
+        "--guidance",
+        "7.5",
+        "--negative-prompt",
+        "blurry",
+        "--quiet",
+        "-o",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    args.push("a photo of an astronaut riding a horse");
+    let result = txt2img(&args);
+    (stderr(&result), result.status.code())
+}
+
+fn paths() -> (String, String, String) {
+    let image = fixtures().join("golden").join("controlnet-input.png");
+    (
+        model_dir("tiny-controlnet-sd1").display().to_string(),
+        model_dir("tiny-controlnet-sd1-b").display().to_string(),
+        image.display().to_string(),
+    )
+}
+
+#[test]
+fn controlnet_flags_match_diffusers_and_are_recorded_in_the_png() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, image) = paths();
+    let single = tmp.path().join("single.png");
+    let (log, code) = run(&single, &["--controlnet", &a, "--control-image", &image]);
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&single).unwrap().to_rgb8(),
+        "controlnet-sd1-single.png",
+        2,
+    );
+
+    // Two ControlNets (the second through its weights file) sharing one window.
+    let b_file = format!("{b}/diffusion_pytorch_model.safetensors:0.5");
+    let shared = tmp.path().join("shared.png");
+    let (log, code) = run(
+        &shared,
+        &[
+            "--controlnet",
+            &format!("{a}:0.8"),
+            "--control-image",
+            &image,
+            "--controlnet",
+            &b_file,
+            "--control-image",
+            &image,
+            "--control-guidance-start",
+            "0.25",
+        ],
+    );
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&shared).unwrap().to_rgb8(),
+        "controlnet-sd1-shared.png",
+        2,
+    );
+    let bytes = std::fs::read(&shared).unwrap();
+    let text = oxidiff::pipelines::metadata::png_text(&bytes, "parameters")
+        .unwrap()
+        .unwrap();
+    for field in [
+        "ControlNet 0: \"Module: none, Model: tiny-controlnet-sd1, Weight: 0.8, Guidance Start: 0.25, Guidance End: 1, Control Mode: Balanced\"",
+        "ControlNet 1: \"Module: none, Model: tiny-controlnet-sd1-b, Weight: 0.5,",
+    ] {
+        assert!(text.contains(field), "{field} missing from {text}");
+    }
+
+    let guess = tmp.path().join("guess.png");
+    let (log, code) = run(
+        &guess,
+        &[
+            "--controlnet",
+            &format!("{a}:0.9"),
+            "--control-image",
+            &image,
+            "--guess-mode",
+        ],
+    );
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&guess).unwrap().to_rgb8(),
+        "controlnet-sd1-guess.png",
+        2,
+    );
+}
+
+#[test]
+fn bad_controlnet_input_is_one_line_before_anything_is_generated() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, _, image) = paths();
+    let out = tmp.path().join("out.png");
+    let missing = tmp.path().join("nope.png").display().to_string();
+    let not_image = model_dir("tiny-sd1")
+        .join("model_index.json")
+        .display()
+        .to_string();
+    let sd2 = model_dir("tiny-sd2").display().to_string();
+    let cases: Vec<(Vec<&str>, &str, i32)> = vec![
+        (
+            vec!["--controlnet", &a],
+            "1 --controlnet and 0 --control-image",
+            2,
+        ),
+        (
+            vec!["--control-image", &image],
+            "--control-image and --guess-mode need a --controlnet",
+            2,
+        ),
+        (
+            vec![
+                "--controlnet",
+                &a,
+                "--control-image",
+                &image,
+                "--control-image",
+                &image,
+            ],
+            "1 --controlnet and 2 --control-image",
+            2,
+        ),
+        (
+            vec!["--controlnet", &a, "--control-image", &missing],
+            "nope.png",
+            2,
+        ),
+        (
+            vec!["--controlnet", &a, "--control-image", &not_image],
+            "not an image",
+            2,
+        ),
+        (
+            vec![
+                "--controlnet",
+                &a,
+                "--control-image",
+                &image,
+                "--control-guidance-start",
+                "0.8",
+                "--control-guidance-end",
+                "0.5",
+            ],
+            "whose start is below its end",
+            2,
+        ),
+        (
+            vec![
+                "--controlnet",
+                &a,
+                "--control-image",
+                &image,
+                "--control-guidance-end",
+                "1.5",
+            ],
+            "inside [0, 1]",
+            2,
+        ),
+        (
+            vec!["--controlnet", &sd2, "--control-image", &image],
+            "no ControlNet there",
+            2,
+        ),
+    ];
+    for (flags, needle, want) in cases {
+        let (log, code) = run(&out, &flags);
+        assert_eq!(code, Some(want), "{flags:?}: {log}");
+        assert!(log.contains(needle), "{flags:?}: {log}");
+        assert!(log.lines().count() <= 3, "{log}");
+        assert!(!out.exists());
+    }
+    // A ControlNet of another base model: named after loading, before any step.
+    let model = model_dir("tiny-sd2");
+    let result = txt2img(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--controlnet",
+        &a,
+        "--control-image",
+        &image,
+        "-o",
+        out.to_str().unwrap(),
+        "x",
+    ]);
+    let log = stderr(&result);
+    assert_eq!(result.status.code(), Some(1), "{log}");
+    assert!(log.contains("made for another base model"), "{log}");
+    assert!(!out.exists());
+}
