@@ -328,3 +328,33 @@ fn lora_flag_fuses_like_diffusers_and_is_recorded_in_the_png() {
     );
     assert!(!bad.exists());
 }
+
+#[test]
+fn controlnet_flags_steer_image_to_image_and_inpainting_as_diffusers() {
+    // tools/golden/make_controlnet.py: strength 0.75, the first ControlNet at 0.8 over [0, 0.8].
+    let model = common::model_dir("tiny-sd1");
+    let net = format!("{}:0.8", common::model_dir("tiny-controlnet-sd1").display());
+    let control = golden("controlnet-input.png");
+    let mask = golden("inpaint-mask.png");
+    let flags = [
+        "--strength",
+        "0.75",
+        "--controlnet",
+        &net,
+        "--control-image",
+        control.to_str().unwrap(),
+        "--control-guidance-end",
+        "0.8",
+    ];
+    let log = check(&model, &flags, "controlnet-sd1-img2img.png");
+    assert!(
+        log.contains("StableDiffusionControlNetImg2ImgPipeline"),
+        "{log}"
+    );
+    let with_mask = [&flags[..], &["--mask", mask.to_str().unwrap()]].concat();
+    let log = check(&model, &with_mask, "controlnet-sd1-inpaint.png");
+    assert!(
+        log.contains("StableDiffusionControlNetInpaintPipeline"),
+        "{log}"
+    );
+}

@@ -1,5 +1,6 @@
 //! `StableDiffusionControlNetPipeline` against diffusers' (tools/golden/make_controlnet.py):
-//! one ControlNet, two with guidance windows, guess mode, each within 2 PNG levels; the control
+//! one ControlNet, two with guidance windows, guess mode, image to image and inpainting, each
+//! within 2 PNG levels; the control
 //! really changes the image; bad input (a ControlNet of another base model, control images not
 //! matching the ControlNets, bad windows) is refused before anything runs.
 
@@ -8,8 +9,9 @@ mod common;
 use common::{assert_png_close, fixtures, model_dir, png_level_diff, B};
 use oxidiff::models::ControlNetModel;
 use oxidiff::pipelines::{
-    Control, ControlRequest, GenerateRequest, LoadOptions, StableDiffusionControlNetPipeline,
-    StableDiffusionPipeline,
+    Control, ControlRequest, GenerateRequest, InpaintOptions, LoadOptions,
+    StableDiffusionControlNetImg2ImgPipeline, StableDiffusionControlNetInpaintPipeline,
+    StableDiffusionControlNetPipeline, StableDiffusionPipeline,
 };
 
 fn request() -> GenerateRequest<B> {
@@ -167,4 +169,40 @@ fn controlnets_of_another_model_and_bad_controls_are_refused() {
             .unwrap_or_default();
         assert!(err.contains(needle), "{needle}: {err}");
     }
+}
+
+#[test]
+fn controlnet_img2img_and_inpaint_match_diffusers() {
+    let golden = fixtures().join("golden");
+    let init = image::open(golden.join("img2img-input.png")).unwrap();
+    let mask = image::open(golden.join("inpaint-mask.png")).unwrap();
+    let control = ControlRequest {
+        controls: vec![Control {
+            scale: 0.8,
+            guidance_end: 0.8,
+            ..Control::new(control_image())
+        }],
+        guess_mode: false,
+    };
+    let mut img2img =
+        StableDiffusionControlNetImg2ImgPipeline::from(pipeline(&["tiny-controlnet-sd1"]));
+    let out = img2img.generate(&request(), &init, 0.75, &control).unwrap();
+    assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        "controlnet-sd1-img2img.png",
+        2,
+    );
+    let mut inpaint = StableDiffusionControlNetInpaintPipeline::from(img2img.pipe);
+    let options = InpaintOptions {
+        strength: 0.75,
+        padding_mask_crop: None,
+    };
+    let out = inpaint
+        .generate(&request(), &init, &mask, &options, &control)
+        .unwrap();
+    assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        "controlnet-sd1-inpaint.png",
+        2,
+    );
 }

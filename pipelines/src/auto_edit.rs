@@ -10,18 +10,22 @@ use std::path::Path;
 use burn::tensor::backend::Backend;
 use image::DynamicImage;
 use oxidiff_backend_tpu::Oxi;
-use oxidiff_models::AutoencoderKL;
+use oxidiff_models::{AutoencoderKL, ControlNetModel};
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, Scheduler};
 
 use crate::auto::PipelineFamily;
 use crate::compiled::CompileStats;
+use crate::control::ControlRequest;
 use crate::denoise::{GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::inpaint::InpaintOptions;
 use crate::loading::{pipeline_class, LoadOptions};
 use crate::lora::LoraReport;
 use crate::single_file::{single_file_pipeline_class, SingleFileOptions};
+use crate::stable_diffusion_controlnet::StableDiffusionControlNetPipeline;
+use crate::stable_diffusion_controlnet_img2img::StableDiffusionControlNetImg2ImgPipeline;
+use crate::stable_diffusion_controlnet_inpaint::StableDiffusionControlNetInpaintPipeline;
 use crate::stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 use crate::stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 use crate::stable_diffusion_xl::XlRequest;
@@ -44,6 +48,9 @@ pub struct EditOptions {
     pub negative_aesthetic_score: f64,
     /// Inpainting only: diffusers' `padding_mask_crop` (see [`InpaintOptions`]).
     pub padding_mask_crop: Option<usize>,
+    /// The controls of a pipeline with ControlNets (`with_controlnets`), one per ControlNet;
+    /// required by it, refused by the others.
+    pub control: Option<ControlRequest>,
 }
 
 impl Default for EditOptions {
@@ -54,6 +61,7 @@ impl Default for EditOptions {
             aesthetic_score: xl.aesthetic_score,
             negative_aesthetic_score: xl.negative_aesthetic_score,
             padding_mask_crop: None,
+            control: None,
         }
     }
 }
@@ -77,6 +85,22 @@ impl EditOptions {
             ));
         }
         Ok(())
+    }
+
+    /// The controls a ControlNet pipeline needs (`controlled`), or an error; refused when the
+    /// pipeline has no ControlNets.
+    fn control_for(&self, controlled: bool) -> Result<Option<&ControlRequest>> {
+        match (&self.control, controlled) {
+            (Some(control), true) => Ok(Some(control)),
+            (None, false) => Ok(None),
+            (None, true) => Err(PipelineError::InvalidInput(
+                "this pipeline has ControlNets: give their control images (EditOptions::control)"
+                    .into(),
+            )),
+            (Some(_), false) => Err(PipelineError::InvalidInput(
+                "control images need ControlNets: load them with `with_controlnets`".into(),
+            )),
+        }
     }
 
     /// The SDXL pipelines' options, at `strength`.
@@ -119,10 +143,12 @@ fn editing_family(class: &str, source: &Path, task: &'static str) -> Result<Pipe
 /// every editing pipeline does (loading by class, defaults, LoRA, compiled mode). `$task`
 /// names the task in errors.
 macro_rules! editing_pipeline {
-    ($(#[$doc:meta])* $name:ident, $sd:ident, $xl:ident, $task:literal) => {
+    ($(#[$doc:meta])* $name:ident, $sd:ident, $cn:ident, $xl:ident, $task:literal) => {
         $(#[$doc])*
         pub enum $name<B: Backend> {
             StableDiffusion(Box<$sd<B>>),
+            /// SD 1.x/2.x with ControlNets (`with_controlnets`).
+            StableDiffusionControlNet(Box<$cn<B>>),
             StableDiffusionXL(Box<$xl<B>>),
         }
 
@@ -168,10 +194,31 @@ macro_rules! editing_pipeline {
                 })
             }
 
+            /// The same pipeline steered by `controlnets` (SD 1.x/2.x for now), each checked
+            /// against the UNet.
+            pub fn with_controlnets(self, controlnets: Vec<ControlNetModel<B>>) -> Result<Self> {
+                match self {
+                    Self::StableDiffusion(pipe) => Ok(Self::StableDiffusionControlNet(Box::new(
+                        $cn::from(StableDiffusionControlNetPipeline::new(pipe.pipe, controlnets)?),
+                    ))),
+                    Self::StableDiffusionControlNet(pipe) => Self::StableDiffusion(Box::new(
+                        $sd::from(pipe.pipe.into_inner()),
+                    ))
+                    .with_controlnets(controlnets),
+                    Self::StableDiffusionXL(_) => Err(PipelineError::InvalidInput(format!(
+                        "ControlNets for SDXL {} are not implemented yet; they work with SD \
+                         1.x/2.x models",
+                        $task
+                    ))),
+                }
+            }
+
             /// Which family runs.
             pub fn family(&self) -> PipelineFamily {
                 match self {
-                    Self::StableDiffusion(_) => PipelineFamily::StableDiffusion,
+                    Self::StableDiffusion(_) | Self::StableDiffusionControlNet(_) => {
+                        PipelineFamily::StableDiffusion
+                    }
                     Self::StableDiffusionXL(_) => PipelineFamily::StableDiffusionXL,
                 }
             }
@@ -180,6 +227,7 @@ macro_rules! editing_pipeline {
             pub fn pipeline_class(&self) -> &'static str {
                 match self {
                     Self::StableDiffusion(_) => stringify!($sd),
+                    Self::StableDiffusionControlNet(_) => stringify!($cn),
                     Self::StableDiffusionXL(_) => stringify!($xl),
                 }
             }
@@ -188,6 +236,7 @@ macro_rules! editing_pipeline {
             pub fn defaults(&self) -> PipelineDefaults {
                 match self {
                     Self::StableDiffusion(pipe) => pipe.defaults(),
+                    Self::StableDiffusionControlNet(pipe) => pipe.defaults(),
                     Self::StableDiffusionXL(pipe) => pipe.defaults(),
                 }
             }
@@ -202,6 +251,7 @@ macro_rules! editing_pipeline {
             pub fn scheduler(&self) -> &dyn Scheduler<B> {
                 match self {
                     Self::StableDiffusion(pipe) => &*pipe.pipe.scheduler,
+                    Self::StableDiffusionControlNet(pipe) => &*pipe.pipe.scheduler,
                     Self::StableDiffusionXL(pipe) => &*pipe.pipe.scheduler,
                 }
             }
@@ -210,6 +260,7 @@ macro_rules! editing_pipeline {
             pub fn vae_mut(&mut self) -> &mut AutoencoderKL<B> {
                 match self {
                     Self::StableDiffusion(pipe) => &mut pipe.pipe.vae,
+                    Self::StableDiffusionControlNet(pipe) => &mut pipe.pipe.vae,
                     Self::StableDiffusionXL(pipe) => &mut pipe.pipe.vae,
                 }
             }
@@ -218,6 +269,7 @@ macro_rules! editing_pipeline {
             pub fn vae_scale_factor(&self) -> usize {
                 match self {
                     Self::StableDiffusion(pipe) => pipe.pipe.vae_scale_factor,
+                    Self::StableDiffusionControlNet(pipe) => pipe.pipe.vae_scale_factor,
                     Self::StableDiffusionXL(pipe) => pipe.pipe.vae_scale_factor,
                 }
             }
@@ -226,6 +278,7 @@ macro_rules! editing_pipeline {
             pub fn load_lora(&mut self, path: impl AsRef<Path>, scale: f32) -> Result<LoraReport> {
                 match self {
                     Self::StableDiffusion(pipe) => pipe.pipe.load_lora(path, scale),
+                    Self::StableDiffusionControlNet(pipe) => pipe.pipe.load_lora(path, scale),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.load_lora(path, scale),
                 }
             }
@@ -236,6 +289,7 @@ macro_rules! editing_pipeline {
             pub fn compile(&mut self) -> Result<()> {
                 match self {
                     Self::StableDiffusion(pipe) => pipe.pipe.compile(),
+                    Self::StableDiffusionControlNet(pipe) => pipe.pipe.compile(),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.compile(),
                 }
             }
@@ -245,6 +299,7 @@ macro_rules! editing_pipeline {
             pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
                 match self {
                     Self::StableDiffusion(pipe) => pipe.pipe.enable_parallelism(config),
+                    Self::StableDiffusionControlNet(pipe) => pipe.pipe.enable_parallelism(config),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.enable_parallelism(config),
                 }
             }
@@ -253,6 +308,7 @@ macro_rules! editing_pipeline {
             pub fn compile_stats(&self) -> Option<CompileStats> {
                 match self {
                     Self::StableDiffusion(pipe) => pipe.pipe.compile_stats(),
+                    Self::StableDiffusionControlNet(pipe) => pipe.pipe.compile_stats(),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.compile_stats(),
                 }
             }
@@ -266,6 +322,7 @@ editing_pipeline!(
     /// [`StableDiffusionXLImg2ImgPipeline`] (the refiner too).
     AutoPipelineForImage2Image,
     StableDiffusionImg2ImgPipeline,
+    StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionXLImg2ImgPipeline,
     "image to image"
 );
@@ -277,6 +334,7 @@ editing_pipeline!(
     /// one (the masked-latent method).
     AutoPipelineForInpainting,
     StableDiffusionInpaintPipeline,
+    StableDiffusionControlNetInpaintPipeline,
     StableDiffusionXLInpaintPipeline,
     "inpainting"
 );
@@ -293,7 +351,18 @@ impl<B: Backend> AutoPipelineForImage2Image<B> {
         callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let strength = options.strength_or(self.defaults());
+        let control = options.control_for(matches!(self, Self::StableDiffusionControlNet(_)))?;
         match self {
+            Self::StableDiffusionControlNet(pipe) => {
+                options.refuse_xl_fields()?;
+                if options.padding_mask_crop.is_some() {
+                    return Err(PipelineError::InvalidInput(
+                        "padding_mask_crop applies to inpainting, not to image to image".into(),
+                    ));
+                }
+                let control = control.cloned().unwrap_or_default();
+                pipe.generate_with(req, image, strength, &control, noise, callback)
+            }
             Self::StableDiffusion(pipe) => {
                 options.refuse_xl_fields()?;
                 if options.padding_mask_crop.is_some() {
@@ -330,7 +399,17 @@ impl<B: Backend> AutoPipelineForInpainting<B> {
         callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let strength = options.strength_or(self.defaults());
+        let control = options.control_for(matches!(self, Self::StableDiffusionControlNet(_)))?;
+        let inpaint = InpaintOptions {
+            strength,
+            padding_mask_crop: options.padding_mask_crop,
+        };
         match self {
+            Self::StableDiffusionControlNet(pipe) => {
+                options.refuse_xl_fields()?;
+                let control = control.cloned().unwrap_or_default();
+                pipe.generate_with(req, image, mask, &inpaint, &control, noise, callback)
+            }
             Self::StableDiffusion(pipe) => {
                 options.refuse_xl_fields()?;
                 let inpaint = InpaintOptions {

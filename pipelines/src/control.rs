@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use oxidiff_models::ControlNetModel;
+use oxidiff_models::{ControlNetModel, ControlResiduals};
 
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess_control;
@@ -104,21 +104,38 @@ impl ControlRequest {
     }
 }
 
-/// The prepared conditioning images, one per ControlNet: `[batch, 3, h, w]` in [0, 1] for
-/// guess mode with guidance (the ControlNet sees the conditional half), else the batch doubled
-/// for guidance as the UNet's (diffusers' `prepare_image`).
-pub struct PreparedControls<B: Backend> {
-    pub images: Vec<Tensor<B, 4>>,
+/// ControlNets and the controls of one call, as the editing pipelines take them.
+#[derive(Clone, Copy)]
+pub struct Controls<'a, B: Backend> {
+    pub nets: &'a [ControlNetModel<B>],
+    pub request: &'a ControlRequest,
 }
 
-impl<B: Backend> PreparedControls<B> {
+/// What each denoising step of a controlled run adds: the ControlNets with their prepared
+/// conditioning images (diffusers' `prepare_image`: `[batch, 3, h, w]` in [0, 1], doubled for
+/// guidance unless in guess mode) and the conditional half of the text context.
+pub struct ControlStep<'a, B: Backend> {
+    controls: Controls<'a, B>,
+    images: Vec<Tensor<B, 4>>,
+    positive: Tensor<B, 3>,
+    /// The steps the run takes (the guidance windows are fractions of them).
+    steps: usize,
+}
+
+impl<'a, B: Backend> ControlStep<'a, B> {
+    /// Prepares `controls` for a run of `steps` steps at `width x height` over a batch of
+    /// `batch` latents with the text `context` (`2 * batch` rows with guidance).
     pub fn new(
-        request: &ControlRequest,
+        controls: Controls<'a, B>,
         (width, height): (usize, usize),
         batch: usize,
-        guided: bool,
+        context: &Tensor<B, 3>,
+        steps: usize,
         device: &B::Device,
     ) -> Result<Self> {
+        let request = controls.request;
+        request.check(controls.nets.len())?;
+        let guided = context.dims()[0] == 2 * batch;
         let images = request
             .controls
             .iter()
@@ -133,7 +150,71 @@ impl<B: Backend> PreparedControls<B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { images })
+        let rows = context.dims()[0];
+        Ok(Self {
+            controls,
+            images,
+            positive: context.clone().narrow(0, rows - batch, batch),
+            steps,
+        })
+    }
+
+    /// The summed residuals of every ControlNet at step `i`: each scaled by its
+    /// conditioning scale inside its guidance window and by 0 outside it (diffusers'
+    /// `controlnet_keep`). `sample` is the scaled latents, `doubled` the UNet's batch (the
+    /// same twice with guidance), `context` the UNet's text.
+    pub fn residuals(
+        &self,
+        i: usize,
+        sample: &Tensor<B, 4>,
+        doubled: &Tensor<B, 4>,
+        timestep: &Tensor<B, 1>,
+        context: &Tensor<B, 3>,
+    ) -> Result<ControlResiduals<B>> {
+        let guided = doubled.dims()[0] == 2 * sample.dims()[0];
+        let guess = self.controls.request.guess_mode;
+        let mut sum: Option<ControlResiduals<B>> = None;
+        let each = self
+            .controls
+            .nets
+            .iter()
+            .zip(&self.controls.request.controls)
+            .zip(&self.images);
+        for ((net, control), image) in each {
+            let scale = if control.keeps(i, self.steps) {
+                control.scale
+            } else {
+                0.0
+            };
+            let residuals = if guess && guided {
+                // Only the conditional half is controlled; the unconditional half gets zeros.
+                net.forward(
+                    sample.clone(),
+                    timestep.clone(),
+                    self.positive.clone(),
+                    image.clone(),
+                    scale,
+                    true,
+                    None,
+                )?
+                .after_zeros()
+            } else {
+                net.forward(
+                    doubled.clone(),
+                    timestep.clone(),
+                    context.clone(),
+                    image.clone(),
+                    scale,
+                    guess,
+                    None,
+                )?
+            };
+            sum = Some(match sum {
+                None => residuals,
+                Some(sum) => sum + residuals,
+            });
+        }
+        sum.ok_or_else(|| PipelineError::InvalidInput("no ControlNet to run".into()))
     }
 }
 

@@ -72,6 +72,8 @@ pub mod pixart;
 pub mod stable_diffusion;
 pub mod stable_diffusion_3;
 pub mod stable_diffusion_controlnet;
+pub mod stable_diffusion_controlnet_img2img;
+pub mod stable_diffusion_controlnet_inpaint;
 pub mod stable_diffusion_img2img;
 pub mod stable_diffusion_inpaint;
 pub mod stable_diffusion_xl;
@@ -106,6 +108,8 @@ pub use single_file::{is_single_file, single_file_pipeline_class, SingleFileOpti
 pub use stable_diffusion::{guided_noise, GuidedStepInputs, StableDiffusionPipeline};
 pub use stable_diffusion_3::{Sd3PromptEmbeds, Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
 pub use stable_diffusion_controlnet::StableDiffusionControlNetPipeline;
+pub use stable_diffusion_controlnet_img2img::StableDiffusionControlNetImg2ImgPipeline;
+pub use stable_diffusion_controlnet_inpaint::StableDiffusionControlNetInpaintPipeline;
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds, XlRequest};

@@ -21,6 +21,7 @@ use oxidiff_schedulers::{
 use std::sync::Arc;
 
 use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::control::ControlStep;
 use crate::denoise::{
     check_request, decode_latents, negatives_for, DenoisingLoop, GenerateRequest, PipelineDefaults,
     PipelineOutput, StepInfo,
@@ -63,6 +64,48 @@ pub fn guided_noise<B: Backend>(
     let uncond = noise_pred.clone().narrow(0, 0, batch);
     let text = noise_pred.narrow(0, batch, batch);
     uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
+}
+
+/// [`guided_noise`] with ControlNets: their residuals at step `i` (from the 4-channel
+/// latents, doubled for guidance) added to the UNet's skip connections; an inpainting UNet
+/// gets its mask channels besides, as diffusers' ControlNet inpaint pipeline does. Eager.
+#[allow(clippy::too_many_arguments)]
+fn controlled_noise<B: Backend>(
+    unet: &UNet2DConditionModel<B>,
+    control: &ControlStep<'_, B>,
+    i: usize,
+    sample: Tensor<B, 4>,
+    inpaint: Option<&InpaintCondition<B>>,
+    timestep: Tensor<B, 1>,
+    context: &Tensor<B, 3>,
+    guidance: Tensor<B, 1>,
+) -> Result<Tensor<B, 4>> {
+    let batch = sample.dims()[0];
+    let guided = context.dims()[0] == 2 * batch;
+    let twice = |x: Tensor<B, 4>| {
+        if guided {
+            Tensor::cat(vec![x.clone(), x], 0)
+        } else {
+            x
+        }
+    };
+    let doubled = twice(sample.clone());
+    let residuals = control.residuals(i, &sample, &doubled, &timestep, context)?;
+    let unet_input = twice(InpaintCondition::unet_input(inpaint, sample));
+    let prediction = unet.forward_controlled(
+        unet_input,
+        timestep,
+        context.clone(),
+        None,
+        Some(&residuals),
+    )?;
+    Ok(if guided {
+        let uncond = prediction.clone().narrow(0, 0, batch);
+        let text = prediction.narrow(0, batch, batch);
+        uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
+    } else {
+        prediction
+    })
 }
 
 /// Stable Diffusion 1.x/2.x text-to-image.
@@ -287,6 +330,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             latents,
             &context,
             None,
+            None,
             req,
             noise,
             &mut callback,
@@ -303,12 +347,14 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         latents: Tensor<B, 4>,
         context: &Tensor<B, 3>,
         inpaint: Option<&InpaintCondition<B>>,
+        control: Option<&ControlStep<'_, B>>,
         req: &GenerateRequest<B>,
         noise: &mut dyn NoiseSource<B>,
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
+        let mut step = 0;
         let mut blended;
         let scheduler: &mut dyn Scheduler<B> = match inpaint {
             Some(condition) => {
@@ -327,6 +373,21 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         }
         .run(
             |model_input, timestep, guidance| {
+                // The loop calls this once per step, in order.
+                let i = step;
+                step += 1;
+                if let Some(control) = control {
+                    return controlled_noise(
+                        unet,
+                        control,
+                        i,
+                        model_input,
+                        inpaint,
+                        timestep,
+                        context,
+                        guidance,
+                    );
+                }
                 let model_input = InpaintCondition::unet_input(inpaint, model_input);
                 match compiled {
                     Some(denoiser) => {

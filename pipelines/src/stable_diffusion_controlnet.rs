@@ -10,18 +10,15 @@
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::FloatDType;
 use oxidiff_backend_tpu::Oxi;
-use oxidiff_models::{ControlNetModel, ControlResiduals, ToDevice};
+use oxidiff_models::{ControlNetModel, ToDevice};
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
 use crate::compiled::CompileStats;
-use crate::control::{check_downscale, ControlRequest, PreparedControls};
-use crate::denoise::{
-    check_request, decode_latents, DenoisingLoop, GenerateRequest, PipelineDefaults,
-    PipelineOutput, StepInfo,
-};
+use crate::control::{check_downscale, ControlRequest, ControlStep, Controls};
+use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
 use crate::stable_diffusion::StableDiffusionPipeline;
@@ -164,8 +161,6 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
         check_request(&sized, (width, height), f)?;
         let batch = req.prompts.len() * req.num_images_per_prompt;
         let context = pipe.encode_context(req)?.to_device(&pipe.device);
-        let guided = context.dims()[0] == 2 * batch;
-        let images = PreparedControls::new(control, (width, height), batch, guided, &pipe.device)?;
         pipe.scheduler.set_timesteps(req.num_inference_steps)?;
         pipe.scheduler.set_eta(req.eta);
         let latents = crate::denoise::initial_latents(
@@ -177,77 +172,27 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
             &pipe.device,
         )?;
         let timesteps = pipe.scheduler.timesteps().to_vec();
-        let n = timesteps.len();
-        // The conditional half of the context, for guess mode with guidance.
-        let positive = context.clone().narrow(0, context.dims()[0] - batch, batch);
-        let (unet, nets) = (&pipe.unet, &self.controlnets);
-        let mut step = 0;
-        let latents = DenoisingLoop {
-            scheduler: &mut *pipe.scheduler,
-            timesteps: &timesteps,
-            latents,
-            req,
-            device: &pipe.device,
-            noise,
-        }
-        .run(
-            |sample, timestep, guidance| {
-                // The loop calls this once per step, in order.
-                let i = step;
-                step += 1;
-                let unet_input = if guided {
-                    Tensor::cat(vec![sample.clone(), sample.clone()], 0)
-                } else {
-                    sample.clone()
-                };
-                let mut residuals: Option<ControlResiduals<B>> = None;
-                for ((net, c), image) in nets.iter().zip(&control.controls).zip(&images.images) {
-                    let scale = if c.keeps(i, n) { c.scale } else { 0.0 };
-                    let r = if control.guess_mode && guided {
-                        net.forward(
-                            sample.clone(),
-                            timestep.clone(),
-                            positive.clone(),
-                            image.clone(),
-                            scale,
-                            true,
-                            None,
-                        )?
-                        .after_zeros()
-                    } else {
-                        net.forward(
-                            unet_input.clone(),
-                            timestep.clone(),
-                            context.clone(),
-                            image.clone(),
-                            scale,
-                            control.guess_mode,
-                            None,
-                        )?
-                    };
-                    residuals = Some(match residuals {
-                        None => r,
-                        Some(sum) => sum + r,
-                    });
-                }
-                let prediction = unet.forward_controlled(
-                    unet_input,
-                    timestep,
-                    context.clone(),
-                    None,
-                    residuals.as_ref(),
-                )?;
-                Ok(if guided {
-                    let uncond = prediction.clone().narrow(0, 0, batch);
-                    let text = prediction.narrow(0, batch, batch);
-                    uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
-                } else {
-                    prediction
-                })
-            },
-            &mut callback,
+        let controls = Controls {
+            nets: &self.controlnets,
+            request: control,
+        };
+        let step = ControlStep::new(
+            controls,
+            (width, height),
+            batch,
+            &context,
+            timesteps.len(),
+            &pipe.device,
         )?;
-        let images = decode_latents(&pipe.vae, &latents, req.output)?;
-        Ok(PipelineOutput { latents, images })
+        pipe.denoise_and_decode(
+            &timesteps,
+            latents,
+            &context,
+            None,
+            Some(&step),
+            req,
+            noise,
+            &mut callback,
+        )
     }
 }

@@ -12,6 +12,7 @@ use burn::tensor::backend::Backend;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
+use crate::control::{ControlStep, Controls};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
@@ -77,6 +78,20 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
         image: &image::DynamicImage,
         strength: f64,
         noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        Self::generate_controlled_on(&mut self.pipe, req, image, strength, None, noise, callback)
+    }
+
+    /// [`generate_with`](Self::generate_with) with ControlNets (their control images resized
+    /// to the image's size), for the ControlNet image-to-image pipeline.
+    pub(crate) fn generate_controlled_on(
+        pipe: &mut StableDiffusionPipeline<B>,
+        req: &GenerateRequest<B>,
+        image: &image::DynamicImage,
+        strength: f64,
+        controls: Option<Controls<'_, B>>,
+        noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         check_strength(strength)?;
@@ -85,7 +100,6 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
                 "img2img starts from the image's latents; initial latents cannot be given".into(),
             ));
         }
-        let pipe = &mut self.pipe;
         let f = pipe.vae_scale_factor;
         let image = preprocess::<B>(image, req.width, req.height, f, &pipe.vae_device())?;
         let [_, _, h, w] = image.dims();
@@ -113,11 +127,15 @@ impl<B: Backend> StableDiffusionImg2ImgPipeline<B> {
             .scheduler
             .add_noise(init, first_noise, &timesteps[..1])?;
 
+        let control = controls
+            .map(|c| ControlStep::new(c, (w, h), batch, &context, timesteps.len(), &pipe.device))
+            .transpose()?;
         pipe.denoise_and_decode(
             &timesteps,
             latents,
             &context,
             None,
+            control.as_ref(),
             req,
             noise,
             &mut callback,

@@ -19,6 +19,7 @@ use burn::tensor::backend::Backend;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
+use crate::control::{ControlStep, Controls};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::Result;
 use crate::image::{preprocess, preprocess_mask};
@@ -112,14 +113,39 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
         mask: &image::DynamicImage,
         options: &InpaintOptions,
         noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        Self::generate_controlled_on(
+            &mut self.pipe,
+            req,
+            image,
+            mask,
+            options,
+            None,
+            noise,
+            callback,
+        )
+    }
+
+    /// [`generate_with_options`](Self::generate_with_options) with ControlNets (their
+    /// control images resized to the inpainted region's size), for the ControlNet inpaint
+    /// pipeline.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn generate_controlled_on(
+        pipe: &mut StableDiffusionPipeline<B>,
+        req: &GenerateRequest<B>,
+        image: &image::DynamicImage,
+        mask: &image::DynamicImage,
+        options: &InpaintOptions,
+        controls: Option<Controls<'_, B>>,
+        noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let strength = options.strength;
         check_strength(strength)?;
         check_strength_steps(strength, req.num_inference_steps)?;
         check_mask_size(image, mask)?;
-        let channels = inpaint_channels(self.unet_in_channels())?;
-        let pipe = &mut self.pipe;
+        let channels = inpaint_channels(pipe.unet.conv_in.weight.dims()[1])?;
         let f = pipe.vae_scale_factor;
         let vae_device = pipe.vae_device();
         let (original, original_mask) = (image, mask);
@@ -172,11 +198,15 @@ impl<B: Backend> StableDiffusionInpaintPipeline<B> {
             noise,
             &pipe.device,
         )?;
+        let control = controls
+            .map(|c| ControlStep::new(c, (w, h), batch, &context, timesteps.len(), &pipe.device))
+            .transpose()?;
         let mut out = pipe.denoise_and_decode(
             &timesteps,
             latents,
             &context,
             Some(&condition),
+            control.as_ref(),
             req,
             noise,
             &mut callback,

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
 use clap::Parser;
+use oxidiff::cli::control::ControlArgs;
 use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, OutputError};
 use oxidiff::cli::usage::{self, DEFAULT_MAX_PIXELS};
 use oxidiff::cli::vae::VaeArgs;
@@ -17,6 +18,7 @@ use oxidiff::files::check_regular;
 use oxidiff::pipelines::image::{load_image, load_mask};
 use oxidiff::pipelines::lora::prompt_with_tags;
 use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
+use oxidiff::pipelines::PipelineFamily;
 use oxidiff::pipelines::{
     is_single_file, resolve_model, AutoPipelineForImage2Image, AutoPipelineForInpainting,
     EditOptions, GenerateRequest, GenerationParameters, Images, LoadOptions, LoraReport, LoraSpec,
@@ -112,6 +114,8 @@ struct Args {
     lora: Vec<LoraSpec>,
     #[command(flatten)]
     vae: VaeArgs,
+    #[command(flatten)]
+    control: ControlArgs,
 }
 
 /// Fuses each `--lora` with `load` (the pipeline's `load_lora`), before any compile.
@@ -183,6 +187,12 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     usage::finite("--negative-aesthetic-score", args.negative_aesthetic_score)?;
     usage::steps("--steps", args.steps)?;
     usage::image_size("--width/--height", args.width, args.height, args.max_pixels)?;
+    args.control.check(args.max_pixels)?;
+    if args.control.active() && args.compile {
+        return Err(UsageError(
+            "--controlnet runs eagerly for now: drop --compile".into(),
+        ));
+    }
     Ok(())
 }
 
@@ -295,6 +305,7 @@ fn run(args: Args) -> Result<()> {
     } = edited;
     let images: Images = output_images.context("the pipeline returned no images")?;
     let mut extra = vec![("Denoising strength".into(), strength.to_string())];
+    extra.extend(args.control.png_fields());
     extra.extend(closing_fields(&loras));
     let parameters = GenerationParameters {
         prompt: prompt_with_tags(&args.prompt, &loras),
@@ -416,6 +427,16 @@ fn edit<B: EditBackend>(
 ) -> Result<Edited> {
     let mut editor = Editor::<B>::load(source, mask.is_some(), device)
         .with_context(|| format!("loading {}", args.model))?;
+    if args.control.active() {
+        let nets = args
+            .control
+            .load::<B>(burn::tensor::FloatDType::F32, device)
+            .context("loading --controlnet")?;
+        editor = match editor {
+            Editor::Image2Image(pipe) => Editor::Image2Image(pipe.with_controlnets(nets)?),
+            Editor::Inpainting(pipe) => Editor::Inpainting(pipe.with_controlnets(nets)?),
+        };
+    }
     let loras = fuse_loras(
         &args.lora,
         |p, s| each!(&mut editor, pipe => pipe.load_lora(p, s)),
@@ -428,11 +449,21 @@ fn edit<B: EditBackend>(
         args.vae.apply(pipe.vae_mut(), factor)
     })?;
     let defaults = each!(&editor, pipe => pipe.defaults());
+    // The aesthetic scores are SDXL refiners' (the library refuses them elsewhere); img2img
+    // leaves them out for other models, as its help says.
+    let xl = each!(&editor, pipe => pipe.family()) == PipelineFamily::StableDiffusionXL;
+    let refiner_scores = if xl {
+        (args.aesthetic_score, args.negative_aesthetic_score)
+    } else {
+        let d = EditOptions::default();
+        (d.aesthetic_score, d.negative_aesthetic_score)
+    };
     let options = EditOptions {
         strength: args.strength,
-        aesthetic_score: args.aesthetic_score,
-        negative_aesthetic_score: args.negative_aesthetic_score,
+        aesthetic_score: refiner_scores.0,
+        negative_aesthetic_score: refiner_scores.1,
         padding_mask_crop: args.padding_mask_crop,
+        control: args.control.request()?,
     };
     let strength = options.strength_or(defaults);
     let guidance = args.guidance.unwrap_or(defaults.guidance_scale);

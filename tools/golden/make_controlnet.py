@@ -20,6 +20,9 @@ Writes:
   one ControlNet at scale 1; both at scales 0.8 and 0.5 with guidance windows [0, 0.75] and
   [0.25, 1]; one in guess mode at scale 0.9; both at 0.8 and 0.5 sharing the window [0.25, 1]
   (what txt2img's one pair of window flags gives).
+- tests/fixtures/golden/controlnet-sd1-{img2img,inpaint}.png: `StableDiffusionControlNetImg2Img`
+  and `...InpaintPipeline` on golden/img2img-input.png (and inpaint-mask.png) with the first
+  ControlNet at scale 0.8 over [0, 0.8], strength 0.75, otherwise as above.
 Reruns give identical bytes.
 """
 import os
@@ -117,6 +120,21 @@ def main():
                    generator=torch.Generator().manual_seed(42), **run).images[0]
         out.save(os.path.join(sd.GOLDEN, f"controlnet-sd1-{name}.png"))
         info["runs"][name] = {k: v for k, v in run.items()}
+    # Image to image and inpainting (tiny-sd1's 4-channel UNet: the masked-latent method) with
+    # the first ControlNet at scale 0.8 over [0, 0.8], strength 0.75.
+    from diffusers import StableDiffusionControlNetImg2ImgPipeline, StableDiffusionControlNetInpaintPipeline
+    init = PIL.Image.open(os.path.join(sd.GOLDEN, "img2img-input.png")).convert("RGB")
+    mask = PIL.Image.open(os.path.join(sd.GOLDEN, "inpaint-mask.png"))
+    edit = dict(negative_prompt="blurry", num_inference_steps=4, guidance_scale=7.5, strength=0.75,
+                controlnet_conditioning_scale=0.8, control_guidance_end=0.8)
+    for name, cls, extra in [("img2img", StableDiffusionControlNetImg2ImgPipeline, {}),
+                             ("inpaint", StableDiffusionControlNetInpaintPipeline, {"mask_image": mask})]:
+        pipe = cls.from_pretrained(base, controlnet=nets[0], safety_checker=None, local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        out = pipe(PROMPT, image=init, control_image=image, generator=torch.Generator().manual_seed(42),
+                   **extra, **edit).images[0]
+        out.save(os.path.join(sd.GOLDEN, f"controlnet-sd1-{name}.png"))
+    info["edit"] = edit
     save_json(os.path.join(sd.GOLDEN, "controlnet.json"), info)
 
 
