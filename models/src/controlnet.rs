@@ -19,7 +19,10 @@ use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::{ModelError, Result};
 use crate::nn::{Conv2d, ConvSpec};
 use crate::unet_2d_blocks::{DownBlock, MidBlock};
-use crate::unet_2d_condition::{AddedCondition, UNet2DConditionConfig, UNet2DConditionModel};
+use crate::unet_2d_condition::UNet2DConditionModel;
+use crate::unet_2d_condition_config::UNet2DConditionConfig;
+use crate::unet_conditioning::AddedCondition;
+pub use crate::unet_conditioning::ControlResiduals;
 use crate::unet_layout::{
     check_added_condition, embed_added, embed_time, TimeEmbeddings, UNetLayout,
 };
@@ -172,43 +175,6 @@ impl<B: Backend> ControlNetConditioningEmbedding<B> {
             x = burn::tensor::activation::silu(block.forward(x));
         }
         self.conv_out.forward(x)
-    }
-}
-
-/// What a ControlNet adds to a UNet: one residual per skip connection and one for the mid
-/// block's output (diffusers' `down_block_res_samples` / `mid_block_res_sample`).
-#[derive(Debug, Clone)]
-pub struct ControlResiduals<B: Backend> {
-    pub down: Vec<Tensor<B, 4>>,
-    pub mid: Tensor<B, 4>,
-}
-
-/// The sum of two ControlNets' residuals (diffusers' `MultiControlNetModel`).
-impl<B: Backend> std::ops::Add for ControlResiduals<B> {
-    type Output = Self;
-
-    fn add(self, other: Self) -> Self {
-        Self {
-            down: self
-                .down
-                .into_iter()
-                .zip(other.down)
-                .map(|(a, b)| a + b)
-                .collect(),
-            mid: self.mid + other.mid,
-        }
-    }
-}
-
-impl<B: Backend> ControlResiduals<B> {
-    /// Zeros for the unconditional half of a guided batch, then these (guess mode with
-    /// classifier-free guidance: only the conditional half is controlled).
-    pub fn after_zeros(self) -> Self {
-        let pad = |r: Tensor<B, 4>| Tensor::cat(vec![r.zeros_like(), r], 0);
-        Self {
-            down: self.down.into_iter().map(pad).collect(),
-            mid: pad(self.mid),
-        }
     }
 }
 

@@ -32,6 +32,8 @@ pub mod transformer_flux;
 pub mod transformer_sd3;
 pub mod unet_2d_blocks;
 pub mod unet_2d_condition;
+pub mod unet_2d_condition_config;
+pub mod unet_conditioning;
 mod unet_layout;
 pub mod vae_tiling;
 pub mod var_builder;

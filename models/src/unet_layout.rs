@@ -18,7 +18,8 @@ use crate::unet_2d_blocks::{
     CrossAttnDownBlock2D, DownBlock, DownBlock2D, DownBlockSpec, MidBlock, ResnetSettings,
     UNetMidBlock2D, UNetMidBlock2DCrossAttn,
 };
-use crate::unet_2d_condition::{AddedCondition, UNet2DConditionConfig};
+use crate::unet_2d_condition_config::UNet2DConditionConfig;
+use crate::unet_conditioning::AddedCondition;
 use crate::var_builder::VarBuilder;
 
 /// The per-block settings of a (validated) UNet config, expanded to one entry per block.
