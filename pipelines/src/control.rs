@@ -159,9 +159,10 @@ impl<'a, B: Backend> ControlStep<'a, B> {
         })
     }
 
-    /// The summed residuals of every ControlNet at step `i`: each scaled by its
-    /// conditioning scale inside its guidance window and by 0 outside it (diffusers'
-    /// `controlnet_keep`). `sample` is the scaled latents, `doubled` the UNet's batch (the
+    /// The summed residuals of the ControlNets whose guidance window holds step `i`, each
+    /// scaled by its conditioning scale; `None` when no window holds it. diffusers runs a
+    /// ControlNet outside its window too and multiplies its residuals by 0 (`controlnet_keep`);
+    /// adding nothing is the same sum without the ControlNet's cost. `sample` is the scaled latents, `doubled` the UNet's batch (the
     /// same twice with guidance), `context` the UNet's text.
     pub fn residuals(
         &self,
@@ -170,7 +171,7 @@ impl<'a, B: Backend> ControlStep<'a, B> {
         doubled: &Tensor<B, 4>,
         timestep: &Tensor<B, 1>,
         context: &Tensor<B, 3>,
-    ) -> Result<ControlResiduals<B>> {
+    ) -> Result<Option<ControlResiduals<B>>> {
         let guided = doubled.dims()[0] == 2 * sample.dims()[0];
         let guess = self.controls.request.guess_mode;
         let mut sum: Option<ControlResiduals<B>> = None;
@@ -180,12 +181,8 @@ impl<'a, B: Backend> ControlStep<'a, B> {
             .iter()
             .zip(&self.controls.request.controls)
             .zip(&self.images);
-        for ((net, control), image) in each {
-            let scale = if control.keeps(i, self.steps) {
-                control.scale
-            } else {
-                0.0
-            };
+        for ((net, control), image) in each.filter(|((_, c), _)| c.keeps(i, self.steps)) {
+            let scale = control.scale;
             let residuals = if guess && guided {
                 // Only the conditional half is controlled; the unconditional half gets zeros.
                 net.forward(
@@ -214,7 +211,7 @@ impl<'a, B: Backend> ControlStep<'a, B> {
                 Some(sum) => sum + residuals,
             });
         }
-        sum.ok_or_else(|| PipelineError::InvalidInput("no ControlNet to run".into()))
+        Ok(sum)
     }
 }
 

@@ -61,8 +61,18 @@ pub fn guided_noise<B: Backend>(
         timestep,
         context,
     );
-    let uncond = noise_pred.clone().narrow(0, 0, batch);
-    let text = noise_pred.narrow(0, batch, batch);
+    combine_halves(noise_pred, batch, guidance)
+}
+
+/// `uncond + guidance * (text - uncond)` over a doubled batch's prediction (negative half
+/// first), `guidance` a `[1]` tensor (a runtime input of compiled steps).
+fn combine_halves<B: Backend>(
+    prediction: Tensor<B, 4>,
+    batch: usize,
+    guidance: Tensor<B, 1>,
+) -> Tensor<B, 4> {
+    let uncond = prediction.clone().narrow(0, 0, batch);
+    let text = prediction.narrow(0, batch, batch);
     uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
 }
 
@@ -97,12 +107,10 @@ fn controlled_noise<B: Backend>(
         timestep,
         context.clone(),
         None,
-        Some(&residuals),
+        residuals.as_ref(),
     )?;
     Ok(if guided {
-        let uncond = prediction.clone().narrow(0, 0, batch);
-        let text = prediction.narrow(0, batch, batch);
-        uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
+        combine_halves(prediction, batch, guidance)
     } else {
         prediction
     })

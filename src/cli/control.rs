@@ -43,16 +43,13 @@ impl ControlNetSpec {
         }
     }
 
-    /// The name the PNG records: the folder's (or file's) name.
+    /// The name the PNG records: the ControlNet folder's.
     pub fn name(&self) -> String {
-        let path = if self.path.is_file() {
-            self.folder()
-        } else {
-            &self.path
-        };
-        path.file_name()
+        let folder = self.folder();
+        folder
+            .file_name()
             .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| self.path.display().to_string())
+            .unwrap_or_else(|| folder.display().to_string())
     }
 }
 
