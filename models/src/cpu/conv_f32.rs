@@ -16,10 +16,16 @@ const TILE_COLUMNS: usize = 1024;
 /// convolution runs one sample at a time and gemm splits each product across the threads.
 const NARROW_TILE: usize = 256;
 
-/// Below this many input positions (`n * h * w`) a 3x3 convolution takes the im2col path:
-/// transforming the weights on every call (`16 * c_out * c_in` values) then costs more than the
-/// 2.25x fewer multiplies save.
+/// Below this many input positions (`PLANNED_SAMPLES * h * w`) a 3x3 convolution takes the
+/// im2col path: transforming the weights on every call (`16 * c_out * c_in` values) then costs
+/// more than the 2.25x fewer multiplies save.
 const WINOGRAD_MIN_POSITIONS: usize = 1024;
+
+/// The batch the kernel and the tiles are chosen for, whatever the real batch: two samples,
+/// one image with classifier-free guidance. Planning from the real batch would give a sample
+/// other tiles (other gemm shapes, so other roundings) in a batch of 4 than alone, and images
+/// made in a batch would differ from the same images made one by one.
+const PLANNED_SAMPLES: usize = 2;
 
 /// Which kernel `nn::Conv2d` uses on burn-flex in f32, from `OXIDIFF_CPU_CONV` (read once): `burn`
 /// (Burn's own `conv2d`), `im2col` (this module without Winograd) or, by default, `winograd`
@@ -88,7 +94,7 @@ pub(crate) fn conv2d_nchw_f32(
         && s == 1
         && p == 1
         && path == ConvPath::Winograd
-        && n * h * w >= WINOGRAD_MIN_POSITIONS
+        && PLANNED_SAMPLES * h * w >= WINOGRAD_MIN_POSITIONS
     {
         let u = winograd::transform_weight(weight.storage(), c_out, c_in);
         winograd::conv(x.storage(), &u, &mut out, n, c_in, c_out, h, w);
@@ -176,8 +182,9 @@ impl Problem<'_> {
         use rayon::prelude::*;
         let threads = rayon::current_num_threads();
         let mut rows = (TILE_COLUMNS / self.w_out).clamp(1, self.h_out);
-        // With several threads, about four tiles per thread where the rows allow.
-        while threads > 1 && rows > 1 && n * self.h_out.div_ceil(rows) < 4 * threads {
+        // With several threads, about four tiles per thread where the rows allow (for the
+        // planned batch: a sample's tiles do not depend on the batch it is in).
+        while threads > 1 && rows > 1 && PLANNED_SAMPLES * self.h_out.div_ceil(rows) < 4 * threads {
             rows = rows.div_ceil(2);
         }
         if threads > 1 && rows * self.w_out < NARROW_TILE {
@@ -363,7 +370,7 @@ impl Im2col {
 mod winograd {
     use rayon::prelude::*;
 
-    use super::OutPtr;
+    use super::{OutPtr, PLANNED_SAMPLES};
 
     /// Tiles (2x2 output blocks) per gemm column block.
     const TILE_CHUNK: usize = 256;
@@ -415,7 +422,10 @@ mod winograd {
         let (th, tw) = (h.div_ceil(2), w.div_ceil(2));
         let mut rows_per_chunk = (TILE_CHUNK / tw).clamp(1, th);
         let threads = rayon::current_num_threads();
-        while threads > 1 && rows_per_chunk > 1 && n * th.div_ceil(rows_per_chunk) < 4 * threads {
+        while threads > 1
+            && rows_per_chunk > 1
+            && PLANNED_SAMPLES * th.div_ceil(rows_per_chunk) < 4 * threads
+        {
             rows_per_chunk = rows_per_chunk.div_ceil(2);
         }
         let chunks = th.div_ceil(rows_per_chunk);

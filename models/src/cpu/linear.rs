@@ -132,16 +132,43 @@ fn few_rows_f32<B: Backend, const D: usize>(
     let [d_in, d_out] = weight.dims();
     let rows = x.shape().num_elements() / d_in.max(1);
     let x = x.reshape([rows, d_in]);
+    let columns = invariant_columns(rows, d_out, d_in);
+    let x = if columns > rows {
+        let zeros = Tensor::zeros([columns - rows, d_in], &x.device());
+        Tensor::cat(vec![x, zeros], 0)
+    } else {
+        x
+    };
     let out_t = weight.transpose().matmul(x.transpose()).unsqueeze::<3>();
     let out = super::elementwise::transpose(out_t)
         .unwrap_or_else(|t| t.swap_dims(1, 2))
-        .reshape([rows, d_out]);
+        .reshape([columns, d_out]);
+    let out = if columns > rows {
+        out.narrow(0, 0, rows)
+    } else {
+        out
+    };
     let out = match bias {
         Some(bias) => out + bias.unsqueeze::<2>(),
         None => out,
     };
     dims[D - 1] = d_out;
     out.reshape(dims)
+}
+
+/// How many columns (rows of `x`, padded with zeros) a product of `m` outputs over `k` inputs
+/// is computed with, so that every row of `x` is rounded the same whatever the row count, and a
+/// batch's images equal the same images made alone. The `gemm` crate takes other kernels, with
+/// other summation orders, for small products: a matrix-vector product for one column, dot
+/// products while `m * n <= 256`, and 512-deep blocks instead of evenly split ones while both
+/// sides are at most 64 (which changes sums only for `k > 512`). Padding past those bounds
+/// costs little: those products are the ones with few rows.
+fn invariant_columns(rows: usize, m: usize, k: usize) -> usize {
+    let mut columns = rows.max(2).max(256 / m.max(1) + 1);
+    if k > 512 && m <= 64 {
+        columns = columns.max(65);
+    }
+    columns
 }
 
 /// Where a weight's values lie: its storage, and its layout in it.
