@@ -65,6 +65,7 @@ pub use oxidiff_models::ToDevice;
 pub type Cpu = burn_flex::Flex;
 
 pub mod cli;
+pub mod execution;
 pub mod files;
 pub mod latents;
 

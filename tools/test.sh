@@ -12,6 +12,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 tools/fetch-plugins.sh
 tools/fetch-terrain.sh
+tools/fetch-chromium.sh
 if [[ "${OXIDIFF_SKIP_EVCXR:-0}" != 1 ]]; then
     tools/fetch-evcxr.sh
 fi

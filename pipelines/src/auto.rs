@@ -11,7 +11,7 @@ use burn::tensor::backend::Backend;
 use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::{AutoencoderKL, ControlNetModel};
 use oxidiff_parallel::ParallelConfig;
-use oxidiff_schedulers::{NoiseSource, Scheduler};
+use oxidiff_schedulers::{scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig};
 
 use crate::compiled::CompileStats;
 use crate::control::ControlRequest;
@@ -231,6 +231,23 @@ impl<B: Backend> AutoPipeline<B> {
     /// The scheduler the loop runs.
     pub fn scheduler(&self) -> &dyn Scheduler<B> {
         each!(self, pipe => &*pipe.scheduler)
+    }
+
+    /// The scheduler's config: the checkpoint's, or as [`LoadOptions::scheduler`] switched it.
+    pub fn scheduler_config(&self) -> &SchedulerConfig {
+        each!(self, pipe => &pipe.scheduler_config)
+    }
+
+    /// Runs `config`'s scheduler from now on (diffusers' `pipe.scheduler =
+    /// XScheduler.from_config(...)`); [`SchedulerConfig::switched_to_named`] makes one from a
+    /// sampler name.
+    pub fn set_scheduler_config(&mut self, config: SchedulerConfig) -> Result<()> {
+        let scheduler = scheduler_from_config(&config)?;
+        each!(self, pipe => {
+            pipe.scheduler = scheduler;
+            pipe.scheduler_config = config;
+        });
+        Ok(())
     }
 
     /// The VAE, for its tiling and slicing ([`AutoencoderKL::enable_tiling`]).

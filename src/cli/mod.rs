@@ -1,7 +1,7 @@
-//! What the `txt2img` and `img2img` binaries share and the library does not need: usage checks
-//! made before any model loads, output files created exclusively, reading input files with a
-//! size limit, and one-message error reports. Errors are typed here; the binaries wrap them in
-//! `anyhow` and map a [`UsageError`] to exit status 2.
+//! What the binaries (`txt2img`, `img2img`, `oxidiff-server`) share and the library does not
+//! need: usage checks made before any model loads, output files created exclusively, reading
+//! input files with a size limit, and one-message error reports. Errors are typed here; the
+//! binaries wrap them in `anyhow` and map a [`UsageError`] to exit status 2.
 
 pub mod control;
 pub mod output;
@@ -13,7 +13,7 @@ pub use usage::UsageError;
 use std::path::Path;
 
 use oxidiff_pipelines::lora::hashes_field;
-use oxidiff_pipelines::LoraReport;
+use oxidiff_pipelines::{LoraReport, PipelineDefaults};
 
 /// `error`'s message and its causes as one line, each cause once: a cause whose text the
 /// message already holds (an I/O error repeated by its wrapper) is left out.
@@ -64,6 +64,26 @@ pub fn closing_fields(loras: &[LoraReport]) -> Vec<(String, String)> {
         format!("oxidiff {}", env!("CARGO_PKG_VERSION")),
     ));
     fields
+}
+
+/// The steps and guidance of a run that names neither: diffusers' defaults of the pipeline
+/// (`defaults`), except for sd-turbo, run as its model card says (1 step, no guidance).
+pub fn run_defaults(model: &str, defaults: &PipelineDefaults) -> (usize, f64) {
+    if model.trim_end_matches('/').ends_with("sd-turbo") {
+        (1, 0.0)
+    } else {
+        (defaults.num_inference_steps, defaults.guidance_scale)
+    }
+}
+
+/// A seed from the clock and process id for runs that give none (printed or recorded so they
+/// can be made again), below 2^53 so that JSON numbers keep it exact.
+pub fn random_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    (nanos ^ ((std::process::id() as u64) << 32)) % (1 << 53)
 }
 
 /// What a PNG records of a path the user gave: its last component (a file or folder name says

@@ -2,12 +2,12 @@
 //! 1.x/2.x, SDXL, SD3/SD3.5, PixArt-Alpha/Sigma or Flux.1, picked by `model_index.json`'s `_class_name`.
 //!
 //! The binary is argument parsing ([`args`], [`from_png`]), the progress line ([`progress`]),
-//! output files ([`output`]) and the run itself ([`run`]) over the [`pipeline`] dispatch.
+//! output files ([`output`]) and the run itself ([`run`]), on the backend `--device` names
+//! ([`oxidiff::execution`]).
 
 mod args;
 mod from_png;
 mod output;
-mod pipeline;
 mod progress;
 mod run;
 

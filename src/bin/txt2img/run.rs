@@ -8,7 +8,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff::cli::usage;
-use oxidiff::cli::{closing_fields, file_name, model_name, UsageError};
+use oxidiff::cli::{closing_fields, file_name, model_name, random_seed, run_defaults, UsageError};
+use oxidiff::execution::{Execution, PipelineBackend};
 use oxidiff::latents::{encode_npy, read_latents};
 use oxidiff::pipelines::host::read_f32;
 use oxidiff::pipelines::hub::resolve_model_with_progress;
@@ -27,7 +28,6 @@ use oxidiff::{Cpu, Oxi, OxiDevice};
 use crate::args::{Args, OutputKind, Precision, DEFAULT_OUTPUT, REDUCED_PRECISION_CLASSES};
 use crate::from_png::{apply_from_png, LATENTS_FIELD};
 use crate::output::{display, Outputs};
-use crate::pipeline::CliBackend;
 use crate::progress::Progress;
 use crate::INTERRUPTED;
 
@@ -294,7 +294,7 @@ struct Job<'a> {
 }
 
 /// Loads the pipeline on backend `B`, generates every batch, writes the files and reports.
-fn generate<B: CliBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
+fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
     let Job {
         args,
         progress,
@@ -347,22 +347,18 @@ fn generate<B: CliBackend>(job: Job<'_>, device: &B::Device) -> Result<()> {
             .context("loading --controlnet")?;
         pipe = pipe.with_controlnets(nets)?;
     }
-    B::prepare(&mut pipe, args)?;
+    B::prepare(
+        &mut pipe,
+        Execution::from_flags(args.compile, args.dp, args.tp),
+    )?;
     let factor = pipe.vae_scale_factor();
     args.vae.apply(pipe.vae_mut(), factor)?;
     let loaded = started.elapsed();
     tracing::info!(seconds = loaded.as_secs_f64(), %class, "loaded");
     // diffusers' defaults of the pipeline; sd-turbo is run as its model card says.
-    let defaults = pipe.defaults();
-    let turbo = args.model.trim_end_matches('/').ends_with("sd-turbo");
-    let steps = args.steps.unwrap_or(if turbo {
-        1
-    } else {
-        defaults.num_inference_steps
-    });
-    let guidance = args
-        .guidance
-        .unwrap_or(if turbo { 0.0 } else { defaults.guidance_scale });
+    let (default_steps, default_guidance) = run_defaults(&args.model, &pipe.defaults());
+    let steps = args.steps.unwrap_or(default_steps);
+    let guidance = args.guidance.unwrap_or(default_guidance);
     let request = GenerateRequest {
         prompts: vec![prompt.clone()],
         negative_prompts: if negative_prompt.is_empty() {
@@ -545,14 +541,4 @@ fn interrupt_token() -> Result<CancelToken> {
     })
     .context("installing the Ctrl-C handler")?;
     Ok(cancel)
-}
-
-/// A seed from the clock and process id, for runs without `--seed` (printed so they can be
-/// reproduced).
-fn random_seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    (nanos ^ ((std::process::id() as u64) << 32)) % (1 << 53)
 }

@@ -1,0 +1,84 @@
+//! How a binary runs a loaded [`AutoPipeline`]: eagerly, or compiled (optionally spread over
+//! several devices), on the plain CPU backend ([`Cpu`]) or on [`Oxi`]. `txt2img` and
+//! `oxidiff-server` share it, so both report compiled mode the same way.
+
+use burn::tensor::backend::Backend;
+use oxidiff_pipelines::compiled::CompileStats;
+use oxidiff_pipelines::parallel::ParallelConfig;
+use oxidiff_pipelines::{AutoPipeline, Result};
+
+use crate::{Cpu, Oxi};
+
+/// Eager (each op at once) or compiled (the denoiser as one XLA program per input signature).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Execution {
+    #[default]
+    Eager,
+    /// Compiled, over the devices `parallel` names (1 x 1: one device).
+    Compiled { parallel: (usize, usize) },
+}
+
+impl Execution {
+    /// From the binaries' flags: `--compile`, `--dp`, `--tp`.
+    pub fn from_flags(compile: bool, dp: usize, tp: usize) -> Self {
+        if compile {
+            Self::Compiled { parallel: (dp, tp) }
+        } else {
+            Self::Eager
+        }
+    }
+}
+
+/// A backend a binary runs pipelines on: what it needs beyond Burn's [`Backend`].
+pub trait PipelineBackend: Backend {
+    /// Applies `execution` to a loaded pipeline. Compiled mode on a backend without a PJRT
+    /// client is refused (the binaries check it before loading).
+    fn prepare(pipe: &mut AutoPipeline<Self>, execution: Execution) -> Result<()>;
+
+    /// Compiled mode's counts, `None` when eager.
+    fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats>;
+
+    /// "eager", or what compiled mode built.
+    fn mode(pipe: &AutoPipeline<Self>) -> String {
+        match Self::compile_stats(pipe) {
+            Some(stats) => format!(
+                "compiled: {} program(s), {} XLA compile(s), {} from the disk cache",
+                stats.programs, stats.xla_compiles, stats.disk_loads
+            ),
+            None => "eager".into(),
+        }
+    }
+}
+
+impl PipelineBackend for Cpu {
+    fn prepare(_: &mut AutoPipeline<Self>, execution: Execution) -> Result<()> {
+        match execution {
+            Execution::Eager => Ok(()),
+            Execution::Compiled { .. } => Err(oxidiff_pipelines::PipelineError::InvalidInput(
+                "compiled mode needs a PJRT device (xla:cpu, tpu or cuda); the plain CPU \
+                 backend runs eagerly"
+                    .into(),
+            )),
+        }
+    }
+
+    fn compile_stats(_: &AutoPipeline<Self>) -> Option<CompileStats> {
+        None
+    }
+}
+
+impl PipelineBackend for Oxi {
+    fn prepare(pipe: &mut AutoPipeline<Self>, execution: Execution) -> Result<()> {
+        if let Execution::Compiled { parallel: (dp, tp) } = execution {
+            pipe.compile()?;
+            if (dp, tp) != (1, 1) {
+                pipe.enable_parallelism(ParallelConfig::new(dp, tp))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats> {
+        pipe.compile_stats()
+    }
+}
