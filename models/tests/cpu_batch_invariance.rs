@@ -43,11 +43,17 @@ fn linear_rows_round_the_same_whatever_the_row_count() {
         let x = random([70, d_in], 1);
         let weight = random([d_out, d_in], 2).transpose();
         let bias = random([d_out], 3);
-        let all = linear(x.clone(), weight.clone(), Some(bias.clone())).ok().unwrap();
+        let all = linear(x.clone(), weight.clone(), Some(bias.clone()))
+            .ok()
+            .unwrap();
         for rows in [1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65] {
-            let some = linear(x.clone().narrow(0, 0, rows), weight.clone(), Some(bias.clone()))
-                .ok()
-                .unwrap();
+            let some = linear(
+                x.clone().narrow(0, 0, rows),
+                weight.clone(),
+                Some(bias.clone()),
+            )
+            .ok()
+            .unwrap();
             assert!(
                 bits(all.clone().narrow(0, 0, rows)) == bits(some),
                 "{d_in}->{d_out}: {rows} rows differ from the same rows among 70"
@@ -60,12 +66,12 @@ fn linear_rows_round_the_same_whatever_the_row_count() {
 fn convolutions_give_a_sample_the_same_values_in_any_batch() {
     let cases = [
         // (channels in, out, side, kernel, stride, padding)
-        (8, 8, 16, 3, 1, 1),  // im2col alone, Winograd by the real batch's positions at 4
+        (8, 8, 16, 3, 1, 1), // im2col alone, Winograd by the real batch's positions at 4
         (8, 16, 32, 3, 1, 1), // Winograd, tiles chosen by the batch before
-        (16, 8, 8, 3, 1, 1),  // deep layers: one gemm per sample
-        (8, 8, 16, 1, 1, 0),  // 1x1
-        (8, 8, 16, 3, 2, 1),  // stride 2 (downsampling)
-        (4, 8, 64, 3, 1, 1),  // many row tiles
+        (16, 8, 8, 3, 1, 1), // deep layers: one gemm per sample
+        (8, 8, 16, 1, 1, 0), // 1x1
+        (8, 8, 16, 3, 2, 1), // stride 2 (downsampling)
+        (4, 8, 64, 3, 1, 1), // many row tiles
     ];
     for (c_in, c_out, side, k, stride, padding) in cases {
         let x = random([4, c_in, side, side], 4);
@@ -73,10 +79,15 @@ fn convolutions_give_a_sample_the_same_values_in_any_batch() {
         let bias = random([c_out], 6);
         let geometry = ConvGeometry { stride, padding };
         let run = |n: usize| {
-            conv2d(x.clone().narrow(0, 0, n), weight.clone(), Some(bias.clone()), geometry)
-                .ok()
-                .unwrap()
-                .narrow(0, 0, 1)
+            conv2d(
+                x.clone().narrow(0, 0, n),
+                weight.clone(),
+                Some(bias.clone()),
+                geometry,
+            )
+            .ok()
+            .unwrap()
+            .narrow(0, 0, 1)
         };
         let alone = bits(run(1));
         for n in [2, 3, 4] {
@@ -106,7 +117,10 @@ fn attention_gives_a_sample_the_same_values_in_any_batch() {
         };
         let alone = bits(run(1));
         for n in [2, 4] {
-            assert!(bits(run(n)) == alone, "attention {s_q}x{s_kv}: batch of {n} differs");
+            assert!(
+                bits(run(n)) == alone,
+                "attention {s_q}x{s_kv}: batch of {n} differs"
+            );
         }
     }
 }

@@ -59,13 +59,13 @@ impl Metrics {
         c.step_seconds += took.as_secs_f64();
     }
 
-    /// A batch of `size` images ran in `took`; `delivered` of them went to clients still
-    /// waiting.
-    pub fn batch(&self, size: usize, delivered: usize, took: Duration) {
+    /// A batch of `size` images ran in `took`: `delivered` of them went to clients, and
+    /// `abandoned` were asked for by clients that went away.
+    pub fn batch(&self, size: usize, delivered: usize, abandoned: usize, took: Duration) {
         let mut c = self.counts();
         *c.batches.entry(size).or_default() += 1;
         c.images += delivered as u64;
-        c.cancelled_images += (size - delivered) as u64;
+        c.cancelled_images += abandoned as u64;
         c.batch_seconds += took.as_secs_f64();
     }
 

@@ -291,18 +291,26 @@ impl<B: PipelineBackend> Worker<B> {
         let size = batch.images();
         let result = self.generate(&batch, context);
         let interrupted = context.status.end();
-        let mut delivered = 0;
+        // Counted before the answers go out, so that a client reading /metrics after its
+        // answer sees its batch.
+        let abandoned: usize = batch
+            .slices
+            .iter()
+            .filter(|s| s.job.cancel.is_cancelled())
+            .map(|s| s.count)
+            .sum();
+        let delivered = if result.is_ok() { size - abandoned } else { 0 };
+        context
+            .metrics
+            .batch(size, delivered, abandoned, started.elapsed());
+        context.metrics.compile_stats(B::compile_stats(&self.pipe));
         match result {
             Ok(images) => {
-                for (slice, image) in batch
+                let owners = batch
                     .slices
                     .iter()
-                    .flat_map(|s| std::iter::repeat_n(s, s.count))
-                    .zip(images)
-                {
-                    if !slice.job.cancel.is_cancelled() {
-                        delivered += 1;
-                    }
+                    .flat_map(|s| std::iter::repeat_n(s, s.count));
+                for (slice, image) in owners.zip(images) {
                     slice.job.send(JobEvent::Image(image));
                 }
             }
@@ -325,8 +333,6 @@ impl<B: PipelineBackend> Worker<B> {
                 }
             }
         }
-        context.metrics.batch(size, delivered, started.elapsed());
-        context.metrics.compile_stats(B::compile_stats(&self.pipe));
     }
 
     /// The batch's images, in slice order.
