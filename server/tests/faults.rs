@@ -17,186 +17,47 @@ const TXT2IMG: &str = "/sdapi/v1/txt2img";
 #[test]
 fn bad_requests_get_4xx_and_the_server_keeps_serving() {
     let server = Server::start(&["--max-body-bytes", "4096", "--read-timeout", "1"]);
-    let cases: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
-        (
-            "malformed JSON",
-            GENERATIONS,
-            b"{\"prompt\": ".to_vec(),
-            400,
-            "malformed JSON",
-        ),
-        (
-            "not an object",
-            GENERATIONS,
-            b"[1, 2]".to_vec(),
-            400,
-            "JSON object",
-        ),
-        (
-            "trailing garbage",
-            GENERATIONS,
-            b"{\"prompt\": \"a\"} x".to_vec(),
-            400,
-            "trailing characters",
-        ),
-        (
-            "no prompt",
-            GENERATIONS,
-            b"{\"n\": 1}".to_vec(),
-            400,
-            "missing field `prompt`",
-        ),
-        (
-            "n of the wrong type",
-            GENERATIONS,
-            br#"{"prompt": "a", "n": "two"}"#.to_vec(),
-            400,
-            "`n`",
-        ),
-        (
-            "n = 0",
-            GENERATIONS,
-            br#"{"prompt": "a", "n": 0}"#.to_vec(),
-            400,
-            "1 to 16 images",
-        ),
-        (
-            "n = 10^6",
-            GENERATIONS,
-            br#"{"prompt": "a", "n": 1000000}"#.to_vec(),
-            400,
-            "1 to 16 images",
-        ),
-        (
-            "negative n",
-            GENERATIONS,
-            br#"{"prompt": "a", "n": -3}"#.to_vec(),
-            400,
-            "`n`",
-        ),
-        (
-            "huge size",
-            GENERATIONS,
-            br#"{"prompt": "a", "size": "100000x100000"}"#.to_vec(),
-            400,
-            "pixels",
-        ),
-        (
-            "size overflowing usize",
-            GENERATIONS,
-            br#"{"prompt": "a", "size": "99999999999999999999x8"}"#.to_vec(),
-            400,
-            "size must look like",
-        ),
-        (
-            "odd size",
-            GENERATIONS,
-            br#"{"prompt": "a", "size": "65x64"}"#.to_vec(),
-            400,
-            "multiples of 8",
-        ),
-        (
-            "size not WxH",
-            GENERATIONS,
-            br#"{"prompt": "a", "size": "large"}"#.to_vec(),
-            400,
-            "size must look like",
-        ),
-        (
-            "no steps",
-            GENERATIONS,
-            br#"{"prompt": "a", "steps": 0}"#.to_vec(),
-            400,
-            "1 to 150 steps",
-        ),
-        (
-            "a billion steps",
-            GENERATIONS,
-            br#"{"prompt": "a", "steps": 1000000000}"#.to_vec(),
-            400,
-            "1 to 150 steps",
-        ),
-        (
-            "infinite guidance",
-            GENERATIONS,
-            br#"{"prompt": "a", "guidance_scale": 1e999}"#.to_vec(),
-            400,
-            "number out of range",
-        ),
-        (
-            "unknown sampler",
-            GENERATIONS,
-            br#"{"prompt": "a", "scheduler": "Quantum 9000"}"#.to_vec(),
-            400,
-            "Quantum 9000",
-        ),
-        (
-            "URL answers",
-            GENERATIONS,
-            br#"{"prompt": "a", "response_format": "url"}"#.to_vec(),
-            400,
-            "b64_json",
-        ),
-        (
-            "seed overflowing",
-            GENERATIONS,
-            br#"{"prompt": "a", "seed": 18446744073709551615}"#.to_vec(),
-            400,
-            "seed",
-        ),
-        (
-            "A1111 zero width",
-            TXT2IMG,
-            br#"{"prompt": "a", "width": 0, "height": 64}"#.to_vec(),
-            400,
-            "width/height",
-        ),
-        (
-            "A1111 batch overflow",
-            TXT2IMG,
-            br#"{"prompt": "a", "batch_size": 4294967296, "n_iter": 4294967296}"#.to_vec(),
-            400,
-            "overflows",
-        ),
-        (
-            "A1111 batch too large",
-            TXT2IMG,
-            br#"{"prompt": "a", "batch_size": 8, "n_iter": 8}"#.to_vec(),
-            400,
-            "batch_size * n_iter",
-        ),
-        (
-            "A1111 unknown sampler",
-            TXT2IMG,
-            br#"{"prompt": "a", "sampler_name": "Euler z"}"#.to_vec(),
-            400,
-            "sampler_name",
-        ),
-        (
-            "A1111 unknown schedule",
-            TXT2IMG,
-            br#"{"prompt": "a", "scheduler": "Exponential"}"#.to_vec(),
-            400,
-            "Exponential",
-        ),
-        (
-            "A1111 cfg as text",
-            TXT2IMG,
-            br#"{"prompt": "a", "cfg_scale": "high"}"#.to_vec(),
-            400,
-            "cfg_scale",
-        ),
-        (
-            "oversized body",
-            GENERATIONS,
-            format!("{{\"prompt\": \"{}\"}}", "a".repeat(10_000)).into_bytes(),
-            413,
-            "larger than 4096 bytes",
-        ),
-    ];
+    // (what, endpoint, body, status, part of the message)
+    #[rustfmt::skip]
+    let cases: Vec<(&str, &str, String, u16, &str)> = [
+        ("malformed JSON", GENERATIONS, r#"{"prompt": "#, 400, "malformed JSON"),
+        ("not an object", GENERATIONS, "[1, 2]", 400, "JSON object"),
+        ("trailing garbage", GENERATIONS, r#"{"prompt": "a"} x"#, 400, "trailing characters"),
+        ("no prompt", GENERATIONS, r#"{"n": 1}"#, 400, "missing field `prompt`"),
+        ("n of the wrong type", GENERATIONS, r#"{"prompt": "a", "n": "two"}"#, 400, "`n`"),
+        ("n = 0", GENERATIONS, r#"{"prompt": "a", "n": 0}"#, 400, "1 to 16 images"),
+        ("n = 10^6", GENERATIONS, r#"{"prompt": "a", "n": 1000000}"#, 400, "1 to 16 images"),
+        ("negative n", GENERATIONS, r#"{"prompt": "a", "n": -3}"#, 400, "`n`"),
+        ("huge size", GENERATIONS, r#"{"prompt": "a", "size": "100000x100000"}"#, 400, "pixels"),
+        ("size overflowing usize", GENERATIONS, r#"{"prompt": "a", "size": "99999999999999999999x8"}"#, 400, "size must look like"),
+        ("odd size", GENERATIONS, r#"{"prompt": "a", "size": "65x64"}"#, 400, "multiples of 8"),
+        ("size not WxH", GENERATIONS, r#"{"prompt": "a", "size": "large"}"#, 400, "size must look like"),
+        ("no steps", GENERATIONS, r#"{"prompt": "a", "steps": 0}"#, 400, "1 to 150 steps"),
+        ("a billion steps", GENERATIONS, r#"{"prompt": "a", "steps": 1000000000}"#, 400, "1 to 150 steps"),
+        ("infinite guidance", GENERATIONS, r#"{"prompt": "a", "guidance_scale": 1e999}"#, 400, "number out of range"),
+        ("unknown sampler", GENERATIONS, r#"{"prompt": "a", "scheduler": "Quantum 9000"}"#, 400, "Quantum 9000"),
+        ("URL answers", GENERATIONS, r#"{"prompt": "a", "response_format": "url"}"#, 400, "b64_json"),
+        ("seed overflowing", GENERATIONS, r#"{"prompt": "a", "seed": 18446744073709551615}"#, 400, "seed"),
+        ("A1111 zero width", TXT2IMG, r#"{"prompt": "a", "width": 0, "height": 64}"#, 400, "width/height"),
+        ("A1111 batch overflow", TXT2IMG, r#"{"prompt": "a", "batch_size": 4294967296, "n_iter": 4294967296}"#, 400, "overflows"),
+        ("A1111 batch too large", TXT2IMG, r#"{"prompt": "a", "batch_size": 8, "n_iter": 8}"#, 400, "batch_size * n_iter"),
+        ("A1111 unknown sampler", TXT2IMG, r#"{"prompt": "a", "sampler_name": "Euler z"}"#, 400, "sampler_name"),
+        ("A1111 unknown schedule", TXT2IMG, r#"{"prompt": "a", "scheduler": "Exponential"}"#, 400, "Exponential"),
+        ("A1111 cfg as text", TXT2IMG, r#"{"prompt": "a", "cfg_scale": "high"}"#, 400, "cfg_scale"),
+    ]
+    .into_iter()
+    .map(|(what, path, body, status, needle)| (what, path, body.to_string(), status, needle))
+    .chain([(
+        "oversized body",
+        GENERATIONS,
+        format!("{{\"prompt\": \"{}\"}}", "a".repeat(10_000)),
+        413,
+        "larger than 4096 bytes",
+    )])
+    .collect();
     assert!(cases.len() >= 15);
     for (what, path, body, status, needle) in &cases {
-        let answer = server.post_raw(path, body);
+        let answer = server.post_raw(path, body.as_bytes());
         assert_eq!(answer.status, *status, "{what}: {}", answer.text);
         let message = answer.json()["error"]["message"]
             .as_str()
