@@ -1,10 +1,12 @@
-//! The one error an endpoint answers with: an HTTP status and a message that names the field
-//! and the fix, as JSON in the OpenAI shape (`{"error": {"message", "type", "param"}}`), which
-//! A1111 clients show as well.
+//! The server's errors: [`ServerError`] when it cannot start or stops, and [`ApiError`], the one
+//! error an endpoint answers with: an HTTP status and a message that names the field and the
+//! fix, as JSON in the OpenAI shape (`{"error": {"message", "type", "param"}}`), which A1111
+//! clients show as well.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use oxidiff::pipelines::PipelineError;
 
 /// A request the server does not run, or a run that failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -73,4 +75,33 @@ impl IntoResponse for ApiError {
         }
         response
     }
+}
+
+/// Why the server did not start, or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("loading {model}: {source}")]
+    Load {
+        model: String,
+        #[source]
+        source: Box<PipelineError>,
+    },
+    #[error("--scheduler: {0}")]
+    Scheduler(String),
+    #[error("warming up a batch of {images}: {source}")]
+    WarmUp {
+        images: usize,
+        #[source]
+        source: Box<PipelineError>,
+    },
+    #[error("listening on {addr}: {source} (is another server on the port? pass --port)")]
+    Bind {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("the worker thread stopped: {0}")]
+    Worker(String),
 }

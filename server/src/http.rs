@@ -1,4 +1,4 @@
-//! The HTTP side: the router, the API key check, request bodies read with a size limit and a
+//! The HTTP side below the routes ([`crate::routes`]): the API key check, request bodies read with a size limit and a
 //! deadline, and the small endpoints (`/`, `/healthz`, `/metrics`). Handlers never run the
 //! model: they check the request, queue it and wait for the worker.
 
@@ -7,10 +7,9 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
-use axum::middleware::{self, Next};
+use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Json;
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
@@ -127,7 +126,11 @@ pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T, Ap
 }
 
 /// 401 unless the request carries `Authorization: Bearer <key>` (when a key is set).
-async fn require_key(State(app): State<Arc<App>>, request: Request, next: Next) -> Response {
+pub(crate) async fn require_key(
+    State(app): State<Arc<App>>,
+    request: Request,
+    next: Next,
+) -> Response {
     if let Some(key) = &app.key {
         let given = request
             .headers()
@@ -148,11 +151,11 @@ async fn require_key(State(app): State<Arc<App>>, request: Request, next: Next) 
 
 const INDEX: &str = include_str!("../static/index.html");
 
-async fn index() -> Html<&'static str> {
+pub(crate) async fn index() -> Html<&'static str> {
     Html(INDEX)
 }
 
-async fn healthz(State(app): State<Arc<App>>) -> Response {
+pub(crate) async fn healthz(State(app): State<Arc<App>>) -> Response {
     let body = serde_json::json!({
         "status": "ok",
         "model": app.info.name,
@@ -164,12 +167,12 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
     Json(body).into_response()
 }
 
-async fn metrics(State(app): State<Arc<App>>) -> Response {
+pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
     let text = app.metrics.render(app.queue.depth());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-async fn not_found(request: Request) -> Response {
+pub(crate) async fn not_found(request: Request) -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
         format!(
@@ -180,24 +183,4 @@ async fn not_found(request: Request) -> Response {
         ),
     )
     .into_response()
-}
-
-/// Every route.
-pub fn router(app: Arc<App>) -> Router {
-    let api = Router::new()
-        .route("/v1/images/generations", post(crate::openai::generations))
-        .route("/v1/models", get(crate::openai::models))
-        .route("/sdapi/v1/txt2img", post(crate::a1111::txt2img))
-        .route("/sdapi/v1/samplers", get(crate::a1111::samplers))
-        .route("/sdapi/v1/sd-models", get(crate::a1111::sd_models))
-        .route("/sdapi/v1/progress", get(crate::a1111::progress))
-        .route("/sdapi/v1/interrupt", post(crate::a1111::interrupt))
-        .route("/metrics", get(metrics))
-        .route_layer(middleware::from_fn_with_state(app.clone(), require_key));
-    Router::new()
-        .route("/", get(index))
-        .route("/healthz", get(healthz))
-        .merge(api)
-        .fallback(not_found)
-        .with_state(app)
 }

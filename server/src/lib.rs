@@ -6,7 +6,8 @@
 //! the same PNG text). Requests are checked ([`request`]) and queued ([`queue`]); one worker
 //! thread ([`worker`]) owns the pipeline and runs requests of one shape together, up to
 //! `max_batch` images per denoiser call, each image from its own seed's generator. The async
-//! runtime only parses, waits and answers ([`http`]); [`metrics`] counts for `/metrics`.
+//! runtime only parses, waits and answers ([`routes`], [`http`]); [`metrics`] counts for
+//! `/metrics`.
 
 pub mod a1111;
 pub mod error;
@@ -15,46 +16,16 @@ pub mod metrics;
 pub mod openai;
 pub mod queue;
 pub mod request;
+pub mod routes;
 pub mod worker;
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use oxidiff::pipelines::PipelineError;
-
-pub use error::ApiError;
+pub use error::{ApiError, ServerError};
 pub use request::{Limits, ModelInfo};
 pub use worker::WorkerConfig;
-
-/// Why the server did not start, or stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    #[error("loading {model}: {source}")]
-    Load {
-        model: String,
-        #[source]
-        source: Box<PipelineError>,
-    },
-    #[error("--scheduler: {0}")]
-    Scheduler(String),
-    #[error("warming up a batch of {images}: {source}")]
-    WarmUp {
-        images: usize,
-        #[source]
-        source: Box<PipelineError>,
-    },
-    #[error("listening on {addr}: {source} (is another server on the port? pass --port)")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-    #[error("the worker thread stopped: {0}")]
-    Worker(String),
-}
 
 /// Everything the server is started with.
 #[derive(Debug, Clone)]
@@ -99,7 +70,7 @@ pub async fn run(
         key: config.api_key.as_deref().map(http::ApiKey::new),
     });
     let closing = queue.clone();
-    axum::serve(listener, http::router(app))
+    axum::serve(listener, routes::router(app))
         .with_graceful_shutdown(async move {
             shutdown.await;
             tracing::info!("shutting down: finishing the queued requests");

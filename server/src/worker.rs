@@ -21,11 +21,10 @@ use oxidiff::pipelines::{
 use oxidiff::schedulers::TorchCpuGenerators;
 use oxidiff::{Cpu, Oxi, OxiDevice};
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ServerError};
 use crate::metrics::Metrics;
 use crate::queue::{Batch, GeneratedImage, JobEvent, JobQueue};
 use crate::request::{Limits, ModelInfo};
-use crate::ServerError;
 
 /// What the worker loads and how it runs it.
 #[derive(Debug, Clone)]
