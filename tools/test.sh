@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (the README's, and what CI runs): fetch the pinned PJRT plugins,
-# the pretrained terrain model (checked by sha256) and evcxr (skipped when already present),
+# the pretrained terrain model (checked by sha256), Debian's chromium for the server's browser
+# test (tools/fetch-chromium.sh) and evcxr (each skipped when already present),
 # run every test of the workspace, then every notebook in evcxr itself, one evaluation per cell
 # as the Jupyter kernel runs them (tools/evcxr-notebooks.sh). With the terrain model fetched,
 # OXIDIFF_REQUIRE_TERRAIN=1 makes examples/terrain fail to build rather than silently leave its
