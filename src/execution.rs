@@ -14,15 +14,15 @@ use crate::{Cpu, Oxi};
 pub enum Execution {
     #[default]
     Eager,
-    /// Compiled, over the devices `parallel` names (1 x 1: one device).
-    Compiled { parallel: (usize, usize) },
+    /// Compiled, over the devices `parallel` names (the default: one device).
+    Compiled(ParallelConfig),
 }
 
 impl Execution {
     /// From the binaries' flags: `--compile`, `--dp`, `--tp`.
     pub fn from_flags(compile: bool, dp: usize, tp: usize) -> Self {
         if compile {
-            Self::Compiled { parallel: (dp, tp) }
+            Self::Compiled(ParallelConfig::new(dp, tp))
         } else {
             Self::Eager
         }
@@ -54,7 +54,7 @@ impl PipelineBackend for Cpu {
     fn prepare(_: &mut AutoPipeline<Self>, execution: Execution) -> Result<()> {
         match execution {
             Execution::Eager => Ok(()),
-            Execution::Compiled { .. } => Err(oxidiff_pipelines::PipelineError::InvalidInput(
+            Execution::Compiled(_) => Err(oxidiff_pipelines::PipelineError::InvalidInput(
                 "compiled mode needs a PJRT device (xla:cpu, tpu or cuda); the plain CPU \
                  backend runs eagerly"
                     .into(),
@@ -69,10 +69,10 @@ impl PipelineBackend for Cpu {
 
 impl PipelineBackend for Oxi {
     fn prepare(pipe: &mut AutoPipeline<Self>, execution: Execution) -> Result<()> {
-        if let Execution::Compiled { parallel: (dp, tp) } = execution {
+        if let Execution::Compiled(parallel) = execution {
             pipe.compile()?;
-            if (dp, tp) != (1, 1) {
-                pipe.enable_parallelism(ParallelConfig::new(dp, tp))?;
+            if parallel != ParallelConfig::default() {
+                pipe.enable_parallelism(parallel)?;
             }
         }
         Ok(())

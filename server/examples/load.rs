@@ -28,6 +28,15 @@ fn rss_mib(pid: &str) -> Option<f64> {
     Some(kib / 1024.0)
 }
 
+/// The number after `name`, or `default`; anything else stops with a message naming the flag.
+fn number(args: &[String], name: &str, default: &str) -> u64 {
+    let text = flag(args, name, default);
+    text.parse().unwrap_or_else(|_| {
+        eprintln!("load: {name} takes a whole number (it was {text:?})");
+        std::process::exit(2)
+    })
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -39,13 +48,9 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let url = flag(&args, "--url", "http://127.0.0.1:7860");
-    let requests: usize = flag(&args, "--requests", "200")
-        .parse()
-        .expect("--requests N");
-    let concurrency: usize = flag(&args, "--concurrency", "16")
-        .parse()
-        .expect("--concurrency C");
-    let steps: u64 = flag(&args, "--steps", "4").parse().expect("--steps S");
+    let requests = number(&args, "--requests", "200") as usize;
+    let concurrency = number(&args, "--concurrency", "16").max(1) as usize;
+    let steps = number(&args, "--steps", "4");
     let size = flag(&args, "--size", "auto");
     let pid = flag(&args, "--pid", "");
     let rss_before = rss_mib(&pid);

@@ -10,8 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
-use burn::tensor::FloatDType;
-use oxidiff::cli::{closing_fields, model_name, run_defaults};
+use oxidiff::cli::{closing_fields, model_name, run_defaults, Precision};
 use oxidiff::execution::{Execution, PipelineBackend};
 use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
 use oxidiff::pipelines::{
@@ -33,8 +32,7 @@ pub struct WorkerConfig {
     pub model: String,
     pub device: OxiDevice,
     pub execution: Execution,
-    /// `None`: f32.
-    pub dtype: Option<FloatDType>,
+    pub dtype: Precision,
     pub variant: Option<String>,
     /// The sampler of requests that name none; `None`: the checkpoint's.
     pub scheduler: Option<String>,
@@ -207,7 +205,7 @@ impl<B: PipelineBackend> Worker<B> {
             variant: config.variant.clone(),
             // Loaded with the checkpoint's scheduler: each sampler is switched from it.
             scheduler: None,
-            dtype: config.dtype,
+            dtype: config.dtype.load_dtype(),
             transformer: None,
         };
         let path = Path::new(&config.model);
@@ -235,12 +233,7 @@ impl<B: PipelineBackend> Worker<B> {
             default_sampler: config.scheduler.clone(),
             scheduler_config: pipe.scheduler_config().clone(),
             device: config.device.to_string(),
-            dtype: match config.dtype {
-                None | Some(FloatDType::F32) => "f32".into(),
-                Some(FloatDType::BF16) => "bf16".into(),
-                Some(FloatDType::F16) => "f16".into(),
-                Some(other) => format!("{other:?}").to_lowercase(),
-            },
+            dtype: config.dtype.name().into(),
         };
         // Checked here so that a bad --scheduler stops the start, not every request.
         let scheduler = info

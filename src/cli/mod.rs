@@ -5,9 +5,11 @@
 
 pub mod control;
 pub mod output;
+pub mod precision;
 pub mod usage;
 pub mod vae;
 
+pub use precision::Precision;
 pub use usage::UsageError;
 
 use std::path::Path;

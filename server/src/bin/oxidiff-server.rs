@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use burn::tensor::FloatDType;
 use clap::Parser;
+use oxidiff::cli::Precision;
 use oxidiff::execution::Execution;
 use oxidiff::OxiDevice;
 use oxidiff_server::{Limits, ServerConfig, WorkerConfig};
@@ -37,8 +37,8 @@ struct Args {
     #[arg(long, default_value_t = 1, value_name = "N")]
     dp: usize,
     /// Weight dtype: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
-    dtype: String,
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    dtype: Precision,
     /// Weight file variant of a diffusers folder (fp16).
     #[arg(long)]
     variant: Option<String>,
@@ -129,12 +129,6 @@ fn config(args: &Args) -> Result<ServerConfig> {
             "add --device xla:cpu, tpu or cuda, or drop --compile: --compile needs a PJRT device"
         );
     }
-    let dtype = match args.dtype.as_str() {
-        "f32" => None,
-        "bf16" => Some(FloatDType::BF16),
-        "f16" => Some(FloatDType::F16),
-        other => bail!("--dtype {other}: use f32, bf16 or f16"),
-    };
     if !(args.read_timeout.is_finite() && args.read_timeout > 0.0) {
         bail!("--read-timeout must be a positive number of seconds");
     }
@@ -159,7 +153,7 @@ fn config(args: &Args) -> Result<ServerConfig> {
             warm_up: device.is_pjrt(),
             device,
             execution: Execution::from_flags(args.compile, args.dp, args.tp),
-            dtype,
+            dtype: args.dtype,
             variant: args.variant.clone(),
             scheduler: args.scheduler.clone(),
         },

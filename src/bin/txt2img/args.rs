@@ -2,11 +2,11 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::FloatDType;
 use clap::Parser;
 use oxidiff::cli::control::ControlArgs;
 use oxidiff::cli::usage::DEFAULT_MAX_PIXELS;
 use oxidiff::cli::vae::VaeArgs;
+use oxidiff::cli::Precision;
 use oxidiff::pipelines::stable_diffusion_xl::SDXL_CLASS;
 use oxidiff::pipelines::LoraSpec;
 use oxidiff::pipelines::{FLUX_CLASSES, PIXART_CLASSES, SD3_CLASS};
@@ -209,32 +209,6 @@ impl OutputKind {
         match self {
             Self::Png => "png",
             Self::Npy | Self::Latents => "npy",
-        }
-    }
-}
-
-/// `--dtype`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl Precision {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::Bf16 => "bf16",
-            Self::F16 => "f16",
-        }
-    }
-
-    pub fn float_dtype(self) -> FloatDType {
-        match self {
-            Self::F32 => FloatDType::F32,
-            Self::Bf16 => FloatDType::BF16,
-            Self::F16 => FloatDType::F16,
         }
     }
 }

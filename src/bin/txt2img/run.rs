@@ -8,7 +8,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff::cli::usage;
-use oxidiff::cli::{closing_fields, file_name, model_name, random_seed, run_defaults, UsageError};
+use oxidiff::cli::{
+    closing_fields, file_name, model_name, random_seed, run_defaults, Precision, UsageError,
+};
 use oxidiff::execution::{Execution, PipelineBackend};
 use oxidiff::latents::{encode_npy, read_latents};
 use oxidiff::pipelines::host::read_f32;
@@ -25,7 +27,7 @@ use oxidiff::pipelines::{
 use oxidiff::schedulers::TorchCpuGenerators;
 use oxidiff::{Cpu, Oxi, OxiDevice};
 
-use crate::args::{Args, OutputKind, Precision, DEFAULT_OUTPUT, REDUCED_PRECISION_CLASSES};
+use crate::args::{Args, OutputKind, DEFAULT_OUTPUT, REDUCED_PRECISION_CLASSES};
 use crate::from_png::{apply_from_png, LATENTS_FIELD};
 use crate::output::{display, Outputs};
 use crate::progress::Progress;
@@ -120,11 +122,10 @@ pub fn run(mut args: Args, progress: &Progress) -> Result<()> {
     let outputs = Outputs::plan(&output, args.num_images as usize, args.force, kind)?;
     let seed = args.seed.unwrap_or_else(random_seed);
     let started = Instant::now();
-    let dtype = args.dtype.float_dtype();
     let options = LoadOptions {
         variant: args.variant.clone(),
         scheduler: args.scheduler.clone(),
-        dtype: (args.dtype != Precision::F32).then_some(dtype),
+        dtype: args.dtype.load_dtype(),
         transformer: args.transformer.clone(),
     };
     let single_file = is_single_file(Path::new(&args.model)).then(|| SingleFileOptions {
