@@ -1,19 +1,7 @@
-//! A PNG from a stranger (`txt2img --from-png`): its text chunks and the A1111-style
-//! parameters in them give values or errors, never panics; what parses, prints and parses back
-//! the same.
+//! libFuzzer entry for `fuzz/targets/png_parameters.rs` (the body is shared with `tests/fuzz_replay.rs`).
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
-use oxidiff_pipelines::metadata::{png_text, PARAMETERS_KEYWORD};
-use oxidiff_pipelines::GenerationParameters;
+#[path = "../targets/png_parameters.rs"]
+mod target;
 
-fuzz_target!(|data: &[u8]| {
-    if let Ok(Some(text)) = png_text(data, PARAMETERS_KEYWORD) {
-        let _ = GenerationParameters::parse(&text);
-    }
-    let text = String::from_utf8_lossy(data);
-    if let Ok(p) = GenerationParameters::parse(&text) {
-        let again = GenerationParameters::parse(&p.to_text());
-        assert!(again.is_ok(), "printed parameters do not parse back: {:?}", p.to_text());
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| target::run(data));

@@ -1,31 +1,7 @@
-//! A `tokenizer` folder from a stranger (vocab.json, merges.txt, tokenizer_config.json, or
-//! tokenizer.json): loading gives a tokenizer or an error, and a loaded one encodes prompts to
-//! exactly its fixed length, never panicking.
+//! libFuzzer entry for `fuzz/targets/tokenizer_files.rs` (the body is shared with `tests/fuzz_replay.rs`).
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
-use oxidiff_models::tokenizer::ClipTokenizer;
+#[path = "../targets/tokenizer_files.rs"]
+mod target;
 
-/// The input is split at 0xff bytes into the files of the folder.
-const FILES: [&str; 4] = [
-    "vocab.json",
-    "merges.txt",
-    "tokenizer_config.json",
-    "tokenizer.json",
-];
-
-fuzz_target!(|data: &[u8]| {
-    let dir = tempfile::tempdir_in(std::env::temp_dir()).expect("temp dir");
-    for (name, part) in FILES.iter().zip(data.split(|&b| b == 0xff)) {
-        if !part.is_empty() {
-            std::fs::write(dir.path().join(name), part).expect("write");
-        }
-    }
-    if let Ok(tok) = ClipTokenizer::from_dir(dir.path()) {
-        for prompt in ["a photo of an astronaut", "", "ünïcödé!!! 城堡 <|endoftext|>"] {
-            if let Ok(encoded) = tok.encode(prompt) {
-                assert_eq!(encoded.ids.len(), tok.max_length());
-            }
-        }
-    }
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| target::run(data));
