@@ -10,7 +10,7 @@
 use std::collections::HashSet;
 use std::fmt;
 
-use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
 /// The safetensors crate's own limit on the header's size.
@@ -49,10 +49,18 @@ pub fn check_header(bytes: &[u8]) -> Result<(), String> {
     let duplicate = de
         .deserialize_map(DuplicateKeys)
         .map_err(|e| format!("the header is not a valid JSON object: {e}"))?;
-    if let Some(name) = duplicate {
-        return Err(format!(
-            "tensor `{name}` is listed twice in the header; a loader would silently keep one"
-        ));
+    match duplicate {
+        Some(Duplicate::Name(name)) => {
+            return Err(format!(
+                "tensor `{name}` is listed twice in the header; a loader would silently keep one"
+            ))
+        }
+        Some(Duplicate::Field { entry, field }) => {
+            return Err(format!(
+                "header entry `{entry}` gives `{field}` twice; a loader would have to pick one"
+            ))
+        }
+        None => {}
     }
     let value: Value = serde_json::from_str(text)
         .map_err(|e| format!("the header is not a valid JSON object: {e}"))?;
@@ -190,11 +198,54 @@ fn dtype_bits(dtype: &str) -> Option<u128> {
 /// skipped, within serde_json's nesting limit).
 struct DuplicateKeys;
 
+/// What a header names twice: an entry, or a field within one entry.
+enum Duplicate {
+    Name(String),
+    Field { entry: String, field: String },
+}
+
 impl<'de> Visitor<'de> for DuplicateKeys {
-    type Value = Option<String>;
+    type Value = Option<Duplicate>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Duplicate>, A::Error> {
+        let mut seen = HashSet::new();
+        let mut duplicate = None;
+        while let Some(key) = map.next_key::<String>()? {
+            let field = map.next_value_seed(EntryFields)?;
+            if duplicate.is_some() {
+                continue;
+            }
+            if !seen.insert(key.clone()) {
+                duplicate = Some(Duplicate::Name(key));
+            } else if let Some(field) = field {
+                duplicate = Some(Duplicate::Field { entry: key, field });
+            }
+        }
+        Ok(duplicate)
+    }
+}
+
+/// An entry's value (a tensor's `dtype`/`shape`/`data_offsets`, or `__metadata__`): the first
+/// field an object gives twice; any other value is skipped.
+struct EntryFields;
+
+impl<'de> DeserializeSeed<'de> for EntryFields {
+    type Value = Option<String>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for EntryFields {
+    type Value = Option<String>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON value")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<String>, A::Error> {
@@ -207,5 +258,34 @@ impl<'de> Visitor<'de> for DuplicateKeys {
             }
         }
         Ok(duplicate)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<String>, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E>(self) -> Result<Option<String>, E> {
+        Ok(None)
     }
 }

@@ -487,6 +487,11 @@ impl Weights {
     }
 
     /// The files these weights come from, for messages.
+    /// The files the tensors come from, in the order they were opened.
+    pub fn paths(&self) -> Vec<PathBuf> {
+        self.files.iter().map(|f| f.path.clone()).collect()
+    }
+
     pub fn file_list(&self) -> String {
         self.files
             .iter()

@@ -173,6 +173,15 @@ fn duplicate_tensor_names() {
     assert_mentions(&err, &["tensor `w` is listed twice"]);
 }
 
+/// Found by `tests/fuzz_replay.rs`: the header check passed an entry naming `shape` twice,
+/// which the safetensors crate then refused with a serde message.
+#[test]
+fn a_field_given_twice_in_one_entry() {
+    let header = r#"{"w":{"dtype":"F32","shape":[2],"shape":[1],"data_offsets":[0,4]}}"#;
+    let err = open_error(&file_bytes(header, &[0; 4]));
+    assert_mentions(&err, &["entry `w` gives `shape` twice"]);
+}
+
 #[test]
 fn trailing_bytes_after_the_last_tensor() {
     let header = r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;

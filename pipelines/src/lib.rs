@@ -60,6 +60,7 @@ pub mod loading;
 pub mod lora;
 pub mod mask_crop;
 pub mod metadata;
+pub mod model_hash;
 pub mod parallel;
 pub mod path_scale;
 pub mod pixart_bins;

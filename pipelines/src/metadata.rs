@@ -42,6 +42,8 @@ pub struct GenerationParameters {
     pub height: usize,
     /// The model as given to oxidiff (a folder or Hub id).
     pub model: String,
+    /// A1111's `Model hash` ([`crate::model_hash`]); empty when not known.
+    pub model_hash: String,
     /// Any other `Key: value` pairs, in order (oxidiff's own, or another tool's).
     pub extra: Vec<(String, String)>,
 }
@@ -65,8 +67,11 @@ impl GenerationParameters {
                 "Size".to_string(),
                 format!("{}x{}", self.width, self.height),
             ),
-            ("Model".to_string(), self.model.clone()),
         ];
+        if !self.model_hash.is_empty() {
+            pairs.push(("Model hash".to_string(), self.model_hash.clone()));
+        }
+        pairs.push(("Model".to_string(), self.model.clone()));
         pairs.extend(self.extra.iter().cloned());
         let line = pairs
             .iter()
@@ -116,6 +121,7 @@ impl GenerationParameters {
             width: 0,
             height: 0,
             model: String::new(),
+            model_hash: String::new(),
             extra: Vec::new(),
         };
         let (mut steps, mut seed, mut size) = (false, false, false);
@@ -147,6 +153,7 @@ impl GenerationParameters {
                 }
                 "Sampler" => params.sampler = value,
                 "Model" => params.model = value,
+                "Model hash" => params.model_hash = value,
                 _ => params.extra.push((key, value)),
             }
         }
@@ -400,6 +407,7 @@ mod tests {
             width: 512,
             height: 768,
             model: "runwayml/stable-diffusion-v1-5".into(),
+            model_hash: "6ce0161689".into(),
             extra: vec![("Version".into(), "oxidiff 0.1.0".into())],
         }
     }
@@ -411,7 +419,7 @@ mod tests {
         assert_eq!(
             text.lines().last().unwrap(),
             "Steps: 20, Sampler: DPM++ 2M Karras, CFG scale: 7.5, Seed: 42, Size: 512x768, \
-             Model: runwayml/stable-diffusion-v1-5, Version: oxidiff 0.1.0"
+             Model hash: 6ce0161689, Model: runwayml/stable-diffusion-v1-5, Version: oxidiff 0.1.0"
         );
         assert_eq!(GenerationParameters::parse(&text).unwrap(), p);
     }
@@ -476,10 +484,10 @@ mod tests {
         assert_eq!(p.sampler, "Euler a");
         assert_eq!(p.guidance_scale, 7.0);
         assert_eq!(p.model, "v1-5-pruned-emaonly");
+        assert_eq!(p.model_hash, "6ce0161689");
         assert_eq!(
             p.extra,
             vec![
-                ("Model hash".to_string(), "6ce0161689".to_string()),
                 (
                     "Lora hashes".to_string(),
                     "add_detail: 7c6bad76eb54".to_string()

@@ -199,7 +199,7 @@ pub async fn sd_models(State(app): State<Arc<App>>) -> Response {
     let body = serde_json::json!([{
         "title": app.info.name,
         "model_name": app.info.name,
-        "hash": null,
+        "hash": (!app.info.hash.is_empty()).then_some(&app.info.hash),
         "sha256": null,
         "filename": app.info.name,
         "config": null,

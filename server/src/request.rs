@@ -53,6 +53,8 @@ impl Default for Limits {
 pub struct ModelInfo {
     /// The model as PNGs record it (a Hub id, or a folder's name).
     pub name: String,
+    /// A1111's `Model hash` of it (empty when it could not be hashed).
+    pub hash: String,
     /// `model_index.json`'s `_class_name`.
     pub class: String,
     /// Width = height when a request gives no size.

@@ -10,9 +10,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
+use oxidiff::cli::model_lookup::png_model_hash;
 use oxidiff::cli::{closing_fields, model_name, run_defaults, Precision};
 use oxidiff::execution::{Execution, PipelineBackend};
 use oxidiff::pipelines::metadata::{encode_png, sampler_field, PARAMETERS_KEYWORD};
+use oxidiff::pipelines::resolve_model;
 use oxidiff::pipelines::{
     is_single_file, AutoPipeline, CancelToken, FamilyOptions, GenerateRequest,
     GenerationParameters, LoadOptions, OutputType, PipelineError, SingleFileOptions, StepInfo,
@@ -209,6 +211,19 @@ impl<B: PipelineBackend> Worker<B> {
             transformer: None,
         };
         let path = Path::new(&config.model);
+        // The PNGs' `Model hash` (as txt2img's): the single file, or the resolved folder's
+        // denoiser; a model that cannot be hashed gets none.
+        let hashed = if is_single_file(path) {
+            Ok(path.to_path_buf())
+        } else {
+            resolve_model(&config.model, config.variant.as_deref())
+        };
+        let hash = hashed
+            .and_then(|model| png_model_hash(&model, &options))
+            .unwrap_or_else(|e| {
+                tracing::warn!("the PNGs get no Model hash: {e}");
+                String::new()
+            });
         let mut pipe = if is_single_file(path) {
             let single = SingleFileOptions {
                 load: options,
@@ -225,6 +240,7 @@ impl<B: PipelineBackend> Worker<B> {
         let (default_steps, default_guidance) = run_defaults(&config.model, &pipe.defaults());
         let info = ModelInfo {
             name: model_name(&config.model),
+            hash,
             class: format!("{:?}", pipe.family()),
             default_size: pipe.default_size(),
             size_multiple: pipe.vae_scale_factor(),
@@ -418,6 +434,7 @@ impl<B: PipelineBackend> Worker<B> {
                 width: images.width,
                 height: images.height,
                 model: self.info.name.clone(),
+                model_hash: self.info.hash.clone(),
                 extra: closing_fields(&[]),
             }
             .to_text();

@@ -10,10 +10,11 @@ use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
 use clap::Parser;
 use oxidiff::cli::control::ControlArgs;
+use oxidiff::cli::model_lookup::png_model_hash;
 use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, OutputError};
 use oxidiff::cli::usage::{self, DEFAULT_MAX_PIXELS};
 use oxidiff::cli::vae::VaeArgs;
-use oxidiff::cli::{closing_fields, model_name, UsageError};
+use oxidiff::cli::{closing_fields, error_message, model_name, UsageError};
 use oxidiff::files::check_regular;
 use oxidiff::pipelines::image::{load_image, load_mask};
 use oxidiff::pipelines::lora::prompt_with_tags;
@@ -304,6 +305,14 @@ fn run(args: Args) -> Result<()> {
         guidance,
     } = edited;
     let images: Images = output_images.context("the pipeline returned no images")?;
+    let model_hash = match &source {
+        Source::File(path, sf) => png_model_hash(path, &sf.load),
+        Source::Dir(dir, options) => png_model_hash(dir, options),
+    }
+    .unwrap_or_else(|e| {
+        eprintln!("warning: the PNG gets no Model hash: {}", error_message(&e));
+        String::new()
+    });
     let mut extra = vec![("Denoising strength".into(), strength.to_string())];
     extra.extend(args.control.png_fields());
     extra.extend(closing_fields(&loras));
@@ -317,6 +326,7 @@ fn run(args: Args) -> Result<()> {
         width: images.width,
         height: images.height,
         model: model_name(&args.model),
+        model_hash,
         extra,
     };
     let rgb = images

@@ -146,6 +146,7 @@ fn from_png_without_parameters_and_missing_prompt_are_clear_errors() {
         width: 64,
         height: 64,
         model: tmp.path().join("gone/model").to_str().unwrap().into(),
+        model_hash: String::new(),
         extra: Vec::new(),
     };
     let elsewhere = tmp.path().join("elsewhere.png");
@@ -160,4 +161,142 @@ fn from_png_without_parameters_and_missing_prompt_are_clear_errors() {
         "pass --model",
         &out,
     );
+}
+
+/// The first 10 hex digits of a file's SHA-256: A1111's `Model hash`.
+fn short_sha256(path: &std::path::Path) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(std::fs::read(path).unwrap());
+    digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
+}
+
+/// The PNG `input` with its parameters' `Model:` and `Model hash:` replaced, written to `output`.
+fn with_model(input: &std::path::Path, model: &str, hash: &str, output: &std::path::Path) {
+    let mut params = oxidiff::pipelines::GenerationParameters::from_png(input).unwrap();
+    params.model = model.into();
+    params.model_hash = hash.into();
+    let rgb = image::open(input).unwrap().to_rgb8();
+    let png = oxidiff::pipelines::metadata::encode_png(&rgb, &[("parameters", params.to_text())])
+        .unwrap();
+    std::fs::write(output, png).unwrap();
+}
+
+#[test]
+fn the_png_records_a1111s_model_hash_and_from_png_finds_the_model_by_name_or_hash() {
+    let tmp = tempfile::tempdir().unwrap();
+    let models = tmp.path().join("models");
+    let mine = models.join("mine");
+    crate::common::copy_dir(&model_dir("tiny-sd1"), &mine);
+    let cache = tmp.path().join("cache");
+    let hub = tmp.path().join("hub");
+    let envs: [(&str, &std::path::Path); 2] =
+        [("OXIDIFF_CACHE_DIR", &cache), ("HF_HUB_CACHE", &hub)];
+    let first = tmp.path().join("first.png");
+    let common = [
+        "--steps", "2", "--width", "64", "--height", "64", "--seed", "5",
+    ];
+    let mut args = vec![
+        "--model",
+        mine.to_str().unwrap(),
+        "-o",
+        first.to_str().unwrap(),
+    ];
+    args.extend(common);
+    args.push("a lighthouse");
+    crate::succeeds(&args, &envs);
+    let params = oxidiff::pipelines::GenerationParameters::from_png(&first).unwrap();
+    let unet = mine.join("unet/diffusion_pytorch_model.safetensors");
+    assert_eq!(params.model, "mine");
+    assert_eq!(
+        params.model_hash,
+        short_sha256(&unet),
+        "the denoiser weights' hash"
+    );
+    assert!(
+        cache.join("hashes.json").is_file(),
+        "the hash is cached for the next run"
+    );
+
+    // Found by name in --model-dir, its hash checked: the same image, bit for bit.
+    let by_name = tmp.path().join("by-name.png");
+    let log = crate::succeeds(
+        &[
+            "--from-png",
+            first.to_str().unwrap(),
+            "--model-dir",
+            models.to_str().unwrap(),
+            "-o",
+            by_name.to_str().unwrap(),
+        ],
+        &envs,
+    );
+    assert!(!log.contains("warning"), "{log}");
+    assert_eq!(
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&by_name).unwrap()
+    );
+
+    // A PNG that names the model otherwise (another user's name for it) is found by its hash,
+    // among the models hashed here before.
+    let theirs = tmp.path().join("theirs.png");
+    with_model(&first, "their-name-for-it", &params.model_hash, &theirs);
+    let by_hash = tmp.path().join("by-hash.png");
+    let log = crate::succeeds(
+        &[
+            "--from-png",
+            theirs.to_str().unwrap(),
+            "-o",
+            by_hash.to_str().unwrap(),
+        ],
+        &envs,
+    );
+    assert!(log.contains("which has its hash"), "{log}");
+    assert_eq!(
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&by_hash).unwrap()
+    );
+
+    // The name found with another hash: run, and say the image will differ.
+    let other_hash = tmp.path().join("other-hash.png");
+    with_model(&first, "mine", "0123456789", &other_hash);
+    let differs = tmp.path().join("differs.png");
+    let log = crate::succeeds(
+        &[
+            "--from-png",
+            other_hash.to_str().unwrap(),
+            "--model-dir",
+            models.to_str().unwrap(),
+            "-o",
+            differs.to_str().unwrap(),
+        ],
+        &envs,
+    );
+    assert!(log.contains("the image will differ"), "{log}");
+
+    // Neither name nor hash known: an error naming the folders searched and the fix.
+    let unknown = tmp.path().join("unknown.png");
+    with_model(&first, "nowhere", "0123456789", &unknown);
+    let out = tmp.path().join("never.png");
+    let result = crate::common::txt2img_env(
+        &[
+            "--from-png",
+            unknown.to_str().unwrap(),
+            "--model-dir",
+            models.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ],
+        &envs,
+    );
+    let msg = stderr(&result);
+    assert_eq!(result.status.code(), Some(1), "{msg}");
+    for needle in [
+        "`nowhere`",
+        "0123456789",
+        models.to_str().unwrap(),
+        "--model-dir",
+    ] {
+        assert!(msg.contains(needle), "expected {needle:?} in: {msg}");
+    }
+    assert!(!out.exists());
 }

@@ -4,7 +4,8 @@ use std::ffi::OsStr;
 use std::path::Path;
 use std::process::{Command, Output};
 
-/// `txt2img ARGS` offline, with no Hub cache from the caller's environment.
+/// `txt2img ARGS` offline, with no Hub cache from the caller's environment and oxidiff's own
+/// caches (the model hashes) under the target folder, not the user's.
 pub fn txt2img<S: AsRef<OsStr>>(args: &[S]) -> Output {
     txt2img_env(args, &[])
 }
@@ -14,7 +15,11 @@ pub fn txt2img_env<S: AsRef<OsStr>>(args: &[S], envs: &[(&str, &Path)]) -> Outpu
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_txt2img"));
     cmd.args(args)
         .env("HF_HUB_OFFLINE", "1")
-        .env_remove("HF_HUB_CACHE");
+        .env_remove("HF_HUB_CACHE")
+        .env(
+            "OXIDIFF_CACHE_DIR",
+            Path::new(env!("CARGO_TARGET_TMPDIR")).join("oxidiff-cache"),
+        );
     for (k, v) in envs {
         cmd.env(k, v);
     }

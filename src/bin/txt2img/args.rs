@@ -28,6 +28,8 @@ Environment:
   HF_TOKEN                token for gated or private Hub repositories
   RUST_LOG                log filter (default warn; info shows load, compile and timing events)
   OXIDIFF_COMPILE_CACHE   folder keeping --compile's executables between runs
+  OXIDIFF_MODEL_DIRS      folders where --from-png looks for the model a PNG names
+  OXIDIFF_CACHE_DIR       oxidiff's cache folder (model hashes; default ~/.cache/oxidiff)
   OXIDIFF_LOG_COMPILES=1  log every XLA compile with its reason and timings
   OXIDIFF_PJRT_PLUGIN     a PJRT plugin file used for every PJRT --device
   OXIDIFF_PLUGIN_DIR      a folder of plugins as tools/fetch-plugins.sh lays them out
@@ -53,6 +55,11 @@ pub struct Args {
     /// A1111-compatible tool) wrote; flags given as well override them.
     #[arg(long, value_name = "FILE.png")]
     pub from_png: Option<PathBuf>,
+    /// A folder holding models (repeatable): where `--from-png` looks for the model its PNG
+    /// names (a folder `NAME` or a file `NAME.safetensors`), before `OXIDIFF_MODEL_DIRS`, the
+    /// working folder and the Hub cache.
+    #[arg(long, value_name = "DIR")]
+    pub model_dir: Vec<PathBuf>,
     /// A diffusers-format model folder, a Hugging Face Hub id (`org/name[@revision]`) found in
     /// the local Hub cache or downloaded when online, or a single-file checkpoint
     /// (`.safetensors` in the original LDM / A1111 layout: SD 1.x, 2.x, SDXL base; inpainting

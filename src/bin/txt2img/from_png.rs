@@ -1,8 +1,9 @@
 //! `--from-png`: the generation parameters of an earlier PNG as defaults for this run.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
+use oxidiff::cli::model_lookup::{find_model, model_dirs, FoundModel};
 use oxidiff::files::read_limited;
 use oxidiff::pipelines::lora::strip_prompt_tags;
 use oxidiff::pipelines::GenerationParameters;
@@ -52,6 +53,9 @@ pub fn apply_from_png(args: &mut Args) -> Result<()> {
             tags.join(" ")
         );
     }
+    if !args.model_given && !p.model.is_empty() {
+        args.model = png_model(path, &p, &model_dirs(&args.model_dir))?;
+    }
     args.prompt.get_or_insert(prompt);
     args.negative_prompt.get_or_insert(p.negative_prompt);
     args.steps.get_or_insert(p.steps);
@@ -62,27 +66,64 @@ pub fn apply_from_png(args: &mut Args) -> Result<()> {
     if args.scheduler.is_none() && !p.sampler.is_empty() {
         args.scheduler = Some(p.sampler);
     }
-    if !args.model_given && !p.model.is_empty() {
-        if !model_exists(&p.model) {
-            bail!(
-                "{} was made with model `{}`, which is neither a folder here nor a Hub id; \
-                 pass --model PATH|ORG/NAME to make it again with that model",
-                path.display(),
-                p.model
-            );
-        }
-        args.model = p.model;
-    }
     Ok(())
 }
 
-/// Whether a model named in a PNG's parameters can be loaded: a path that exists here, or a
-/// Hub id (`org/name[@rev]`, resolved from the cache or the network later).
-fn model_exists(model: &str) -> bool {
-    let path = Path::new(model);
-    if path.exists() {
-        return true;
+/// The model to run for a PNG's `Model:` (and `Model hash:`): a path or Hub id as it is, else
+/// the model of that name (or, failing that, of that hash) in the model folders or Hub cache.
+fn png_model(png: &Path, p: &GenerationParameters, dirs: &[PathBuf]) -> Result<String> {
+    if Path::new(&p.model).exists() || is_hub_id(&p.model) {
+        return Ok(p.model.clone());
     }
+    let searched = || {
+        dirs.iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match find_model(&p.model, &p.model_hash, dirs) {
+        Some(found) => {
+            match &found {
+                FoundModel::ByName {
+                    path,
+                    hash_differs: Some(ours),
+                } => eprintln!(
+                    "warning: {} was made with a model `{}` of hash {}, but {} has hash {ours}: \
+                     the image will differ",
+                    png.display(),
+                    p.model,
+                    p.model_hash,
+                    path.display()
+                ),
+                FoundModel::ByHash { path } => eprintln!(
+                    "note: {} names model `{}`; using {}, which has its hash {}",
+                    png.display(),
+                    p.model,
+                    path.display(),
+                    p.model_hash
+                ),
+                _ => {}
+            }
+            Ok(found.spec())
+        }
+        None => bail!(
+            "{} was made with model `{}`{}, which is not in the model folders ({}) nor the Hub \
+             cache; pass --model PATH|ORG/NAME, or --model-dir DIR where it is",
+            png.display(),
+            p.model,
+            if p.model_hash.is_empty() {
+                String::new()
+            } else {
+                format!(" (hash {})", p.model_hash)
+            },
+            searched()
+        ),
+    }
+}
+
+/// Whether a model named in a PNG's parameters is a Hub id (`org/name[@rev]`, resolved from
+/// the cache or the network later).
+fn is_hub_id(model: &str) -> bool {
     let id = model.split('@').next().unwrap_or(model);
     let mut parts = id.split('/');
     matches!(

@@ -7,9 +7,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use burn::tensor::{FloatDType, Tensor, TensorData};
+use oxidiff::cli::model_lookup::png_model_hash;
 use oxidiff::cli::usage;
 use oxidiff::cli::{
-    closing_fields, file_name, model_name, random_seed, run_defaults, Precision, UsageError,
+    closing_fields, error_message, file_name, model_name, random_seed, run_defaults, Precision,
+    UsageError,
 };
 use oxidiff::execution::{Execution, PipelineBackend};
 use oxidiff::latents::{encode_npy, read_latents};
@@ -321,6 +323,15 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
         None => AutoPipeline::<B>::from_dir(&dir, &options, device),
     }
     .with_context(|| format!("loading {}", args.model))?;
+    let png_hash = if kind == OutputKind::Png {
+        progress.phase("hashing the model for the PNGs' Model hash".to_string());
+        png_model_hash(&dir, &options).unwrap_or_else(|e| {
+            eprintln!("warning: the PNGs get no Model hash: {}", error_message(&e));
+            String::new()
+        })
+    } else {
+        String::new()
+    };
     let mut loras = Vec::with_capacity(args.lora.len());
     for spec in &args.lora {
         let report = pipe
@@ -466,6 +477,7 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
                             width: images.width,
                             height: images.height,
                             model: png_model.clone(),
+                            model_hash: png_hash.clone(),
                             extra,
                         };
                         let rgb = images
