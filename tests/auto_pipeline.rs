@@ -264,7 +264,7 @@ fn unknown_class_is_an_error_naming_it_and_the_supported_ones() {
 }
 
 #[test]
-fn every_family_refuses_an_absurd_size_before_allocating() {
+fn every_family_refuses_an_absurd_size_or_non_finite_scales_before_allocating() {
     // 20000x20000 is over the library's bound (2^28 pixels): refused by the request check every
     // pipeline runs, before latents of 25 million values per channel are made.
     let device = Default::default();
@@ -297,6 +297,50 @@ fn every_family_refuses_an_absurd_size_before_allocating() {
             err.contains("20000x20000") && err.contains("pixels"),
             "{fixture}: {err}"
         );
+        // Non-finite guidance and eta are input errors, not NaN latents blamed on the weights.
+        let guidance = auto.defaults().guidance_scale;
+        for (req, needle) in [
+            (
+                GenerateRequest {
+                    guidance_scale: f64::NAN,
+                    ..request(guidance)
+                },
+                "guidance scale must be a finite number, got NaN",
+            ),
+            (
+                GenerateRequest {
+                    guidance_scale: f64::INFINITY,
+                    ..request(guidance)
+                },
+                "got inf",
+            ),
+            (
+                GenerateRequest {
+                    eta: f64::NAN,
+                    ..request(guidance)
+                },
+                "eta must be a number from 0",
+            ),
+            (
+                GenerateRequest {
+                    eta: -1.0,
+                    ..request(guidance)
+                },
+                "got -1",
+            ),
+        ] {
+            let err = auto
+                .generate_with(
+                    &req,
+                    &FamilyOptions::default(),
+                    &mut TorchCpuGenerator::new(0),
+                    |_| {},
+                )
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(err.contains(needle), "{fixture}: {needle:?} not in {err:?}");
+        }
     }
 }
 

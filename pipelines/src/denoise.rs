@@ -219,6 +219,19 @@ pub fn check_request<B: Backend>(
             "images per prompt must be at least 1".into(),
         ));
     }
+    // NaN or Inf here would reach every latent and be blamed on the weights at the first step.
+    if !req.guidance_scale.is_finite() {
+        return Err(PipelineError::InvalidInput(format!(
+            "the guidance scale must be a finite number, got {}",
+            req.guidance_scale
+        )));
+    }
+    if !(req.eta.is_finite() && req.eta >= 0.0) {
+        return Err(PipelineError::InvalidInput(format!(
+            "DDIM's eta must be a number from 0 (deterministic) to 1, got {}",
+            req.eta
+        )));
+    }
     let (w, h) = (
         req.width.unwrap_or(default.0),
         req.height.unwrap_or(default.1),
