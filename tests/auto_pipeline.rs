@@ -263,6 +263,19 @@ fn unknown_class_is_an_error_naming_it_and_the_supported_ones() {
     }
 }
 
+/// The error `auto` gives for `req` (empty when it generates).
+fn refusal(auto: &mut AutoPipeline<B>, req: &GenerateRequest<B>) -> String {
+    auto.generate_with(
+        req,
+        &FamilyOptions::default(),
+        &mut TorchCpuGenerator::new(0),
+        |_| {},
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default()
+}
+
 #[test]
 fn every_family_refuses_an_absurd_size_or_non_finite_scales_before_allocating() {
     // 20000x20000 is over the library's bound (2^28 pixels): refused by the request check every
@@ -283,16 +296,7 @@ fn every_family_refuses_an_absurd_size_or_non_finite_scales_before_allocating() 
             height: Some(20_000),
             ..request(auto.defaults().guidance_scale)
         };
-        let err = auto
-            .generate_with(
-                &req,
-                &FamilyOptions::default(),
-                &mut TorchCpuGenerator::new(0),
-                |_| {},
-            )
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
+        let err = refusal(&mut auto, &req);
         assert!(
             err.contains("20000x20000") && err.contains("pixels"),
             "{fixture}: {err}"
@@ -329,16 +333,7 @@ fn every_family_refuses_an_absurd_size_or_non_finite_scales_before_allocating() 
                 "got -1",
             ),
         ] {
-            let err = auto
-                .generate_with(
-                    &req,
-                    &FamilyOptions::default(),
-                    &mut TorchCpuGenerator::new(0),
-                    |_| {},
-                )
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
+            let err = refusal(&mut auto, &req);
             assert!(err.contains(needle), "{fixture}: {needle:?} not in {err:?}");
         }
     }

@@ -226,7 +226,7 @@ pub fn check_request<B: Backend>(
             req.guidance_scale
         )));
     }
-    if !(req.eta.is_finite() && req.eta >= 0.0) {
+    if !(0.0..=1.0).contains(&req.eta) {
         return Err(PipelineError::InvalidInput(format!(
             "DDIM's eta must be a number from 0 (deterministic) to 1, got {}",
             req.eta

@@ -9,7 +9,6 @@ use std::str::FromStr;
 use burn::tensor::backend::Backend;
 use oxidiff_models::lora::{self, LoraComponent, LoraFile, LoraFormat, LoraTarget};
 use oxidiff_models::{ClipTextModel, ModelError};
-use sha2::{Digest, Sha256};
 
 use crate::error::{PipelineError, Result};
 
@@ -115,17 +114,8 @@ fn short_hash(path: &Path) -> Result<String> {
     file.read_exact(&mut len).map_err(io)?;
     file.seek(SeekFrom::Start(8 + u64::from_le_bytes(len)))
         .map_err(io)?;
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        let n = file.read(&mut buffer).map_err(io)?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buffer[..n]);
-    }
-    let digest = hasher.finalize();
-    Ok(digest.iter().take(6).map(|b| format!("{b:02x}")).collect())
+    let hex = crate::model_hash::sha256_hex(&mut file).map_err(io)?;
+    Ok(hex[..12].to_string())
 }
 
 /// The model a pipeline denoises with, as a LoRA names it: the UNet (`unet.`) or a DiT

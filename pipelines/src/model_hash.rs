@@ -104,16 +104,7 @@ impl HashCache {
             }
         }
         let mut reader = std::fs::File::open(&absolute).map_err(io)?;
-        let mut hasher = Sha256::new();
-        let mut buffer = vec![0u8; 1 << 20];
-        loop {
-            let n = reader.read(&mut buffer).map_err(io)?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buffer[..n]);
-        }
-        let sha256 = hex(&hasher.finalize());
+        let sha256 = sha256_hex(&mut reader).map_err(io)?;
         self.entries.insert(
             key,
             CachedHash {
@@ -193,6 +184,20 @@ fn denoiser_files(model: &Path, variant: Option<&str>) -> Result<Vec<PathBuf>> {
         dir: model.to_path_buf(),
         component: "unet or transformer (the denoiser, whose weights give the model hash)".into(),
     })
+}
+
+/// The SHA-256 (hex) of what `reader` holds from where it stands to its end.
+pub(crate) fn sha256_hex(reader: &mut impl Read) -> std::io::Result<String> {
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let n = reader.read(&mut buffer)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+    }
+    Ok(hex(&hasher.finalize()))
 }
 
 fn hex(bytes: &[u8]) -> String {

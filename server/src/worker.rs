@@ -211,19 +211,7 @@ impl<B: PipelineBackend> Worker<B> {
             transformer: None,
         };
         let path = Path::new(&config.model);
-        // The PNGs' `Model hash` (as txt2img's): the single file, or the resolved folder's
-        // denoiser; a model that cannot be hashed gets none.
-        let hashed = if is_single_file(path) {
-            Ok(path.to_path_buf())
-        } else {
-            resolve_model(&config.model, config.variant.as_deref())
-        };
-        let hash = hashed
-            .and_then(|model| png_model_hash(&model, &options))
-            .unwrap_or_else(|e| {
-                tracing::warn!("the PNGs get no Model hash: {e}");
-                String::new()
-            });
+        let hash_options = options.clone();
         let mut pipe = if is_single_file(path) {
             let single = SingleFileOptions {
                 load: options,
@@ -236,6 +224,20 @@ impl<B: PipelineBackend> Worker<B> {
             AutoPipeline::<B>::from_pretrained(&config.model, &options, device)
         }
         .map_err(loading)?;
+        // The PNGs' `Model hash` (as txt2img's): the single file, or the resolved folder's
+        // denoiser (resolved again after the load: a
+        // Hub id is in the cache by then); a model that cannot be hashed gets none.
+        let hashed = if is_single_file(path) {
+            Ok(path.to_path_buf())
+        } else {
+            resolve_model(&config.model, config.variant.as_deref())
+        };
+        let hash = hashed
+            .and_then(|model| png_model_hash(&model, &hash_options))
+            .unwrap_or_else(|e| {
+                tracing::warn!("the PNGs get no Model hash: {e}");
+                String::new()
+            });
         B::prepare(&mut pipe, config.execution).map_err(loading)?;
         let (default_steps, default_guidance) = run_defaults(&config.model, &pipe.defaults());
         let info = ModelInfo {
