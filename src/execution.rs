@@ -3,6 +3,7 @@
 //! `oxidiff-server` share it, so both report compiled mode the same way.
 
 use burn::tensor::backend::Backend;
+use oxidiff_backend_tpu::eager::Stats as EagerStats;
 use oxidiff_pipelines::compiled::CompileStats;
 use oxidiff_pipelines::parallel::ParallelConfig;
 use oxidiff_pipelines::{AutoPipeline, Result};
@@ -38,6 +39,10 @@ pub trait PipelineBackend: Backend {
     /// Compiled mode's counts, `None` when eager.
     fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats>;
 
+    /// What eager mode did so far on `device`'s PJRT client (ops run, XLA compiles, loads from
+    /// the compile cache); `None` off PJRT devices.
+    fn eager_stats(device: &Self::Device) -> Option<EagerStats>;
+
     /// "eager", or what compiled mode built.
     fn mode(pipe: &AutoPipeline<Self>) -> String {
         match Self::compile_stats(pipe) {
@@ -65,6 +70,10 @@ impl PipelineBackend for Cpu {
     fn compile_stats(_: &AutoPipeline<Self>) -> Option<CompileStats> {
         None
     }
+
+    fn eager_stats(_: &Self::Device) -> Option<EagerStats> {
+        None
+    }
 }
 
 impl PipelineBackend for Oxi {
@@ -80,5 +89,9 @@ impl PipelineBackend for Oxi {
 
     fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats> {
         pipe.compile_stats()
+    }
+
+    fn eager_stats(device: &Self::Device) -> Option<EagerStats> {
+        oxidiff_backend_tpu::pjrt_client(device).map(|client| client.stats())
     }
 }

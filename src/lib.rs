@@ -60,8 +60,8 @@ pub use oxidiff_schedulers as schedulers;
 pub use oxidiff_backend_tpu::{Oxi, OxiDevice};
 pub use oxidiff_models::ToDevice;
 
-/// The default CPU backend: burn-flex, chosen by measurement (a 3x3 convolution ran about 8x
-/// faster than burn-ndarray's on this project's machines).
+/// The default CPU backend: burn-flex, chosen by measurement against burn-ndarray
+/// (`docs/benchmarks.md`).
 pub type Cpu = burn_flex::Flex;
 
 pub mod cli;
@@ -71,12 +71,9 @@ pub mod latents;
 
 /// Keeps freed tensor memory in the process instead of handing it back to the kernel after
 /// every op (glibc's `mallopt`: no `mmap`ed blocks, a 32 MiB mmap threshold and a 2 GiB trim
-/// threshold). By default glibc serves large blocks (an op's output, a convolution's im2col
-/// buffer of hundreds of MB in the VAE) with fresh `mmap`s and unmaps them on `free`, so each
-/// op's memory is faulted in and zeroed page by page again. On the SD 1.5 UNet step on the CPU
-/// backend (1 thread, 256x256) this cut CPU time per step by about 8% (threshold and trim),
-/// then 10% more for the step and 12% for the VAE decode (no mmap), with the same peak RSS
-/// (measured with `tools/bench`). Returns whether the allocator took the settings (false off
+/// threshold). By default glibc serves each large op output or im2col buffer with a fresh
+/// `mmap` and unmaps it on `free`, so every op faults and zeroes its pages again; the effect is
+/// measured in `docs/benchmarks.md`. Returns whether the allocator took the settings (false off
 /// glibc). The binaries call it first thing; library users may too.
 pub fn tune_allocator() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -55,9 +55,14 @@ fn sd35_transformer_with_qk_norm_and_dual_attention_matches_diffusers() {
     assert_eq!(config.qk_norm.as_deref(), Some("rms_norm"));
     assert_eq!(config.dual_attention_layers, vec![0]);
     let model = SD3Transformer2DModel::<B>::from_dir(&dir, None, &Default::default()).unwrap();
-    assert!(model.transformer_blocks[0].attn2().is_some());
-    assert!(model.transformer_blocks[1].attn2().is_none());
-    assert!(model.transformer_blocks[0].attn().norm_added_q.is_some());
+    let JointTransformerBlock::DualAttention(first) = &model.transformer_blocks[0] else {
+        panic!("block 0 of dual_attention_layers [0] is not a dual-attention block");
+    };
+    assert!(first.attn.norm_added_q.is_some() && first.attn2.norm_q.is_some());
+    assert!(!matches!(
+        model.transformer_blocks[1],
+        JointTransformerBlock::DualAttention(_)
+    ));
     assert_close(&golden, "transformer_sd35.out", call(&golden, &model), TOL);
 }
 

@@ -1,7 +1,10 @@
 //! Eager mode on a PJRT device: every op Burn registers is lowered on its own
 //! ([`lowering::lower_op`]), compiled once per module text (which encodes
 //! the op's structure, shapes and dtypes but no scalar), and executed at
-//! once on the device's buffers.
+//! once on the device's buffers. With a compile cache folder
+//! ([`COMPILE_CACHE_ENV`](crate::compile_cache::COMPILE_CACHE_ENV)) each op's
+//! executable is also kept on disk, so a later process loads it instead of
+//! compiling it again.
 //!
 //! # Errors
 //! `RunnerClient` methods cannot return errors, so a failing op (not
@@ -13,12 +16,14 @@
 //! from `Drop`.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, TensorData};
 use burn_ir::{OperationIr, TensorId, TensorIr, TensorStatus};
 
+use crate::compile_cache::{self, disk_key, entry_path, load_executable, store_executable};
 use crate::device::{OxiDevice, PjrtPlatform};
 use crate::host::{dims_i64, host_layout, read_buffer, scalar_bytes};
 use crate::lowering::{self, element_type, Argument, LoweredFunction};
@@ -40,6 +45,9 @@ struct Inner {
     index: usize,
     /// The device, or why there is none.
     target: std::result::Result<(Client, Device), String>,
+    /// Where op executables are kept between processes, if anywhere: the compile cache's
+    /// `eager/` folder, beside compiled mode's programs.
+    disk_cache: Option<PathBuf>,
     state: Mutex<State>,
     next_id: AtomicU64,
 }
@@ -58,6 +66,8 @@ struct State {
     stats: Stats,
     /// A failure to report instead of running an op (see [`PjrtClient::inject_fault`]).
     fault: Option<InjectedFault>,
+    /// Whether the disk cache's trouble was already reported (once per device).
+    disk_cache_warned: bool,
 }
 
 /// A device fault scheduled by a test: op number `after` (counted from the call) fails.
@@ -71,8 +81,12 @@ struct InjectedFault {
 pub struct Stats {
     /// Ops executed.
     pub executed: u64,
-    /// Executables compiled (cache misses).
+    /// Executables compiled (in neither cache).
     pub compiled: u64,
+    /// Executables loaded from the disk cache instead of compiled.
+    pub disk_loads: u64,
+    /// Disk cache entries refused (damaged, or not loadable by this plugin) and compiled again.
+    pub disk_rejects: u64,
     /// Live device buffers.
     pub buffers: usize,
 }
@@ -101,6 +115,7 @@ impl PjrtClient {
                 platform,
                 index,
                 target,
+                disk_cache: compile_cache::dir_from_env().map(|dir| dir.join("eager")),
                 state: Mutex::new(State::default()),
                 next_id: AtomicU64::new(0),
             }),
@@ -232,20 +247,10 @@ impl PjrtClient {
         let executable = match state.executables.get(&function.module) {
             Some(exe) => exe.clone(),
             None => {
-                let options = CompileOptions::on_device(i64::from(device.id()));
-                let exe = client.compile(&function.module, &options).map_err(|e| {
-                    format!(
-                        "op {} on {}: compiling its StableHLO failed: {e}\n{}",
-                        name(),
-                        self.device(),
-                        function.module
-                    )
-                })?;
-                let exe = Arc::new(exe);
+                let exe = Arc::new(self.load_or_compile(state, (client, device), &function, op)?);
                 state
                     .executables
                     .insert(function.module.clone(), exe.clone());
-                state.stats.compiled += 1;
                 exe
             }
         };
@@ -255,6 +260,82 @@ impl PjrtClient {
         }
         state.stats.executed += 1;
         Ok(())
+    }
+
+    /// The executable of `function`: from the disk cache when an earlier process stored it,
+    /// else compiled (and stored). A damaged entry or an unwritable folder is reported once per
+    /// device and costs only a compile.
+    fn load_or_compile(
+        &self,
+        state: &mut State,
+        (client, device): (&Client, &Device),
+        function: &LoweredFunction,
+        op: &OperationIr,
+    ) -> OpResult<LoadedExecutable> {
+        let module = &function.module;
+        let disk = self.inner.disk_cache.as_ref().map(|dir| {
+            let key = disk_key(module, client, device.id());
+            (entry_path(dir, &key), key)
+        });
+        if let Some((path, key)) = &disk {
+            match load_executable(path, key, client, function.results.len()) {
+                Ok(Some(exe)) => {
+                    state.stats.disk_loads += 1;
+                    return Ok(exe);
+                }
+                Ok(None) => {}
+                Err(why) => {
+                    let _ = std::fs::remove_file(path);
+                    state.stats.disk_rejects += 1;
+                    self.warn_once(
+                        state,
+                        format!(
+                            "the cached executable {}: {why}; compiled again",
+                            path.display()
+                        ),
+                    );
+                }
+            }
+        }
+        if compile_cache::log_compiles() {
+            eprintln!(
+                "oxidiff: eager op {} on {}: compiling (not cached in this process{})",
+                lowering::op_name(op),
+                self.device(),
+                if disk.is_some() { " nor on disk" } else { "" }
+            );
+        }
+        let options = CompileOptions::on_device(i64::from(device.id()));
+        let exe = client.compile(module, &options).map_err(|e| {
+            format!(
+                "op {} on {}: compiling its StableHLO failed: {e}\n{module}",
+                lowering::op_name(op),
+                self.device(),
+            )
+        })?;
+        state.stats.compiled += 1;
+        if let Some((path, key)) = &disk {
+            if let Err(e) = store_executable(path, key, &exe) {
+                self.warn_once(
+                    state,
+                    format!(
+                        "could not store {} ({e}); eager ops are compiled in every process",
+                        path.display()
+                    ),
+                );
+            }
+        }
+        Ok(exe)
+    }
+
+    /// One line on stderr about the compile cache, the first time only.
+    fn warn_once(&self, state: &mut State, message: String) {
+        if !std::mem::replace(&mut state.disk_cache_warned, true) {
+            eprintln!(
+                "oxidiff: warning: compile cache of {}: {message} (further cache warnings for this device are left out)",
+                self.device()
+            );
+        }
     }
 
     /// Gathers the arguments (uploading scalars) and executes.

@@ -33,6 +33,7 @@
 //! through them and keeps the design notes and the list of ops lowered.
 
 pub mod channel;
+pub mod compile_cache;
 pub mod compiled;
 pub mod device;
 pub mod eager;

@@ -156,3 +156,114 @@ fn buffers_are_freed_and_executables_reused() {
         "{before:?} -> {after:?}"
     );
 }
+
+/// Which phase of [`eager_executables_are_kept_on_disk_for_a_later_process`] a child runs.
+const EAGER_CACHE_PHASE: &str = "OXIDIFF_TEST_EAGER_CACHE_PHASE";
+
+/// Eager ops keep their executables in the compile cache folder: a second process loads every
+/// one and compiles none, with the same values; damaged entries are refused, compiled again and
+/// reported once; an unwritable folder is reported once and only costs the compiles.
+#[test]
+fn eager_executables_are_kept_on_disk_for_a_later_process() {
+    const NAME: &str = "eager_executables_are_kept_on_disk_for_a_later_process";
+    let Some(xla) = common::xla_cpu(0) else {
+        return;
+    };
+    if let Ok(phase) = std::env::var(EAGER_CACHE_PHASE) {
+        eager_cache_phase(&phase, &xla);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let run = |phase: &str, cache: &std::path::Path| -> String {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+            .env(EAGER_CACHE_PHASE, phase)
+            .env(oxidiff_backend_tpu::compile_cache::COMPILE_CACHE_ENV, cache)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(
+            out.status.success() && stdout.contains("test result: ok. 1 passed"),
+            "phase {phase}: {}\n{stdout}\n{stderr}",
+            out.status
+        );
+        stderr
+    };
+    let warnings = |stderr: &str| stderr.matches("oxidiff: warning: compile cache").count();
+
+    let first = run("compile", &cache);
+    let entries: Vec<_> = std::fs::read_dir(cache.join("eager"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(
+        !entries.is_empty(),
+        "nothing was stored in {}",
+        cache.display()
+    );
+    assert_eq!(warnings(&first), 0, "{first}");
+
+    let second = run("load", &cache);
+    assert_eq!(warnings(&second), 0, "{second}");
+
+    for entry in &entries {
+        let mut bytes = std::fs::read(entry).unwrap();
+        *bytes.last_mut().unwrap() ^= 0x5a;
+        std::fs::write(entry, bytes).unwrap();
+    }
+    let third = run("reject", &cache);
+    assert_eq!(warnings(&third), 1, "{third}");
+    assert!(third.contains("corrupt"), "{third}");
+    // The rebuilt entries serve the next process again.
+    run("load", &cache);
+
+    let blocker = dir.path().join("a-file");
+    std::fs::write(&blocker, b"not a folder").unwrap();
+    let unwritable = run("compile", &blocker.join("cache"));
+    assert_eq!(warnings(&unwritable), 1, "{unwritable}");
+    assert!(unwritable.contains("could not store"), "{unwritable}");
+}
+
+/// A child of [`eager_executables_are_kept_on_disk_for_a_later_process`]: runs a few ops on
+/// `xla`, checks their values against the CPU backend and what the cache did.
+fn eager_cache_phase(phase: &str, xla: &OxiDevice) {
+    use burn_router::get_client;
+    use oxidiff_backend_tpu::{OxiChannel, OxiClient};
+
+    let ops = |device: &OxiDevice| {
+        let values: Vec<f32> = (0..12).map(|i| i as f32 * 0.1 - 0.4).collect();
+        let x = Tensor::<Oxi, 2>::from_data(TensorData::new(values, [3, 4]), device);
+        floats(
+            (x.clone().exp() * 0.5 + x.clone())
+                .matmul(x.transpose())
+                .tanh(),
+        )
+    };
+    let expected = ops(&OxiDevice::Cpu);
+    let got = ops(xla);
+    for (g, e) in got.iter().zip(&expected) {
+        assert!(
+            (g - e).abs() <= 1e-5 * e.abs().max(1.0),
+            "{got:?} vs {expected:?}"
+        );
+    }
+    let stats = match get_client::<OxiChannel>(xla) {
+        OxiClient::Pjrt(client) => client.stats(),
+        OxiClient::Cpu(_) => panic!("xla:cpu:0 has a CPU client"),
+    };
+    println!("phase {phase}: {stats:?}");
+    match phase {
+        "compile" => assert!(stats.compiled > 0 && stats.disk_loads == 0, "{stats:?}"),
+        "load" => assert!(
+            stats.compiled == 0 && stats.disk_loads > 0 && stats.disk_rejects == 0,
+            "{stats:?}"
+        ),
+        "reject" => assert!(
+            stats.disk_rejects > 0 && stats.compiled == stats.disk_rejects,
+            "{stats:?}"
+        ),
+        other => panic!("unknown phase {other}"),
+    }
+}

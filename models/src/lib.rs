@@ -18,6 +18,7 @@ pub mod dtype;
 pub mod embeddings;
 pub mod error;
 pub mod gguf;
+pub mod joint_attention;
 pub mod lora;
 pub mod nn;
 pub mod normalization;

@@ -18,11 +18,14 @@ use burn::tensor::{FloatDType, Tensor};
 use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 use serde::Deserialize;
 
-use crate::attention::{FeedForward, FeedForwardActivation, JointAttention, JointAttentionSpec};
+use crate::attention::{FeedForward, FeedForwardActivation};
 use crate::config::load_json;
 use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{CombinedTimestepTextProjEmbeddings, PatchEmbed};
 use crate::error::{ModelError, Result};
+use crate::joint_attention::{
+    ContextPreOnlyAttention, ImageSelfAttention, JointAttention, JointAttentionSpec,
+};
 use crate::nn::{layer_norm, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLnZeroOutput, SD35AdaLayerNormZeroX,
@@ -178,15 +181,13 @@ struct BlockSpec {
 }
 
 impl BlockSpec {
-    fn new(cfg: &SD3Transformer2DConfig, context_pre_only: bool) -> Self {
+    fn new(cfg: &SD3Transformer2DConfig) -> Self {
         Self {
             dim: cfg.inner_dim(),
             attention: JointAttentionSpec {
                 dim: cfg.inner_dim(),
                 heads: cfg.num_attention_heads,
                 head_dim: cfg.attention_head_dim,
-                joint: true,
-                context_pre_only,
                 qk_rms_norm: cfg.qk_norm.is_some(),
             },
         }
@@ -242,7 +243,7 @@ impl<B: Backend> JointBlock<B> {
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let zero = self.norm1.forward(x.clone(), temb.clone());
         let m = self.norm1_context.forward(context.clone(), temb);
-        let (attn, context_attn) = self.attn.forward(zero.x.clone(), Some(m.x.clone()));
+        let (attn, context_attn) = self.attn.forward(zero.x.clone(), m.x.clone());
         let x = feed_forward_residual(x + zero.gate_msa.clone() * attn, zero, &self.ff);
         let context = joint_context(context, m, context_attn, &self.ff_context);
         (context, x)
@@ -250,17 +251,14 @@ impl<B: Backend> JointBlock<B> {
 }
 
 /// The context stream of a block that updates it: `context + gate_msa * attention`, then its
-/// feed-forward (the attention always returns a context output when the block has `to_add_out`).
+/// feed-forward.
 fn joint_context<B: Backend>(
     context: Tensor<B, 3>,
     m: AdaLnZeroOutput<B>,
-    context_attn: Option<Tensor<B, 3>>,
+    context_attn: Tensor<B, 3>,
     ff_context: &FeedForward<B>,
 ) -> Tensor<B, 3> {
-    let context = match context_attn {
-        Some(attn) => context + m.gate_msa.clone() * attn,
-        None => context,
-    };
+    let context = context + m.gate_msa.clone() * context_attn;
     feed_forward_residual(context, m, ff_context)
 }
 
@@ -272,22 +270,18 @@ pub struct DualAttentionJointBlock<B: Backend> {
     pub norm1: SD35AdaLayerNormZeroX<B>,
     pub norm1_context: AdaLayerNormZero<B>,
     pub attn: JointAttention<B>,
-    pub attn2: JointAttention<B>,
+    pub attn2: ImageSelfAttention<B>,
     pub ff: FeedForward<B>,
     pub ff_context: FeedForward<B>,
 }
 
 impl<B: Backend> DualAttentionJointBlock<B> {
     fn load(vb: &VarBuilder<B>, spec: BlockSpec) -> Result<Self> {
-        let self_only = JointAttentionSpec {
-            joint: false,
-            ..spec.attention
-        };
         Ok(Self {
             norm1: SD35AdaLayerNormZeroX::load(&vb.pp("norm1"), spec.dim)?,
             norm1_context: AdaLayerNormZero::load(&vb.pp("norm1_context"), spec.dim)?,
             attn: JointAttention::load(&vb.pp("attn"), spec.attention)?,
-            attn2: JointAttention::load(&vb.pp("attn2"), self_only)?,
+            attn2: ImageSelfAttention::load(&vb.pp("attn2"), spec.attention)?,
             ff: spec.feed_forward(vb, "ff")?,
             ff_context: spec.feed_forward(vb, "ff_context")?,
         })
@@ -301,9 +295,9 @@ impl<B: Backend> DualAttentionJointBlock<B> {
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (zero, x2, gate2) = self.norm1.forward(x.clone(), temb.clone());
         let m = self.norm1_context.forward(context.clone(), temb);
-        let (attn, context_attn) = self.attn.forward(zero.x.clone(), Some(m.x.clone()));
+        let (attn, context_attn) = self.attn.forward(zero.x.clone(), m.x.clone());
         let x = x + zero.gate_msa.clone() * attn;
-        let x = x.clone() + gate2 * self.attn2.forward(x2, None).0;
+        let x = x.clone() + gate2 * self.attn2.forward(x2);
         let x = feed_forward_residual(x, zero, &self.ff);
         let context = joint_context(context, m, context_attn, &self.ff_context);
         (context, x)
@@ -316,7 +310,7 @@ impl<B: Backend> DualAttentionJointBlock<B> {
 pub struct ContextPreOnlyJointBlock<B: Backend> {
     pub norm1: AdaLayerNormZero<B>,
     pub norm1_context: AdaLayerNormContinuous<B>,
-    pub attn: JointAttention<B>,
+    pub attn: ContextPreOnlyAttention<B>,
     pub ff: FeedForward<B>,
 }
 
@@ -330,7 +324,7 @@ impl<B: Backend> ContextPreOnlyJointBlock<B> {
                 spec.dim,
                 1e-6,
             )?,
-            attn: JointAttention::load(&vb.pp("attn"), spec.attention)?,
+            attn: ContextPreOnlyAttention::load(&vb.pp("attn"), spec.attention)?,
             ff: spec.feed_forward(vb, "ff")?,
         })
     }
@@ -338,7 +332,7 @@ impl<B: Backend> ContextPreOnlyJointBlock<B> {
     fn forward(&self, x: Tensor<B, 3>, context: Tensor<B, 3>, temb: Tensor<B, 2>) -> Tensor<B, 3> {
         let zero = self.norm1.forward(x.clone(), temb.clone());
         let norm_context = self.norm1_context.forward(context, temb);
-        let (attn, _) = self.attn.forward(zero.x.clone(), Some(norm_context));
+        let attn = self.attn.forward(zero.x.clone(), norm_context);
         feed_forward_residual(x + zero.gate_msa.clone() * attn, zero, &self.ff)
     }
 }
@@ -361,7 +355,7 @@ impl<B: Backend> JointTransformerBlock<B> {
         context_pre_only: bool,
         dual_attention: bool,
     ) -> Result<Self> {
-        let spec = BlockSpec::new(cfg, context_pre_only);
+        let spec = BlockSpec::new(cfg);
         Ok(match (context_pre_only, dual_attention) {
             (true, _) => Self::ContextPreOnly(ContextPreOnlyJointBlock::load(vb, spec)?),
             (false, true) => Self::DualAttention(DualAttentionJointBlock::load(vb, spec)?),
@@ -389,20 +383,15 @@ impl<B: Backend> JointTransformerBlock<B> {
         }
     }
 
-    /// The joint attention (`attn`).
-    pub fn attn(&self) -> &JointAttention<B> {
+    /// The attentions by name with their head counts: `attn`, and `attn2` in a dual-attention
+    /// block.
+    pub fn attention_heads(&self) -> Vec<(&'static str, usize)> {
         match self {
-            Self::Joint(block) => &block.attn,
-            Self::DualAttention(block) => &block.attn,
-            Self::ContextPreOnly(block) => &block.attn,
-        }
-    }
-
-    /// The image stream's self-attention of a dual-attention block (`attn2`).
-    pub fn attn2(&self) -> Option<&JointAttention<B>> {
-        match self {
-            Self::DualAttention(block) => Some(&block.attn2),
-            _ => None,
+            Self::Joint(block) => vec![("attn", block.attn.heads)],
+            Self::DualAttention(block) => {
+                vec![("attn", block.attn.heads), ("attn2", block.attn2.heads)]
+            }
+            Self::ContextPreOnly(block) => vec![("attn", block.attn.heads)],
         }
     }
 
@@ -710,12 +699,8 @@ impl<B: Backend> TensorParallel for SD3Transformer2DModel<B> {
         let mut widths = Vec::new();
         for (i, block) in self.transformer_blocks.iter().enumerate() {
             let prefix = format!("transformer_blocks.{i}");
-            widths.push(ShardedWidth::heads(
-                format!("{prefix}.attn"),
-                block.attn().heads,
-            ));
-            if let Some(attn2) = block.attn2() {
-                widths.push(ShardedWidth::heads(format!("{prefix}.attn2"), attn2.heads));
+            for (name, heads) in block.attention_heads() {
+                widths.push(ShardedWidth::heads(format!("{prefix}.{name}"), heads));
             }
             for (name, ff) in block.feed_forwards() {
                 // Burn's Linear weight is [in, out]: net.2's input is the inner width.

@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod compile_cache;
 mod control;
 mod damaged;
 mod flags;

@@ -4,10 +4,10 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::disk_cache::{disk_key, load_executable, store_executable};
 use super::tensors::Tensors;
 use super::trace::Signature;
-use super::{lock, log_compiles, CompileError, CompiledFn, COMPILES};
+use super::{lock, CompileError, CompiledFn, COMPILES};
+use crate::compile_cache::{disk_key, entry_path, load_executable, store_executable};
 use crate::device::OxiDevice;
 use crate::pjrt::{self, CompileOptions, LoadedExecutable};
 
@@ -105,7 +105,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             .disk_cache
             .as_ref()
             .filter(|_| self.spmd.is_none())
-            .map(|dir| dir.join(format!("{key}.pjrt")));
+            .map(|dir| entry_path(dir, &key));
         let mut rejected = None;
         let loaded = disk.as_ref().and_then(|path| {
             match load_executable(path, &key, pjrt_client, outputs) {
@@ -116,9 +116,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                     // compile; the fresh executable replaces it.
                     let _ = std::fs::remove_file(path);
                     let message = format!("{}: {why}; rebuilt", path.display());
-                    if log_compiles() {
-                        eprintln!("oxidiff: `{name}`: the cached executable {message}");
-                    }
+                    eprintln!("oxidiff: warning: `{name}`: the cached executable {message}");
                     rejected = Some(message);
                     None
                 }
@@ -138,7 +136,12 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             None => pjrt_client.compile(module, &options).inspect(|exe| {
                 COMPILES.fetch_add(1, Ordering::Relaxed);
                 if let Some(path) = &disk {
-                    store_executable(path, &key, exe);
+                    if let Err(e) = store_executable(path, &key, exe) {
+                        eprintln!(
+                            "oxidiff: warning: `{name}`: the compile cache could not store {}: {e}",
+                            path.display()
+                        );
+                    }
                 }
             }),
         };

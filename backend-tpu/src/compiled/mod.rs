@@ -23,11 +23,10 @@
 //!
 //! A call with a new signature goes through the phases in order, one file
 //! each: [`trace`], [`lower`], [`sources`], [`shard`], [`donate`],
-//! [`compile`] (with [`disk_cache`]), then [`run`] or [`spmd_run`]; a cached
+//! [`compile`] (with [`crate::compile_cache`]), then [`run`] or [`spmd_run`]; a cached
 //! signature only runs.
 
 mod compile;
-mod disk_cache;
 mod donate;
 mod lower;
 mod run;
@@ -58,6 +57,7 @@ use tensors::ir_of;
 use trace::{Signature, Trace};
 
 use crate::channel::OxiClient;
+use crate::compile_cache::{self, log_compiles};
 use crate::device::OxiDevice;
 use crate::eager::PjrtClient;
 use crate::lowering::LowerError;
@@ -65,13 +65,7 @@ use crate::pjrt::{self, Buffer, LoadedExecutable};
 use crate::recording::tracing_any;
 use crate::spmd::{Layout, SpmdPlacement};
 
-/// Environment variable: when set (to anything but `0`), every compile is
-/// printed to stderr with its reason and timings.
-pub const LOG_COMPILES_ENV: &str = "OXIDIFF_LOG_COMPILES";
-
-/// Environment variable: a directory for the on-disk cache of compiled
-/// executables ([`CompiledFn::with_disk_cache`]).
-pub const COMPILE_CACHE_ENV: &str = "OXIDIFF_COMPILE_CACHE";
+pub use crate::compile_cache::{COMPILE_CACHE_ENV, LOG_COMPILES_ENV};
 
 /// Environment variable: `0` keeps convolution kernels in Burn's layout
 /// inside compiled programs, instead of passing them permuted once
@@ -83,10 +77,6 @@ static COMPILES: AtomicU64 = AtomicU64::new(0);
 
 fn kernels_last() -> bool {
     std::env::var(KERNELS_LAST_ENV).map_or(true, |v| v != "0")
-}
-
-fn log_compiles() -> bool {
-    std::env::var(LOG_COMPILES_ENV).is_ok_and(|v| v != "0")
 }
 
 /// XLA compiles run by every [`CompiledFn`] of the process so far (loads
@@ -185,7 +175,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             programs: Mutex::default(),
             log: Mutex::default(),
             donations: Vec::new(),
-            disk_cache: std::env::var_os(COMPILE_CACHE_ENV).map(PathBuf::from),
+            disk_cache: compile_cache::dir_from_env(),
             spmd: None,
             kernels: Mutex::default(),
             _io: PhantomData,

@@ -27,7 +27,7 @@ Environment:
   HF_HUB_OFFLINE=1        never download; a model not in the cache is an error naming the cache
   HF_TOKEN                token for gated or private Hub repositories
   RUST_LOG                log filter (default warn; info shows load, compile and timing events)
-  OXIDIFF_COMPILE_CACHE   folder keeping --compile's executables between runs
+  OXIDIFF_COMPILE_CACHE   folder keeping XLA executables (eager and --compile) between runs
   OXIDIFF_MODEL_DIRS      folders where --from-png looks for the model a PNG names
   OXIDIFF_CACHE_DIR       oxidiff's cache folder (model hashes; default ~/.cache/oxidiff)
   OXIDIFF_LOG_COMPILES=1  log every XLA compile with its reason and timings
@@ -144,8 +144,8 @@ pub struct Args {
     pub device: String,
     /// Compiled mode: each denoiser call (for Stable Diffusion with classifier-free guidance;
     /// the PixArt transformer) is one XLA program, compiled once per image size and then reused
-    /// (needs a PJRT --device). With OXIDIFF_COMPILE_CACHE=DIR executables are kept on disk for
-    /// later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
+    /// (needs a PJRT --device). With OXIDIFF_COMPILE_CACHE=DIR executables (eager ops' too) are
+    /// kept on disk for later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     pub compile: bool,
     /// Tensor parallelism with --compile: the denoiser's transformer blocks split over N

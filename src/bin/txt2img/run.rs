@@ -535,6 +535,18 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
             "load_seconds": loaded.as_secs_f64(),
             "generate_seconds": made.iter().map(|m| m.took.as_secs_f64()).collect::<Vec<_>>(),
             "batch_seconds": batch_seconds,
+            // XLA's work in this process: compiled mode's programs, and eager ops on the device.
+            "compiled": B::compile_stats(&pipe).map(|s| serde_json::json!({
+                "programs": s.programs,
+                "xla_compiles": s.xla_compiles,
+                "disk_loads": s.disk_loads,
+            })),
+            "eager_ops": B::eager_stats(device).map(|s| serde_json::json!({
+                "executed": s.executed,
+                "xla_compiles": s.compiled,
+                "disk_loads": s.disk_loads,
+                "disk_rejects": s.disk_rejects,
+            })),
         });
         println!("{summary}");
     }

@@ -1,12 +1,30 @@
-//! The disk cache phase: executables serialized under a hash of the module
-//! text and of the plugin, compiler flags and device, so a later process
-//! loads instead of compiling. Each entry carries its key, length and
-//! checksum, checked before the plugin sees the bytes.
+//! The on-disk cache of XLA executables, shared by compiled mode's programs and eager mode's
+//! per-op executables: each is stored under a hash of its module text and of the plugin,
+//! compiler flags and device, so a later process loads it instead of compiling. Each entry
+//! carries its key, length and checksum, checked before the plugin sees the bytes.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use super::log_compiles;
 use crate::pjrt::{self, LoadedExecutable};
+
+/// Environment variable: a directory for the on-disk cache of compiled executables (compiled
+/// mode's programs and eager mode's ops).
+pub const COMPILE_CACHE_ENV: &str = "OXIDIFF_COMPILE_CACHE";
+
+/// Environment variable: when set (to anything but `0`), every compile is printed to stderr
+/// with its reason (and, in compiled mode, its timings).
+pub const LOG_COMPILES_ENV: &str = "OXIDIFF_LOG_COMPILES";
+
+/// The cache directory [`COMPILE_CACHE_ENV`] names, if any.
+pub fn dir_from_env() -> Option<PathBuf> {
+    std::env::var_os(COMPILE_CACHE_ENV)
+        .filter(|dir| !dir.is_empty())
+        .map(PathBuf::from)
+}
+
+pub(crate) fn log_compiles() -> bool {
+    std::env::var(LOG_COMPILES_ENV).is_ok_and(|v| v != "0")
+}
 
 /// FNV-1a, 64 bits: a hash that is the same in every process and build.
 fn fnv1a(parts: &[&[u8]]) -> u64 {
@@ -22,7 +40,7 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 
 /// The on-disk cache key of `module` compiled by `client` for `device_id`:
 /// the module's hash and that of the plugin version and device.
-pub(super) fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> String {
+pub(crate) fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> String {
     // The compiler's options are part of the target: an executable built under other
     // `XLA_FLAGS` (oxidiff's XLA CPU defaults included, set before the plugin loaded) or
     // `LIBTPU_INIT_ARGS` is not the one this process would build.
@@ -93,9 +111,14 @@ fn decode_entry<'a>(bytes: &'a [u8], key: &str) -> Result<&'a [u8], String> {
     Ok(rest)
 }
 
+/// Where the entry of `key` lives in `dir`.
+pub(crate) fn entry_path(dir: &Path, key: &str) -> PathBuf {
+    dir.join(format!("{key}.pjrt"))
+}
+
 /// The executable cached at `path`: `Ok(None)` when there is no entry,
 /// `Err(why)` when there is one that cannot be used.
-pub(super) fn load_executable(
+pub(crate) fn load_executable(
     path: &Path,
     key: &str,
     client: &pjrt::Client,
@@ -103,7 +126,15 @@ pub(super) fn load_executable(
 ) -> Result<Option<LoadedExecutable>, String> {
     let bytes = match std::fs::read(path) {
         Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        // No entry, or no cache folder yet (a path through a file is reported when storing).
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            return Ok(None)
+        }
         Err(e) => return Err(format!("unreadable ({e})")),
     };
     let payload = decode_entry(&bytes, key)?;
@@ -120,24 +151,21 @@ pub(super) fn load_executable(
 }
 
 /// Writes `exe` to `path` (through a temporary file, so a reader never sees
-/// half a file). Failures only cost a compile later, so they are logged.
-pub(super) fn store_executable(path: &Path, key: &str, exe: &LoadedExecutable) {
-    let result = (|| -> Result<(), String> {
-        let bytes = encode_entry(key, &exe.serialize().map_err(|e| e.to_string())?);
-        let dir = path.parent().ok_or("no directory")?;
-        std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, bytes).map_err(|e| e.to_string())?;
-        std::fs::rename(&tmp, path).map_err(|e| e.to_string())
-    })();
-    if let Err(e) = result {
-        if log_compiles() {
-            eprintln!(
-                "oxidiff: storing a compiled executable in {} failed: {e}",
-                path.display()
-            );
-        }
-    }
+/// half a file). A failure only costs a compile later; the caller says so.
+pub(crate) fn store_executable(
+    path: &Path,
+    key: &str,
+    exe: &LoadedExecutable,
+) -> Result<(), String> {
+    let bytes = encode_entry(key, &exe.serialize().map_err(|e| e.to_string())?);
+    let dir = path.parent().ok_or("no directory")?;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes).map_err(|e| e.to_string())?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        e.to_string()
+    })
 }
 
 #[cfg(test)]
