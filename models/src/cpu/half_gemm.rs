@@ -1,13 +1,49 @@
-//! bf16 matrix products with f32 accumulation on AMX tiles ([`super::amx`]), for the CPU
-//! kernels in bf16: `C = A B` with `A` `[m, k]` row-major bf16 and `B` `[k, n]` packed once
-//! ([`PackedB`]), every 32x32 block of `C` handed in f32 to the caller's epilogue (bias,
-//! rounding, layout). Callers check [`amx::available`] first; without AMX they widen to f32 and
-//! use the f32 kernels instead.
+//! bf16 matrix products with f32 accumulation for the CPU kernels in bf16: `C = A B` with `A`
+//! `[m, k]` row-major bf16 and `B` `[k, n]` packed once ([`PackedB`]), every 32x32 block of `C`
+//! handed in f32 to the caller's epilogue (bias, rounding, layout). One driver, two
+//! microkernels chosen at run time ([`HalfKernel`]): AMX tiles ([`super::amx`]) where the CPU
+//! has them, else AVX512-BF16 ([`super::avx512_bf16`]). Callers check [`available`] first;
+//! without either they widen to f32 and use the f32 kernels instead.
+
+use std::sync::OnceLock;
 
 use half::bf16;
 use rayon::prelude::*;
 
-use super::amx::{self, BLOCK, TILE_K, TILE_ROWS};
+pub use super::amx::BLOCK;
+
+use super::amx::{self, TILE_K, TILE_ROWS};
+use super::avx512_bf16;
+
+/// The microkernel behind [`gemm`] on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HalfKernel {
+    /// Intel AMX tiles (`tdpbf16ps`), Xeon since Sapphire Rapids.
+    Amx,
+    /// AVX-512 `vdpbf16ps` on zmm registers: AMD Zen 4 and later, Intel Cooper Lake.
+    Avx512Bf16,
+}
+
+/// The kernel this process uses for bf16 products: AMX where [`amx::available`], else
+/// AVX512-BF16 where [`avx512_bf16::available`] (each turned off by its environment switch,
+/// `OXIDIFF_CPU_AMX=off` and `OXIDIFF_CPU_AVX512BF16=off`), else none. Asked once.
+pub fn kernel() -> Option<HalfKernel> {
+    static KERNEL: OnceLock<Option<HalfKernel>> = OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        if amx::available() {
+            Some(HalfKernel::Amx)
+        } else if avx512_bf16::available() {
+            Some(HalfKernel::Avx512Bf16)
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether [`gemm`] runs on this CPU (some [`kernel`] is there).
+pub fn available() -> bool {
+    kernel().is_some()
+}
 
 /// Columns of `B` whose packed panels one job reads: about 1 MiB of `B` at k = 1024, so the
 /// panels stay in the L2 cache while the job walks down the rows of `A`.
@@ -130,7 +166,7 @@ impl Block<'_> {
 /// passed to `epilogue` exactly once, in parallel on rayon's pool.
 ///
 /// # Panics
-/// When [`amx::available`] is false, or `a` is shorter than its shape.
+/// When [`available`] is false, or `a` is shorter than its shape.
 pub fn gemm(a: &[bf16], lda: usize, m: usize, b: &PackedB, epilogue: impl Fn(Block<'_>) + Sync) {
     run(a, lda, m, b, &epilogue, Threads::Pool);
 }
@@ -167,11 +203,9 @@ fn run(
         return;
     }
     assert!(a.len() >= (m - 1) * lda + k, "A is shorter than its shape");
-    assert!(
-        amx::available(),
-        "half_gemm needs AMX: check amx::available() first"
-    );
+    let kernel = kernel().expect("half_gemm needs AMX or AVX512-BF16: check available() first");
     let product = Tiles {
+        kernel,
         a,
         lda,
         m,
@@ -183,8 +217,9 @@ fn run(
     product.run(epilogue, threads)
 }
 
-/// One product on the AMX path.
+/// One product.
 struct Tiles<'a> {
+    kernel: HalfKernel,
     a: &'a [bf16],
     lda: usize,
     m: usize,
@@ -194,9 +229,10 @@ struct Tiles<'a> {
     pairs: &'a [u32],
 }
 
-/// A job's buffers: `A`'s rows padded where needed, and one block of `C`.
+/// A job's buffers: `A`'s 32 rows as its kernel reads them (padded rows for AMX where needed,
+/// pair-major for AVX512-BF16), and one block of `C`.
 struct Scratch {
-    rows: Vec<u16>,
+    rows: Vec<u32>,
     out: Box<[f32; BLOCK * BLOCK]>,
 }
 
@@ -205,10 +241,12 @@ impl Tiles<'_> {
     fn run(&self, epilogue: &(impl Fn(Block<'_>) + Sync), threads: Threads) {
         let jobs = self.n.div_ceil(COLUMN_CHUNK) * self.m.div_ceil(BLOCK);
         let init = || {
-            // SAFETY: the pair layout is made only when `amx::available()` granted the tiles.
-            unsafe { amx::configure_thread() };
+            if self.kernel == HalfKernel::Amx {
+                // SAFETY: the AMX kernel is chosen only when `amx::available()` granted the tiles.
+                unsafe { amx::configure_thread() };
+            }
             Scratch {
-                rows: vec![0u16; BLOCK * self.k_pad],
+                rows: vec![0u32; BLOCK * self.k_pad / 2],
                 out: Box::new([0.0f32; BLOCK * BLOCK]),
             }
         };
@@ -223,46 +261,52 @@ impl Tiles<'_> {
         }
     }
 
-    /// `A` is read in place when its rows hold whole 32-value steps of k; otherwise (k not a
-    /// multiple of 32, or the last rows of `A`) the rows are copied into a zero-padded block
-    /// first, so no tile load reads past `a`.
+    /// One job: `A`'s 32 rows prepared for the kernel once, then the blocks of its columns.
     fn job(&self, job: usize, scratch: &mut Scratch, epilogue: &(impl Fn(Block<'_>) + Sync)) {
-        let (m, k, k_pad, n, lda) = (self.m, self.k, self.k_pad, self.n, self.lda);
+        let (m, k, k_pad, n) = (self.m, self.k, self.k_pad, self.n);
         let row_blocks = m.div_ceil(BLOCK);
         let panel_len = k_pad / 2 * TILE_ROWS;
         let (chunk, block) = (job / row_blocks, job % row_blocks);
         let row0 = block * BLOCK;
         let rows = (m - row0).min(BLOCK);
-        let (a_ptr, lda_bytes) = if k == k_pad && rows == BLOCK {
-            (self.a[row0 * lda..].as_ptr().cast::<u16>(), lda * 2)
-        } else {
-            scratch.rows.fill(0);
-            for i in 0..rows {
-                let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
-                let dst = &mut scratch.rows[i * k_pad..i * k_pad + k];
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = s.to_bits();
-                }
+        let a = match self.kernel {
+            HalfKernel::Amx => self.amx_rows(row0, rows, scratch),
+            HalfKernel::Avx512Bf16 => {
+                self.pair_major(row0, rows, &mut scratch.rows);
+                (scratch.rows.as_ptr().cast::<u16>(), 0)
             }
-            (scratch.rows.as_ptr(), k_pad * 2)
         };
         let col_end = ((chunk + 1) * COLUMN_CHUNK).min(n);
         let mut col0 = chunk * COLUMN_CHUNK;
         while col0 < col_end {
             let panel = col0 / TILE_ROWS;
-            let b_ptr = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
-            // SAFETY: the 32 rows at `a_ptr` hold `k_pad` values each (in place: k == k_pad and
-            // 32 whole rows; else the padded scratch); panels `panel` and `panel + 1` exist
-            // because the panels cover n rounded up to 32 columns.
-            unsafe {
-                amx::block_2x2(
-                    a_ptr,
-                    lda_bytes,
-                    b_ptr,
-                    panel_len * 4,
-                    k_pad / TILE_K,
-                    &mut scratch.out,
-                );
+            let b_ptr = self.pairs[panel * panel_len..].as_ptr();
+            match self.kernel {
+                // SAFETY: the 32 rows at `a.0` hold `k_pad` values each (in place: k == k_pad
+                // and 32 whole rows; else the padded scratch); panels `panel` and `panel + 1`
+                // exist because the panels cover n rounded up to 32 columns.
+                HalfKernel::Amx => unsafe {
+                    amx::block_2x2(
+                        a.0,
+                        a.1,
+                        b_ptr.cast(),
+                        panel_len * 4,
+                        k_pad / TILE_K,
+                        &mut scratch.out,
+                    );
+                },
+                // SAFETY: the kernel was chosen because `avx512_bf16::available()`; the scratch
+                // holds `k_pad / 2 >= k.div_ceil(2)` pairs of 32 rows; panels `panel` and
+                // `panel + 1` exist and hold `k_pad / 2` pairs each.
+                HalfKernel::Avx512Bf16 => unsafe {
+                    avx512_bf16::block(
+                        a.0.cast(),
+                        b_ptr,
+                        panel_len * 4,
+                        k.div_ceil(2),
+                        &mut scratch.out,
+                    );
+                },
             }
             epilogue(Block {
                 row0,
@@ -272,6 +316,47 @@ impl Tiles<'_> {
                 values: &scratch.out,
             });
             col0 += BLOCK;
+        }
+    }
+
+    /// `A`'s rows `row0..row0 + rows` for the AMX kernel, as (first row, row stride in bytes):
+    /// read in place when its rows hold whole 32-value steps of k; otherwise (k not a multiple
+    /// of 32, or the last rows of `A`) copied into a zero-padded block first, so no tile load
+    /// reads past `a`.
+    fn amx_rows(&self, row0: usize, rows: usize, scratch: &mut Scratch) -> (*const u16, usize) {
+        let (k, k_pad, lda) = (self.k, self.k_pad, self.lda);
+        if k == k_pad && rows == BLOCK {
+            return (self.a[row0 * lda..].as_ptr().cast::<u16>(), lda * 2);
+        }
+        scratch.rows.fill(0);
+        let padded: &mut [u16] = bytemuck::cast_slice_mut(&mut scratch.rows);
+        for i in 0..rows {
+            let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
+            let dst = &mut padded[i * k_pad..i * k_pad + k];
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = s.to_bits();
+            }
+        }
+        (scratch.rows.as_ptr().cast::<u16>(), k_pad * 2)
+    }
+
+    /// `A`'s rows `row0..row0 + rows` pair-major for the AVX512-BF16 kernel: `dst[r * 32 + i]`
+    /// holds row `i`'s pair `r` of k, zero past `k` and past `rows`.
+    fn pair_major(&self, row0: usize, rows: usize, dst: &mut [u32]) {
+        let (k, lda) = (self.k, self.lda);
+        let pairs = k.div_ceil(2);
+        if rows < BLOCK {
+            dst[..pairs * BLOCK].fill(0);
+        }
+        for i in 0..rows {
+            let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
+            let mut two = src.chunks_exact(2);
+            for (r, pair) in (&mut two).enumerate() {
+                dst[r * BLOCK + i] = pair_of(pair[0], pair[1]);
+            }
+            if let [last] = two.remainder() {
+                dst[k / 2 * BLOCK + i] = pair_of(*last, bf16::ZERO);
+            }
         }
     }
 }
