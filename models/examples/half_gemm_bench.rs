@@ -10,17 +10,34 @@ use half::bf16;
 use oxidiff_models::cpu::half_gemm::{self, PackedB};
 
 /// `(m, k, n)`, `C[m, n] = A[m, k] B[k, n]`, and what it stands for.
-const SHAPES: [(usize, usize, usize, &str); 5] = [
-    (
-        320,
-        2880,
-        4096,
-        "conv 3x3 320->320 at 64x64 (c_out x c_in*9 x positions)",
-    ),
+const SHAPES: [(usize, usize, usize, &str); 7] = [
+    (320, 2880, 4096, "conv 3x3 320->320 at 64x64"),
     (2048, 320, 320, "linear 320->320, 2048 rows"),
     (512, 640, 5120, "linear 640->5120 (GEGLU), 512 rows"),
-    (4096, 40, 4096, "attention q k^T, head 40, 4096 keys"),
-    (4096, 4096, 40, "attention p v, 4096 keys, head 40"),
+    (
+        4096,
+        40,
+        4096,
+        "q k^T, head 40, 4096 queries and keys at once",
+    ),
+    (
+        64,
+        40,
+        4096,
+        "q k^T of one 64-query block, head 40, 4096 keys",
+    ),
+    (
+        64,
+        4096,
+        40,
+        "p v of one 64-query block, 4096 keys, head 40",
+    ),
+    (
+        64,
+        1024,
+        80,
+        "p v of one 64-query block, 1024 keys, head 80",
+    ),
 ];
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
@@ -81,7 +98,7 @@ fn main() {
         let packed = PackedB::from_rows(&b16, n, k, n);
         let mut c = vec![0.0f32; m * n];
         let flops = 2.0 * (m * k * n) as f64;
-        let repeat = (2e10 / flops).clamp(1.0, 20.0) as usize;
+        let repeat = (2e10 / flops).clamp(1.0, 500.0) as usize;
         let (mut t16, mut t32) = (f64::INFINITY, f64::INFINITY);
         for _ in 0..rounds {
             let out = Out(c.as_mut_ptr());

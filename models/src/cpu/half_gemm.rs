@@ -229,10 +229,9 @@ struct Tiles<'a> {
     pairs: &'a [u32],
 }
 
-/// A job's buffers: `A`'s 32 rows as its kernel reads them (padded rows for AMX where needed,
-/// pair-major for AVX512-BF16), and one block of `C`.
+/// A job's buffers: `A`'s rows padded where needed, and one block of `C`.
 struct Scratch {
-    rows: Vec<u32>,
+    rows: Vec<u16>,
     out: Box<[f32; BLOCK * BLOCK]>,
 }
 
@@ -246,7 +245,7 @@ impl Tiles<'_> {
                 unsafe { amx::configure_thread() };
             }
             Scratch {
-                rows: vec![0u32; BLOCK * self.k_pad / 2],
+                rows: vec![0u16; BLOCK * self.k_pad],
                 out: Box::new([0.0f32; BLOCK * BLOCK]),
             }
         };
@@ -261,7 +260,8 @@ impl Tiles<'_> {
         }
     }
 
-    /// One job: `A`'s 32 rows prepared for the kernel once, then the blocks of its columns.
+    /// One job: `A`'s 32 rows made readable for the kernel once, then the blocks of its
+    /// columns.
     fn job(&self, job: usize, scratch: &mut Scratch, epilogue: &(impl Fn(Block<'_>) + Sync)) {
         let (m, k, k_pad, n) = (self.m, self.k, self.k_pad, self.n);
         let row_blocks = m.div_ceil(BLOCK);
@@ -269,67 +269,65 @@ impl Tiles<'_> {
         let (chunk, block) = (job / row_blocks, job % row_blocks);
         let row0 = block * BLOCK;
         let rows = (m - row0).min(BLOCK);
-        let a = match self.kernel {
-            HalfKernel::Amx => self.amx_rows(row0, rows, scratch),
-            HalfKernel::Avx512Bf16 => {
-                self.pair_major(row0, rows, &mut scratch.rows);
-                (scratch.rows.as_ptr().cast::<u16>(), 0)
-            }
-        };
+        let (a, lda_bytes) = self.rows(row0, rows, scratch);
         let col_end = ((chunk + 1) * COLUMN_CHUNK).min(n);
         let mut col0 = chunk * COLUMN_CHUNK;
         while col0 < col_end {
             let panel = col0 / TILE_ROWS;
-            let b_ptr = self.pairs[panel * panel_len..].as_ptr();
-            match self.kernel {
-                // SAFETY: the 32 rows at `a.0` hold `k_pad` values each (in place: k == k_pad
-                // and 32 whole rows; else the padded scratch); panels `panel` and `panel + 1`
-                // exist because the panels cover n rounded up to 32 columns.
-                HalfKernel::Amx => unsafe {
-                    amx::block_2x2(
-                        a.0,
-                        a.1,
-                        b_ptr.cast(),
+            let b = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
+            let cols = (n - col0).min(BLOCK);
+            // SAFETY: the 32 rows at `a` hold the values each kernel reads (see `rows`);
+            // panels `panel` and `panel + 1` exist because the panels cover n rounded up to 32
+            // columns, each `k_pad / 2` pairs long; the kernel is the one `kernel()` found.
+            unsafe {
+                match self.kernel {
+                    HalfKernel::Amx => amx::block_2x2(
+                        a,
+                        lda_bytes,
+                        b,
                         panel_len * 4,
                         k_pad / TILE_K,
                         &mut scratch.out,
-                    );
-                },
-                // SAFETY: the kernel was chosen because `avx512_bf16::available()`; the scratch
-                // holds `k_pad / 2 >= k.div_ceil(2)` pairs of 32 rows; panels `panel` and
-                // `panel + 1` exist and hold `k_pad / 2` pairs each.
-                HalfKernel::Avx512Bf16 => unsafe {
-                    avx512_bf16::block(
-                        a.0.cast(),
-                        b_ptr,
+                    ),
+                    HalfKernel::Avx512Bf16 => avx512_bf16::block(
+                        a,
+                        lda_bytes,
+                        b,
                         panel_len * 4,
                         k.div_ceil(2),
+                        cols,
                         &mut scratch.out,
-                    );
-                },
+                    ),
+                }
             }
             epilogue(Block {
                 row0,
                 col0,
                 rows,
-                cols: (n - col0).min(BLOCK),
+                cols,
                 values: &scratch.out,
             });
             col0 += BLOCK;
         }
     }
 
-    /// `A`'s rows `row0..row0 + rows` for the AMX kernel, as (first row, row stride in bytes):
-    /// read in place when its rows hold whole 32-value steps of k; otherwise (k not a multiple
-    /// of 32, or the last rows of `A`) copied into a zero-padded block first, so no tile load
-    /// reads past `a`.
-    fn amx_rows(&self, row0: usize, rows: usize, scratch: &mut Scratch) -> (*const u16, usize) {
+    /// `A`'s rows `row0..row0 + rows` as the kernel reads them, (first row, row stride in
+    /// bytes): 32 rows of `k_pad` values for AMX (whole 32-value steps of k), of `k` rounded up
+    /// to even for AVX512-BF16 (whole pairs). Read in place where `a` holds them; otherwise (k
+    /// not a multiple of the step, or the last rows of `A`) copied into a zero-padded block
+    /// first, so no load reads past `a` or takes the next row's values (which, even times a
+    /// zero of the padded `B`, could be a NaN).
+    fn rows(&self, row0: usize, rows: usize, scratch: &mut Scratch) -> (*const u16, usize) {
         let (k, k_pad, lda) = (self.k, self.k_pad, self.lda);
-        if k == k_pad && rows == BLOCK {
+        let whole_steps = match self.kernel {
+            HalfKernel::Amx => k == k_pad,
+            HalfKernel::Avx512Bf16 => k % 2 == 0,
+        };
+        if whole_steps && rows == BLOCK {
             return (self.a[row0 * lda..].as_ptr().cast::<u16>(), lda * 2);
         }
-        scratch.rows.fill(0);
-        let padded: &mut [u16] = bytemuck::cast_slice_mut(&mut scratch.rows);
+        let padded = &mut scratch.rows[..BLOCK * k_pad];
+        padded.fill(0);
         for i in 0..rows {
             let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
             let dst = &mut padded[i * k_pad..i * k_pad + k];
@@ -337,26 +335,6 @@ impl Tiles<'_> {
                 *d = s.to_bits();
             }
         }
-        (scratch.rows.as_ptr().cast::<u16>(), k_pad * 2)
-    }
-
-    /// `A`'s rows `row0..row0 + rows` pair-major for the AVX512-BF16 kernel: `dst[r * 32 + i]`
-    /// holds row `i`'s pair `r` of k, zero past `k` and past `rows`.
-    fn pair_major(&self, row0: usize, rows: usize, dst: &mut [u32]) {
-        let (k, lda) = (self.k, self.lda);
-        let pairs = k.div_ceil(2);
-        if rows < BLOCK {
-            dst[..pairs * BLOCK].fill(0);
-        }
-        for i in 0..rows {
-            let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
-            let mut two = src.chunks_exact(2);
-            for (r, pair) in (&mut two).enumerate() {
-                dst[r * BLOCK + i] = pair_of(pair[0], pair[1]);
-            }
-            if let [last] = two.remainder() {
-                dst[k / 2 * BLOCK + i] = pair_of(*last, bf16::ZERO);
-            }
-        }
+        (padded.as_ptr(), k_pad * 2)
     }
 }
