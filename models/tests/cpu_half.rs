@@ -11,18 +11,21 @@
 //!   bf16 before `p v`, as torch's CPU flash attention does);
 //! - f16 outputs (widened to f32 and rounded once): `2^-10`.
 //!
-//! Which path the tensor kernels take (AMX or widened to the f32 kernels) depends on the CPU;
-//! `half_gemm` exists only for AMX and is tested where the CPU has it (`OXIDIFF_CPU_AMX=off`
-//! runs the widened tensor paths on an AMX machine).
+//! Which path the tensor kernels take depends on the CPU: `half_gemm` on AMX, else on
+//! AVX512-BF16, else the bf16 tensors widened to the f32 kernels. `half_gemm` is tested where
+//! the CPU has either; the `bf16_products_*` tests run conv, linear and attention in bf16 on
+//! the kernel detected here, with AMX turned off (`OXIDIFF_CPU_AMX=off`: AVX512-BF16 where the
+//! CPU has it), and on the widened fallback (`OXIDIFF_CPU_AVX512BF16=off` too), in child
+//! processes for the switches.
 
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
 use half::bf16;
-use oxidiff_models::cpu::amx;
 use oxidiff_models::cpu::attention::{attention, masked_attention, Masking};
+use oxidiff_models::cpu::avx512_bf16;
 use oxidiff_models::cpu::conv::{conv2d_with, ConvGeometry, ConvPath};
 use oxidiff_models::cpu::elementwise::{geglu, group_norm, layer_norm, transpose};
-use oxidiff_models::cpu::half_gemm::{gemm, PackedB};
+use oxidiff_models::cpu::half_gemm::{self, gemm, HalfKernel, PackedB};
 use oxidiff_models::cpu::linear::linear;
 
 type B = Flex;
@@ -65,13 +68,17 @@ fn data<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.cast(FloatDType::F32).into_data().to_vec::<f32>().unwrap()
 }
 
-/// Whether this machine runs `half_gemm` (AMX); elsewhere the bf16 kernels widen to f32 and
-/// only the tensor-level tests below apply.
-fn has_amx() -> bool {
-    if !amx::available() {
-        eprintln!("no AMX here: half_gemm is not used on this CPU, its tests do not apply");
+/// Whether this machine runs `half_gemm` (AMX or AVX512-BF16); elsewhere the bf16 kernels
+/// widen to f32 and only the tensor-level tests below apply.
+fn has_half_gemm() -> bool {
+    match half_gemm::kernel() {
+        Some(kernel) => eprintln!("half_gemm runs on {kernel:?} here"),
+        None => eprintln!(
+            "neither AMX nor AVX512-BF16 here (or both switched off): half_gemm is not used on \
+             this CPU, its tests do not apply"
+        ),
     }
-    amx::available()
+    half_gemm::available()
 }
 
 /// `C = A B` with `b` packed from rows or (`transposed`) from the rows of `B^T`, each element
@@ -132,7 +139,7 @@ fn check_gemm(m: usize, n: usize, k: usize, transposed: bool) {
 
 #[test]
 fn half_gemm_matches_f64_on_odd_shapes() {
-    if !has_amx() {
+    if !has_half_gemm() {
         return;
     }
     for &(m, n, k) in &[
@@ -151,7 +158,7 @@ fn half_gemm_matches_f64_on_odd_shapes() {
 
 #[test]
 fn half_gemm_of_nothing_calls_no_epilogue() {
-    if !has_amx() {
+    if !has_half_gemm() {
         return;
     }
     let b = vec![bf16::ONE; 12];
@@ -338,8 +345,8 @@ fn bf16_linear_matches_f64_and_follows_a_changed_weight() {
             .collect()
     };
     let Ok(got) = linear(x.clone(), weight.clone(), Some(bias.clone())) else {
-        // Without AMX, bf16 products are Burn's (its matmul widens to f32).
-        assert!(!amx::available(), "AMX takes bf16 linears");
+        // Without half_gemm, bf16 products are Burn's (its matmul widens to f32).
+        assert!(!half_gemm::available(), "half_gemm takes bf16 linears");
         return;
     };
     let tol = 2f64.powi(-8);
@@ -523,5 +530,127 @@ fn activations_match_f64_in_f32_bf16_and_f16() {
                 );
             }
         }
+    }
+}
+
+/// `linear` in bf16 against f64, `x` `[rows, d_in]`, the weight either in the checkpoint's
+/// layout (a transposed view of `[d_out, d_in]`, the product computed transposed) or
+/// contiguous `[d_in, d_out]`; where `linear` hands its inputs back, Burn's own matmul is
+/// checked instead.
+fn check_linear(rows: usize, d_in: usize, d_out: usize, checkpoint_layout: bool) {
+    let seed = (rows * 1000 + d_in * 10 + d_out) as u64;
+    let (x, xv) = tensor([rows, d_in], seed, 1.0, FloatDType::BF16);
+    let (weight, wv) = if checkpoint_layout {
+        let (w, wv) = tensor([d_out, d_in], seed + 1, 0.5, FloatDType::BF16);
+        let transposed = (0..d_in * d_out)
+            .map(|at| wv[(at % d_out) * d_in + at / d_out])
+            .collect::<Vec<_>>();
+        (w.transpose(), transposed)
+    } else {
+        tensor([d_in, d_out], seed + 1, 0.5, FloatDType::BF16)
+    };
+    let (bias, bv) = tensor([d_out], seed + 2, 1.0, FloatDType::BF16);
+    let expected: Vec<f64> = (0..rows * d_out)
+        .map(|at| {
+            let (r, j) = (at / d_out, at % d_out);
+            bv[j]
+                + (0..d_in)
+                    .map(|i| xv[r * d_in + i] * wv[i * d_out + j])
+                    .sum::<f64>()
+        })
+        .collect();
+    // One rounding to bf16 on half_gemm; Burn's path rounds the product, then the sum with the
+    // bias: twice the tolerance.
+    let (got, tol) = match linear(x, weight, Some(bias)) {
+        Ok(got) => {
+            assert!(
+                half_gemm::available(),
+                "linear takes bf16 only on half_gemm"
+            );
+            (got, 2f64.powi(-8))
+        }
+        Err((x, weight, bias)) => {
+            assert!(!half_gemm::available(), "half_gemm takes bf16 linears");
+            (
+                x.matmul(weight) + bias.unwrap().unsqueeze::<2>(),
+                2f64.powi(-7),
+            )
+        }
+    };
+    oxidiff_test_support::assert_close(
+        &format!("bf16 linear {rows}x{d_in} -> {d_out} (checkpoint layout {checkpoint_layout})"),
+        &data(got),
+        &expected,
+        tol,
+    );
+}
+
+/// Conv, linear and attention in bf16 against f64 on odd shapes (no multiple of 16 or 32,
+/// odd k, several column chunks of 256), on `expected`, the kernel the switches leave.
+fn check_bf16_products(expected: Option<HalfKernel>) {
+    assert_eq!(
+        half_gemm::kernel(),
+        expected,
+        "the kernel these switches leave"
+    );
+    eprintln!("bf16 products on {expected:?} (None: widened to f32)");
+    if expected.is_some() {
+        check_gemm(45, 300, 77, false);
+        check_gemm(70, 530, 33, true);
+    }
+    let tol = 2f64.powi(-8);
+    // k = 5 * 9 = 45 (odd), 300 positions over two column chunks, 19 output channels.
+    check_conv(FloatDType::BF16, [1, 5, 15, 20], 19, 3, 1, 1, tol);
+    // 1x1: k = 37, 720 positions.
+    check_conv(FloatDType::BF16, [1, 37, 24, 30], 50, 1, 1, 0, tol);
+    // Stride 2, 2 samples.
+    check_conv(FloatDType::BF16, [2, 7, 21, 19], 33, 3, 2, 1, tol);
+    for checkpoint_layout in [false, true] {
+        check_linear(37, 77, 300, checkpoint_layout);
+        check_linear(290, 45, 33, checkpoint_layout);
+    }
+    // Odd head sizes (k of `q k^T`), odd key counts (k of `p v`) over two column chunks.
+    for shape in [[1, 67, 301, 2, 13], [2, 33, 77, 3, 40], [1, 300, 300, 1, 9]] {
+        let [b, s_q, s_kv, heads, d] = shape;
+        let seed = shape.iter().product::<usize>() as u64;
+        let (q, qv) = tensor([b, s_q, heads * d], seed, 2.0, FloatDType::BF16);
+        let (k, kv) = tensor([b, s_kv, heads * d], seed + 1, 2.0, FloatDType::BF16);
+        let (v, vv) = tensor([b, s_kv, heads * d], seed + 2, 1.0, FloatDType::BF16);
+        let got = attention(q, k, v, heads).unwrap_or_else(|_| panic!("bf16 attention"));
+        oxidiff_test_support::assert_close(
+            &format!("bf16 attention {shape:?}"),
+            &data(got),
+            &attention_ref(&qv, &kv, &vv, shape, false),
+            2f64.powi(-7),
+        );
+    }
+}
+
+#[test]
+fn bf16_products_match_f64_on_the_detected_kernel() {
+    check_bf16_products(half_gemm::kernel());
+}
+
+#[test]
+fn bf16_products_match_f64_with_amx_switched_off() {
+    if oxidiff_test_support::isolated(
+        "bf16_products_match_f64_with_amx_switched_off",
+        &[("OXIDIFF_CPU_AMX", "off")],
+    ) {
+        // AVX512-BF16 where the CPU has it (and its own switch leaves it on), else none.
+        check_bf16_products(avx512_bf16::available().then_some(HalfKernel::Avx512Bf16));
+    }
+}
+
+#[test]
+fn bf16_products_match_f64_on_the_widened_fallback() {
+    if oxidiff_test_support::isolated(
+        "bf16_products_match_f64_on_the_widened_fallback",
+        &[
+            ("OXIDIFF_CPU_AMX", "off"),
+            ("OXIDIFF_CPU_AVX512BF16", "off"),
+        ],
+    ) {
+        check_bf16_products(None);
     }
 }

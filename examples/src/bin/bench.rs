@@ -35,6 +35,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
+use oxidiff::models::cpu::half_gemm::HalfKernel;
 use oxidiff::pipelines::{guided_noise, GenerateRequest, LoadOptions, StableDiffusionPipeline};
 use oxidiff::schedulers::{NoiseSource, TorchCpuGenerator};
 use oxidiff::{Cpu, Oxi, OxiDevice};
@@ -188,7 +189,11 @@ fn bench<B: Backend>(
     let mut report = serde_json::json!({
         "impl": "oxidiff", "mode": options.mode,
         "dtype": options.dtype.map_or("f32".to_string(), |d| format!("{d:?}").to_lowercase()),
-        "kernels": if oxidiff::models::cpu::amx::available() { "bf16 products: AMX" } else { "bf16 products: widened to f32" },
+        "kernels": match oxidiff::models::cpu::half_gemm::kernel() {
+            Some(HalfKernel::Amx) => "bf16 products: AMX",
+            Some(HalfKernel::Avx512Bf16) => "bf16 products: AVX512-BF16",
+            None => "bf16 products: widened to f32",
+        },
         "threads": std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse::<usize>().ok()),
         "size": options.size, "steps": options.steps, "load_s": load,
         "peak_rss_after_load_bytes": peak_rss_bytes(),

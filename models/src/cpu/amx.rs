@@ -1,5 +1,6 @@
 //! Intel AMX (Advanced Matrix Extensions) for bf16 products: detection, the per-process
-//! permission Linux asks for, and the one microkernel [`super::half_gemm`] is built on.
+//! permission Linux asks for, and the microkernel [`super::half_gemm`] runs where the CPU has
+//! AMX.
 //!
 //! AMX multiplies 16x32 bf16 tiles into 16x16 f32 accumulators (`tdpbf16ps`), eight tile
 //! registers of up to 1 KiB each. Stable Rust has no AMX intrinsics, so the kernel is inline

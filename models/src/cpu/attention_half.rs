@@ -1,9 +1,10 @@
 //! Multi-head attention in bf16 and f16 for burn-flex, used by [`super::attention::attention`].
-//! In bf16 on AMX, per (sample, head): the keys packed as `k^T` and the values once, then for
-//! each block of queries `q k^T` into f32 scores, the softmax in f32, the probabilities rounded
-//! to bf16 (as torch's CPU flash attention does for reduced precision) for `p v`, and the rows
-//! divided by their sums as they are rounded into the bf16 output. Without AMX (and in f16) the
-//! tensors are widened to f32 for the f32 kernel and its output rounded back.
+//! In bf16 where [`super::half_gemm`] runs (AMX or AVX512-BF16), per (sample, head): the keys
+//! packed as `k^T` and the values once, then for each block of queries `q k^T` into f32
+//! scores, the softmax in f32, the probabilities rounded to bf16 (as torch's CPU flash
+//! attention does for reduced precision) for `p v`, and the rows divided by their sums as they
+//! are rounded into the bf16 output. Elsewhere (and in f16) the tensors are widened to f32 for
+//! the f32 kernel and its output rounded back.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -11,7 +12,6 @@ use rayon::prelude::*;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
-use super::amx;
 use super::attention_f32::{exp_shifted, Shape};
 use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::half_gemm::{self, PackedB};
@@ -30,9 +30,9 @@ pub(crate) fn attention_half(
 ) -> FlexTensor {
     let dtype = q.dtype();
     let dims = vec![shape.batch, shape.s_q, shape.heads * shape.head_dim];
-    if dtype == DType::BF16 && amx::available() {
+    if dtype == DType::BF16 && half_gemm::available() {
         let mut out = vec![bf16::ZERO; dims.iter().product()];
-        bf16_amx(
+        bf16_products(
             q.storage::<bf16>(),
             k.storage::<bf16>(),
             v.storage::<bf16>(),
@@ -57,7 +57,7 @@ pub(crate) fn attention_half(
 }
 
 /// Every (sample, head) in parallel on rayon's pool, its query blocks one after another.
-fn bf16_amx(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf16]) {
+fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf16]) {
     let Shape {
         batch,
         s_q,

@@ -1,15 +1,15 @@
-//! 2-D convolution in bf16 and f16 for burn-flex, used by [`super::conv::conv2d`]: in bf16 on
-//! AMX, the weight `[c_out, c_in * k * k]` read in place as the left side of a
-//! [`super::half_gemm`] product, tiles of output rows unrolled into bf16 columns on the right,
-//! f32 sums rounded once into the output with the bias added; without AMX (and in f16), the
-//! tensors widened to f32 for the f32 kernel and its result rounded back.
+//! 2-D convolution in bf16 and f16 for burn-flex, used by [`super::conv::conv2d`]: in bf16
+//! where [`super::half_gemm`] runs (AMX or AVX512-BF16), the weight `[c_out, c_in * k * k]`
+//! read in place as the left side of a [`super::half_gemm`] product, tiles of output rows
+//! unrolled into bf16 columns on the right, f32 sums rounded once into the output with the bias
+//! added; elsewhere (and in f16), the tensors widened to f32 for the f32 kernel and its result
+//! rounded back.
 
 use half::bf16;
 
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
-use super::amx;
 use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
 use super::half_gemm::{self, PackedB};
@@ -28,8 +28,8 @@ pub(crate) fn conv2d_half(
     path: ConvPath,
 ) -> FlexTensor {
     let dtype = x.dtype();
-    if dtype == DType::BF16 && amx::available() {
-        return conv2d_bf16_amx(x, weight, bias, geometry);
+    if dtype == DType::BF16 && half_gemm::available() {
+        return conv2d_bf16_gemm(x, weight, bias, geometry);
     }
     let out = conv2d_nchw_f32(
         &widen(x),
@@ -41,7 +41,7 @@ pub(crate) fn conv2d_half(
     narrow(out, dtype)
 }
 
-fn conv2d_bf16_amx(
+fn conv2d_bf16_gemm(
     x: &FlexTensor,
     weight: &FlexTensor,
     bias: Option<&FlexTensor>,

@@ -1,13 +1,49 @@
-//! bf16 matrix products with f32 accumulation on AMX tiles ([`super::amx`]), for the CPU
-//! kernels in bf16: `C = A B` with `A` `[m, k]` row-major bf16 and `B` `[k, n]` packed once
-//! ([`PackedB`]), every 32x32 block of `C` handed in f32 to the caller's epilogue (bias,
-//! rounding, layout). Callers check [`amx::available`] first; without AMX they widen to f32 and
-//! use the f32 kernels instead.
+//! bf16 matrix products with f32 accumulation for the CPU kernels in bf16: `C = A B` with `A`
+//! `[m, k]` row-major bf16 and `B` `[k, n]` packed once ([`PackedB`]), every 32x32 block of `C`
+//! handed in f32 to the caller's epilogue (bias, rounding, layout). One driver, two
+//! microkernels chosen at run time ([`HalfKernel`]): AMX tiles ([`super::amx`]) where the CPU
+//! has them, else AVX512-BF16 ([`super::avx512_bf16`]). Callers check [`available`] first;
+//! without either they widen to f32 and use the f32 kernels instead.
+
+use std::sync::OnceLock;
 
 use half::bf16;
 use rayon::prelude::*;
 
-use super::amx::{self, BLOCK, TILE_K, TILE_ROWS};
+pub use super::amx::BLOCK;
+
+use super::amx::{self, TILE_K, TILE_ROWS};
+use super::avx512_bf16;
+
+/// The microkernel behind [`gemm`] on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HalfKernel {
+    /// Intel AMX tiles (`tdpbf16ps`), Xeon since Sapphire Rapids.
+    Amx,
+    /// AVX-512 `vdpbf16ps` on zmm registers: AMD Zen 4 and later, Intel Cooper Lake.
+    Avx512Bf16,
+}
+
+/// The kernel this process uses for bf16 products: AMX where [`amx::available`], else
+/// AVX512-BF16 where [`avx512_bf16::available`] (each turned off by its environment switch,
+/// `OXIDIFF_CPU_AMX=off` and `OXIDIFF_CPU_AVX512BF16=off`), else none. Asked once.
+pub fn kernel() -> Option<HalfKernel> {
+    static KERNEL: OnceLock<Option<HalfKernel>> = OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        if amx::available() {
+            Some(HalfKernel::Amx)
+        } else if avx512_bf16::available() {
+            Some(HalfKernel::Avx512Bf16)
+        } else {
+            None
+        }
+    })
+}
+
+/// Whether [`gemm`] runs on this CPU (some [`kernel`] is there).
+pub fn available() -> bool {
+    kernel().is_some()
+}
 
 /// Columns of `B` whose packed panels one job reads: about 1 MiB of `B` at k = 1024, so the
 /// panels stay in the L2 cache while the job walks down the rows of `A`.
@@ -130,7 +166,7 @@ impl Block<'_> {
 /// passed to `epilogue` exactly once, in parallel on rayon's pool.
 ///
 /// # Panics
-/// When [`amx::available`] is false, or `a` is shorter than its shape.
+/// When [`available`] is false, or `a` is shorter than its shape.
 pub fn gemm(a: &[bf16], lda: usize, m: usize, b: &PackedB, epilogue: impl Fn(Block<'_>) + Sync) {
     run(a, lda, m, b, &epilogue, Threads::Pool);
 }
@@ -167,11 +203,9 @@ fn run(
         return;
     }
     assert!(a.len() >= (m - 1) * lda + k, "A is shorter than its shape");
-    assert!(
-        amx::available(),
-        "half_gemm needs AMX: check amx::available() first"
-    );
+    let kernel = kernel().expect("half_gemm needs AMX or AVX512-BF16: check available() first");
     let product = Tiles {
+        kernel,
         a,
         lda,
         m,
@@ -183,8 +217,9 @@ fn run(
     product.run(epilogue, threads)
 }
 
-/// One product on the AMX path.
+/// One product.
 struct Tiles<'a> {
+    kernel: HalfKernel,
     a: &'a [bf16],
     lda: usize,
     m: usize,
@@ -205,8 +240,10 @@ impl Tiles<'_> {
     fn run(&self, epilogue: &(impl Fn(Block<'_>) + Sync), threads: Threads) {
         let jobs = self.n.div_ceil(COLUMN_CHUNK) * self.m.div_ceil(BLOCK);
         let init = || {
-            // SAFETY: the pair layout is made only when `amx::available()` granted the tiles.
-            unsafe { amx::configure_thread() };
+            if self.kernel == HalfKernel::Amx {
+                // SAFETY: the AMX kernel is chosen only when `amx::available()` granted the tiles.
+                unsafe { amx::configure_thread() };
+            }
             Scratch {
                 rows: vec![0u16; BLOCK * self.k_pad],
                 out: Box::new([0.0f32; BLOCK * BLOCK]),
@@ -223,55 +260,81 @@ impl Tiles<'_> {
         }
     }
 
-    /// `A` is read in place when its rows hold whole 32-value steps of k; otherwise (k not a
-    /// multiple of 32, or the last rows of `A`) the rows are copied into a zero-padded block
-    /// first, so no tile load reads past `a`.
+    /// One job: `A`'s 32 rows made readable for the kernel once, then the blocks of its
+    /// columns.
     fn job(&self, job: usize, scratch: &mut Scratch, epilogue: &(impl Fn(Block<'_>) + Sync)) {
-        let (m, k, k_pad, n, lda) = (self.m, self.k, self.k_pad, self.n, self.lda);
+        let (m, k, k_pad, n) = (self.m, self.k, self.k_pad, self.n);
         let row_blocks = m.div_ceil(BLOCK);
         let panel_len = k_pad / 2 * TILE_ROWS;
         let (chunk, block) = (job / row_blocks, job % row_blocks);
         let row0 = block * BLOCK;
         let rows = (m - row0).min(BLOCK);
-        let (a_ptr, lda_bytes) = if k == k_pad && rows == BLOCK {
-            (self.a[row0 * lda..].as_ptr().cast::<u16>(), lda * 2)
-        } else {
-            scratch.rows.fill(0);
-            for i in 0..rows {
-                let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
-                let dst = &mut scratch.rows[i * k_pad..i * k_pad + k];
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = s.to_bits();
-                }
-            }
-            (scratch.rows.as_ptr(), k_pad * 2)
-        };
+        let (a, lda_bytes) = self.rows(row0, rows, scratch);
         let col_end = ((chunk + 1) * COLUMN_CHUNK).min(n);
         let mut col0 = chunk * COLUMN_CHUNK;
         while col0 < col_end {
             let panel = col0 / TILE_ROWS;
-            let b_ptr = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
-            // SAFETY: the 32 rows at `a_ptr` hold `k_pad` values each (in place: k == k_pad and
-            // 32 whole rows; else the padded scratch); panels `panel` and `panel + 1` exist
-            // because the panels cover n rounded up to 32 columns.
+            let b = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
+            let cols = (n - col0).min(BLOCK);
+            // SAFETY: the 32 rows at `a` hold the values each kernel reads (see `rows`);
+            // panels `panel` and `panel + 1` exist because the panels cover n rounded up to 32
+            // columns, each `k_pad / 2` pairs long; the kernel is the one `kernel()` found.
             unsafe {
-                amx::block_2x2(
-                    a_ptr,
-                    lda_bytes,
-                    b_ptr,
-                    panel_len * 4,
-                    k_pad / TILE_K,
-                    &mut scratch.out,
-                );
+                match self.kernel {
+                    HalfKernel::Amx => amx::block_2x2(
+                        a,
+                        lda_bytes,
+                        b,
+                        panel_len * 4,
+                        k_pad / TILE_K,
+                        &mut scratch.out,
+                    ),
+                    HalfKernel::Avx512Bf16 => avx512_bf16::block(
+                        a,
+                        lda_bytes,
+                        b,
+                        panel_len * 4,
+                        k.div_ceil(2),
+                        cols,
+                        &mut scratch.out,
+                    ),
+                }
             }
             epilogue(Block {
                 row0,
                 col0,
                 rows,
-                cols: (n - col0).min(BLOCK),
+                cols,
                 values: &scratch.out,
             });
             col0 += BLOCK;
         }
+    }
+
+    /// `A`'s rows `row0..row0 + rows` as the kernel reads them, (first row, row stride in
+    /// bytes): 32 rows of `k_pad` values for AMX (whole 32-value steps of k), of `k` rounded up
+    /// to even for AVX512-BF16 (whole pairs). Read in place where `a` holds them; otherwise (k
+    /// not a multiple of the step, or the last rows of `A`) copied into a zero-padded block
+    /// first, so no load reads past `a` or takes the next row's values (which, even times a
+    /// zero of the padded `B`, could be a NaN).
+    fn rows(&self, row0: usize, rows: usize, scratch: &mut Scratch) -> (*const u16, usize) {
+        let (k, k_pad, lda) = (self.k, self.k_pad, self.lda);
+        let whole_steps = match self.kernel {
+            HalfKernel::Amx => k == k_pad,
+            HalfKernel::Avx512Bf16 => k % 2 == 0,
+        };
+        if whole_steps && rows == BLOCK {
+            return (self.a[row0 * lda..].as_ptr().cast::<u16>(), lda * 2);
+        }
+        let padded = &mut scratch.rows[..BLOCK * k_pad];
+        padded.fill(0);
+        for i in 0..rows {
+            let src = &self.a[(row0 + i) * lda..(row0 + i) * lda + k];
+            let dst = &mut padded[i * k_pad..i * k_pad + k];
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = s.to_bits();
+            }
+        }
+        (padded.as_ptr(), k_pad * 2)
     }
 }

@@ -1,9 +1,9 @@
 //! `x W + b` on burn-flex, used by [`crate::nn::Linear`], whose weight `[in, out]` is a
 //! transposed view of the checkpoint's `[out, in]` tensor.
 //!
-//! In bf16 on AMX, with the weight in that layout, the product is computed transposed: the
-//! checkpoint's rows are the left side of a [`super::half_gemm`] product, read in place, and
-//! the rows of `x` are packed into AMX's pair layout on each call (as many values as `x`, far
+//! In bf16 where [`super::half_gemm`] runs (AMX or AVX512-BF16), with the weight in that
+//! layout, the product is computed transposed: the checkpoint's rows are the left side of a
+//! [`super::half_gemm`] product, read in place, and the rows of `x` are packed into the pair layout on each call (as many values as `x`, far
 //! fewer than the product's work). A weight in any other layout (one cast by
 //! [`crate::ToDType`], which makes it contiguous `[in, out]`) is packed instead, once, and the
 //! packing kept while the weight lives: packing it on every call would read and write it once
@@ -24,7 +24,6 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use half::bf16;
 
-use super::amx;
 use super::common::{from_flex, into_flex, is_flex, round_bf16, widen, OutPtr};
 use super::half_gemm::{self, PackedB};
 
@@ -34,9 +33,9 @@ pub type Unhandled<B, const D: usize> = (Tensor<B, D>, Tensor<B, 2>, Option<Tens
 /// Rows up to which an f32 product with a checkpoint-layout weight is computed transposed.
 const FEW_ROWS: usize = 100000;
 
-/// `x W + b` for `x` `[..., in]`, `weight` `[in, out]`, `bias` `[out]` on burn-flex: in bf16 on
-/// AMX, and in f32 for few rows (computed transposed); otherwise the inputs untouched (`Err`)
-/// for Burn's `linear`.
+/// `x W + b` for `x` `[..., in]`, `weight` `[in, out]`, `bias` `[out]` on burn-flex: in bf16
+/// where [`half_gemm::available`], and in f32 for few rows (computed transposed); otherwise
+/// the inputs untouched (`Err`) for Burn's `linear`.
 pub fn linear<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,
@@ -58,7 +57,7 @@ pub fn linear<B: Backend, const D: usize>(
     if all(DType::F32) && rows <= FEW_ROWS && is_checkpoint_layout(&weight) {
         return Ok(few_rows_f32(x, weight, bias));
     }
-    if !all(DType::BF16) || !amx::available() {
+    if !all(DType::BF16) || !half_gemm::available() {
         return Err((x, weight, bias));
     }
     let checkpoint_layout = is_checkpoint_layout(&weight);
@@ -86,7 +85,7 @@ pub fn linear<B: Backend, const D: usize>(
                 // SAFETY: blocks are disjoint parts of `out`.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.rows) };
                 for (i, (d, b)) in dst.iter_mut().zip(bias).enumerate() {
-                    *d = round_bf16(block.values[i * amx::BLOCK + j] + b);
+                    *d = round_bf16(block.values[i * half_gemm::BLOCK + j] + b);
                 }
             }
         });
