@@ -4,7 +4,7 @@
 
 use burn::tensor::backend::Backend;
 use oxidiff_backend_tpu::eager::Stats as EagerStats;
-use oxidiff_pipelines::compiled::CompileStats;
+use oxidiff_pipelines::compiled::{CompileStats, ComponentStats};
 use oxidiff_pipelines::parallel::ParallelConfig;
 use oxidiff_pipelines::{AutoPipeline, Result};
 
@@ -36,8 +36,19 @@ pub trait PipelineBackend: Backend {
     /// client is refused (the binaries check it before loading).
     fn prepare(pipe: &mut AutoPipeline<Self>, execution: Execution) -> Result<()>;
 
-    /// Compiled mode's counts, `None` when eager.
-    fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats>;
+    /// Compiled mode's counts summed over the components, `None` when eager.
+    fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats> {
+        let components = Self::component_stats(pipe);
+        (!components.is_empty()).then(|| {
+            components
+                .iter()
+                .fold(CompileStats::default(), |sum, c| sum + c.stats)
+        })
+    }
+
+    /// Compiled mode's counts per component (the denoiser, the VAE's encoder and decoder);
+    /// empty when eager.
+    fn component_stats(pipe: &AutoPipeline<Self>) -> Vec<ComponentStats>;
 
     /// What eager mode did so far on `device`'s PJRT client (ops run, XLA compiles, loads from
     /// the compile cache); `None` off PJRT devices.
@@ -67,8 +78,8 @@ impl PipelineBackend for Cpu {
         }
     }
 
-    fn compile_stats(_: &AutoPipeline<Self>) -> Option<CompileStats> {
-        None
+    fn component_stats(_: &AutoPipeline<Self>) -> Vec<ComponentStats> {
+        Vec::new()
     }
 
     fn eager_stats(_: &Self::Device) -> Option<EagerStats> {
@@ -87,8 +98,8 @@ impl PipelineBackend for Oxi {
         Ok(())
     }
 
-    fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats> {
-        pipe.compile_stats()
+    fn component_stats(pipe: &AutoPipeline<Self>) -> Vec<ComponentStats> {
+        pipe.component_stats()
     }
 
     fn eager_stats(device: &Self::Device) -> Option<EagerStats> {

@@ -141,6 +141,111 @@ fn compiled_guided_step_matches_eager_xla_and_the_cpu_backend() {
     );
 }
 
+/// The compiled text encoder and VAE (`compile` builds them with the UNet's program): CLIP's
+/// layers match its ops (every layer's output), the VAE's encoder and decoder match the VAE's
+/// own ops on the same plugin, whole, sliced and tiled (one program per tile shape, the tiling
+/// and blending stay the model's), and each is counted per component.
+#[test]
+fn compiled_text_encoder_and_vae_match_their_ops_whole_sliced_and_tiled() {
+    if skip() {
+        return;
+    }
+    let mut pipe = load("ddim").to(&xla());
+    let device = xla();
+    let latents = |n: usize, side: usize| {
+        let values: Vec<f32> = (0..n * 4 * side * side)
+            .map(|i| ((i * 7919 % 997) as f32 / 997.0 - 0.5) * 3.0)
+            .collect();
+        Tensor::<Oxi, 4>::from_data(TensorData::new(values, [n, 4, side, side]), &device)
+    };
+    let image = Tensor::<Oxi, 4>::from_data(
+        TensorData::new(
+            (0..3 * 64 * 64)
+                .map(|i| ((i * 31 % 255) as f32 / 127.5) - 1.0)
+                .collect::<Vec<f32>>(),
+            [1, 3, 64, 64],
+        ),
+        &device,
+    );
+    let tiling = oxidiff::models::vae_tiling::VaeTiling::new(32, 8).unwrap();
+    let vae = |pipe: &StableDiffusionPipeline<Oxi>| pipe.vae.clone();
+    let run_all = |vae: &mut oxidiff::models::AutoencoderKL<Oxi>| {
+        vae.disable_tiling();
+        vae.disable_slicing();
+        let whole = to_vec(vae.decode(latents(2, 8)));
+        let moments = to_vec(vae.encode(image.clone()).mean);
+        vae.enable_slicing();
+        let sliced = to_vec(vae.decode(latents(2, 8)));
+        vae.disable_slicing();
+        vae.enable_tiling(tiling);
+        let tiled = to_vec(vae.decode(latents(1, 10)));
+        let tiled_encode = to_vec(vae.encode(image.clone()).mean);
+        vae.disable_tiling();
+        [whole, moments, sliced, tiled, tiled_encode]
+    };
+    let eager = run_all(&mut vae(&pipe));
+    assert!(pipe.component_stats().is_empty(), "eager: no programs");
+    // CLIP's layers: two prompts of 77 tokens, with every layer's output.
+    let ids: Vec<Vec<u32>> = (0..2u32)
+        .map(|row| {
+            (0..77)
+                .map(|i| if i == 76 { 49407 } else { 320 + row * 7 + i })
+                .collect()
+        })
+        .collect();
+    let encode = |encoder: &oxidiff::models::ClipTextModel<Oxi>| {
+        let out = encoder.forward(&ids, true).unwrap();
+        let mut all = vec![to_vec(out.last_hidden_state), to_vec(out.pooler_output)];
+        all.extend(out.hidden_states.into_iter().map(to_vec));
+        all
+    };
+    let eager_text = encode(&pipe.text_encoder);
+
+    pipe.compile().unwrap();
+    let compiled_text = encode(&pipe.text_encoder);
+    assert_eq!(compiled_text.len(), eager_text.len());
+    for (i, (compiled, eager)) in compiled_text.iter().zip(&eager_text).enumerate() {
+        assert_within(
+            &format!("compiled vs eager CLIP output {i}"),
+            compiled,
+            eager,
+            1e-5,
+        );
+    }
+    let compiled = run_all(&mut pipe.vae);
+    let names = [
+        "decode",
+        "encode",
+        "sliced decode",
+        "tiled decode",
+        "tiled encode",
+    ];
+    for ((name, compiled), eager) in names.iter().zip(&compiled).zip(&eager) {
+        assert_within(
+            &format!("compiled vs eager VAE {name}"),
+            compiled,
+            eager,
+            1e-5,
+        );
+    }
+    let programs = |component: &str| {
+        pipe.component_stats()
+            .into_iter()
+            .find(|c| c.component == component)
+            .unwrap_or_else(|| panic!("no {component} in {:?}", pipe.component_stats()))
+            .stats
+            .programs
+    };
+    // Decoder: [2,4,8,8], [1,4,8,8] (a slice), and the tiles of a 10x10 latent with 4-latent
+    // tiles, stride 3 (diffusers' overlap 0.25): [1,4,4,4], [1,4,4,1], [1,4,1,4], [1,4,1,1].
+    assert_eq!(programs("vae_decoder"), 6, "{:?}", pipe.component_stats());
+    // Encoder: the whole 64x64 image, then its 32-pixel tiles with stride 24: 32x32, 32x16,
+    // 16x32, 16x16.
+    assert_eq!(programs("vae_encoder"), 5, "{:?}", pipe.component_stats());
+    assert_eq!(programs("text_encoder"), 1, "one token count");
+    assert_eq!(programs("unet"), 0, "nothing generated yet");
+}
+
 fn pipe_log(pipe: &StableDiffusionPipeline<Oxi>) -> oxidiff::pipelines::CompileStats {
     pipe.compile_stats().expect("compiled mode")
 }

@@ -1,7 +1,8 @@
 //! The compiled denoising step of the tiny SD pipeline (UNet and classifier-free guidance, as
 //! `pipe.compile()` runs it) compiled ahead of time for TPU v5e and v6e with libtpu, on a
 //! machine without a TPU (`tools/fetch-plugins.sh --only tpu`), with XLA's cost analysis read
-//! back. Its own test binary, so libtpu stays out of the XLA CPU plugin's processes.
+//! back; the VAE's programs likewise. Its own test binary, so libtpu stays out of the XLA CPU
+//! plugin's processes.
 
 mod common;
 
@@ -155,5 +156,62 @@ fn tiny_parallel_step_compiles_ahead_of_time_for_v6e_8_with_tp_8_and_dp_8() {
                 .sum();
             assert!(all_reduces >= 48, "{collectives:?}");
         }
+    }
+}
+
+/// The VAE programs of compiled mode (`compile_vae`: the encoder and the decoder, each one
+/// program per input shape) compile ahead of time for TPU v5e and v6e: each reads all of its
+/// weights, and the decoder does about twice the flops on a batch of 2 as on a batch of 1.
+#[test]
+fn tiny_vae_programs_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
+    use oxidiff::pipelines::aot::{trace_vae, VaeHalf};
+
+    let Some(plugin) = libtpu() else {
+        return;
+    };
+    let vae = common::model_dir("tiny-sd1").join("vae");
+    let trace = |half| trace_vae(&vae, None, half).unwrap_or_else(|e| panic!("{half:?}: {e}"));
+    let decoder = |batch| VaeHalf::Decoder {
+        batch,
+        latent_height: 8,
+        latent_width: 8,
+    };
+    let encoder = VaeHalf::Encoder {
+        batch: 1,
+        height: 64,
+        width: 64,
+    };
+    let programs = [
+        ("decoder, batch 1", trace(decoder(1))),
+        ("decoder, batch 2", trace(decoder(2))),
+        ("encoder", trace(encoder)),
+    ];
+    for topology_name in ["v5e:2x2x1", "v6e:2x2x1"] {
+        let topology = plugin
+            .topology(topology_name, &[])
+            .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
+        let mut flops = Vec::new();
+        for (what, traced) in &programs {
+            assert!(traced.weights > 20, "{what}: {} weights", traced.weights);
+            let exe = topology
+                .compile(&traced.module, &CompileOptions::default())
+                .unwrap_or_else(|e| panic!("{topology_name} {what}: {e}"));
+            assert_eq!(exe.num_outputs().ok(), Some(1));
+            let cost = exe.cost_analysis().unwrap_or_else(|e| panic!("{e}"));
+            let f = cost.flops().expect("XLA reports flops");
+            let bytes = cost.bytes_accessed().expect("XLA reports bytes accessed");
+            eprintln!("{topology_name} VAE {what}: {f:.4e} flops, {bytes:.4e} bytes accessed");
+            assert!(
+                bytes >= traced.weight_bytes as f64,
+                "{what}: {bytes} bytes accessed, fewer than its {} bytes of weights",
+                traced.weight_bytes
+            );
+            flops.push(f);
+        }
+        let ratio = flops[1] / flops[0];
+        assert!(
+            (1.8..=2.2).contains(&ratio),
+            "{topology_name}: decoder batch 2 / batch 1 flops {ratio}"
+        );
     }
 }

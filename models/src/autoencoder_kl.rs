@@ -13,6 +13,7 @@ use crate::config::load_json;
 use crate::dtype::{cast_to, dtype_of};
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm};
+use crate::program::ProgramSlot;
 use crate::resnet::{Downsample2D, ResnetBlock2D, ResnetSpec, Upsample2D};
 use crate::vae_tiling::VaeTiling;
 use crate::var_builder::{load_component, VarBuilder};
@@ -270,6 +271,13 @@ pub struct AutoencoderKL<B: Backend> {
     /// diffusers' tiles for this VAE: its config's `sample_size` pixels.
     #[module(skip)]
     pub default_tiling: VaeTiling,
+    /// Compiled mode: the encoder ([`run_encoder`](Self::run_encoder)) as one program, run
+    /// for each slice and tile; empty: its ops.
+    #[module(skip)]
+    pub encoder_program: ProgramSlot,
+    /// Compiled mode: the decoder ([`run_decoder`](Self::run_decoder)) as one program.
+    #[module(skip)]
+    pub decoder_program: ProgramSlot,
 }
 
 /// The latent distribution `encode` returns: a diagonal Gaussian.
@@ -447,6 +455,8 @@ impl<B: Backend> AutoencoderKL<B> {
             tiling: None,
             slicing: false,
             default_tiling: cfg.default_tiling(),
+            encoder_program: ProgramSlot::default(),
+            decoder_program: ProgramSlot::default(),
         })
     }
 
@@ -532,8 +542,21 @@ impl<B: Backend> AutoencoderKL<B> {
         cast_to(x, caller)
     }
 
-    /// The encoder and `quant_conv`: pixels to moments, in the weights' dtype.
+    /// Pixels to moments: the installed encoder program, or [`run_encoder`](Self::run_encoder).
     fn encode_moments(&self, image: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.encoder_program
+            .run_or(image, |image| self.run_encoder(image))
+    }
+
+    /// Latents to pixels: the installed decoder program, or [`run_decoder`](Self::run_decoder).
+    fn decode_pixels(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.decoder_program
+            .run_or(latents, |latents| self.run_decoder(latents))
+    }
+
+    /// The encoder and `quant_conv` as ops: pixels to moments (mean and log-variance stacked
+    /// on the channels), in the weights' dtype; what an encoder program computes.
+    pub fn run_encoder(&self, image: Tensor<B, 4>) -> Tensor<B, 4> {
         let enc = &self.encoder;
         let mut x = enc.conv_in.forward(image);
         for block in &enc.down_blocks {
@@ -554,8 +577,9 @@ impl<B: Backend> AutoencoderKL<B> {
         }
     }
 
-    /// `post_quant_conv` and the decoder: latents to pixels, in the weights' dtype.
-    fn decode_pixels(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
+    /// `post_quant_conv` and the decoder as ops: unscaled latents to pixels, in the weights'
+    /// dtype; what a decoder program computes.
+    pub fn run_decoder(&self, latents: Tensor<B, 4>) -> Tensor<B, 4> {
         let dec = &self.decoder;
         let mut x = match &self.post_quant_conv {
             Some(conv) => conv.forward(latents),

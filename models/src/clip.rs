@@ -15,6 +15,7 @@ use crate::attention::multi_head_attention;
 use crate::config::load_json;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, LayerNorm, Linear};
+use crate::program::ProgramSlot;
 use crate::var_builder::{load_component, VarBuilder};
 
 /// `text_encoder/config.json` (a transformers `CLIPTextConfig`).
@@ -173,6 +174,10 @@ pub struct ClipTextModel<B: Backend> {
     pub text_projection: Option<Linear<B>>,
     pub eos_token_id: i64,
     pub max_positions: usize,
+    /// Compiled mode: the layers and the final norm ([`run_layers`](Self::run_layers)) as one
+    /// program; empty: their ops.
+    #[module(skip)]
+    pub layers_program: ProgramSlot,
 }
 
 impl<B: Backend> ClipTextModel<B> {
@@ -238,7 +243,23 @@ impl<B: Backend> ClipTextModel<B> {
             text_projection,
             eos_token_id: cfg.eos_token_id,
             max_positions: cfg.max_position_embeddings,
+            layers_program: ProgramSlot::default(),
         })
+    }
+
+    /// The layers and the final norm as ops on embedded tokens `[batch, seq, hidden]`: each
+    /// layer's output, then the normed last one, stacked `[layers + 1, batch, seq, hidden]`;
+    /// what a layers program computes (one output, whether or not the caller wants the
+    /// hidden states).
+    pub fn run_layers(&self, x: Tensor<B, 3>) -> Tensor<B, 4> {
+        let mut x = x;
+        let mut outputs = Vec::with_capacity(self.layers.len() + 1);
+        for layer in &self.layers {
+            x = layer.forward(x);
+            outputs.push(x.clone());
+        }
+        outputs.push(self.final_layer_norm.forward(x));
+        Tensor::stack(outputs, 0)
     }
 
     /// Encodes token ids (each row the same length, at most `max_position_embeddings`).
@@ -262,15 +283,31 @@ impl<B: Backend> ClipTextModel<B> {
         let flat: Vec<i64> = input_ids.iter().flatten().map(|&t| t as i64).collect();
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [batch, seq]), &device);
         let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device).unsqueeze::<2>();
-        let mut x = self.token_embedding.forward(ids) + self.position_embedding.forward(positions);
-        let mut hidden_states = Vec::new();
-        for layer in &self.layers {
-            x = layer.forward(x);
-            if output_hidden_states {
-                hidden_states.push(x.clone());
+        let x = self.token_embedding.forward(ids) + self.position_embedding.forward(positions);
+        let program = self.layers_program.get::<B, 3, 4>();
+        let (last_hidden_state, hidden_states) = match program.and_then(|p| p.run(x.clone())) {
+            Some(stack) => {
+                let [_, batch, seq, width] = stack.dims();
+                let layer = |i: usize| stack.clone().narrow(0, i, 1).reshape([batch, seq, width]);
+                let layers = self.layers.len();
+                let hidden_states = match output_hidden_states {
+                    true => (0..layers).map(layer).collect(),
+                    false => Vec::new(),
+                };
+                (layer(layers), hidden_states)
             }
-        }
-        let last_hidden_state = self.final_layer_norm.forward(x);
+            None => {
+                let mut x = x;
+                let mut hidden_states = Vec::new();
+                for layer in &self.layers {
+                    x = layer.forward(x);
+                    if output_hidden_states {
+                        hidden_states.push(x.clone());
+                    }
+                }
+                (self.final_layer_norm.forward(x), hidden_states)
+            }
+        };
 
         // The pooled token: the first end-of-text token, or (legacy configs with eos id 2) the
         // highest id, as transformers does.

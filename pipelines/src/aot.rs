@@ -3,17 +3,18 @@
 //! ([`guided_noise`]: UNet plus classifier-free guidance), recorded on the `Traced` backend
 //! (shapes without values, weights without loading them onto a device) and lowered by the same
 //! [`lower_recorded`] as compiled mode, into one StableHLO module that a TPU topology can
-//! compile ahead of time (`Topology::compile`, libtpu without a TPU).
+//! compile ahead of time (`Topology::compile`, libtpu without a TPU); the VAE's encoder and
+//! decoder likewise ([`trace_vae`]).
 
 use std::path::Path;
 
 use burn::tensor::{Tensor, TensorData};
 use oxidiff_backend_tpu::compiled::lower_recorded;
-use oxidiff_backend_tpu::lowering::Argument;
+use oxidiff_backend_tpu::lowering::{Argument, LoweredFunction};
 use oxidiff_backend_tpu::trace::{float_ir, take_ops, Traced};
 use oxidiff_backend_tpu::OxiDevice;
 use oxidiff_models::config::PerBlock;
-use oxidiff_models::{UNet2DConditionConfig, UNet2DConditionModel};
+use oxidiff_models::{AutoencoderKL, UNet2DConditionConfig, UNet2DConditionModel};
 
 use crate::error::{PipelineError, Result};
 use crate::parallel::{split_weights, ParallelConfig, ParallelTarget};
@@ -24,6 +25,10 @@ use std::collections::HashMap;
 
 /// CLIP's sequence length, the context rows of SD 1.x/2.x.
 const CONTEXT_LEN: usize = 77;
+
+/// The traced backend records per device, for every thread: one trace at a time, so two
+/// callers tracing at once (tests run in parallel) do not get each other's ops.
+static TRACING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// One traced denoising step as a StableHLO module.
 #[derive(Debug, Clone)]
@@ -99,9 +104,6 @@ fn trace_step(
         PerBlock::One(d) => *d,
         PerBlock::Each(dims) => dims.first().copied().unwrap_or(768),
     };
-    // The traced backend records per device, for every thread: one trace at a time, so two
-    // callers tracing at once (tests run in parallel) do not get each other's ops.
-    static TRACING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one_at_a_time = TRACING
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -183,22 +185,104 @@ fn trace_step(
         }
         None => (function.module.clone(), 1),
     };
-    let weight_args: Vec<_> = function
-        .arguments
-        .iter()
-        .skip(inputs.len())
-        .filter(|(argument, _)| matches!(argument, Argument::Tensor(_)))
-        .collect();
+    let (weights, weight_bytes) = weight_arguments(&function, inputs.len());
     Ok(TracedStep {
         ops: ops.len(),
-        weights: weight_args.len(),
-        weight_bytes: weight_args
-            .iter()
-            .map(|(_, ty)| ty.dims.iter().product::<usize>() * ty.elem.byte_size())
-            .sum(),
+        weights,
+        weight_bytes,
         module,
         latents,
         guidance,
         partitions,
     })
+}
+
+/// One traced half of the VAE, as compiled mode's [`compile_vae`](crate::compiled::compile_vae)
+/// runs it, as a StableHLO module `@main(input, weights...)`.
+#[derive(Debug, Clone)]
+pub struct TracedVae {
+    pub module: String,
+    /// Ops recorded.
+    pub ops: usize,
+    /// Weight arguments after the input.
+    pub weights: usize,
+    /// Bytes of those weight arguments.
+    pub weight_bytes: usize,
+}
+
+/// Which half of the VAE to trace, on which input.
+#[derive(Debug, Clone, Copy)]
+pub enum VaeHalf {
+    /// Images `[batch, 3, height, width]` to latent moments.
+    Encoder {
+        batch: usize,
+        height: usize,
+        width: usize,
+    },
+    /// Unscaled latents `[batch, channels, height/8, width/8]` to images.
+    Decoder {
+        batch: usize,
+        latent_height: usize,
+        latent_width: usize,
+    },
+}
+
+/// Traces `half` of the VAE in `vae_dir` (a diffusers `vae/` folder) and lowers it to one
+/// module, as [`trace_guided_step`] does for the UNet.
+pub fn trace_vae(vae_dir: &Path, variant: Option<&str>, half: VaeHalf) -> Result<TracedVae> {
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = OxiDevice::Cpu;
+    let vae = AutoencoderKL::<Traced>::from_dir(vae_dir, variant, &device)?;
+    let _loading = take_ops(&device);
+    let zeros = |shape: [usize; 4]| {
+        let data = TensorData::new(vec![0f32; shape.iter().product()], shape);
+        Tensor::<Traced, 4>::from_data(data, &device)
+    };
+    let (input, output) = match half {
+        VaeHalf::Encoder {
+            batch,
+            height,
+            width,
+        } => {
+            let image = zeros([batch, 3, height, width]);
+            (float_ir(&image), float_ir(&vae.run_encoder(image)))
+        }
+        VaeHalf::Decoder {
+            batch,
+            latent_height,
+            latent_width,
+        } => {
+            let channels = vae.decoder.conv_in.weight.dims()[1];
+            let latents = zeros([batch, channels, latent_height, latent_width]);
+            (float_ir(&latents), float_ir(&vae.run_decoder(latents)))
+        }
+    };
+    let ops = take_ops(&device);
+    let function = lower_recorded(&[input], &ops, &[output])
+        .map_err(|e| PipelineError::Compile(format!("lowering the traced VAE: {e}")))?;
+    let (weights, weight_bytes) = weight_arguments(&function, 1);
+    Ok(TracedVae {
+        ops: ops.len(),
+        weights,
+        weight_bytes,
+        module: function.module,
+    })
+}
+
+/// The count and bytes of the tensor arguments of `function` after its first `inputs` (the
+/// weights; the ops' scalars are not counted).
+fn weight_arguments(function: &LoweredFunction, inputs: usize) -> (usize, usize) {
+    let weights: Vec<_> = function
+        .arguments
+        .iter()
+        .skip(inputs)
+        .filter(|(argument, _)| matches!(argument, Argument::Tensor(_)))
+        .collect();
+    let bytes = weights
+        .iter()
+        .map(|(_, ty)| ty.dims.iter().product::<usize>() * ty.elem.byte_size())
+        .sum();
+    (weights.len(), bytes)
 }

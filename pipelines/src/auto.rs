@@ -13,7 +13,7 @@ use oxidiff_models::{AutoencoderKL, ControlNetModel};
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig};
 
-use crate::compiled::CompileStats;
+use crate::compiled::{CompileStats, ComponentStats};
 use crate::control::ControlRequest;
 use crate::denoise::{GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
@@ -361,6 +361,11 @@ impl AutoPipeline<Oxi> {
     /// Compiled mode's counts (`None` when eager).
     pub fn compile_stats(&self) -> Option<CompileStats> {
         each!(self, pipe => pipe.compile_stats())
+    }
+
+    /// Compiled mode's counts per component (each pipeline's `component_stats`).
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        each!(self, pipe => pipe.component_stats())
     }
 }
 

@@ -15,7 +15,7 @@ use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, Scheduler};
 
 use crate::auto::PipelineFamily;
-use crate::compiled::CompileStats;
+use crate::compiled::{CompileStats, ComponentStats};
 use crate::control::ControlRequest;
 use crate::denoise::{GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
@@ -310,6 +310,15 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.pipe.compile_stats(),
                     Self::StableDiffusionControlNet(pipe) => pipe.pipe.compile_stats(),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.compile_stats(),
+                }
+            }
+
+            /// Compiled mode's counts per component (the pipeline's `component_stats`).
+            pub fn component_stats(&self) -> Vec<ComponentStats> {
+                match self {
+                    Self::StableDiffusion(pipe) => pipe.pipe.component_stats(),
+                    Self::StableDiffusionControlNet(pipe) => pipe.pipe.component_stats(),
+                    Self::StableDiffusionXL(pipe) => pipe.pipe.component_stats(),
                 }
             }
         }

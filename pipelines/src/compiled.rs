@@ -1,11 +1,15 @@
-//! The one compiled denoiser every pipeline holds: a step's denoiser call (a tuple of input
-//! tensors to the model output) as XLA programs, traced on first use and cached by input
-//! shapes, optionally partitioned over a device mesh.
+//! Compiled mode's pieces every pipeline shares: [`CompiledCall`], a call of a component (a
+//! tuple of input tensors to one output) as XLA programs, traced on first use and cached by
+//! input shapes, optionally partitioned over a device mesh; the denoiser call of each pipeline
+//! is one, and so are the VAE's encoder and decoder ([`compile_vae`]) and CLIP's layers
+//! ([`compile_clip`]).
 //!
 //! Where this sits: beside `denoise.rs` on the ground floor; it wraps backend-tpu's
 //! `CompiledFn` so that pipelines generic over the backend can hold it, built only for `Oxi`.
 
+use std::any::Any;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
@@ -13,10 +17,11 @@ use burn::tensor::Tensor;
 use oxidiff_backend_tpu::compiled::Tensors;
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_models::{AutoencoderKL, ClipTextModel, ProgramSlot, TensorProgram};
 
 use crate::error::{PipelineError, Result};
 
-/// Counts of compiled mode (each pipeline's `compile_stats`).
+/// Counts of compiled mode, for one component or summed over several.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CompileStats {
     /// Programs built, one per input signature (image size, batch, guidance on or off).
@@ -26,21 +31,41 @@ pub struct CompileStats {
     pub disk_loads: u64,
 }
 
+impl std::ops::Add for CompileStats {
+    type Output = Self;
+    fn add(self, other: Self) -> Self {
+        Self {
+            programs: self.programs + other.programs,
+            xla_compiles: self.xla_compiles + other.xla_compiles,
+            disk_loads: self.disk_loads + other.disk_loads,
+        }
+    }
+}
+
+/// Compiled mode's counts of one component of a pipeline (`--json`'s `components`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ComponentStats {
+    /// `"text_encoder"`, `"text_encoder_2"`, `"unet"`, `"transformer"`, `"vae_encoder"`,
+    /// `"vae_decoder"`.
+    pub component: &'static str,
+    pub stats: CompileStats,
+}
+
 /// What a compiled call offers, object-safe so the backend type stays a parameter.
-trait CompiledCall<B: Backend, I> {
+trait Call<B: Backend, I>: Send + Sync {
     fn call(&self, inputs: I) -> Result<Tensor<B, 4>>;
     fn stats(&self) -> CompileStats;
     fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>>;
     fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>>;
 }
 
-type StepFn<I> = Box<dyn Fn(I) -> Tensor<Oxi, 4>>;
+type StepFn<I> = Box<dyn Fn(I) -> Tensor<Oxi, 4> + Send + Sync>;
 
 fn compile_error(e: impl std::fmt::Display) -> PipelineError {
     PipelineError::Compile(e.to_string())
 }
 
-impl<I: Tensors> CompiledCall<Oxi, I> for CompiledFn<I, Tensor<Oxi, 4>, StepFn<I>> {
+impl<I: Tensors> Call<Oxi, I> for CompiledFn<I, Tensor<Oxi, 4>, StepFn<I>> {
     fn call(&self, inputs: I) -> Result<Tensor<Oxi, 4>> {
         CompiledFn::call(self, inputs).map_err(compile_error)
     }
@@ -62,12 +87,12 @@ impl<I: Tensors> CompiledCall<Oxi, I> for CompiledFn<I, Tensor<Oxi, 4>, StepFn<I
     }
 }
 
-/// A pipeline's denoiser call with inputs `I` (a tuple of tensors) run as compiled programs.
-pub struct CompiledDenoiser<B: Backend, I> {
-    inner: Box<dyn CompiledCall<B, I>>,
+/// A component's call with inputs `I` (a tensor or a tuple of them) run as compiled programs.
+pub struct CompiledCall<B: Backend, I> {
+    inner: Box<dyn Call<B, I>>,
 }
 
-impl<B: Backend, I> CompiledDenoiser<B, I> {
+impl<B: Backend, I> CompiledCall<B, I> {
     /// Runs the call: traced and compiled for a new input signature, cached otherwise.
     pub fn call(&self, inputs: I) -> Result<Tensor<B, 4>> {
         self.inner.call(inputs)
@@ -90,12 +115,12 @@ impl<B: Backend, I> CompiledDenoiser<B, I> {
     }
 }
 
-impl<I: Tensors + 'static> CompiledDenoiser<Oxi, I> {
+impl<I: Tensors + 'static> CompiledCall<Oxi, I> {
     /// `step` compiled as program `name`; with a `placement`, partitioned over its mesh with
     /// input `k` laid out as `layouts[k]`.
     pub fn new(
         name: &str,
-        step: impl Fn(I) -> Tensor<Oxi, 4> + 'static,
+        step: impl Fn(I) -> Tensor<Oxi, 4> + Send + Sync + 'static,
         placement: Option<Arc<SpmdPlacement>>,
         layouts: Vec<Layout>,
     ) -> Self {
@@ -107,4 +132,133 @@ impl<I: Tensors + 'static> CompiledDenoiser<Oxi, I> {
         };
         Self { inner: Box::new(f) }
     }
+}
+
+/// A part of a model (the VAE's encoder or decoder, CLIP's layers) as a compiled call with an
+/// input of rank `I`, installed in the model's [`ProgramSlot`](oxidiff_models::ProgramSlot).
+struct PartProgram<const I: usize> {
+    /// The model and part, for the warning.
+    part: &'static str,
+    call: CompiledCall<Oxi, Tensor<Oxi, I>>,
+    /// Whether the fallback to the model's ops was reported already.
+    warned: AtomicBool,
+}
+
+impl<const I: usize> PartProgram<I>
+where
+    Tensor<Oxi, I>: Tensors,
+{
+    /// `part` compiled as program `part`.
+    fn install(
+        slot: &mut ProgramSlot,
+        part: &'static str,
+        ops: impl Fn(Tensor<Oxi, I>) -> Tensor<Oxi, 4> + Send + Sync + 'static,
+    ) {
+        let program = Arc::new(Self {
+            part,
+            call: CompiledCall::new(part, ops, None, Vec::new()),
+            warned: AtomicBool::new(false),
+        });
+        slot.install::<Oxi, I, 4>(program);
+    }
+
+    /// The counts of the program of rank `I` in `slot`, if one is installed for `B`.
+    fn stats<B: Backend>(slot: &ProgramSlot, component: &'static str) -> Option<ComponentStats> {
+        let program = slot.get::<B, I, 4>()?.as_any().downcast_ref::<Self>()?;
+        Some(ComponentStats {
+            component,
+            stats: program.call.compile_stats(),
+        })
+    }
+}
+
+impl<const I: usize> TensorProgram<Oxi, I, 4> for PartProgram<I> {
+    fn run(&self, input: Tensor<Oxi, I>) -> Option<Tensor<Oxi, 4>> {
+        match self.call.call(input) {
+            Ok(output) => Some(output),
+            Err(e) => {
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!("{e}; the {} runs op by op instead", self.part);
+                }
+                None
+            }
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Compiled mode for `vae`: its encoder and its decoder each become one program per input
+/// shape (one per tile shape when tiling is on), so scaling, slicing and tiling stay the
+/// model's and need no program of their own. A VAE off PJRT devices keeps its ops.
+pub fn compile_vae(vae: &mut AutoencoderKL<Oxi>) {
+    vae.encoder_program.clear();
+    vae.decoder_program.clear();
+    if !vae.decoder.conv_in.weight.device().is_pjrt() {
+        return;
+    }
+    // The programs trace a copy whose slots are empty, so they record the ops.
+    let ops = Arc::new(vae.clone());
+    let encoder = Arc::clone(&ops);
+    PartProgram::<4>::install(&mut vae.encoder_program, "vae_encoder", move |image| {
+        encoder.run_encoder(image)
+    });
+    PartProgram::<4>::install(&mut vae.decoder_program, "vae_decoder", move |latents| {
+        ops.run_decoder(latents)
+    });
+}
+
+/// Compiled mode for a CLIP text encoder: its layers and final norm become one program per
+/// token count (the embedding lookup and the pooled token stay ops). Off PJRT devices it keeps
+/// its ops.
+pub fn compile_clip(text_encoder: &mut ClipTextModel<Oxi>, component: &'static str) {
+    text_encoder.layers_program.clear();
+    if !text_encoder.token_embedding.weight.device().is_pjrt() {
+        return;
+    }
+    let ops = text_encoder.clone();
+    PartProgram::<3>::install(&mut text_encoder.layers_program, component, move |x| {
+        ops.run_layers(x)
+    });
+}
+
+/// The counts of `vae`'s installed programs (none when eager), named as [`compile_vae`]'s.
+pub fn vae_compile_stats<B: Backend>(vae: &AutoencoderKL<B>) -> Vec<ComponentStats> {
+    [
+        PartProgram::<4>::stats::<B>(&vae.encoder_program, "vae_encoder"),
+        PartProgram::<4>::stats::<B>(&vae.decoder_program, "vae_decoder"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// The counts of a CLIP text encoder's program, named `component` (none when eager).
+pub fn clip_compile_stats<B: Backend>(
+    text_encoder: &ClipTextModel<B>,
+    component: &'static str,
+) -> Option<ComponentStats> {
+    PartProgram::<3>::stats::<B>(&text_encoder.layers_program, component)
+}
+
+/// A pipeline's counts per component: its text encoders' (CLIP's, by component name), its
+/// denoiser's (`None` when eager) named `denoiser`, then its VAE's.
+pub(crate) fn component_stats<B: Backend>(
+    text_encoders: &[(&'static str, &ClipTextModel<B>)],
+    denoiser: &'static str,
+    stats: Option<CompileStats>,
+    vae: &AutoencoderKL<B>,
+) -> Vec<ComponentStats> {
+    let mut all: Vec<ComponentStats> = text_encoders
+        .iter()
+        .filter_map(|(name, encoder)| clip_compile_stats(encoder, name))
+        .collect();
+    all.extend(stats.map(|stats| ComponentStats {
+        component: denoiser,
+        stats,
+    }));
+    all.extend(vae_compile_stats(vae));
+    all
 }

@@ -32,7 +32,7 @@ use oxidiff_schedulers::{
     calculate_shift, NoiseSource, Scheduler, SchedulerConfig, TimestepOptions, TorchCpuGenerator,
 };
 
-use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::denoise::{
     check_request, decode_latents, initial_latents, negatives_for, per_prompt, DenoisingLoop,
     GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -171,7 +171,7 @@ pub struct FluxPipeline<B: Backend> {
     pub device: B::Device,
     pub source: PathBuf,
     /// The compiled transformer call, when [`compile`](FluxPipeline::compile) was called.
-    pub compiled: Option<CompiledDenoiser<B, FluxStepInputs<B>>>,
+    pub compiled: Option<CompiledCall<B, FluxStepInputs<B>>>,
 }
 
 impl<B: Backend> FluxPipeline<B> {
@@ -541,8 +541,8 @@ impl FluxPipeline<Oxi> {
     /// shapes. Timestep, guidance scale, prompt embeddings and rotary tables are runtime
     /// inputs, so a new prompt, seed, guidance scale or step count reuses the program (and
     /// true CFG's negative call runs the same one); a new size, batch or `max_sequence_length`
-    /// compiles once more. Needs the transformer on a PJRT device; text encoders, scheduler and
-    /// VAE stay eager.
+    /// compiles once more. Needs the transformer on a PJRT device; the VAE is compiled too, the
+    /// text encoders and the scheduler stay eager.
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -559,6 +559,8 @@ impl FluxPipeline<Oxi> {
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
+        crate::compiled::compile_vae(&mut self.vae);
+        crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
         let transformer = self.transformer.clone();
         let step =
             move |(latents, t, g, prompt_embeds, pooled, (cos, sin)): FluxStepInputs<Oxi>| {
@@ -579,7 +581,7 @@ impl FluxPipeline<Oxi> {
         // tables (one per position, not per image) whole on every device.
         let mut inputs = vec![Layout::BatchSplit(0); 5];
         inputs.extend([Layout::Replicated, Layout::Replicated]);
-        self.compiled = Some(CompiledDenoiser::new(
+        self.compiled = Some(CompiledCall::new(
             "flux_transformer",
             step,
             placement,
@@ -591,5 +593,16 @@ impl FluxPipeline<Oxi> {
     /// Compiled mode's counts (`None` when eager).
     pub fn compile_stats(&self) -> Option<CompileStats> {
         self.compiled.as_ref().map(|c| c.compile_stats())
+    }
+
+    /// Compiled mode's counts per component: the text encoders', the transformer's (as
+    /// [`compile_stats`](Self::compile_stats)), the VAE encoder's and decoder's.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        crate::compiled::component_stats(
+            &[("text_encoder", &self.text_encoder)],
+            "transformer",
+            self.compile_stats(),
+            &self.vae,
+        )
     }
 }

@@ -27,7 +27,7 @@ use oxidiff_models::{
 };
 use oxidiff_schedulers::{NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator};
 
-use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::denoise::{
     check_image_pixels, check_request, decode_to_tensor, initial_latents, negatives_for,
     with_guidance, DenoisingLoop, GenerateRequest, OutputType, PipelineDefaults, PipelineOutput,
@@ -482,8 +482,8 @@ pub type PixArtConditionedInputs<B> = (
 /// The compiled transformer call: two input signatures, as a 1024px Alpha transformer takes
 /// micro-conditions and the others do not.
 pub enum PixArtCompiled<B: Backend> {
-    Plain(CompiledDenoiser<B, PixArtInputs<B>>),
-    Conditioned(CompiledDenoiser<B, PixArtConditionedInputs<B>>),
+    Plain(CompiledCall<B, PixArtInputs<B>>),
+    Conditioned(CompiledCall<B, PixArtConditionedInputs<B>>),
 }
 
 impl<B: Backend> PixArtCompiled<B> {
@@ -530,8 +530,8 @@ impl PixArtPipeline<Oxi> {
     /// classifier-free guidance, batched) is one XLA program, traced on first use and cached
     /// by input shapes. Timesteps, caption, mask and micro-conditions are runtime inputs, so a
     /// new prompt, seed, guidance scale or step count reuses the program; a new size, batch or
-    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; T5,
-    /// scheduler and VAE stay eager.
+    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; the VAE is
+    /// compiled too, T5 and the scheduler stay eager.
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -548,6 +548,7 @@ impl PixArtPipeline<Oxi> {
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
+        crate::compiled::compile_vae(&mut self.vae);
         let transformer = self.transformer.clone();
         // Every input batch-major: split by batch where it divides, else whole.
         let name = "pixart_transformer";
@@ -560,13 +561,13 @@ impl PixArtPipeline<Oxi> {
                 transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
             };
             let layouts = vec![Layout::BatchSplit(0); 6];
-            PixArtCompiled::Conditioned(CompiledDenoiser::new(name, step, placement, layouts))
+            PixArtCompiled::Conditioned(CompiledCall::new(name, step, placement, layouts))
         } else {
             let step = move |(latents, t, caption, bias): PixArtInputs<Oxi>| {
                 transformer.forward_checked(latents, t, caption, Some(bias), None)
             };
             let layouts = vec![Layout::BatchSplit(0); 4];
-            PixArtCompiled::Plain(CompiledDenoiser::new(name, step, placement, layouts))
+            PixArtCompiled::Plain(CompiledCall::new(name, step, placement, layouts))
         });
         Ok(())
     }
@@ -574,5 +575,11 @@ impl PixArtPipeline<Oxi> {
     /// Compiled mode's counts (`None` when eager).
     pub fn compile_stats(&self) -> Option<CompileStats> {
         self.compiled.as_ref().map(|c| c.compile_stats())
+    }
+
+    /// Compiled mode's counts per component: the text encoders', the transformer's (as
+    /// [`compile_stats`](Self::compile_stats)), the VAE encoder's and decoder's.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        crate::compiled::component_stats(&[], "transformer", self.compile_stats(), &self.vae)
     }
 }

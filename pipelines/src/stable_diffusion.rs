@@ -20,7 +20,7 @@ use oxidiff_schedulers::{
 };
 use std::sync::Arc;
 
-use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::control::ControlStep;
 use crate::denoise::{
     check_request, decode_latents, negatives_for, DenoisingLoop, GenerateRequest, PipelineDefaults,
@@ -131,7 +131,7 @@ pub struct StableDiffusionPipeline<B: Backend> {
     pub device: B::Device,
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](Self::compile) was called.
-    pub compiled: Option<CompiledDenoiser<B, GuidedStepInputs<B>>>,
+    pub compiled: Option<CompiledCall<B, GuidedStepInputs<B>>>,
 }
 
 impl<B: Backend> StableDiffusionPipeline<B> {
@@ -436,8 +436,9 @@ impl StableDiffusionPipeline<Oxi> {
     /// prompt, seed, guidance scale, scheduler or step count reuses the program; a new size or
     /// batch, or switching guidance on or off (the context's batch changes), compiles once
     /// more. With `OXIDIFF_COMPILE_CACHE=DIR` executables are also kept on disk for later
-    /// processes. Needs the UNet on a PJRT device (`xla:cpu`, `tpu`, `cuda`); the scheduler
-    /// step and the VAE stay eager.
+    /// processes. The VAE's encoder and decoder become programs too
+    /// ([`compile_vae`](crate::compiled::compile_vae)). Needs the UNet on a PJRT device
+    /// (`xla:cpu`, `tpu`, `cuda`); the text encoder and the scheduler step stay eager.
     pub fn compile(&mut self) -> Result<()> {
         crate::parallel::require_pjrt("UNet", &self.unet_device())?;
         self.compile_on(None);
@@ -465,6 +466,8 @@ impl StableDiffusionPipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) {
+        crate::compiled::compile_vae(&mut self.vae);
+        crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
         let unet = self.unet.clone();
         // The traced structure depends only on the input shapes (guidance on or off is the
         // context's batch), which key the program cache, so a cached program always matches.
@@ -478,7 +481,7 @@ impl StableDiffusionPipeline<Oxi> {
             Layout::BatchSplit(0),
             Layout::Replicated,
         ];
-        self.compiled = Some(CompiledDenoiser::new("unet+cfg", step, placement, layouts));
+        self.compiled = Some(CompiledCall::new("unet+cfg", step, placement, layouts));
     }
 
     /// Weight bytes on each device of the mesh after
@@ -492,5 +495,16 @@ impl StableDiffusionPipeline<Oxi> {
     /// Compiled mode's counts (`None` when eager).
     pub fn compile_stats(&self) -> Option<CompileStats> {
         self.compiled.as_ref().map(|c| c.compile_stats())
+    }
+
+    /// Compiled mode's counts per component: the text encoders', the unet's (as
+    /// [`compile_stats`](Self::compile_stats)), the VAE encoder's and decoder's.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        crate::compiled::component_stats(
+            &[("text_encoder", &self.text_encoder)],
+            "unet",
+            self.compile_stats(),
+            &self.vae,
+        )
     }
 }

@@ -28,7 +28,7 @@ use oxidiff_schedulers::{
     TimestepOptions, TorchCpuGenerator,
 };
 
-use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::denoise::{
     check_request, decode_latents, guide, initial_latents, negatives_for, per_prompt,
     with_guidance, DenoisingLoop, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -113,7 +113,7 @@ pub struct StableDiffusion3Pipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled transformer call, when [`compile`](StableDiffusion3Pipeline::compile) was
     /// called.
-    pub compiled: Option<CompiledDenoiser<B, Sd3StepInputs<B>>>,
+    pub compiled: Option<CompiledCall<B, Sd3StepInputs<B>>>,
 }
 
 /// What `model_index.json` says about one component: a `[library, class]` pair, or
@@ -601,7 +601,7 @@ impl StableDiffusion3Pipeline<Oxi> {
     /// by input shapes. Timesteps and the prompt embeddings are runtime inputs, so a new
     /// prompt, seed, guidance scale or step count reuses the program; a new size, batch or
     /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; the
-    /// text encoders, scheduler and VAE stay eager.
+    /// VAE is compiled too, the text encoders and the scheduler stay eager.
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -618,13 +618,16 @@ impl StableDiffusion3Pipeline<Oxi> {
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
+        crate::compiled::compile_vae(&mut self.vae);
+        crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
+        crate::compiled::compile_clip(&mut self.text_encoder_2, "text_encoder_2");
         let transformer = self.transformer.clone();
         let step = move |(latents, t, context, pooled): Sd3StepInputs<Oxi>| {
             transformer.forward_checked(latents, t, context, pooled)
         };
         // Every input batch-major: split by batch where it divides, else whole.
         let layouts = vec![Layout::BatchSplit(0); 4];
-        self.compiled = Some(CompiledDenoiser::new(
+        self.compiled = Some(CompiledCall::new(
             "sd3_transformer",
             step,
             placement,
@@ -636,5 +639,19 @@ impl StableDiffusion3Pipeline<Oxi> {
     /// Compiled mode's counts (`None` when eager).
     pub fn compile_stats(&self) -> Option<CompileStats> {
         self.compiled.as_ref().map(|c| c.compile_stats())
+    }
+
+    /// Compiled mode's counts per component: the text encoders', the transformer's (as
+    /// [`compile_stats`](Self::compile_stats)), the VAE encoder's and decoder's.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        crate::compiled::component_stats(
+            &[
+                ("text_encoder", &self.text_encoder),
+                ("text_encoder_2", &self.text_encoder_2),
+            ],
+            "transformer",
+            self.compile_stats(),
+            &self.vae,
+        )
     }
 }

@@ -16,7 +16,7 @@ use oxidiff_models::{ControlNetModel, ToDevice};
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
-use crate::compiled::CompileStats;
+use crate::compiled::{CompileStats, ComponentStats};
 use crate::control::{check_downscale, ControlRequest, ControlStep, Controls};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
@@ -60,6 +60,11 @@ impl StableDiffusionControlNetPipeline<Oxi> {
     /// Always `None`: the pipeline runs eagerly.
     pub fn compile_stats(&self) -> Option<CompileStats> {
         None
+    }
+
+    /// Always empty: the pipeline runs eagerly.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        Vec::new()
     }
 }
 

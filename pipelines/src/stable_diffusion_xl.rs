@@ -28,7 +28,7 @@ use oxidiff_schedulers::{
 };
 use serde::Deserialize;
 
-use crate::compiled::{CompileStats, CompiledDenoiser};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::denoise::{
     check_request, decode_latents, initial_latents, negatives_for, per_prompt, with_guidance,
     DenoisingLoop, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -167,7 +167,7 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
     pub device: B::Device,
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](StableDiffusionXLPipeline::compile) was called.
-    pub compiled: Option<CompiledDenoiser<B, XlUNetInputs<B>>>,
+    pub compiled: Option<CompiledCall<B, XlUNetInputs<B>>>,
 }
 
 impl<B: Backend> StableDiffusionXLPipeline<B> {
@@ -762,7 +762,7 @@ pub type XlUNetInputs<B> = (
 impl StableDiffusionXLPipeline<Oxi> {
     /// Compiled mode, as [`StableDiffusionPipeline::compile`](crate::StableDiffusionPipeline::compile):
     /// each UNet call (both guidance halves, with the added condition as runtime inputs) is one
-    /// XLA program per input shape. Needs the UNet on a PJRT device.
+    /// XLA program per input shape; the VAE is compiled too. Needs the UNet on a PJRT device.
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -781,6 +781,11 @@ impl StableDiffusionXLPipeline<Oxi> {
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("UNet", &self.unet.conv_in.weight.device())?;
+        crate::compiled::compile_vae(&mut self.vae);
+        crate::compiled::compile_clip(&mut self.text_encoder_2, "text_encoder_2");
+        if let Some(encoder) = &mut self.text_encoder {
+            crate::compiled::compile_clip(encoder, "text_encoder");
+        }
         let unet = self.unet.clone();
         let step = move |(sample, timestep, context, text_embeds, time_ids): XlUNetInputs<Oxi>| {
             let added = AddedCondition {
@@ -793,12 +798,22 @@ impl StableDiffusionXLPipeline<Oxi> {
         };
         // Every input batch-major: split by batch where it divides, else whole.
         let layouts = vec![Layout::BatchSplit(0); 5];
-        self.compiled = Some(CompiledDenoiser::new("sdxl-unet", step, placement, layouts));
+        self.compiled = Some(CompiledCall::new("sdxl-unet", step, placement, layouts));
         Ok(())
     }
 
     /// Compiled mode's counts (`None` when eager).
     pub fn compile_stats(&self) -> Option<CompileStats> {
         self.compiled.as_ref().map(|c| c.compile_stats())
+    }
+
+    /// Compiled mode's counts per component: the text encoders', the unet's (as
+    /// [`compile_stats`](Self::compile_stats)), the VAE encoder's and decoder's.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        let mut encoders = vec![("text_encoder_2", &self.text_encoder_2)];
+        if let Some(encoder) = &self.text_encoder {
+            encoders.insert(0, ("text_encoder", encoder));
+        }
+        crate::compiled::component_stats(&encoders, "unet", self.compile_stats(), &self.vae)
     }
 }

@@ -9,7 +9,7 @@
 //! scheduler in f32; `--variant` as diffusers' `variant`: which weight files are read)
 //!
 //! Measured, in this order, in one process:
-//! - `load_s`: `from_pretrained` (and `compile()` in compiled mode, which only wraps the step);
+//! - `load_s`: `from_pretrained` (and `compile()` in compiled mode, which only wraps the calls);
 //! - `first_generation_s` and `time_to_first_image_s` (from the start of `main`: load plus the
 //!   first whole generation, with its compiles in compiled mode);
 //! - `unet_step`: one denoising step's denoiser call as the pipeline makes it: latents
@@ -27,7 +27,7 @@
 //!
 //! Modes: `cpu` is the burn-flex CPU backend; `eager` and `compiled` run on XLA's CPU plugin
 //! (`xla:cpu`), op by op or with the denoising step (UNet + classifier-free guidance) as one
-//! XLA program. Threads follow `RAYON_NUM_THREADS` (burn-flex); XLA's thread pool takes the
+//! XLA program and the VAE decoder as another. Threads follow `RAYON_NUM_THREADS` (burn-flex); XLA's thread pool takes the
 //! cores the process may run on, so pin the process (`taskset -c 0`) to give it one.
 
 use std::time::Instant;
@@ -268,7 +268,9 @@ fn bench<B: Backend>(
         report["end_to_end"] = e2e.json();
     }
     if let Some(stats) = pipe.compiled.as_ref().map(|c| c.compile_stats()) {
-        report["xla_compiles"] = stats.xla_compiles.into();
+        let vae = oxidiff::pipelines::compiled::vae_compile_stats(&pipe.vae);
+        let vae_compiles: u64 = vae.iter().map(|c| c.stats.xla_compiles).sum();
+        report["xla_compiles"] = (stats.xla_compiles + vae_compiles).into();
     }
     report["peak_rss_bytes"] = peak_rss_bytes().into();
     println!("{report}");

@@ -15,6 +15,7 @@ use oxidiff::cli::{
 };
 use oxidiff::execution::{Execution, PipelineBackend};
 use oxidiff::latents::{encode_npy, read_latents};
+use oxidiff::pipelines::compiled::CompileStats;
 use oxidiff::pipelines::host::read_f32;
 use oxidiff::pipelines::hub::resolve_model_with_progress;
 use oxidiff::pipelines::lora::prompt_with_tags;
@@ -536,11 +537,20 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
             "generate_seconds": made.iter().map(|m| m.took.as_secs_f64()).collect::<Vec<_>>(),
             "batch_seconds": batch_seconds,
             // XLA's work in this process: compiled mode's programs, and eager ops on the device.
-            "compiled": B::compile_stats(&pipe).map(|s| serde_json::json!({
-                "programs": s.programs,
-                "xla_compiles": s.xla_compiles,
-                "disk_loads": s.disk_loads,
-            })),
+            "compiled": B::compile_stats(&pipe).map(|s| {
+                let counts = |s: CompileStats| serde_json::json!({
+                    "programs": s.programs,
+                    "xla_compiles": s.xla_compiles,
+                    "disk_loads": s.disk_loads,
+                });
+                let mut all = counts(s);
+                all["components"] = B::component_stats(&pipe)
+                    .into_iter()
+                    .map(|c| (c.component.to_string(), counts(c.stats)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
+                all
+            }),
             "eager_ops": B::eager_stats(device).map(|s| serde_json::json!({
                 "executed": s.executed,
                 "xla_compiles": s.compiled,
