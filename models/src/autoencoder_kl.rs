@@ -482,6 +482,13 @@ impl<B: Backend> AutoencoderKL<B> {
         self.slicing = false;
     }
 
+    /// Runs the encoder and decoder as ops again, dropping installed programs (which hold the
+    /// weights and device they were built for).
+    pub fn clear_programs(&mut self) {
+        self.encoder_program.clear();
+        self.decoder_program.clear();
+    }
+
     /// `f` on the whole batch, or with slicing on each image of it, concatenated.
     fn per_slice(&self, x: Tensor<B, 4>, f: impl Fn(Tensor<B, 4>) -> Tensor<B, 4>) -> Tensor<B, 4> {
         let n = x.dims()[0];

@@ -194,8 +194,7 @@ impl<const I: usize> TensorProgram<Oxi, I, 4> for PartProgram<I> {
 /// shape (one per tile shape when tiling is on), so scaling, slicing and tiling stay the
 /// model's and need no program of their own. A VAE off PJRT devices keeps its ops.
 pub fn compile_vae(vae: &mut AutoencoderKL<Oxi>) {
-    vae.encoder_program.clear();
-    vae.decoder_program.clear();
+    vae.clear_programs();
     if !vae.decoder.conv_in.weight.device().is_pjrt() {
         return;
     }

@@ -291,6 +291,9 @@ impl<B: Backend> FluxPipeline<B> {
         self.device = transformer.clone();
         // A compiled step holds the transformer of its device: compile again after moving.
         self.compiled = None;
+        // The VAE's and text encoders' programs too (they hold the weights they were built for).
+        self.vae.clear_programs();
+        self.text_encoder.layers_program.clear();
         self
     }
 

@@ -218,6 +218,9 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self.device = unet.clone();
         // A compiled denoiser holds the UNet of its device: compile again after moving.
         self.compiled = None;
+        // The VAE's and text encoders' programs too (they hold the weights they were built for).
+        self.vae.clear_programs();
+        self.text_encoder.layers_program.clear();
         self
     }
 

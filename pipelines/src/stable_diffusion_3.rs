@@ -303,6 +303,10 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         self.device = transformer.clone();
         // A compiled step holds the transformer of its device: compile again after moving.
         self.compiled = None;
+        // The VAE's and text encoders' programs too (they hold the weights they were built for).
+        self.vae.clear_programs();
+        self.text_encoder.layers_program.clear();
+        self.text_encoder_2.layers_program.clear();
         self
     }
 

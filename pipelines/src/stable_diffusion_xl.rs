@@ -416,6 +416,12 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.device = unet.clone();
         // A compiled denoiser holds the UNet of its device: compile again after moving.
         self.compiled = None;
+        // The VAE's and text encoders' programs too (they hold the weights they were built for).
+        self.vae.clear_programs();
+        self.text_encoder_2.layers_program.clear();
+        if let Some(encoder) = &mut self.text_encoder {
+            encoder.layers_program.clear();
+        }
         self
     }
 
