@@ -5,10 +5,11 @@
 use burn::tensor::backend::Backend;
 use oxidiff_backend_tpu::eager::Stats as EagerStats;
 use oxidiff_pipelines::compiled::{CompileStats, ComponentStats};
+use oxidiff_pipelines::memory::{ComponentMemory, HOST};
 use oxidiff_pipelines::parallel::ParallelConfig;
 use oxidiff_pipelines::{AutoPipeline, Result};
 
-use crate::{Cpu, Oxi};
+use crate::{Cpu, Oxi, OxiDevice};
 
 /// Eager (each op at once) or compiled (the denoiser as one XLA program per input signature).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -36,6 +37,14 @@ pub trait PipelineBackend: Backend {
     /// client is refused (the binaries check it before loading).
     fn prepare(pipe: &mut AutoPipeline<Self>, execution: Execution) -> Result<()>;
 
+    /// Runs `load` (the pipeline's load on `device`) the way `execution` wants the weights
+    /// placed: under tensor parallelism on a PJRT device they are staged on the host, so
+    /// [`prepare`](Self::prepare) sends each device only its shards
+    /// ([`stage_weights`](oxidiff_pipelines::parallel::stage_weights)).
+    fn load<T>(_device: &Self::Device, _execution: Execution, load: impl FnOnce() -> T) -> T {
+        load()
+    }
+
     /// Compiled mode's counts summed over the components, `None` when eager.
     fn compile_stats(pipe: &AutoPipeline<Self>) -> Option<CompileStats> {
         let components = Self::component_stats(pipe);
@@ -49,6 +58,10 @@ pub trait PipelineBackend: Backend {
     /// Compiled mode's counts per component (the denoiser, the VAE's encoder and decoder);
     /// empty when eager.
     fn component_stats(pipe: &AutoPipeline<Self>) -> Vec<ComponentStats>;
+
+    /// What each component's weights hold, by type and by place: the host or each device (a
+    /// denoiser spread over several devices by its shards there).
+    fn memory(pipe: &AutoPipeline<Self>) -> Vec<ComponentMemory>;
 
     /// What eager mode did so far on `device`'s PJRT client (ops run, XLA compiles, loads from
     /// the compile cache); `None` off PJRT devices.
@@ -82,6 +95,10 @@ impl PipelineBackend for Cpu {
         Vec::new()
     }
 
+    fn memory(pipe: &AutoPipeline<Self>) -> Vec<ComponentMemory> {
+        pipe.memory(&|_| HOST.to_string())
+    }
+
     fn eager_stats(_: &Self::Device) -> Option<EagerStats> {
         None
     }
@@ -98,11 +115,58 @@ impl PipelineBackend for Oxi {
         Ok(())
     }
 
+    fn load<T>(device: &Self::Device, execution: Execution, load: impl FnOnce() -> T) -> T {
+        match execution {
+            Execution::Compiled(parallel) if parallel.tp() > 1 => {
+                oxidiff_pipelines::parallel::stage_weights(device, load)
+            }
+            _ => load(),
+        }
+    }
+
     fn component_stats(pipe: &AutoPipeline<Self>) -> Vec<ComponentStats> {
         pipe.component_stats()
+    }
+
+    fn memory(pipe: &AutoPipeline<Self>) -> Vec<ComponentMemory> {
+        let place = |device: &OxiDevice| match device {
+            OxiDevice::Cpu => HOST.to_string(),
+            device => device.to_string(),
+        };
+        let mut all = pipe.memory(&place);
+        // A partitioned denoiser's weights are where its placement put them: its shards and
+        // the replicated weights copied to each device of the mesh.
+        if let (Some(placement), OxiDevice::Pjrt { platform, index }) =
+            (pipe.spmd_placement(), placement_device(pipe))
+        {
+            if let Some(denoiser) = all
+                .iter_mut()
+                .find(|c| c.component == "unet" || c.component == "transformer")
+            {
+                denoiser.memory.by_place = placement
+                    .weight_bytes()
+                    .iter()
+                    .enumerate()
+                    .map(|(p, bytes)| {
+                        let device = OxiDevice::Pjrt {
+                            platform: platform.clone(),
+                            index: index + p,
+                        };
+                        (device.to_string(), bytes.sharded + bytes.replicated)
+                    })
+                    .collect();
+            }
+        }
+        all
     }
 
     fn eager_stats(device: &Self::Device) -> Option<EagerStats> {
         oxidiff_backend_tpu::pjrt_client(device).map(|client| client.stats())
     }
+}
+
+/// The first device of the denoiser's mesh (the CPU when it has none).
+fn placement_device(pipe: &AutoPipeline<Oxi>) -> OxiDevice {
+    pipe.spmd_placement()
+        .map_or(OxiDevice::Cpu, |placement| placement.device())
 }

@@ -246,7 +246,11 @@ fn compiled_text_encoder_and_vae_match_their_ops_whole_sliced_and_tiled() {
     assert_eq!(programs("unet"), 0, "nothing generated yet");
     // Moving the pipeline drops every program (they hold the weights of their device).
     let pipe = pipe.to(&device);
-    assert!(pipe.component_stats().is_empty(), "{:?}", pipe.component_stats());
+    assert!(
+        pipe.component_stats().is_empty(),
+        "{:?}",
+        pipe.component_stats()
+    );
 }
 
 fn pipe_log(pipe: &StableDiffusionPipeline<Oxi>) -> oxidiff::pipelines::CompileStats {

@@ -246,3 +246,49 @@ fn quantized_sd3_transformer_calls_match_diffusers_gguf() {
         assert_close(&golden, &format!("sd3.{kind}.out"), out, TOL_DIFFUSERS);
     }
 }
+
+/// `memory()` reports a GGUF transformer by what it holds: its quantized weights in their
+/// blocks, on the host, by quant type (one GGML block holds 32 values in 34 bytes for Q8_0, 18
+/// for Q4_0, and 256 values in 144 bytes for Q4_K), beside its plain weights in f32; the
+/// folder's transformer holds f32 only.
+#[test]
+fn memory_reports_quantized_blocks_by_type() {
+    use burn::module::{Module, ModuleVisitor, Param};
+    /// Values of the weights not materialized (the quantized ones' lazy dense forms).
+    struct Lazy(usize);
+    impl ModuleVisitor<B> for Lazy {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if !param.is_initialized() {
+                self.0 += param.lazy_shape().num_elements();
+            }
+        }
+    }
+    let device = Default::default();
+    let mut pipe = FluxPipeline::<B>::from_dir(
+        &model_dir("tiny-flux-schnell"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let host = |_: &_| "host".to_string();
+    let transformer = |pipe: &FluxPipeline<B>| {
+        pipe.memory(&host)
+            .into_iter()
+            .find(|c| c.component == "transformer")
+            .unwrap()
+            .memory
+    };
+    let plain = transformer(&pipe);
+    assert_eq!(plain.by_type.keys().collect::<Vec<_>>(), ["f32"]);
+    for (kind, values, bytes) in [("Q8_0", 32, 34), ("Q4_0", 32, 18), ("Q4_K", 256, 144)] {
+        pipe.transformer = load(&format!("flux-{kind}.gguf"));
+        let mut lazy = Lazy(0);
+        pipe.transformer.visit(&mut lazy);
+        let memory = transformer(&pipe);
+        eprintln!("{kind}: {memory:?}, {} quantized values", lazy.0);
+        assert!(lazy.0 > 0);
+        assert_eq!(memory.by_type.get(kind), Some(&(lazy.0 / values * bytes)));
+        assert_eq!(memory.by_type.len(), 2, "{kind} blocks and f32: {memory:?}");
+        assert_eq!(memory.by_place.get("host"), Some(&memory.total()));
+    }
+}

@@ -438,6 +438,95 @@ fn pipeline_enable_parallelism_generates_what_one_device_does() {
     assert!(bytes[0].sharded > 0);
 }
 
+/// A pipeline loaded with its weights staged (`stage_weights`, what `txt2img --tp` does) sends
+/// each device only its shards: device 0 receives every weight but the split ones (counted by
+/// its client, against the same pipeline loaded without staging), each device half of the
+/// split bytes, and the images are those of the pipeline placed after an ordinary load, bit
+/// for bit (the same shards, cut from the file's bytes instead of from device 0's buffers).
+#[test]
+fn a_staged_load_sends_each_device_only_its_shards() {
+    if skip() || !four_devices("a_staged_load_sends_each_device_only_its_shards") {
+        return;
+    }
+    use oxidiff::backend::pjrt_client;
+    use oxidiff::pipelines::parallel::stage_weights;
+    use oxidiff::pipelines::{GenerateRequest, LoadOptions, StableDiffusionPipeline};
+    use oxidiff::schedulers::NoNoise;
+
+    let load = |device: &OxiDevice| {
+        let options = LoadOptions {
+            scheduler: Some("ddim".into()),
+            ..Default::default()
+        };
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, device)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let uploaded = |device: &OxiDevice| pjrt_client(device).expect("pjrt").stats();
+    let request = |device: &OxiDevice| GenerateRequest::<Oxi> {
+        prompts: vec!["a photo of an astronaut riding a horse".into()],
+        num_inference_steps: 2,
+        guidance_scale: 7.5,
+        latents: Some(Tensor::from_data(
+            burn::tensor::TensorData::new(
+                (0..256)
+                    .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+                    .collect::<Vec<_>>(),
+                [1, 4, 8, 8],
+            ),
+            device,
+        )),
+        ..Default::default()
+    };
+
+    // Devices 0 and 1: staged. Devices 2 and 3: loaded on device 2, then split.
+    let staged_device: OxiDevice = xla();
+    let plain_device: OxiDevice = "xla:cpu:2".parse().unwrap();
+    let mut staged = stage_weights(&staged_device, || load(&staged_device));
+    let held = uploaded(&staged_device);
+    assert!(held.staged > 100, "the load staged its weights: {held:?}");
+    assert_eq!(held.uploaded_bytes, 0, "{held:?}");
+    let mut plain = load(&plain_device);
+    let whole = uploaded(&plain_device).uploaded_bytes;
+    for (pipe, device) in [(&mut staged, &staged_device), (&mut plain, &plain_device)] {
+        pipe.compile().unwrap();
+        pipe.enable_parallelism(TensorParallelConfig::new(2))
+            .unwrap_or_else(|e| panic!("{device}: {e}"));
+    }
+    let after = uploaded(&staged_device);
+    assert_eq!(
+        after.staged, 0,
+        "enable_parallelism uploads the rest: {after:?}"
+    );
+    let bytes = staged.parallel_weight_bytes().expect("parallel");
+    let split: usize = bytes.iter().map(|b| b.sharded).sum();
+    eprintln!(
+        "uploaded to device 0: {} bytes staged, {whole} bytes without staging; split weights {split} bytes, per device {bytes:?}",
+        after.uploaded_bytes
+    );
+    assert!(
+        split > 0 && bytes[0].sharded == bytes[1].sharded,
+        "{bytes:?}"
+    );
+    assert_eq!(
+        after.uploaded_bytes + split as u64,
+        whole,
+        "device 0 received everything but the split weights"
+    );
+    assert_eq!(plain.parallel_weight_bytes(), Some(bytes));
+
+    let mut latents = Vec::new();
+    for (pipe, device) in [(&mut staged, &staged_device), (&mut plain, &plain_device)] {
+        let out = pipe
+            .generate_with(&request(device), &mut NoNoise, |_| {})
+            .unwrap_or_else(|e| panic!("{e}"));
+        latents.push(to_vec(out.latents.to_device(&OxiDevice::Cpu)));
+    }
+    assert_eq!(
+        latents[0], latents[1],
+        "the staged shards are the placed ones"
+    );
+}
+
 #[test]
 fn txt2img_tp_and_dp_need_compile_and_a_fitting_degree() {
     if skip() {
@@ -471,7 +560,10 @@ fn txt2img_tp_and_dp_need_compile_and_a_fitting_degree() {
 }
 
 /// Runs `txt2img --compile` on `model` once on one device and once per `splits` entry, and
-/// checks each split run writes the one-device image within 1 PNG level.
+/// checks each split run writes the one-device image within 1 PNG level, and that `--json`'s
+/// `memory` puts the denoiser's weights where the split put them: under `--tp` each of the two
+/// devices holds the same bytes, fewer than the one device (the split weights' halves); under
+/// `--dp` each holds them all.
 fn split_runs_match_one_device(model: &str, size: &str, splits: &[[&str; 2]]) {
     let tmp = tempfile::tempdir().unwrap();
     let run = |name: &str, extra: &[&str]| {
@@ -491,6 +583,8 @@ fn split_runs_match_one_device(model: &str, size: &str, splits: &[[&str; 2]]) {
                 "--device",
                 "xla:cpu",
                 "--compile",
+                "--json",
+                "--quiet",
             ])
             .args(extra)
             .env(XLA_CPU_DEVICES_ENV, "4")
@@ -501,11 +595,39 @@ fn split_runs_match_one_device(model: &str, size: &str, splits: &[[&str; 2]]) {
             .expect("txt2img runs");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{model} {extra:?}: {stderr}");
-        image::open(&out_path).unwrap().to_rgb8()
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let memory = &summary["memory"];
+        let denoiser = if memory["unet"].is_object() {
+            &memory["unet"]
+        } else {
+            &memory["transformer"]
+        };
+        let places: Vec<(String, u64)> = denoiser["places"]
+            .as_object()
+            .unwrap_or_else(|| panic!("{model} {extra:?}: no memory places: {summary}"))
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+            .collect();
+        (image::open(&out_path).unwrap().to_rgb8(), places)
     };
-    let single = run("single.png", &[]);
+    let (single, one_device) = run("single.png", &[]);
+    assert_eq!(one_device.len(), 1, "{one_device:?}");
+    assert_eq!(one_device[0].0, "xla:cpu:0");
+    let whole = one_device[0].1;
     for (k, extra) in splits.iter().enumerate() {
-        let split = run(&format!("split-{k}.png"), extra);
+        let (split, places) = run(&format!("split-{k}.png"), extra);
+        eprintln!("{model} {extra:?}: denoiser bytes {places:?}, one device {whole}");
+        let names: Vec<&str> = places.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["xla:cpu:0", "xla:cpu:1"], "{model} {extra:?}");
+        assert_eq!(places[0].1, places[1].1, "{model} {extra:?}");
+        if extra[0] == "--tp" {
+            assert!(
+                places[0].1 < whole,
+                "{model} {extra:?}: {places:?} vs {whole}"
+            );
+        } else {
+            assert_eq!(places[0].1, whole, "{model} {extra:?}");
+        }
         let worst = single
             .as_raw()
             .iter()

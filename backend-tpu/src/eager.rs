@@ -15,13 +15,14 @@
 //! it, naming the op). Nothing panics inside `register_op`, which also runs
 //! from `Drop`.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, TensorData};
-use burn_ir::{OperationIr, TensorId, TensorIr, TensorStatus};
+use burn_ir::{BaseOperationIr, OperationIr, TensorId, TensorIr, TensorStatus};
 
 use crate::compile_cache::{self, disk_key, entry_path, load_executable, store_executable};
 use crate::device::{OxiDevice, PjrtPlatform};
@@ -30,6 +31,7 @@ use crate::lowering::{self, element_type, Argument, LoweredFunction};
 use crate::pjrt::{self, Buffer, Client, CompileOptions, Device, ElementType, LoadedExecutable};
 pub use crate::platform::{shared_client, XLA_CPU_DEVICES_ENV};
 use crate::recording;
+use crate::staging::StagedTensor;
 
 /// At most this many scalar buffers are kept per device.
 const SCALAR_CACHE_SIZE: usize = 4096;
@@ -55,6 +57,10 @@ struct Inner {
 #[derive(Default)]
 struct State {
     buffers: HashMap<TensorId, Buffer>,
+    /// Tensors kept on the host until first needed ([`PjrtClient::stage_uploads`]).
+    staged: HashMap<TensorId, StagedTensor>,
+    /// Open [`StagingGuard`]s: while any is, new tensors are staged instead of uploaded.
+    staging: usize,
     /// Rank-0 buffers of scalar arguments, by element type and bytes.
     scalars: HashMap<(ElementType, Vec<u8>), Buffer>,
     executables: HashMap<String, Arc<LoadedExecutable>>,
@@ -89,6 +95,11 @@ pub struct Stats {
     pub disk_rejects: u64,
     /// Live device buffers.
     pub buffers: usize,
+    /// Tensors staged on the host, not yet on the device.
+    pub staged: usize,
+    /// Bytes copied from the host to this device (tensors registered, staged tensors
+    /// uploaded; not the shards [`SpmdPlacement`](crate::spmd::SpmdPlacement) places).
+    pub uploaded_bytes: u64,
 }
 
 type OpResult<T> = std::result::Result<T, String>;
@@ -147,8 +158,68 @@ impl PjrtClient {
         let state = self.state();
         Stats {
             buffers: state.buffers.len(),
+            staged: state.staged.len(),
             ..state.stats
         }
+    }
+
+    /// Stages the tensors registered on this device from now until the guard drops: they stay
+    /// on the host, in the loader's bytes (the mapped checkpoint's), and their transposes are
+    /// recorded as views, until something needs them on the device, when each is uploaded
+    /// once. Tensor parallelism places staged weights as shards cut straight from those bytes
+    /// ([`SpmdPlacement::new`](crate::spmd::SpmdPlacement::new)), so the first device never
+    /// holds a split weight whole. [`upload_staged`](Self::upload_staged) uploads what is left.
+    pub fn stage_uploads(&self) -> StagingGuard {
+        self.state().staging += 1;
+        StagingGuard {
+            client: self.clone(),
+        }
+    }
+
+    /// Uploads every staged tensor now (freeing the host bytes they held); returns the
+    /// first upload error, if any.
+    pub fn upload_staged(&self) -> Result<(), String> {
+        let mut state = self.state();
+        self.upload_all_staged(&mut state)
+    }
+
+    fn upload_all_staged(&self, state: &mut State) -> Result<(), String> {
+        let ids: Vec<TensorId> = state.staged.keys().copied().collect();
+        let mut first = Ok(());
+        for id in ids {
+            if let Err(e) = self.upload_staged_one(state, id) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
+    /// Moves staged tensor `id` (if it is one) to the device.
+    fn upload_staged_one(&self, state: &mut State, id: TensorId) -> Result<(), String> {
+        let Some(staged) = state.staged.remove(&id) else {
+            return Ok(());
+        };
+        let (client, device) = self.target()?;
+        let dims: Vec<i64> = staged.dims().iter().map(|&d| d as i64).collect();
+        let shape = pjrt::Shape::new(staged.element(), dims);
+        let bytes = staged.dense();
+        let buffer = client
+            .buffer_from_host(&bytes, &shape, device)
+            .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))?;
+        state.stats.uploaded_bytes += bytes.len() as u64;
+        state.buffers.insert(id, buffer);
+        Ok(())
+    }
+
+    /// Staged tensor `id`, removed from this client (placed elsewhere by the caller).
+    pub(crate) fn take_staged(&self, id: TensorId) -> Option<StagedTensor> {
+        self.state().staged.remove(&id)
+    }
+
+    /// Device buffer `id`, removed from this client (placed elsewhere by the caller); staged
+    /// tensors stay staged.
+    pub(crate) fn take_buffer(&self, id: TensorId) -> Option<Buffer> {
+        self.state().buffers.remove(&id)
     }
 
     /// Test hook for error handling: the `after`-th op executed from now on this device fails
@@ -190,12 +261,25 @@ impl PjrtClient {
             return;
         };
         let mut state = self.state();
+        if self.view_of_staged(&mut state, &op) {
+            return;
+        }
         match &op {
             OperationIr::Init(_) => {}
             OperationIr::Drop(tensor) => {
                 state.buffers.remove(&tensor.id);
+                state.staged.remove(&tensor.id);
             }
             _ => {
+                if !state.staged.is_empty() {
+                    for input in op.inputs() {
+                        if let Err(e) = self.upload_staged_one(&mut state, input.id) {
+                            if state.error.is_none() {
+                                state.error = Some(e);
+                            }
+                        }
+                    }
+                }
                 if let Err(e) = self.execute(&mut state, &op) {
                     if state.error.is_none() {
                         state.error = Some(e);
@@ -209,6 +293,34 @@ impl PjrtClient {
                 }
             }
         }
+    }
+
+    /// Records a transpose or permutation of a staged tensor as a staged view instead of
+    /// running it; `false` for any other op.
+    fn view_of_staged(&self, state: &mut State, op: &OperationIr) -> bool {
+        let (input, out, view) = match op {
+            OperationIr::BaseFloat(BaseOperationIr::SwapDims(o)) => {
+                let Some(staged) = state.staged.get(&o.input.id) else {
+                    return false;
+                };
+                (&o.input, &o.out, staged.swapped(o.dim1, o.dim2))
+            }
+            OperationIr::BaseFloat(BaseOperationIr::Permute(o)) => {
+                let Some(staged) = state.staged.get(&o.input.id) else {
+                    return false;
+                };
+                (&o.input, &o.out, staged.permuted(&o.axes))
+            }
+            _ => return false,
+        };
+        let Some(view) = view else {
+            return false;
+        };
+        if input.status == TensorStatus::ReadWrite {
+            state.staged.remove(&input.id);
+        }
+        state.staged.insert(out.id, view);
+        true
     }
 
     pub(crate) fn target(&self) -> OpResult<&(Client, Device)> {
@@ -419,8 +531,18 @@ impl PjrtClient {
 
     /// Runs `f` on the device buffers by tensor id (compiled mode binds its
     /// inputs, captured weights and outputs through this).
+    /// Staged tensors are uploaded first (an upload that fails leaves its tensor unbound and
+    /// records the error, as a failed op does).
     pub(crate) fn with_buffers<R>(&self, f: impl FnOnce(&mut HashMap<TensorId, Buffer>) -> R) -> R {
-        f(&mut self.state().buffers)
+        let mut state = self.state();
+        if !state.staged.is_empty() {
+            if let Err(e) = self.upload_all_staged(&mut state) {
+                if state.error.is_none() {
+                    state.error = Some(e);
+                }
+            }
+        }
+        f(&mut state.buffers)
     }
 
     /// The next random state (`[seed, draw]`), as eager random ops draw it.
@@ -435,10 +557,36 @@ impl PjrtClient {
         let id = self.create_empty_handle();
         let shape = data.shape.clone();
         let dtype = data.dtype;
+        if self.state().staging > 0 {
+            // Only Flex32 is converted; anything else is staged in the loader's own bytes.
+            let layout = host_layout(&data).map(|(element, host)| match host {
+                Cow::Owned(converted) => (element, Some(converted)),
+                Cow::Borrowed(_) => (element, None),
+            });
+            match layout {
+                Ok((element, converted)) => {
+                    let staged = StagedTensor::new(converted.unwrap_or(data), element);
+                    self.state().staged.insert(id, staged);
+                }
+                Err(e) => {
+                    let mut state = self.state();
+                    if state.error.is_none() {
+                        state.error = Some(e);
+                    }
+                }
+            }
+            return TensorIr {
+                id,
+                shape,
+                status: TensorStatus::ReadWrite,
+                dtype,
+            };
+        }
         let result = self.upload(&data);
         let mut state = self.state();
         match result {
             Ok(buffer) => {
+                state.stats.uploaded_bytes += data.as_bytes().len() as u64;
                 state.buffers.insert(id, buffer);
             }
             Err(e) => {
@@ -477,6 +625,11 @@ impl PjrtClient {
             });
         }
         let mut state = self.state();
+        if let Err(e) = self.upload_staged_one(&mut state, tensor.id) {
+            if state.error.is_none() {
+                state.error = Some(e);
+            }
+        }
         if let Some(reason) = state.error.take() {
             return Err(ExecutionError::WithContext { reason });
         }
@@ -516,5 +669,18 @@ impl PjrtClient {
             })?;
         }
         Ok(())
+    }
+}
+
+/// While alive, tensors registered on the client's device are staged on the host
+/// ([`PjrtClient::stage_uploads`]).
+pub struct StagingGuard {
+    client: PjrtClient,
+}
+
+impl Drop for StagingGuard {
+    fn drop(&mut self) {
+        let mut state = self.client.state();
+        state.staging = state.staging.saturating_sub(1);
     }
 }

@@ -43,6 +43,7 @@ pub mod pjrt;
 pub mod platform;
 mod recording;
 pub mod spmd;
+pub(crate) mod staging;
 pub mod trace;
 
 pub use channel::{pjrt_client, OxiChannel, OxiClient};

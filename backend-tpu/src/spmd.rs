@@ -160,6 +160,29 @@ impl Layout {
         part
     }
 
+    /// The indices of dimension `dim` (of a tensor of shape `dims`) that partition `p`'s part
+    /// holds, in order: all of them unless `dim` is the split one.
+    pub(crate) fn source_indices(
+        &self,
+        mesh: &Mesh,
+        p: usize,
+        dims: &[usize],
+        dim: usize,
+    ) -> Vec<usize> {
+        match self.split(mesh, dims.len()) {
+            Some((d, blocks)) if d == dim => {
+                let block = self.block_of(mesh, p);
+                let packed = self.packed();
+                let segment = dims[d] / packed;
+                let chunk = segment / blocks;
+                (0..packed)
+                    .flat_map(|s| (0..chunk).map(move |k| s * segment + block * chunk + k))
+                    .collect()
+            }
+            _ => (0..dims[dim]).collect(),
+        }
+    }
+
     /// The shape of partition `p`'s part.
     pub fn part_dims(&self, mesh: &Mesh, dims: &[usize]) -> Vec<usize> {
         let mut dims = dims.to_vec();
@@ -278,7 +301,24 @@ impl SpmdPlacement {
             .collect::<Result<Vec<_>, _>>()?;
         let mut weights = HashMap::new();
         for &(id, layout) in split {
-            let Some(full) = client.with_buffers(|buffers| buffers.remove(&id)) else {
+            // A staged weight (loaded under `stage_uploads`): its shards are cut from the
+            // host bytes, and the whole tensor never reaches the first device.
+            if let Some(staged) = client.take_staged(id) {
+                layout.check(&mesh, &staged.dims())?;
+                let mut parts = Vec::with_capacity(mesh.partitions());
+                for (p, pjrt_device) in devices.iter().enumerate() {
+                    let (part, part_dims) = staged.part(&layout, &mesh, p);
+                    let dims: Vec<i64> = part_dims.iter().map(|&d| d as i64).collect();
+                    let part_shape = pjrt::Shape::new(staged.element(), dims);
+                    let buffer = pjrt_client
+                        .buffer_from_host(&part, &part_shape, pjrt_device)
+                        .map_err(|e| format!("placing a shard of weight {id}: {e}"))?;
+                    parts.push(Some(buffer));
+                }
+                weights.insert(id, (layout, parts));
+                continue;
+            }
+            let Some(full) = client.take_buffer(id) else {
                 // Already placed (the same tensor listed twice) or not on this device.
                 if weights.contains_key(&id) {
                     continue;

@@ -20,6 +20,7 @@ pub mod error;
 pub mod gguf;
 pub mod joint_attention;
 pub mod lora;
+pub mod memory;
 pub mod nn;
 pub mod normalization;
 pub mod parallel;

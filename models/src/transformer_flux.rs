@@ -25,6 +25,7 @@ use crate::embeddings::{
     CombinedTimestepTextProjEmbeddings, FluxPosEmbed, RotaryEmbedding,
 };
 use crate::error::{ModelError, Result};
+use crate::memory::QuantizedBytes;
 use crate::nn::{layer_norm, Activation, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle, RMSNorm,
@@ -420,6 +421,9 @@ pub struct FluxTransformer2DModel<B: Backend> {
     pub proj_out: Linear<B>,
     #[module(skip)]
     pub pos_embed: FluxPosEmbed,
+    /// Weights kept in GGUF blocks (from [`from_gguf_in`](Self::from_gguf_in)); empty otherwise.
+    #[module(skip)]
+    pub quantized: QuantizedBytes,
     pub in_channels: usize,
     pub out_channels: usize,
     pub joint_attention_dim: usize,
@@ -498,6 +502,7 @@ impl<B: Backend> FluxTransformer2DModel<B> {
                 cfg.patch_size.pow(2) * out_channels,
                 true,
             )?,
+            quantized: QuantizedBytes::default(),
             pos_embed: FluxPosEmbed {
                 theta: 10000.0,
                 axes_dim: cfg.axes_dims_rope.clone(),

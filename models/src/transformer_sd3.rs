@@ -26,6 +26,7 @@ use crate::error::{ModelError, Result};
 use crate::joint_attention::{
     ContextPreOnlyAttention, ImageSelfAttention, JointAttention, JointAttentionSpec,
 };
+use crate::memory::QuantizedBytes;
 use crate::nn::{layer_norm, Linear};
 use crate::normalization::{
     modulate, AdaLayerNormContinuous, AdaLayerNormZero, AdaLnZeroOutput, SD35AdaLayerNormZeroX,
@@ -416,6 +417,9 @@ pub struct SD3Transformer2DModel<B: Backend> {
     pub transformer_blocks: Vec<JointTransformerBlock<B>>,
     pub norm_out: AdaLayerNormContinuous<B>,
     pub proj_out: Linear<B>,
+    /// Weights kept in GGUF blocks (from `from_gguf_in`); empty otherwise.
+    #[module(skip)]
+    pub quantized: QuantizedBytes,
     pub patch_size: usize,
     pub in_channels: usize,
     pub out_channels: usize,
@@ -464,6 +468,7 @@ impl<B: Backend> SD3Transformer2DModel<B> {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
+            quantized: QuantizedBytes::default(),
             pos_embed: PatchEmbed::load_cropped(
                 &vb.pp("pos_embed"),
                 cfg.in_channels,

@@ -578,6 +578,24 @@ impl Weights {
         Ok(data)
     }
 
+    /// Bytes of the quantized tensors read so far, by GGML type: what a model built from these
+    /// weights keeps in blocks.
+    pub fn quantized_in_use(&self) -> crate::memory::QuantizedBytes {
+        let mut bytes = crate::memory::QuantizedBytes::default();
+        let Ok(used) = self.used.lock() else {
+            return bytes;
+        };
+        for key in used.iter() {
+            if let Some(entry) = self.entries.get(key) {
+                if let Some(kind) = entry.quant {
+                    let (start, end) = entry.info.data_offsets;
+                    *bytes.0.entry(kind.to_string()).or_default() += end - start;
+                }
+            }
+        }
+        bytes
+    }
+
     /// The quantized blocks of the 2-D weight `key`, shared with the file's map, or `None` when
     /// the tensor is stored as plain floats.
     pub fn quantized(&self, key: &str) -> Result<Option<QuantizedMatrix>> {

@@ -223,6 +223,22 @@ impl<B: Backend> AutoPipeline<B> {
         each!(self, pipe => pipe.default_size())
     }
 
+    /// What each component's weights hold and where (each pipeline's `memory`).
+    pub fn memory(
+        &self,
+        place: crate::memory::PlaceName<'_, B::Device>,
+    ) -> Vec<crate::memory::ComponentMemory> {
+        each!(self, pipe => pipe.memory(place))
+    }
+
+    /// The denoiser's device mesh and weight shards, after
+    /// [`enable_parallelism`](AutoPipeline::enable_parallelism).
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        each!(self, pipe => pipe.spmd_placement())
+    }
+
     /// Pixels per latent cell.
     pub fn vae_scale_factor(&self) -> usize {
         each!(self, pipe => pipe.vae_scale_factor)

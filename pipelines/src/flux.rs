@@ -39,6 +39,7 @@ use crate::denoise::{
 };
 use crate::error::{PipelineError, Result};
 use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
@@ -175,6 +176,25 @@ pub struct FluxPipeline<B: Backend> {
 }
 
 impl<B: Backend> FluxPipeline<B> {
+    /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        self.compiled.as_ref()?.spmd_placement()
+    }
+
+    /// What each component's weights hold and where (`place` names a device): `txt2img
+    /// --json`'s `memory`.
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        let quantized = Some(&self.transformer.quantized);
+        vec![
+            component_memory("text_encoder", &self.text_encoder, None, place),
+            component_memory("text_encoder_2", &self.text_encoder_2, None, place),
+            component_memory("transformer", &self.transformer, quantized, place),
+            component_memory("vae", &self.vae, None, place),
+        ]
+    }
+
     /// Loads a diffusers-format folder, or a Hub id from the local cache.
     pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;

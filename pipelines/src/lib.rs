@@ -59,6 +59,7 @@ pub mod inpaint;
 pub mod loading;
 pub mod lora;
 pub mod mask_crop;
+pub mod memory;
 pub mod metadata;
 pub mod model_hash;
 pub mod parallel;

@@ -86,7 +86,43 @@ where
             model.set_tensor_parallel_degree(1);
             PipelineError::Device(e)
         })?;
+    // What a staged load left on the host (the replicated weights, the other components)
+    // goes to the device now, once, and the host lets go of it.
+    if let Some(client) = pjrt_client(device) {
+        client.upload_staged().map_err(PipelineError::Device)?;
+    }
     Ok(Arc::new(placement))
+}
+
+/// Runs `load` (building models on `device`) with their weights staged on the host
+/// ([`PjrtClient::stage_uploads`](oxidiff_backend_tpu::eager::PjrtClient::stage_uploads)):
+/// each stays in the loader's bytes (the memory-mapped checkpoint's, when it stores the dtype)
+/// until needed. Load a pipeline this way before [`enable_parallelism`] with tensor
+/// parallelism, as transformers loads with a `tp_plan`: the split weights then go from the
+/// file to their devices as shards, and the first device never holds them whole;
+/// `enable_parallelism` uploads the rest. Anything used before that is uploaded when it is
+/// used. Off PJRT devices `load` runs as it is.
+///
+/// ```no_run
+/// # use oxidiff_backend_tpu::{Oxi, OxiDevice};
+/// # use oxidiff_pipelines::{AutoPipeline, LoadOptions};
+/// # use oxidiff_pipelines::parallel::{stage_weights, TensorParallelConfig};
+/// let device: OxiDevice = "xla:cpu:0".parse()?;
+/// let mut pipe = stage_weights(&device, || {
+///     AutoPipeline::<Oxi>::from_pretrained("model-dir", &LoadOptions::default(), &device)
+/// })?;
+/// pipe.compile()?;
+/// pipe.enable_parallelism(TensorParallelConfig::new(2))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn stage_weights<T>(device: &OxiDevice, load: impl FnOnce() -> T) -> T {
+    match pjrt_client(device) {
+        Some(client) => {
+            let _staging = client.stage_uploads();
+            load()
+        }
+        None => load(),
+    }
 }
 
 /// Compiled mode's first check: the denoiser (`component`: `UNet`, `transformer`) must be on a

@@ -36,6 +36,7 @@ use crate::denoise::{
 use crate::error::{PipelineError, Result};
 use crate::image::{postprocess, resize_and_crop};
 use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::pixart_bins::{
     classify_height_width_bin, ASPECT_RATIO_1024_BIN, ASPECT_RATIO_2048_BIN, ASPECT_RATIO_256_BIN,
     ASPECT_RATIO_512_BIN,
@@ -138,6 +139,26 @@ pub type PixArtAlphaPipeline<B> = PixArtPipeline<B>;
 pub type PixArtSigmaPipeline<B> = PixArtPipeline<B>;
 
 impl<B: Backend> PixArtPipeline<B> {
+    /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        match self.compiled.as_ref()? {
+            PixArtCompiled::Plain(f) => f.spmd_placement(),
+            PixArtCompiled::Conditioned(f) => f.spmd_placement(),
+        }
+    }
+
+    /// What each component's weights hold and where (`place` names a device): `txt2img
+    /// --json`'s `memory`.
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        vec![
+            component_memory("text_encoder", &self.text_encoder, None, place),
+            component_memory("transformer", &self.transformer, None, place),
+            component_memory("vae", &self.vae, None, place),
+        ]
+    }
+
     /// Loads a diffusers-format folder, or a Hub id from the local cache.
     pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;

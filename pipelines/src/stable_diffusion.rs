@@ -29,6 +29,7 @@ use crate::denoise::{
 use crate::error::{PipelineError, Result};
 use crate::inpaint::{check_unet_input, InpaintCondition};
 use crate::loading::LoadOptions;
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::truncation::warn_if_clip_cut;
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
@@ -135,6 +136,23 @@ pub struct StableDiffusionPipeline<B: Backend> {
 }
 
 impl<B: Backend> StableDiffusionPipeline<B> {
+    /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        self.compiled.as_ref()?.spmd_placement()
+    }
+
+    /// What each component's weights hold and where (`place` names a device): `txt2img
+    /// --json`'s `memory`.
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        vec![
+            component_memory("text_encoder", &self.text_encoder, None, place),
+            component_memory("unet", &self.unet, None, place),
+            component_memory("vae", &self.vae, None, place),
+        ]
+    }
+
     /// Loads a diffusers-format folder, or a Hub id from the local cache (downloading it when
     /// online and not cached).
     pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {

@@ -35,6 +35,7 @@ use crate::denoise::{
 };
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
@@ -127,6 +128,34 @@ fn listed(index: &serde_json::Value, name: &str) -> Option<bool> {
 }
 
 impl<B: Backend> StableDiffusion3Pipeline<B> {
+    /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        self.compiled.as_ref()?.spmd_placement()
+    }
+
+    /// What each component's weights hold and where (`place` names a device): `txt2img
+    /// --json`'s `memory`.
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        let mut all = vec![
+            component_memory("text_encoder", &self.text_encoder, None, place),
+            component_memory("text_encoder_2", &self.text_encoder_2, None, place),
+        ];
+        if let Some(encoder) = &self.text_encoder_3 {
+            all.push(component_memory("text_encoder_3", encoder, None, place));
+        }
+        let quantized = Some(&self.transformer.quantized);
+        all.push(component_memory(
+            "transformer",
+            &self.transformer,
+            quantized,
+            place,
+        ));
+        all.push(component_memory("vae", &self.vae, None, place));
+        all
+    }
+
     /// Loads a diffusers-format folder, or a Hub id from the local cache.
     pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;

@@ -21,6 +21,7 @@ use crate::control::{check_downscale, ControlRequest, ControlStep, Controls};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::stable_diffusion::StableDiffusionPipeline;
 
 /// SD 1.x/2.x with ControlNets (diffusers' `StableDiffusionControlNetPipeline`). It is a
@@ -76,6 +77,27 @@ fn eager_only() -> PipelineError {
 }
 
 impl<B: Backend> StableDiffusionControlNetPipeline<B> {
+    /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        None
+    }
+
+    /// What each component's weights hold and where (`place` names a device): `txt2img
+    /// --json`'s `memory`.
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        let mut all = self.pipe.memory(place);
+        for (i, net) in self.controlnets.iter().enumerate() {
+            let name = match self.controlnets.len() {
+                1 => "controlnet".to_string(),
+                _ => format!("controlnet_{i}"),
+            };
+            all.push(component_memory(&name, net, None, place));
+        }
+        all
+    }
+
     /// The pipeline `pipe` with `controlnets` (at least one), each checked against its UNet:
     /// a ControlNet made for another base model is an error naming what differs.
     pub fn new(

@@ -36,6 +36,7 @@ use crate::denoise::{
 use crate::error::{PipelineError, Result};
 use crate::inpaint::{check_unet_input, InpaintCondition};
 use crate::loading::LoadOptions;
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::truncation::warn_if_clip_cut;
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
@@ -171,6 +172,31 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
 }
 
 impl<B: Backend> StableDiffusionXLPipeline<B> {
+    /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        self.compiled.as_ref()?.spmd_placement()
+    }
+
+    /// What each component's weights hold and where (`place` names a device): `txt2img
+    /// --json`'s `memory`.
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        let mut all = Vec::new();
+        if let Some(encoder) = &self.text_encoder {
+            all.push(component_memory("text_encoder", encoder, None, place));
+        }
+        all.push(component_memory(
+            "text_encoder_2",
+            &self.text_encoder_2,
+            None,
+            place,
+        ));
+        all.push(component_memory("unet", &self.unet, None, place));
+        all.push(component_memory("vae", &self.vae, None, place));
+        all
+    }
+
     /// Loads a diffusers-format folder, or a Hub id from the local cache.
     pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;

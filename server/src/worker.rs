@@ -212,17 +212,19 @@ impl<B: PipelineBackend> Worker<B> {
         };
         let path = Path::new(&config.model);
         let hash_options = options.clone();
-        let mut pipe = if is_single_file(path) {
-            let single = SingleFileOptions {
-                load: options,
-                config: None,
-                tokenizer: None,
-                prediction_type: None,
-            };
-            AutoPipeline::<B>::from_single_file(path, &single, device)
-        } else {
-            AutoPipeline::<B>::from_pretrained(&config.model, &options, device)
-        }
+        let mut pipe = B::load(device, config.execution, || {
+            if is_single_file(path) {
+                let single = SingleFileOptions {
+                    load: options,
+                    config: None,
+                    tokenizer: None,
+                    prediction_type: None,
+                };
+                AutoPipeline::<B>::from_single_file(path, &single, device)
+            } else {
+                AutoPipeline::<B>::from_pretrained(&config.model, &options, device)
+            }
+        })
         .map_err(loading)?;
         // The PNGs' `Model hash` (as txt2img's): the single file, or the resolved folder's
         // denoiser (resolved again after the load: a

@@ -31,7 +31,11 @@ impl<B: Backend> FluxTransformer2DModel<B> {
         if super::flux::has_original_flux_names(&weights) {
             weights = weights.view(super::flux::flux_names(&config))?;
         }
-        build_component(weights, dtype, device, |vb| Self::load(&config, vb))
+        build_component(weights, dtype, device, |vb| {
+            let mut model = Self::load(&config, vb.clone())?;
+            model.quantized = vb.weights().quantized_in_use();
+            Ok(model)
+        })
     }
 }
 
@@ -56,6 +60,10 @@ impl<B: Backend> SD3Transformer2DModel<B> {
                     .into(),
             });
         }
-        build_component(weights, dtype, device, |vb| Self::load(&config, vb))
+        build_component(weights, dtype, device, |vb| {
+            let mut model = Self::load(&config, vb.clone())?;
+            model.quantized = vb.weights().quantized_in_use();
+            Ok(model)
+        })
     }
 }

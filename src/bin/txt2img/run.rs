@@ -319,10 +319,11 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
     } = job;
     let png_model = model_name(&model);
     progress.phase(format!("loading {class}"));
-    let mut pipe = match &single_file {
+    let execution = Execution::from_flags(args.compile, args.dp, args.tp);
+    let mut pipe = B::load(device, execution, || match &single_file {
         Some(sf) => AutoPipeline::<B>::from_single_file(&dir, sf, device),
         None => AutoPipeline::<B>::from_dir(&dir, &options, device),
-    }
+    })
     .with_context(|| format!("loading {}", args.model))?;
     let png_hash = if kind == OutputKind::Png {
         progress.phase("hashing the model for the PNGs' Model hash".to_string());
@@ -360,10 +361,7 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
             .context("loading --controlnet")?;
         pipe = pipe.with_controlnets(nets)?;
     }
-    B::prepare(
-        &mut pipe,
-        Execution::from_flags(args.compile, args.dp, args.tp),
-    )?;
+    B::prepare(&mut pipe, execution)?;
     let factor = pipe.vae_scale_factor();
     args.vae.apply(pipe.vae_mut(), factor)?;
     let loaded = started.elapsed();
@@ -551,6 +549,19 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
                     .into();
                 all
             }),
+            // Each component's weights: bytes in all, by the type held (dtype or GGML quant
+            // type) and by place (the host or each device).
+            "memory": B::memory(&pipe)
+                .into_iter()
+                .map(|c| {
+                    let entry = serde_json::json!({
+                        "bytes": c.memory.total(),
+                        "held_as": c.memory.by_type,
+                        "places": c.memory.by_place,
+                    });
+                    (c.component, entry)
+                })
+                .collect::<serde_json::Map<_, _>>(),
             "eager_ops": B::eager_stats(device).map(|s| serde_json::json!({
                 "executed": s.executed,
                 "xla_compiles": s.compiled,
