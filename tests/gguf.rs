@@ -167,8 +167,9 @@ fn a_lora_on_quantized_weights_is_refused_and_nothing_changes() {
         .is_initialized());
 }
 
-/// On XLA's CPU plugin, compiled: the quantized weights go to the device dequantized (the
-/// program computes in dense f32), and the image is still diffusers' within 2 levels.
+/// On XLA's CPU plugin, compiled: the quantized weights go to the device as integers with
+/// their scales (never as dense weights), the program dequantizes them, and the image is still
+/// diffusers' within 2 levels.
 #[test]
 fn schnell_with_a_quantized_transformer_compiled_on_xla_cpu_matches_diffusers() {
     use oxidiff::{Oxi, OxiDevice, ToDevice};
@@ -220,6 +221,27 @@ fn schnell_with_a_quantized_transformer_compiled_on_xla_cpu_matches_diffusers() 
     assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
     let image = out.images.unwrap().to_rgb8(0).unwrap();
     common::assert_png_close(&image, "gguf-flux-Q4_K.png", 2);
+    // What the device holds: i8 values and f32 scales and offsets for every quantized weight,
+    // no dense form of any.
+    let to_q = &pipe.transformer.transformer_blocks[0].attn.to_q;
+    assert!(
+        !to_q.weight.is_initialized(),
+        "the dense weight was never made"
+    );
+    let blocks = to_q.blocks.as_ref().expect("integer blocks");
+    assert!(blocks.values.is_initialized() && blocks.offsets.is_some());
+    assert_eq!(blocks.values.val().dtype(), burn::tensor::DType::I8);
+    let memory = pipe
+        .memory(&|d: &OxiDevice| d.to_string())
+        .into_iter()
+        .find(|c| c.component == "transformer")
+        .unwrap()
+        .memory;
+    eprintln!("Q4_K transformer on {device}: {memory:?}");
+    let quantized = memory.by_type["Q4_K"];
+    let values = memory.by_type["i8"];
+    assert_eq!(values * 144, quantized * 256, "one i8 per quantized value");
+    assert_eq!(memory.by_place["xla:cpu:0"], memory.total() - quantized);
 }
 
 #[test]
@@ -258,7 +280,8 @@ fn memory_reports_quantized_blocks_by_type() {
     struct Lazy(usize);
     impl ModuleVisitor<B> for Lazy {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if !param.is_initialized() {
+            // The lazy dense weights (2-D), not the lazy device blocks' scales (3-D).
+            if !param.is_initialized() && D == 2 {
                 self.0 += param.lazy_shape().num_elements();
             }
         }
@@ -284,6 +307,14 @@ fn memory_reports_quantized_blocks_by_type() {
         pipe.transformer = load(&format!("flux-{kind}.gguf"));
         let mut lazy = Lazy(0);
         pipe.transformer.visit(&mut lazy);
+        assert!(
+            pipe.transformer.transformer_blocks[0]
+                .attn
+                .to_q
+                .blocks
+                .is_none(),
+            "burn-flex reads the blocks"
+        );
         let memory = transformer(&pipe);
         eprintln!("{kind}: {memory:?}, {} quantized values", lazy.0);
         assert!(lazy.0 > 0);

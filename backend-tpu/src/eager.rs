@@ -200,13 +200,10 @@ impl PjrtClient {
             return Ok(());
         };
         let (client, device) = self.target()?;
-        let dims: Vec<i64> = staged.dims().iter().map(|&d| d as i64).collect();
-        let shape = pjrt::Shape::new(staged.element(), dims);
-        let bytes = staged.dense();
-        let buffer = client
-            .buffer_from_host(&bytes, &shape, device)
+        let (buffer, bytes) = staged
+            .upload(client, device, None)
             .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))?;
-        state.stats.uploaded_bytes += bytes.len() as u64;
+        state.stats.uploaded_bytes += bytes as u64;
         state.buffers.insert(id, buffer);
         Ok(())
     }

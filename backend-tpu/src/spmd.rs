@@ -307,11 +307,8 @@ impl SpmdPlacement {
                 layout.check(&mesh, &staged.dims())?;
                 let mut parts = Vec::with_capacity(mesh.partitions());
                 for (p, pjrt_device) in devices.iter().enumerate() {
-                    let (part, part_dims) = staged.part(&layout, &mesh, p);
-                    let dims: Vec<i64> = part_dims.iter().map(|&d| d as i64).collect();
-                    let part_shape = pjrt::Shape::new(staged.element(), dims);
-                    let buffer = pjrt_client
-                        .buffer_from_host(&part, &part_shape, pjrt_device)
+                    let (buffer, _) = staged
+                        .upload(pjrt_client, pjrt_device, Some((&layout, &mesh, p)))
                         .map_err(|e| format!("placing a shard of weight {id}: {e}"))?;
                     parts.push(Some(buffer));
                 }

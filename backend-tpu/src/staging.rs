@@ -6,16 +6,18 @@
 //!
 //! This is what lets tensor parallelism place a weight without the first device ever holding
 //! it whole: [`SpmdPlacement`](crate::spmd::SpmdPlacement) cuts each device's shard straight out
-//! of the staged bytes ([`StagedTensor::part`]), so each device receives only its shard and the
-//! host holds one shard at a time beside the mapped file. A staged tensor anything else uses is
-//! uploaded then ([`StagedTensor::dense`]), once.
+//! of the staged bytes ([`StagedTensor::upload`]: a strided view the plugin reads as it copies,
+//! or one gathered shard where a part is not a view), so each device receives only its shard
+//! and the host holds at most one shard beside the mapped file. A staged tensor anything else
+//! uses is uploaded then, once.
 
+#[cfg(test)]
 use std::borrow::Cow;
 use std::sync::Arc;
 
 use burn_backend::TensorData;
 
-use crate::pjrt::ElementType;
+use crate::pjrt::{self, Buffer, Client, Device, ElementType};
 use crate::spmd::{Layout, Mesh};
 
 /// A tensor on the host waiting for its device: the stored dense data and a permutation of
@@ -36,10 +38,6 @@ impl StagedTensor {
             element,
             axes,
         }
-    }
-
-    pub(crate) fn element(&self) -> ElementType {
-        self.element
     }
 
     /// The logical dimensions (the stored ones, permuted).
@@ -73,8 +71,9 @@ impl StagedTensor {
     }
 
     /// The logical tensor as dense row-major bytes: the stored bytes themselves when no
-    /// dimension moved, else one gathered copy.
-    pub(crate) fn dense(&self) -> Cow<'_, [u8]> {
+    /// dimension moved, else one gathered copy (what [`upload`](Self::upload) sends).
+    #[cfg(test)]
+    fn dense(&self) -> Cow<'_, [u8]> {
         let bytes = self.data.as_bytes();
         if self.axes.iter().enumerate().all(|(i, &a)| i == a) {
             return Cow::Borrowed(bytes);
@@ -90,7 +89,8 @@ impl StagedTensor {
 
     /// Partition `p`'s part of the logical tensor under `layout` on `mesh`, as dense row-major
     /// bytes, and its dimensions (the same blocks as [`Layout::part_of`] cuts from dense bytes).
-    pub(crate) fn part(&self, layout: &Layout, mesh: &Mesh, p: usize) -> (Vec<u8>, Vec<usize>) {
+    #[cfg(test)]
+    fn part(&self, layout: &Layout, mesh: &Mesh, p: usize) -> (Vec<u8>, Vec<usize>) {
         let dims = self.dims();
         let part_dims = layout.part_dims(mesh, &dims);
         let tables = dims
@@ -104,7 +104,84 @@ impl StagedTensor {
         )
     }
 
+    /// Copies the logical tensor, or partition `p`'s part of it under `layout` on `mesh`, to
+    /// `device`: as a strided view of the stored bytes, so the plugin transposes and slices
+    /// while it copies, or, where the part is not one view (packed splits), from a gathered
+    /// copy. Returns the buffer and the bytes copied.
+    pub(crate) fn upload(
+        &self,
+        client: &Client,
+        device: &Device,
+        part: Option<(&Layout, &Mesh, usize)>,
+    ) -> pjrt::Result<(Buffer, usize)> {
+        let dims = self.dims();
+        let elem = self.element.byte_size();
+        let indices: Vec<Vec<usize>> = match part {
+            Some((layout, mesh, p)) => (0..dims.len())
+                .map(|i| layout.source_indices(mesh, p, &dims, i))
+                .collect(),
+            None => dims.iter().map(|&n| (0..n).collect()).collect(),
+        };
+        let part_dims: Vec<i64> = indices.iter().map(|ix| ix.len() as i64).collect();
+        let shape = pjrt::Shape::new(self.element, part_dims);
+        let bytes = indices.iter().map(Vec::len).product::<usize>() * elem;
+        // One view when every dimension's indices are a contiguous run.
+        let contiguous = indices
+            .iter()
+            .all(|ix| ix.windows(2).all(|w| w[1] == w[0] + 1));
+        if contiguous {
+            let mut offset = 0;
+            let mut strides = Vec::with_capacity(dims.len());
+            for (i, ix) in indices.iter().enumerate() {
+                let stride = self.stride(i);
+                offset += ix.first().copied().unwrap_or(0) * stride;
+                strides.push(stride as i64);
+            }
+            let buffer = client.buffer_from_strided_host(
+                self.data.as_bytes(),
+                offset,
+                &shape,
+                &strides,
+                device,
+            )?;
+            return Ok((buffer, bytes));
+        }
+        // Otherwise the part's elements are gathered in the stored order (whole runs of the
+        // stored rows, copied as they lie), and the plugin reads that compact copy through the
+        // view's permutation.
+        let rank = dims.len();
+        let mut logical_of = vec![0; rank];
+        for (i, &a) in self.axes.iter().enumerate() {
+            logical_of[a] = i;
+        }
+        let stored_stride = |j: usize| self.data.shape[j + 1..].iter().product::<usize>() * elem;
+        let tables: Vec<Vec<usize>> = (0..rank)
+            .map(|j| {
+                indices[logical_of[j]]
+                    .iter()
+                    .map(|&x| x * stored_stride(j))
+                    .collect()
+            })
+            .collect();
+        let gathered = gather(self.data.as_bytes(), elem, &tables);
+        let compact: Vec<usize> = (0..rank).map(|j| indices[logical_of[j]].len()).collect();
+        let strides: Vec<i64> = self
+            .axes
+            .iter()
+            .map(|&j| (compact[j + 1..].iter().product::<usize>() * elem) as i64)
+            .collect();
+        let buffer = client.buffer_from_strided_host(&gathered, 0, &shape, &strides, device)?;
+        Ok((buffer, bytes))
+    }
+
+    /// The byte stride of logical dimension `dim` in the stored data.
+    fn stride(&self, dim: usize) -> usize {
+        let stored = self.axes[dim];
+        self.data.shape[stored + 1..].iter().product::<usize>() * self.element.byte_size()
+    }
+
     /// Byte offsets in the stored data of logical dimension `dim`'s `indices`.
+    #[cfg(test)]
     fn offsets(&self, dim: usize, indices: Vec<usize>) -> Vec<usize> {
         let stored = self.axes[dim];
         let stride: usize =

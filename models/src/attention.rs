@@ -322,6 +322,9 @@ impl<B: Backend> BasicTransformerBlock<B> {
 
 /// The projection in and out of a [`Transformer2DModel`]: a 1x1 convolution, or a linear layer
 /// when the config says `use_linear_projection` (SD 2.x).
+// A Linear is larger than a Conv2d (its optional quantized forms); a model holds a few dozen
+// projections, and Burn's Module derive cannot see through a Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum Projection<B: Backend> {
     Conv(Conv2d<B>),

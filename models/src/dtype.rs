@@ -12,7 +12,7 @@
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
 /// Casts every float parameter of a module to one dtype.
 struct CastParams(FloatDType);
@@ -26,6 +26,22 @@ impl<B: Backend> ModuleMapper<B> for CastParams {
         }
         let (id, tensor, mapper) = param.consume();
         Param::from_mapped_value(id, cast_to(tensor, self.0), mapper)
+    }
+
+    /// Integers stay as they are, and lazy ones (a quantized weight's device blocks) lazy:
+    /// Burn's default would make them.
+    fn map_int<const D: usize>(
+        &mut self,
+        param: Param<Tensor<B, D, Int>>,
+    ) -> Param<Tensor<B, D, Int>> {
+        param
+    }
+
+    fn map_bool<const D: usize>(
+        &mut self,
+        param: Param<Tensor<B, D, Bool>>,
+    ) -> Param<Tensor<B, D, Bool>> {
+        param
     }
 }
 

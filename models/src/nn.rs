@@ -8,8 +8,9 @@ use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{conv2d, embedding, linear};
 use burn::tensor::ops::ConvOptions;
-use burn::tensor::{FloatDType, Int, Shape, Tensor};
+use burn::tensor::{DType, FloatDType, Int, Shape, Tensor, TensorData};
 
+use crate::cpu::common::is_flex;
 use crate::cpu::conv::{self as cpu_conv, ConvGeometry};
 use crate::cpu::elementwise as cpu_elementwise;
 use crate::cpu::linear as cpu_linear;
@@ -24,15 +25,72 @@ use crate::weight_data;
 /// strides).
 ///
 /// A weight stored quantized (a GGUF file) is kept in its blocks in `quantized` and multiplied
-/// block by block on the CPU backend; `weight` is then a lazy parameter that dequantizes it
-/// only when something asks for the dense tensor (another backend, a cast through Burn's own
-/// mappers, tensor parallelism). Once it has, the dense weight is the one used.
+/// block by block on the CPU backend. On other backends (PJRT devices) it is held as integers
+/// with their scales (`blocks`, made at load) and dequantized inside each call,
+/// which compiled mode traces into the program, where XLA fuses it into the product. `weight`
+/// is then a lazy parameter that dequantizes it only when something asks for the dense tensor
+/// (a cast through Burn's own mappers, tensor parallelism); once it has, the dense weight is
+/// the one used.
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     #[module(skip)]
     pub quantized: Option<QuantizedMatrix>,
+    pub blocks: Option<DeviceBlocks<B>>,
+}
+
+/// A quantized `[out, in]` weight as a device holds it ([`IntegerBlocks`]): `values` one
+/// integer each, `scales` (and `offsets`, for the types with minima) one per group of values
+/// along a row, shaped `[out, in / group, 1]`. Built at load on every backend but burn-flex
+/// (whose kernels read the blocks themselves).
+#[derive(Module, Debug)]
+pub struct DeviceBlocks<B: Backend> {
+    pub values: Param<Tensor<B, 2, Int>>,
+    pub scales: Param<Tensor<B, 3>>,
+    pub offsets: Option<Param<Tensor<B, 3>>>,
+}
+
+impl<B: Backend> DeviceBlocks<B> {
+    /// `matrix` as integers and scales on `device` (`None` for a plain float matrix).
+    fn new(matrix: &QuantizedMatrix, device: &B::Device) -> Option<Self> {
+        matrix.kind().group()?;
+        let (rows, cols) = (matrix.rows(), matrix.cols());
+        let blocks = matrix.integer_blocks();
+        let groups = cols / blocks.group;
+        let per_group = |values: Vec<f32>| {
+            let data = TensorData::new(values, [rows, groups, 1]);
+            Param::from_tensor(Tensor::<B, 3>::from_data(data, (device, DType::F32)))
+        };
+        let data = TensorData::new(blocks.values, [rows, cols]);
+        Some(Self {
+            values: Param::initialized(
+                ParamId::new(),
+                Tensor::<B, 2, Int>::from_data(data, (device, DType::I8)),
+            ),
+            scales: per_group(blocks.scales),
+            offsets: blocks.offsets.map(per_group),
+        })
+    }
+
+    /// The `[out, in]` weight, `scale * value - offset` per group, in the scales' dtype: f32
+    /// (equal to the blocks' own dequantization) unless the model was cast
+    /// ([`ToDType`](crate::ToDType) casts the scales with every float parameter).
+    fn dequantize(&self) -> Tensor<B, 2> {
+        let [rows, cols] = self.values.lazy_shape().dims();
+        let groups = self.scales.lazy_shape().dims::<3>()[1];
+        let scales = self.scales.val();
+        let values = self.values.val().float();
+        let values = match scales.dtype() {
+            DType::F32 => values,
+            dtype => values.cast(dtype),
+        };
+        let mut w = values.reshape([rows, groups, cols / groups]) * scales;
+        if let Some(offsets) = &self.offsets {
+            w = w - offsets.val();
+        }
+        w.reshape([rows, cols])
+    }
 }
 
 impl<B: Backend> Linear<B> {
@@ -42,6 +100,10 @@ impl<B: Backend> Linear<B> {
             Some(matrix) => lazy_dense(matrix.clone(), vb.dtype(), vb.device()),
             None => Param::from_tensor(vb.get_linear_weight("weight", d_in, d_out)?),
         };
+        let blocks = quantized
+            .as_ref()
+            .filter(|_| !is_flex::<B>())
+            .and_then(|matrix| DeviceBlocks::new(matrix, vb.device()));
         let bias = if bias {
             Some(Param::from_tensor(vb.get("bias", [d_out])?))
         } else {
@@ -51,6 +113,7 @@ impl<B: Backend> Linear<B> {
             weight,
             bias,
             quantized,
+            blocks,
         })
     }
 
@@ -76,20 +139,37 @@ impl<B: Backend> Linear<B> {
                 Ok(out) => return out,
                 Err((back, b)) => (x, bias) = (back, b),
             }
+            if let Some(blocks) = &self.blocks {
+                let weight = blocks.dequantize();
+                let weight = match x.dtype() {
+                    dtype if dtype == weight.dtype() => weight,
+                    dtype => weight.cast(dtype),
+                };
+                return linear_rows(x, weight.transpose(), bias);
+            }
         }
         match cpu_linear::linear(x, self.weight.val(), bias) {
             Ok(out) => out,
-            Err((x, weight, bias)) if D > 2 => {
-                let mut dims = x.dims();
-                let d_in = dims[D - 1];
-                let rows = x.shape().num_elements() / d_in.max(1);
-                let out = linear(x.reshape([rows, d_in]), weight, bias);
-                dims[D - 1] = out.dims()[1];
-                out.reshape(dims)
-            }
-            Err((x, weight, bias)) => linear(x, weight, bias),
+            Err((x, weight, bias)) => linear_rows(x, weight, bias),
         }
     }
+}
+
+/// Burn's `linear` on `x` flattened to rows (`weight` `[in, out]`).
+fn linear_rows<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    if D <= 2 {
+        return linear(x, weight, bias);
+    }
+    let mut dims = x.dims();
+    let d_in = dims[D - 1];
+    let rows = x.shape().num_elements() / d_in.max(1);
+    let out = linear(x.reshape([rows, d_in]), weight, bias);
+    dims[D - 1] = out.dims()[1];
+    out.reshape(dims)
 }
 
 /// The `[in, out]` dense weight of `matrix` in `dtype`, computed when first asked for.

@@ -211,6 +211,65 @@ impl Client {
         Ok(buffer)
     }
 
+    /// Copies a strided view of host bytes to `device` as a dense array of `shape`: element
+    /// `[i0, i1, ...]` is read at `offset + Σ i_k * byte_strides[k]` (non-negative strides),
+    /// so the plugin transposes or slices while it copies and the host makes no copy. Returns
+    /// once the plugin no longer reads `bytes`.
+    pub fn buffer_from_strided_host(
+        &self,
+        bytes: &[u8],
+        offset: usize,
+        shape: &Shape,
+        byte_strides: &[i64],
+        device: &Device,
+    ) -> Result<Buffer> {
+        device.check_client(&self.inner)?;
+        let elem = shape.element_type.byte_size();
+        if byte_strides.len() != shape.dims.len() || byte_strides.iter().any(|&s| s < 0) {
+            return Err(Error::InvalidArgument(format!(
+                "byte strides {byte_strides:?} do not fit dims {:?}",
+                shape.dims
+            )));
+        }
+        // The last byte the view reads must lie inside `bytes`.
+        let mut last = offset as u128 + elem as u128;
+        for (&d, &s) in shape.dims.iter().zip(byte_strides) {
+            if d <= 0 {
+                last = 0;
+                break;
+            }
+            last += (d as u128 - 1) * s as u128;
+        }
+        if last > bytes.len() as u128 {
+            return Err(Error::InvalidArgument(format!(
+                "a view of dims {:?} with byte strides {byte_strides:?} from byte {offset} reads                  past the {} bytes given",
+                shape.dims,
+                bytes.len()
+            )));
+        }
+        let api = self.inner.plugin.api();
+        let mut args = Padded::<ffi::PJRT_Client_BufferFromHostBuffer_Args>::new();
+        args.client = self.inner.raw;
+        // SAFETY: checked above: every element the view reads lies within `bytes`.
+        args.data = unsafe { bytes.as_ptr().add(offset.min(bytes.len())) }.cast();
+        args.type_ = shape.element_type.to_raw();
+        args.dims = shape.dims.as_ptr();
+        args.num_dims = shape.dims.len();
+        args.byte_strides = byte_strides.as_ptr();
+        args.num_byte_strides = byte_strides.len();
+        args.host_buffer_semantics = ffi::PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
+        args.device = device.raw();
+        // SAFETY: as in `buffer_from_host`; `byte_strides` lives through the call, and the
+        // plugin reads the view only within `bytes` (checked), until the event fires.
+        unsafe { pjrt_call!(api, PJRT_Client_BufferFromHostBuffer, &mut args) }?;
+        let buffer = Buffer::from_raw(self.inner.clone(), args.buffer);
+        api.await_event(
+            "PJRT_Client_BufferFromHostBuffer",
+            args.done_with_host_buffer,
+        )?;
+        Ok(buffer)
+    }
+
     /// Copies a typed host slice of dimensions `dims` to `device`.
     pub fn buffer_from_slice<T: NativeType>(
         &self,

@@ -2,6 +2,7 @@
 
 use rayon::prelude::*;
 
+use super::blocks::IntegerBlocks;
 use super::quant::GgmlType;
 
 /// A `[rows, cols]` matrix stored row by row in GGML blocks, usually the memory-mapped bytes of
@@ -64,6 +65,35 @@ impl QuantizedMatrix {
         let rb = self.row_bytes();
         self.kind
             .dequantize(&self.bytes[start * rb..(start + count) * rb], out);
+    }
+
+    /// The matrix as integers with per-group scales and offsets ([`IntegerBlocks`]), row-major,
+    /// rows converted in parallel.
+    pub fn integer_blocks(&self) -> IntegerBlocks {
+        let rb = self.row_bytes().max(1);
+        let parts: Vec<IntegerBlocks> = self
+            .bytes
+            .par_chunks(rb * 16)
+            .filter_map(|rows| self.kind.integer_blocks(rows))
+            .collect();
+        let group = self.kind.group().unwrap_or(1);
+        let mut all = IntegerBlocks {
+            group,
+            values: Vec::with_capacity(self.rows * self.cols),
+            scales: Vec::with_capacity(self.rows * self.cols / group),
+            offsets: parts
+                .first()
+                .and_then(|p| p.offsets.as_ref())
+                .map(|_| Vec::new()),
+        };
+        for part in parts {
+            all.values.extend_from_slice(&part.values);
+            all.scales.extend_from_slice(&part.scales);
+            if let (Some(all), Some(part)) = (&mut all.offsets, &part.offsets) {
+                all.extend_from_slice(part);
+            }
+        }
+        all
     }
 
     /// The whole matrix in f32, row-major, rows dequantized in parallel.
