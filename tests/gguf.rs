@@ -2,8 +2,10 @@
 //! (`from_single_file(..., quantization_config=GGUFQuantizationConfig(compute_dtype=float32))`):
 //! one call and a whole schnell generation for Q8_0, Q4_0 and Q4_K files, with the weights kept
 //! in their blocks and multiplied block by block; the same file under the original (BFL) key
-//! names; an SD3 transformer's call for the same three types; and a file that does not fit the
-//! config. Fixtures of `tools/golden/make_gguf.py`.
+//! names; an SD3 transformer's call and a whole tiny-sd3 generation for the same three types;
+//! both generations again on XLA's CPU plugin, compiled, with the weights on the device as
+//! integers and scales; what `memory()` reports; and a file that does not fit the config.
+//! Fixtures of `tools/golden/make_gguf.py`.
 //!
 //! Tolerances, relative to the largest value: 1e-4 against diffusers' model holding gguf-py's
 //! f32 dequantization of the file (f32 on both sides, equal weights, different summation
@@ -93,8 +95,6 @@ fn bfl_key_names_load_the_same_model() {
 #[test]
 fn schnell_with_a_quantized_transformer_matches_diffusers_images() {
     let golden = Golden::load("gguf");
-    let s = &golden.json["schnell"];
-    let int = |k: &str| s[k].as_u64().unwrap() as usize;
     let device = Default::default();
     let mut pipe = FluxPipeline::<B>::from_dir(
         &model_dir("tiny-flux-schnell"),
@@ -102,19 +102,7 @@ fn schnell_with_a_quantized_transformer_matches_diffusers_images() {
         &device,
     )
     .unwrap();
-    let req = FluxRequest {
-        common: GenerateRequest {
-            prompts: vec![s["prompt"].as_str().unwrap().into()],
-            num_inference_steps: int("num_inference_steps"),
-            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
-            width: Some(int("width")),
-            height: Some(int("height")),
-            latents: Some(golden.tensor("schnell.initial_latents")),
-            ..Default::default()
-        },
-        max_sequence_length: int("max_sequence_length"),
-        ..Default::default()
-    };
+    let req = schnell_request(&golden, &device);
     for kind in TYPES {
         pipe.transformer = load(&format!("flux-{kind}.gguf"));
         let out = pipe
@@ -167,9 +155,35 @@ fn a_lora_on_quantized_weights_is_refused_and_nothing_changes() {
         .is_initialized());
 }
 
+/// schnell's run of `tools/golden/make_tiny_flux.py`'s settings from `gguf.json`, on `device`.
+fn schnell_request<Bk: burn::tensor::backend::Backend>(
+    golden: &Golden,
+    device: &Bk::Device,
+) -> FluxRequest<Bk> {
+    let s = &golden.json["schnell"];
+    let int = |k: &str| s[k].as_u64().unwrap() as usize;
+    FluxRequest {
+        common: GenerateRequest {
+            prompts: vec![s["prompt"].as_str().unwrap().into()],
+            num_inference_steps: int("num_inference_steps"),
+            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+            width: Some(int("width")),
+            height: Some(int("height")),
+            latents: Some(Tensor::from_data(
+                golden.tensor::<4>("schnell.initial_latents").into_data(),
+                device,
+            )),
+            ..Default::default()
+        },
+        max_sequence_length: int("max_sequence_length"),
+        ..Default::default()
+    }
+}
+
 /// On XLA's CPU plugin, compiled: the quantized weights go to the device as integers with
 /// their scales (never as dense weights), the program dequantizes them, and the image is still
-/// diffusers' within 2 levels.
+/// diffusers' within 2 levels, for every type; a transformer loaded on the host and moved
+/// keeps its dense weights unmade too.
 #[test]
 fn schnell_with_a_quantized_transformer_compiled_on_xla_cpu_matches_diffusers() {
     use oxidiff::{Oxi, OxiDevice, ToDevice};
@@ -180,47 +194,44 @@ fn schnell_with_a_quantized_transformer_compiled_on_xla_cpu_matches_diffusers() 
         .parse()
         .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));
     let golden = Golden::load("gguf");
-    let s = &golden.json["schnell"];
-    let int = |k: &str| s[k].as_u64().unwrap() as usize;
-    let host = OxiDevice::Cpu;
-    let mut pipe = FluxPipeline::<Oxi>::from_dir(
-        &model_dir("tiny-flux-schnell"),
-        &LoadOptions::default(),
-        &host,
-    )
-    .unwrap();
     let dir = gguf_dir();
-    pipe.transformer = FluxTransformer2DModel::<Oxi>::from_gguf_in(
-        &dir.join("flux-Q4_K.gguf"),
-        &dir.join("transformer"),
-        FloatDType::F32,
-        &host,
-    )
-    .unwrap();
+    let transformer = |kind: &str, on: &OxiDevice| {
+        FluxTransformer2DModel::<Oxi>::from_gguf_in(
+            &dir.join(format!("flux-{kind}.gguf")),
+            &dir.join("transformer"),
+            FloatDType::F32,
+            on,
+        )
+        .unwrap()
+    };
+    let host = OxiDevice::Cpu;
+    let schnell = model_dir("tiny-flux-schnell");
+    let generate = |pipe: &mut FluxPipeline<Oxi>, kind: &str| {
+        let out = pipe
+            .generate_with(
+                &schnell_request(&golden, &device),
+                &mut TorchCpuGenerator::new(0),
+                |_| {},
+            )
+            .unwrap();
+        let image = out.images.unwrap().to_rgb8(0).unwrap();
+        common::assert_png_close(&image, &format!("gguf-flux-{kind}.png"), 2);
+    };
+    // Loaded on the device.
+    let mut pipe =
+        FluxPipeline::<Oxi>::from_dir(&schnell, &LoadOptions::default(), &device).unwrap();
+    for kind in ["Q8_0", "Q4_0"] {
+        pipe.transformer = transformer(kind, &device);
+        pipe.compile().unwrap();
+        generate(&mut pipe, kind);
+    }
+    // Loaded on the host, then moved.
+    let mut pipe = FluxPipeline::<Oxi>::from_dir(&schnell, &LoadOptions::default(), &host).unwrap();
+    pipe.transformer = transformer("Q4_K", &host);
     let mut pipe = pipe.to(&device);
     pipe.compile().unwrap();
-    let req = FluxRequest {
-        common: GenerateRequest {
-            prompts: vec![s["prompt"].as_str().unwrap().into()],
-            num_inference_steps: int("num_inference_steps"),
-            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
-            width: Some(int("width")),
-            height: Some(int("height")),
-            latents: Some(Tensor::from_data(
-                golden.tensor::<4>("schnell.initial_latents").into_data(),
-                &device,
-            )),
-            ..Default::default()
-        },
-        max_sequence_length: int("max_sequence_length"),
-        ..Default::default()
-    };
-    let out = pipe
-        .generate_with(&req, &mut TorchCpuGenerator::new(0), |_| {})
-        .unwrap();
+    generate(&mut pipe, "Q4_K");
     assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
-    let image = out.images.unwrap().to_rgb8(0).unwrap();
-    common::assert_png_close(&image, "gguf-flux-Q4_K.png", 2);
     // What the device holds: i8 values and f32 scales and offsets for every quantized weight,
     // no dense form of any.
     let to_q = &pipe.transformer.transformer_blocks[0].attn.to_q;
@@ -229,7 +240,7 @@ fn schnell_with_a_quantized_transformer_compiled_on_xla_cpu_matches_diffusers() 
         "the dense weight was never made"
     );
     let blocks = to_q.blocks.as_ref().expect("integer blocks");
-    assert!(blocks.values.is_initialized() && blocks.offsets.is_some());
+    assert!(blocks.offsets.is_some(), "Q4_K has minima");
     assert_eq!(blocks.values.val().dtype(), burn::tensor::DType::I8);
     let memory = pipe
         .memory(&|d: &OxiDevice| d.to_string())
@@ -321,5 +332,99 @@ fn memory_reports_quantized_blocks_by_type() {
         assert_eq!(memory.by_type.get(kind), Some(&(lazy.0 / values * bytes)));
         assert_eq!(memory.by_type.len(), 2, "{kind} blocks and f32: {memory:?}");
         assert_eq!(memory.by_place.get("host"), Some(&memory.total()));
+    }
+}
+
+/// The tiny-sd3 run of `tools/golden/make_tiny_sd3.py`'s settings from `gguf.json`, on `device`.
+fn sd3_request<Bk: burn::tensor::backend::Backend>(
+    golden: &Golden,
+    device: &Bk::Device,
+) -> oxidiff::pipelines::Sd3Request<Bk> {
+    let s = &golden.json["sd3"];
+    let int = |k: &str| s[k].as_u64().unwrap() as usize;
+    oxidiff::pipelines::Sd3Request {
+        common: GenerateRequest {
+            prompts: vec![s["prompt"].as_str().unwrap().into()],
+            negative_prompts: vec![s["negative_prompt"].as_str().unwrap().into()],
+            num_inference_steps: int("num_inference_steps"),
+            guidance_scale: s["guidance_scale"].as_f64().unwrap(),
+            width: Some(int("width")),
+            height: Some(int("height")),
+            latents: Some(Tensor::from_data(
+                golden.tensor::<4>("sd3.initial_latents").into_data(),
+                device,
+            )),
+            ..Default::default()
+        },
+        max_sequence_length: int("max_sequence_length"),
+        ..Default::default()
+    }
+}
+
+/// The tiny SD3 pipeline with each quantized transformer (tiny-sd3's text sizes, inner dim
+/// 256) writes diffusers' image within 2 levels: on the CPU with the weights in their blocks,
+/// and on XLA's CPU plugin, compiled, with the weights on the device as integers and scales.
+#[test]
+fn sd3_with_a_quantized_transformer_matches_diffusers_images_on_cpu_and_compiled() {
+    use oxidiff::pipelines::StableDiffusion3Pipeline;
+    use oxidiff::{Oxi, OxiDevice};
+    let golden = Golden::load("gguf");
+    let dir = fixtures().join("tiny-sd3-gguf");
+    let file = |kind: &str| dir.join(format!("sd3-{kind}.gguf"));
+    let config = dir.join("transformer");
+    let mut pipe = StableDiffusion3Pipeline::<B>::from_dir(
+        &model_dir("tiny-sd3"),
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    for kind in TYPES {
+        pipe.transformer = SD3Transformer2DModel::<B>::from_gguf_in(
+            &file(kind),
+            &config,
+            FloatDType::F32,
+            &Default::default(),
+        )
+        .unwrap();
+        let out = pipe
+            .generate_with(
+                &sd3_request(&golden, &Default::default()),
+                &mut TorchCpuGenerator::new(0),
+                |_| {},
+            )
+            .unwrap();
+        let image = out.images.unwrap().to_rgb8(0).unwrap();
+        common::assert_png_close(&image, &format!("gguf-sd3-{kind}.png"), 2);
+    }
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let device: OxiDevice = "xla:cpu:0"
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"));
+    let mut pipe = StableDiffusion3Pipeline::<Oxi>::from_dir(
+        &model_dir("tiny-sd3"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    for kind in TYPES {
+        pipe.transformer = SD3Transformer2DModel::<Oxi>::from_gguf_in(
+            &file(kind),
+            &config,
+            FloatDType::F32,
+            &device,
+        )
+        .unwrap();
+        pipe.compile().unwrap();
+        let out = pipe
+            .generate_with(
+                &sd3_request(&golden, &device),
+                &mut TorchCpuGenerator::new(0),
+                |_| {},
+            )
+            .unwrap();
+        let image = out.images.unwrap().to_rgb8(0).unwrap();
+        common::assert_png_close(&image, &format!("gguf-sd3-{kind}.png"), 2);
     }
 }

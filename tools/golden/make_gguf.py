@@ -29,8 +29,11 @@ Writes:
                                          and its inputs
   tests/fixtures/golden/gguf-flux-{Q8_0,Q4_0,Q4_K}.png  schnell generations with each file
   tests/fixtures/tiny-sd3-gguf/transformer/config.json, sd3-{Q8_0,Q4_0,Q4_K}.gguf  the same
-                                         for an SD3 transformer (inner dim 256), with one call of
-                                         each in golden/gguf.safetensors (`sd3.*`)
+                                         for an SD3 transformer (inner dim 256, tiny-sd3's text
+                                         sizes), with one call of each in golden/gguf.safetensors
+                                         (`sd3.*`)
+  tests/fixtures/golden/gguf-sd3-{Q8_0,Q4_0,Q4_K}.png  tiny-sd3 generations (make_tiny_sd3.py's
+                                         settings) with each SD3 file as the transformer
   tests/fixtures/golden/gguf.json         settings and versions
 """
 import json
@@ -48,6 +51,7 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import save_canonical, save_json  # noqa: E402
 from make_tiny_flux import SCHNELL_RUN  # noqa: E402
+from make_tiny_sd3 import PIPELINE_SETTINGS as SD3_PIPELINE_SETTINGS  # noqa: E402
 from make_tiny_sd import gen, perturb  # noqa: E402
 
 import diffusers  # noqa: E402
@@ -57,6 +61,7 @@ from diffusers import (  # noqa: E402
     FluxTransformer2DModel,
     GGUFQuantizationConfig,
     SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
 )
 from diffusers.utils import logging as dlogging  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -193,8 +198,8 @@ def build_sd3():
     torch.manual_seed(SEED + 3)
     model = SD3Transformer2DModel(
         sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=64,
-        num_attention_heads=4, joint_attention_dim=256, caption_projection_dim=256,
-        pooled_projection_dim=256, out_channels=16, pos_embed_max_size=12,
+        num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=256,
+        pooled_projection_dim=16, out_channels=16, pos_embed_max_size=12,
     ).eval()
     perturb(model, SEED + 4)
     return model
@@ -219,12 +224,15 @@ def sd3_references(tensors):
     state = fresh_config_folder(model, SD3_DIR)
     inputs = {
         "hidden_states": torch.randn((2, 16, 8, 8), generator=gen(SEED + 20)),
-        "encoder_hidden_states": torch.randn((2, 5, 256), generator=gen(SEED + 21)),
-        "pooled_projections": torch.randn((2, 256), generator=gen(SEED + 22)),
+        "encoder_hidden_states": torch.randn((2, 5, 32), generator=gen(SEED + 21)),
+        "pooled_projections": torch.randn((2, 16), generator=gen(SEED + 22)),
         "timestep": torch.tensor([600.0, 600.0]),
     }
     for k, v in inputs.items():
         tensors[f"sd3.input.{k}"] = v
+    s = SD3_PIPELINE_SETTINGS
+    latents = torch.randn((1, 16, s["height"] // 8, s["width"] // 8), generator=gen(SEED + 80))
+    tensors["sd3.initial_latents"] = latents
     for qtype in FLUX_TYPES:
         path = os.path.join(SD3_DIR, f"sd3-{qtype}.gguf")
         write_flux_gguf(path, state, qtype, arch="sd3")
@@ -239,6 +247,20 @@ def sd3_references(tensors):
             tensors[f"sd3.{qtype}.out"] = out
             exact = exact_copy(SD3Transformer2DModel, transformer.config, path)
             tensors[f"sd3.{qtype}.out_f32"] = exact(**inputs).sample
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            os.path.join(FIXTURES, "tiny-sd3"), transformer=transformer, torch_dtype=torch.float32
+        )
+        pipe.set_progress_bar_config(disable=True)
+        s = SD3_PIPELINE_SETTINGS
+        with torch.no_grad():
+            image = pipe(
+                prompt=s["prompt"], negative_prompt=s["negative_prompt"],
+                num_inference_steps=s["num_inference_steps"], guidance_scale=s["guidance_scale"],
+                height=s["height"], width=s["width"],
+                max_sequence_length=s["max_sequence_length"], latents=latents.clone(),
+                output_type="pil",
+            ).images[0]
+        image.save(os.path.join(GOLDEN, f"gguf-sd3-{qtype}.png"))
 
 
 def city96_type(name, tensor, qtype):
@@ -393,6 +415,7 @@ def main():
     sd3_references(tensors)
     save_canonical(os.path.join(GOLDEN, "gguf.safetensors"), tensors)
     info["schnell"] = SCHNELL_RUN
+    info["sd3"] = SD3_PIPELINE_SETTINGS
     info["types"] = FLUX_TYPES
     save_json(os.path.join(GOLDEN, "gguf.json"), info)
     print("wrote", GGUF_DIR, FLUX_DIR, "and golden/gguf.*")
