@@ -253,6 +253,59 @@ fn compiled_text_encoder_and_vae_match_their_ops_whole_sliced_and_tiled() {
     );
 }
 
+/// T5's blocks as one program (what PixArt, SD3 and Flux compile): with and without an
+/// attention mask, equal to its ops within 1e-5; one program per token length and mask shape,
+/// reused for new tokens; counted under its component name; dropped by `clear`.
+#[test]
+fn compiled_t5_matches_its_ops_with_and_without_a_mask() {
+    use oxidiff::models::T5EncoderModel;
+    use oxidiff::pipelines::compiled::{compile_t5, t5_compile_stats};
+    if skip() {
+        return;
+    }
+    let device = xla();
+    let mut t5 = T5EncoderModel::<Oxi>::from_dir(
+        &model_dir("tiny-pixart-alpha").join("text_encoder"),
+        None,
+        &device,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let ids = |offset: u32, seq: usize| -> Vec<Vec<u32>> {
+        (0..2)
+            .map(|b| {
+                (0..seq as u32)
+                    .map(|i| (i * 7 + b * 13 + offset) % 90 + 3)
+                    .collect()
+            })
+            .collect()
+    };
+    let mask: Vec<Vec<u32>> = vec![vec![1; 12], [vec![1; 5], vec![0; 7]].concat()];
+    let encode = |t5: &T5EncoderModel<Oxi>, ids: &[Vec<u32>], mask: Option<&[Vec<u32>]>| {
+        to_vec(t5.forward(ids, mask).unwrap().to_device(&OxiDevice::Cpu))
+    };
+    type Case<'a> = (Vec<Vec<u32>>, Option<&'a [Vec<u32>]>);
+    let cases: Vec<Case> = vec![
+        (ids(0, 12), Some(&mask)),
+        (ids(5, 12), Some(&mask)),
+        (ids(0, 12), None),
+        (ids(1, 9), None),
+    ];
+    let expected: Vec<Vec<f32>> = cases
+        .iter()
+        .map(|(ids, mask)| encode(&t5, ids, *mask))
+        .collect();
+    compile_t5(&mut t5, "text_encoder");
+    for ((ids, mask), expected) in cases.iter().zip(&expected) {
+        let actual = encode(&t5, ids, *mask);
+        assert_within("t5", &actual, expected, 1e-5);
+    }
+    let stats = t5_compile_stats(&t5, "text_encoder").expect("a program");
+    // 12 tokens (the mask makes no new signature: the bias is an input either way), 9 tokens.
+    assert_eq!(stats.stats.programs, 2, "{stats:?}");
+    t5.blocks_program.clear();
+    assert!(t5_compile_stats(&t5, "text_encoder").is_none());
+}
+
 fn pipe_log(pipe: &StableDiffusionPipeline<Oxi>) -> oxidiff::pipelines::CompileStats {
     pipe.compile_stats().expect("compiled mode")
 }

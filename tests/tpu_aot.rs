@@ -215,3 +215,80 @@ fn tiny_vae_programs_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
         );
     }
 }
+
+/// The text encoders' programs (CLIP's layers, T5's blocks: what `compile()` installs for SD,
+/// SDXL, SD3, Flux and PixArt) compile ahead of time for TPU v5e and v6e; twice the tokens cost
+/// at least twice the flops.
+#[test]
+fn tiny_text_encoder_programs_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
+    use oxidiff::pipelines::aot::{trace_text_encoder, TextEncoderPart};
+
+    let Some(plugin) = libtpu() else {
+        return;
+    };
+    let clip = common::model_dir("tiny-sd1").join("text_encoder");
+    let t5 = common::model_dir("tiny-pixart-alpha").join("text_encoder");
+    let trace = |dir: &std::path::Path, part| {
+        trace_text_encoder(dir, None, part).unwrap_or_else(|e| panic!("{part:?}: {e}"))
+    };
+    let programs = [
+        (
+            "CLIP, 77 tokens",
+            trace(
+                &clip,
+                TextEncoderPart::Clip {
+                    batch: 2,
+                    tokens: 77,
+                },
+            ),
+        ),
+        (
+            "T5, 16 tokens",
+            trace(
+                &t5,
+                TextEncoderPart::T5 {
+                    batch: 2,
+                    tokens: 16,
+                },
+            ),
+        ),
+        (
+            "T5, 32 tokens",
+            trace(
+                &t5,
+                TextEncoderPart::T5 {
+                    batch: 2,
+                    tokens: 32,
+                },
+            ),
+        ),
+    ];
+    for topology_name in ["v5e:2x2x1", "v6e:2x2x1"] {
+        let topology = plugin
+            .topology(topology_name, &[])
+            .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
+        let mut flops = Vec::new();
+        for (what, traced) in &programs {
+            assert!(traced.weights > 10, "{what}: {} weights", traced.weights);
+            let exe = topology
+                .compile(&traced.module, &CompileOptions::default())
+                .unwrap_or_else(|e| panic!("{topology_name} {what}: {e}"));
+            assert_eq!(exe.num_outputs().ok(), Some(1));
+            let cost = exe.cost_analysis().unwrap_or_else(|e| panic!("{e}"));
+            let f = cost.flops().expect("XLA reports flops");
+            let bytes = cost.bytes_accessed().expect("XLA reports bytes accessed");
+            eprintln!("{topology_name} {what}: {f:.4e} flops, {bytes:.4e} bytes accessed");
+            assert!(
+                bytes >= traced.weight_bytes as f64,
+                "{what}: {bytes} bytes accessed, fewer than its {} bytes of weights",
+                traced.weight_bytes
+            );
+            flops.push(f);
+        }
+        let ratio = flops[2] / flops[1];
+        assert!(
+            ratio >= 1.9,
+            "{topology_name}: T5 32 / 16 tokens flops {ratio}"
+        );
+    }
+}

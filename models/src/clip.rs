@@ -284,7 +284,7 @@ impl<B: Backend> ClipTextModel<B> {
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [batch, seq]), &device);
         let positions = Tensor::<B, 1, Int>::arange(0..seq as i64, &device).unsqueeze::<2>();
         let x = self.token_embedding.forward(ids) + self.position_embedding.forward(positions);
-        let program = self.layers_program.get::<B, 3, 4>();
+        let program = self.layers_program.get::<B, Tensor<B, 3>, 4>();
         let (last_hidden_state, hidden_states) = match program.and_then(|p| p.run(x.clone())) {
             Some(stack) => {
                 let [_, batch, seq, width] = stack.dims();

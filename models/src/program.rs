@@ -1,5 +1,5 @@
 //! Compiled mode's hook into a model: one part of it (the VAE's decoder, its encoder, CLIP's
-//! layers) run as a single program in place of its ops.
+//! layers, T5's blocks) run as a single program in place of its ops.
 //!
 //! Where this sits: models only hold and call programs; the pipelines build them (on PJRT
 //! devices, through backend-tpu's compiled functions) and install them. A model whose slot is
@@ -13,11 +13,12 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 
-/// A part of a model as one program: a tensor of rank `I` in, one of rank `O` out.
-pub trait TensorProgram<B: Backend, const I: usize, const O: usize>: Send + Sync {
+/// A part of a model as one program: `I` in (a tensor, or a tuple of them), a tensor of rank
+/// `O` out.
+pub trait TensorProgram<B: Backend, I, const O: usize>: Send + Sync {
     /// The part's output for `input`, or `None` when the program cannot run it (it reports
     /// why itself); the model then runs its own ops.
-    fn run(&self, input: Tensor<B, I>) -> Option<Tensor<B, O>>;
+    fn run(&self, input: I) -> Option<Tensor<B, O>>;
 
     /// The program as `Any`, for whoever installed it to read its own counts back.
     fn as_any(&self) -> &dyn Any;
@@ -43,7 +44,7 @@ impl fmt::Debug for ProgramSlot {
 
 impl ProgramSlot {
     /// Installs `program`, replacing any other.
-    pub fn install<B: Backend, const I: usize, const O: usize>(
+    pub fn install<B: Backend, I: 'static, const O: usize>(
         &mut self,
         program: Arc<dyn TensorProgram<B, I, O>>,
     ) {
@@ -55,8 +56,8 @@ impl ProgramSlot {
         self.program = None;
     }
 
-    /// The installed program, when it was installed for backend `B` and ranks `I`, `O`.
-    pub fn get<B: Backend, const I: usize, const O: usize>(
+    /// The installed program, when it was installed for backend `B`, input `I` and rank `O`.
+    pub fn get<B: Backend, I: 'static, const O: usize>(
         &self,
     ) -> Option<&Arc<dyn TensorProgram<B, I, O>>> {
         self.program.as_ref()?.downcast_ref()
@@ -64,10 +65,10 @@ impl ProgramSlot {
 
     /// The program's output for `input`, or `ops(input)` when none is installed for `B` or it
     /// declines.
-    pub fn run_or<B: Backend, const I: usize, const O: usize>(
+    pub fn run_or<B: Backend, I: Clone + 'static, const O: usize>(
         &self,
-        input: Tensor<B, I>,
-        ops: impl FnOnce(Tensor<B, I>) -> Tensor<B, O>,
+        input: I,
+        ops: impl FnOnce(I) -> Tensor<B, O>,
     ) -> Tensor<B, O> {
         match self.get::<B, I, O>() {
             Some(program) => match program.run(input.clone()) {
@@ -88,7 +89,7 @@ mod tests {
 
     struct Doubles;
 
-    impl TensorProgram<B, 2, 2> for Doubles {
+    impl TensorProgram<B, Tensor<B, 2>, 2> for Doubles {
         fn run(&self, input: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
             Some(input.mul_scalar(2.0))
         }
@@ -99,7 +100,7 @@ mod tests {
 
     struct Declines;
 
-    impl TensorProgram<B, 2, 2> for Declines {
+    impl TensorProgram<B, Tensor<B, 2>, 2> for Declines {
         fn run(&self, _: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
             None
         }
@@ -121,15 +122,15 @@ mod tests {
         let ops = |x: Tensor<B, 2>| x.add_scalar(10.0);
         let mut slot = ProgramSlot::default();
         assert_eq!(first(slot.run_or(ones(), ops)), 11.0, "empty: the ops");
-        slot.install::<B, 2, 2>(Arc::new(Doubles));
+        slot.install::<B, Tensor<B, 2>, 2>(Arc::new(Doubles));
         assert_eq!(first(slot.run_or(ones(), ops)), 2.0, "the program");
         assert!(
-            slot.get::<B, 2, 3>().is_none(),
-            "another rank finds nothing"
+            slot.get::<B, Tensor<B, 2>, 3>().is_none(),
+            "another output rank finds nothing"
         );
-        slot.install::<B, 2, 2>(Arc::new(Declines));
+        slot.install::<B, Tensor<B, 2>, 2>(Arc::new(Declines));
         assert_eq!(first(slot.run_or(ones(), ops)), 11.0, "declined: the ops");
         slot.clear();
-        assert!(slot.get::<B, 2, 2>().is_none());
+        assert!(slot.get::<B, Tensor<B, 2>, 2>().is_none());
     }
 }

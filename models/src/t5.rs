@@ -18,6 +18,7 @@ use serde::Deserialize;
 use crate::config::load_json;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Embedding, Linear};
+use crate::program::ProgramSlot;
 use crate::var_builder::{load_component, VarBuilder};
 
 /// `text_encoder/config.json` (a transformers `T5Config`).
@@ -290,6 +291,10 @@ pub struct T5EncoderModel<B: Backend> {
     pub final_layer_norm: T5LayerNorm<B>,
     pub num_buckets: usize,
     pub max_distance: usize,
+    /// Compiled mode's program for the blocks and the final norm ([`run_blocks`](Self::run_blocks)),
+    /// if one is installed; else they run op by op.
+    #[module(skip)]
+    pub blocks_program: ProgramSlot,
 }
 
 impl<B: Backend> T5EncoderModel<B> {
@@ -337,6 +342,7 @@ impl<B: Backend> T5EncoderModel<B> {
             )?,
             num_buckets: cfg.relative_attention_num_buckets,
             max_distance: cfg.relative_attention_max_distance,
+            blocks_program: ProgramSlot::default(),
         })
     }
 
@@ -380,7 +386,7 @@ impl<B: Backend> T5EncoderModel<B> {
         let device = self.device();
         let flat: Vec<i64> = input_ids.iter().flatten().map(|&t| i64::from(t)).collect();
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(flat, [batch, seq]), &device);
-        let mut x = self.shared.forward(ids);
+        let x = self.shared.forward(ids);
 
         let heads = self.block[0].self_attention.heads;
         let position_bias = self.position_bias(seq)?; // [1, heads, seq, seq]
@@ -408,10 +414,22 @@ impl<B: Backend> T5EncoderModel<B> {
             }
             None => position_bias.expand([batch, heads, seq, seq]),
         };
+        let [batch, seq, width] = x.dims();
+        let out = self
+            .blocks_program
+            .run_or((x, bias), |(x, bias)| self.run_blocks(x, bias));
+        Ok(out.reshape([batch, seq, width]))
+    }
+
+    /// The blocks and the final norm as ops on embedded tokens `[batch, seq, d_model]` with
+    /// the attention bias `[batch, heads, seq, seq]`, the output as `[1, batch, seq, d_model]`
+    /// (programs return rank 4): what a blocks program computes.
+    pub fn run_blocks(&self, x: Tensor<B, 3>, bias: Tensor<B, 4>) -> Tensor<B, 4> {
+        let mut x = x;
         for block in &self.block {
             x = block.forward(x, bias.clone());
         }
-        Ok(self.final_layer_norm.forward(x))
+        self.final_layer_norm.forward(x).unsqueeze::<4>()
     }
 
     /// The relative-position bias `[1, heads, seq, seq]` of the first layer's table.

@@ -14,7 +14,9 @@ use oxidiff_backend_tpu::lowering::{Argument, LoweredFunction};
 use oxidiff_backend_tpu::trace::{float_ir, take_ops, Traced};
 use oxidiff_backend_tpu::OxiDevice;
 use oxidiff_models::config::PerBlock;
-use oxidiff_models::{AutoencoderKL, UNet2DConditionConfig, UNet2DConditionModel};
+use oxidiff_models::{
+    AutoencoderKL, ClipTextModel, T5EncoderModel, UNet2DConditionConfig, UNet2DConditionModel,
+};
 
 use crate::error::{PipelineError, Result};
 use crate::parallel::{split_weights, ParallelConfig, ParallelTarget};
@@ -197,14 +199,14 @@ fn trace_step(
     })
 }
 
-/// One traced half of the VAE, as compiled mode's [`compile_vae`](crate::compiled::compile_vae)
-/// runs it, as a StableHLO module `@main(input, weights...)`.
+/// One traced part of a pipeline run as its own program in compiled mode (a half of the VAE, a
+/// text encoder's layers), as a StableHLO module `@main(inputs..., weights...)`.
 #[derive(Debug, Clone)]
-pub struct TracedVae {
+pub struct TracedPart {
     pub module: String,
     /// Ops recorded.
     pub ops: usize,
-    /// Weight arguments after the input.
+    /// Weight arguments after the inputs.
     pub weights: usize,
     /// Bytes of those weight arguments.
     pub weight_bytes: usize,
@@ -229,7 +231,7 @@ pub enum VaeHalf {
 
 /// Traces `half` of the VAE in `vae_dir` (a diffusers `vae/` folder) and lowers it to one
 /// module, as [`trace_guided_step`] does for the UNet.
-pub fn trace_vae(vae_dir: &Path, variant: Option<&str>, half: VaeHalf) -> Result<TracedVae> {
+pub fn trace_vae(vae_dir: &Path, variant: Option<&str>, half: VaeHalf) -> Result<TracedPart> {
     let _one_at_a_time = TRACING
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -263,7 +265,60 @@ pub fn trace_vae(vae_dir: &Path, variant: Option<&str>, half: VaeHalf) -> Result
     let function = lower_recorded(&[input], &ops, &[output])
         .map_err(|e| PipelineError::Compile(format!("lowering the traced VAE: {e}")))?;
     let (weights, weight_bytes) = weight_arguments(&function, 1);
-    Ok(TracedVae {
+    Ok(TracedPart {
+        ops: ops.len(),
+        weights,
+        weight_bytes,
+        module: function.module,
+    })
+}
+
+/// Which text encoder to trace, on how many rows of how many tokens.
+#[derive(Debug, Clone, Copy)]
+pub enum TextEncoderPart {
+    /// CLIP's layers and final norm ([`compile_clip`](crate::compiled::compile_clip)).
+    Clip { batch: usize, tokens: usize },
+    /// T5's blocks and final norm ([`compile_t5`](crate::compiled::compile_t5)).
+    T5 { batch: usize, tokens: usize },
+}
+
+/// Traces a text encoder in `dir` (a diffusers `text_encoder*/` folder) as compiled mode
+/// compiles it, and lowers it to one module, as [`trace_vae`] does for the VAE.
+pub fn trace_text_encoder(
+    dir: &Path,
+    variant: Option<&str>,
+    part: TextEncoderPart,
+) -> Result<TracedPart> {
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = OxiDevice::Cpu;
+    let zeros = |shape: Vec<usize>| TensorData::new(vec![0f32; shape.iter().product()], shape);
+    let (inputs, output) = match part {
+        TextEncoderPart::Clip { batch, tokens } => {
+            let clip = ClipTextModel::<Traced>::from_dir(dir, false, variant, &device)?;
+            let _loading = take_ops(&device);
+            let width = clip.token_embedding.weight.dims()[1];
+            let x = Tensor::<Traced, 3>::from_data(zeros(vec![batch, tokens, width]), &device);
+            (vec![float_ir(&x)], float_ir(&clip.run_layers(x)))
+        }
+        TextEncoderPart::T5 { batch, tokens } => {
+            let t5 = T5EncoderModel::<Traced>::from_dir(dir, variant, &device)?;
+            let _loading = take_ops(&device);
+            let width = t5.shared.weight.dims()[1];
+            let heads = t5.block[0].self_attention.heads;
+            let x = Tensor::<Traced, 3>::from_data(zeros(vec![batch, tokens, width]), &device);
+            let bias =
+                Tensor::<Traced, 4>::from_data(zeros(vec![batch, heads, tokens, tokens]), &device);
+            let inputs = vec![float_ir(&x), float_ir(&bias)];
+            (inputs, float_ir(&t5.run_blocks(x, bias)))
+        }
+    };
+    let ops = take_ops(&device);
+    let function = lower_recorded(&inputs, &ops, &[output])
+        .map_err(|e| PipelineError::Compile(format!("lowering the traced text encoder: {e}")))?;
+    let (weights, weight_bytes) = weight_arguments(&function, inputs.len());
+    Ok(TracedPart {
         ops: ops.len(),
         weights,
         weight_bytes,

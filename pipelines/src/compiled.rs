@@ -1,8 +1,8 @@
 //! Compiled mode's pieces every pipeline shares: [`CompiledCall`], a call of a component (a
 //! tuple of input tensors to one output) as XLA programs, traced on first use and cached by
 //! input shapes, optionally partitioned over a device mesh; the denoiser call of each pipeline
-//! is one, and so are the VAE's encoder and decoder ([`compile_vae`]) and CLIP's layers
-//! ([`compile_clip`]).
+//! is one, and so are the VAE's encoder and decoder ([`compile_vae`]), CLIP's layers
+//! ([`compile_clip`]) and T5's blocks ([`compile_t5`]).
 //!
 //! Where this sits: beside `denoise.rs` on the ground floor; it wraps backend-tpu's
 //! `CompiledFn` so that pipelines generic over the backend can hold it, built only for `Oxi`.
@@ -17,7 +17,7 @@ use burn::tensor::Tensor;
 use oxidiff_backend_tpu::compiled::Tensors;
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
-use oxidiff_models::{AutoencoderKL, ClipTextModel, ProgramSlot, TensorProgram};
+use oxidiff_models::{AutoencoderKL, ClipTextModel, ProgramSlot, T5EncoderModel, TensorProgram};
 
 use crate::error::{PipelineError, Result};
 
@@ -136,23 +136,20 @@ impl<I: Tensors + 'static> CompiledCall<Oxi, I> {
 
 /// A part of a model (the VAE's encoder or decoder, CLIP's layers) as a compiled call with an
 /// input of rank `I`, installed in the model's [`ProgramSlot`](oxidiff_models::ProgramSlot).
-struct PartProgram<const I: usize> {
+struct PartProgram<I> {
     /// The model and part, for the warning.
     part: &'static str,
-    call: CompiledCall<Oxi, Tensor<Oxi, I>>,
+    call: CompiledCall<Oxi, I>,
     /// Whether the fallback to the model's ops was reported already.
     warned: AtomicBool,
 }
 
-impl<const I: usize> PartProgram<I>
-where
-    Tensor<Oxi, I>: Tensors,
-{
+impl<I: Tensors + 'static> PartProgram<I> {
     /// `part` compiled as program `part`.
     fn install(
         slot: &mut ProgramSlot,
         part: &'static str,
-        ops: impl Fn(Tensor<Oxi, I>) -> Tensor<Oxi, 4> + Send + Sync + 'static,
+        ops: impl Fn(I) -> Tensor<Oxi, 4> + Send + Sync + 'static,
     ) {
         let program = Arc::new(Self {
             part,
@@ -162,9 +159,9 @@ where
         slot.install::<Oxi, I, 4>(program);
     }
 
-    /// The counts of the program of rank `I` in `slot`, if one is installed for `B`.
-    fn stats<B: Backend>(slot: &ProgramSlot, component: &'static str) -> Option<ComponentStats> {
-        let program = slot.get::<B, I, 4>()?.as_any().downcast_ref::<Self>()?;
+    /// The counts of the program of input `I` in `slot`, if one is installed on [`Oxi`].
+    fn stats(slot: &ProgramSlot, component: &'static str) -> Option<ComponentStats> {
+        let program = slot.get::<Oxi, I, 4>()?.as_any().downcast_ref::<Self>()?;
         Some(ComponentStats {
             component,
             stats: program.call.compile_stats(),
@@ -172,8 +169,8 @@ where
     }
 }
 
-impl<const I: usize> TensorProgram<Oxi, I, 4> for PartProgram<I> {
-    fn run(&self, input: Tensor<Oxi, I>) -> Option<Tensor<Oxi, 4>> {
+impl<I: Tensors + 'static> TensorProgram<Oxi, I, 4> for PartProgram<I> {
+    fn run(&self, input: I) -> Option<Tensor<Oxi, 4>> {
         match self.call.call(input) {
             Ok(output) => Some(output),
             Err(e) => {
@@ -201,12 +198,14 @@ pub fn compile_vae(vae: &mut AutoencoderKL<Oxi>) {
     // The programs trace a copy whose slots are empty, so they record the ops.
     let ops = Arc::new(vae.clone());
     let encoder = Arc::clone(&ops);
-    PartProgram::<4>::install(&mut vae.encoder_program, "vae_encoder", move |image| {
+    PartProgram::<Tensor<Oxi, 4>>::install(&mut vae.encoder_program, "vae_encoder", move |image| {
         encoder.run_encoder(image)
     });
-    PartProgram::<4>::install(&mut vae.decoder_program, "vae_decoder", move |latents| {
-        ops.run_decoder(latents)
-    });
+    PartProgram::<Tensor<Oxi, 4>>::install(
+        &mut vae.decoder_program,
+        "vae_decoder",
+        move |latents| ops.run_decoder(latents),
+    );
 }
 
 /// Compiled mode for a CLIP text encoder: its layers and final norm become one program per
@@ -218,16 +217,41 @@ pub fn compile_clip(text_encoder: &mut ClipTextModel<Oxi>, component: &'static s
         return;
     }
     let ops = text_encoder.clone();
-    PartProgram::<3>::install(&mut text_encoder.layers_program, component, move |x| {
+    PartProgram::<Tensor<Oxi, 3>>::install(&mut text_encoder.layers_program, component, move |x| {
         ops.run_layers(x)
     });
+}
+
+/// Compiled mode for a T5 text encoder (`component`: `text_encoder_2`, ...): its blocks and
+/// final norm become one program per token length and batch (the embedding lookup and the
+/// attention bias, made on the host from the token ids and mask, stay ops). Nothing off PJRT
+/// devices.
+pub fn compile_t5(text_encoder: &mut T5EncoderModel<Oxi>, component: &'static str) {
+    text_encoder.blocks_program.clear();
+    if !text_encoder.device().is_pjrt() {
+        return;
+    }
+    let ops = text_encoder.clone();
+    PartProgram::<(Tensor<Oxi, 3>, Tensor<Oxi, 4>)>::install(
+        &mut text_encoder.blocks_program,
+        component,
+        move |(x, bias)| ops.run_blocks(x, bias),
+    );
+}
+
+/// The counts of a T5 text encoder's program, named `component` (none when eager).
+pub fn t5_compile_stats<B: Backend>(
+    text_encoder: &T5EncoderModel<B>,
+    component: &'static str,
+) -> Option<ComponentStats> {
+    PartProgram::<(Tensor<Oxi, 3>, Tensor<Oxi, 4>)>::stats(&text_encoder.blocks_program, component)
 }
 
 /// The counts of `vae`'s installed programs (none when eager), named as [`compile_vae`]'s.
 pub fn vae_compile_stats<B: Backend>(vae: &AutoencoderKL<B>) -> Vec<ComponentStats> {
     [
-        PartProgram::<4>::stats::<B>(&vae.encoder_program, "vae_encoder"),
-        PartProgram::<4>::stats::<B>(&vae.decoder_program, "vae_decoder"),
+        PartProgram::<Tensor<Oxi, 4>>::stats(&vae.encoder_program, "vae_encoder"),
+        PartProgram::<Tensor<Oxi, 4>>::stats(&vae.decoder_program, "vae_decoder"),
     ]
     .into_iter()
     .flatten()
@@ -239,13 +263,15 @@ pub fn clip_compile_stats<B: Backend>(
     text_encoder: &ClipTextModel<B>,
     component: &'static str,
 ) -> Option<ComponentStats> {
-    PartProgram::<3>::stats::<B>(&text_encoder.layers_program, component)
+    PartProgram::<Tensor<Oxi, 3>>::stats(&text_encoder.layers_program, component)
 }
 
 /// A pipeline's counts per component: its text encoders' (CLIP's, by component name), its
-/// denoiser's (`None` when eager) named `denoiser`, then its VAE's.
+/// denoiser's (`None` when eager) named `denoiser`, then its VAE's. `t5` is a T5 encoder's,
+/// counted after the CLIP ones.
 pub(crate) fn component_stats<B: Backend>(
     text_encoders: &[(&'static str, &ClipTextModel<B>)],
+    t5: Option<(&'static str, &T5EncoderModel<B>)>,
     denoiser: &'static str,
     stats: Option<CompileStats>,
     vae: &AutoencoderKL<B>,
@@ -254,6 +280,7 @@ pub(crate) fn component_stats<B: Backend>(
         .iter()
         .filter_map(|(name, encoder)| clip_compile_stats(encoder, name))
         .collect();
+    all.extend(t5.and_then(|(name, encoder)| t5_compile_stats(encoder, name)));
     all.extend(stats.map(|stats| ComponentStats {
         component: denoiser,
         stats,

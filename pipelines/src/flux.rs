@@ -314,6 +314,7 @@ impl<B: Backend> FluxPipeline<B> {
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
         self.vae.clear_programs();
         self.text_encoder.layers_program.clear();
+        self.text_encoder_2.blocks_program.clear();
         self
     }
 
@@ -584,6 +585,7 @@ impl FluxPipeline<Oxi> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
+        crate::compiled::compile_t5(&mut self.text_encoder_2, "text_encoder_2");
         let transformer = self.transformer.clone();
         let step =
             move |(latents, t, g, prompt_embeds, pooled, (cos, sin)): FluxStepInputs<Oxi>| {
@@ -623,6 +625,7 @@ impl FluxPipeline<Oxi> {
     pub fn component_stats(&self) -> Vec<ComponentStats> {
         crate::compiled::component_stats(
             &[("text_encoder", &self.text_encoder)],
+            Some(("text_encoder_2", &self.text_encoder_2)),
             "transformer",
             self.compile_stats(),
             &self.vae,

@@ -251,6 +251,7 @@ impl<B: Backend> PixArtPipeline<B> {
         self.compiled = None;
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
         self.vae.clear_programs();
+        self.text_encoder.blocks_program.clear();
         self
     }
 
@@ -572,6 +573,7 @@ impl PixArtPipeline<Oxi> {
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         crate::compiled::compile_vae(&mut self.vae);
+        crate::compiled::compile_t5(&mut self.text_encoder, "text_encoder");
         let transformer = self.transformer.clone();
         // Every input batch-major: split by batch where it divides, else whole.
         let name = "pixart_transformer";
@@ -603,6 +605,12 @@ impl PixArtPipeline<Oxi> {
     /// Compiled mode's counts per component: the text encoders', the transformer's (as
     /// [`compile_stats`](Self::compile_stats)), the VAE encoder's and decoder's.
     pub fn component_stats(&self) -> Vec<ComponentStats> {
-        crate::compiled::component_stats(&[], "transformer", self.compile_stats(), &self.vae)
+        crate::compiled::component_stats(
+            &[],
+            Some(("text_encoder", &self.text_encoder)),
+            "transformer",
+            self.compile_stats(),
+            &self.vae,
+        )
     }
 }

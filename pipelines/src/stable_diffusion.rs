@@ -523,6 +523,7 @@ impl StableDiffusionPipeline<Oxi> {
     pub fn component_stats(&self) -> Vec<ComponentStats> {
         crate::compiled::component_stats(
             &[("text_encoder", &self.text_encoder)],
+            None,
             "unet",
             self.compile_stats(),
             &self.vae,

@@ -336,6 +336,9 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         self.vae.clear_programs();
         self.text_encoder.layers_program.clear();
         self.text_encoder_2.layers_program.clear();
+        if let Some(t5) = &mut self.text_encoder_3 {
+            t5.blocks_program.clear();
+        }
         self
     }
 
@@ -654,6 +657,9 @@ impl StableDiffusion3Pipeline<Oxi> {
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
         crate::compiled::compile_clip(&mut self.text_encoder_2, "text_encoder_2");
+        if let Some(t5) = &mut self.text_encoder_3 {
+            crate::compiled::compile_t5(t5, "text_encoder_3");
+        }
         let transformer = self.transformer.clone();
         let step = move |(latents, t, context, pooled): Sd3StepInputs<Oxi>| {
             transformer.forward_checked(latents, t, context, pooled)
@@ -682,6 +688,9 @@ impl StableDiffusion3Pipeline<Oxi> {
                 ("text_encoder", &self.text_encoder),
                 ("text_encoder_2", &self.text_encoder_2),
             ],
+            self.text_encoder_3
+                .as_ref()
+                .map(|t5| ("text_encoder_3", t5)),
             "transformer",
             self.compile_stats(),
             &self.vae,

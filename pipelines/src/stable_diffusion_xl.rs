@@ -846,6 +846,6 @@ impl StableDiffusionXLPipeline<Oxi> {
         if let Some(encoder) = &self.text_encoder {
             encoders.insert(0, ("text_encoder", encoder));
         }
-        crate::compiled::component_stats(&encoders, "unet", self.compile_stats(), &self.vae)
+        crate::compiled::component_stats(&encoders, None, "unet", self.compile_stats(), &self.vae)
     }
 }
