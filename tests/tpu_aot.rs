@@ -7,7 +7,7 @@
 mod common;
 
 use oxidiff::backend::pjrt::{CompileOptions, Error, Plugin};
-use oxidiff::pipelines::aot::trace_guided_step;
+use oxidiff::pipelines::aot::{trace_guided_step, TracedPart};
 
 fn libtpu() -> Option<Plugin> {
     match Plugin::discover("tpu") {
@@ -20,6 +20,33 @@ fn libtpu() -> Option<Plugin> {
         }
         Err(e) => panic!("{e}\n(set OXIDIFF_SKIP_PJRT_TESTS=1 to skip PJRT tests instead)"),
     }
+}
+
+/// Compiles each traced part for `topology_name` through libtpu, checks it has one output and
+/// reads at least its weights' bytes, and returns each one's flops.
+fn part_flops(plugin: &Plugin, topology_name: &str, programs: &[(&str, TracedPart)]) -> Vec<f64> {
+    let topology = plugin
+        .topology(topology_name, &[])
+        .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
+    programs
+        .iter()
+        .map(|(what, traced)| {
+            let exe = topology
+                .compile(&traced.module, &CompileOptions::default())
+                .unwrap_or_else(|e| panic!("{topology_name} {what}: {e}"));
+            assert_eq!(exe.num_outputs().ok(), Some(1));
+            let cost = exe.cost_analysis().unwrap_or_else(|e| panic!("{e}"));
+            let f = cost.flops().expect("XLA reports flops");
+            let bytes = cost.bytes_accessed().expect("XLA reports bytes accessed");
+            eprintln!("{topology_name} {what}: {f:.4e} flops, {bytes:.4e} bytes accessed");
+            assert!(
+                bytes >= traced.weight_bytes as f64,
+                "{what}: {bytes} bytes accessed, fewer than its {} bytes of weights",
+                traced.weight_bytes
+            );
+            f
+        })
+        .collect()
 }
 
 #[test]
@@ -186,28 +213,11 @@ fn tiny_vae_programs_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
         ("decoder, batch 2", trace(decoder(2))),
         ("encoder", trace(encoder)),
     ];
+    for (what, traced) in &programs {
+        assert!(traced.weights > 20, "{what}: {} weights", traced.weights);
+    }
     for topology_name in ["v5e:2x2x1", "v6e:2x2x1"] {
-        let topology = plugin
-            .topology(topology_name, &[])
-            .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
-        let mut flops = Vec::new();
-        for (what, traced) in &programs {
-            assert!(traced.weights > 20, "{what}: {} weights", traced.weights);
-            let exe = topology
-                .compile(&traced.module, &CompileOptions::default())
-                .unwrap_or_else(|e| panic!("{topology_name} {what}: {e}"));
-            assert_eq!(exe.num_outputs().ok(), Some(1));
-            let cost = exe.cost_analysis().unwrap_or_else(|e| panic!("{e}"));
-            let f = cost.flops().expect("XLA reports flops");
-            let bytes = cost.bytes_accessed().expect("XLA reports bytes accessed");
-            eprintln!("{topology_name} VAE {what}: {f:.4e} flops, {bytes:.4e} bytes accessed");
-            assert!(
-                bytes >= traced.weight_bytes as f64,
-                "{what}: {bytes} bytes accessed, fewer than its {} bytes of weights",
-                traced.weight_bytes
-            );
-            flops.push(f);
-        }
+        let flops = part_flops(&plugin, topology_name, &programs);
         let ratio = flops[1] / flops[0];
         assert!(
             (1.8..=2.2).contains(&ratio),
@@ -263,28 +273,11 @@ fn tiny_text_encoder_programs_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
             ),
         ),
     ];
+    for (what, traced) in &programs {
+        assert!(traced.weights > 10, "{what}: {} weights", traced.weights);
+    }
     for topology_name in ["v5e:2x2x1", "v6e:2x2x1"] {
-        let topology = plugin
-            .topology(topology_name, &[])
-            .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
-        let mut flops = Vec::new();
-        for (what, traced) in &programs {
-            assert!(traced.weights > 10, "{what}: {} weights", traced.weights);
-            let exe = topology
-                .compile(&traced.module, &CompileOptions::default())
-                .unwrap_or_else(|e| panic!("{topology_name} {what}: {e}"));
-            assert_eq!(exe.num_outputs().ok(), Some(1));
-            let cost = exe.cost_analysis().unwrap_or_else(|e| panic!("{e}"));
-            let f = cost.flops().expect("XLA reports flops");
-            let bytes = cost.bytes_accessed().expect("XLA reports bytes accessed");
-            eprintln!("{topology_name} {what}: {f:.4e} flops, {bytes:.4e} bytes accessed");
-            assert!(
-                bytes >= traced.weight_bytes as f64,
-                "{what}: {bytes} bytes accessed, fewer than its {} bytes of weights",
-                traced.weight_bytes
-            );
-            flops.push(f);
-        }
+        let flops = part_flops(&plugin, topology_name, &programs);
         let ratio = flops[2] / flops[1];
         assert!(
             ratio >= 1.9,

@@ -126,6 +126,47 @@ fn buffers_round_trip_f32_bf16_i64() {
     assert!(matches!(short, Err(Error::InvalidArgument(_))));
 }
 
+/// A strided view of host bytes arrives dense: the transpose of a `[2, 3]` array, and a slice
+/// of its second row; a view that would read past the bytes, or a negative stride, is refused
+/// before the plugin sees it.
+#[test]
+fn strided_host_views_arrive_dense_and_views_past_the_bytes_are_refused() {
+    let Some(plugin) = common::plugin("xla:cpu") else {
+        return;
+    };
+    let client = two_device_client(&plugin);
+    let device = client.device(0).unwrap_or_else(|e| panic!("{e}"));
+    let values = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    let shape = |dims: &[i64]| Shape::new(ElementType::F32, dims.to_vec());
+    // [3, 2] transpose of the row-major [2, 3]: row stride 4 bytes, column stride 12.
+    let transposed = client
+        .buffer_from_strided_host(&bytes, 0, &shape(&[3, 2]), &[4, 12], &device)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        transposed.to_vec::<f32>().ok(),
+        Some(vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0])
+    );
+    // Elements 1..3 of row 1.
+    let slice = client
+        .buffer_from_strided_host(&bytes, 16, &shape(&[1, 2]), &[12, 4], &device)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(slice.to_vec::<f32>().ok(), Some(vec![5.0, 6.0]));
+    for (offset, dims, strides) in [
+        (4usize, vec![3i64, 2], vec![4i64, 12]),
+        (0, vec![2, 4], vec![12, 4]),
+        (0, vec![2, 3], vec![-12, 4]),
+        (0, vec![2, 3], vec![12]),
+    ] {
+        let refused =
+            client.buffer_from_strided_host(&bytes, offset, &shape(&dims), &strides, &device);
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{offset} {dims:?} {strides:?}"
+        );
+    }
+}
+
 #[test]
 fn add_module_compiles_and_executes() {
     let Some(plugin) = common::plugin("xla:cpu") else {

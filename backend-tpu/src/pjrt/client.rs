@@ -187,28 +187,8 @@ impl Client {
                 shape.element_type
             )));
         }
-        let api = self.inner.plugin.api();
-        let mut args = Padded::<ffi::PJRT_Client_BufferFromHostBuffer_Args>::new();
-        args.client = self.inner.raw;
-        args.data = bytes.as_ptr().cast();
-        args.type_ = shape.element_type.to_raw();
-        args.dims = shape.dims.as_ptr();
-        args.num_dims = shape.dims.len();
-        args.host_buffer_semantics = ffi::PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
-        args.device = device.raw();
-        // SAFETY: `bytes` and `shape.dims` are valid for the call; with
-        // kImmutableUntilTransferCompletes the plugin may read `bytes` until
-        // `done_with_host_buffer` fires, and we wait for that event below,
-        // before `bytes` can be released. (With the zero-copy semantics the
-        // event would fire only when the buffer is destroyed: waiting would
-        // deadlock.)
-        unsafe { pjrt_call!(api, PJRT_Client_BufferFromHostBuffer, &mut args) }?;
-        let buffer = Buffer::from_raw(self.inner.clone(), args.buffer);
-        api.await_event(
-            "PJRT_Client_BufferFromHostBuffer",
-            args.done_with_host_buffer,
-        )?;
-        Ok(buffer)
+        // SAFETY: `bytes` holds the whole dense array the plugin reads.
+        unsafe { self.transfer(bytes.as_ptr(), shape, None, device) }
     }
 
     /// Copies a strided view of host bytes to `device` as a dense array of `shape`: element
@@ -247,20 +227,45 @@ impl Client {
                 bytes.len()
             )));
         }
+        // SAFETY: checked above: every element the view reads lies within `bytes`, which
+        // outlives the call.
+        unsafe {
+            let data = bytes.as_ptr().add(offset.min(bytes.len()));
+            self.transfer(data, shape, Some(byte_strides), device)
+        }
+    }
+
+    /// Copies host memory at `data`, dense or through `byte_strides`, to `device`; returns once
+    /// the plugin no longer reads it.
+    ///
+    /// # Safety
+    /// Every byte the plugin reads for `shape` from `data` (dense, or through the strides) must
+    /// stay readable until this returns.
+    unsafe fn transfer(
+        &self,
+        data: *const u8,
+        shape: &Shape,
+        byte_strides: Option<&[i64]>,
+        device: &Device,
+    ) -> Result<Buffer> {
         let api = self.inner.plugin.api();
         let mut args = Padded::<ffi::PJRT_Client_BufferFromHostBuffer_Args>::new();
         args.client = self.inner.raw;
-        // SAFETY: checked above: every element the view reads lies within `bytes`.
-        args.data = unsafe { bytes.as_ptr().add(offset.min(bytes.len())) }.cast();
+        args.data = data.cast();
         args.type_ = shape.element_type.to_raw();
         args.dims = shape.dims.as_ptr();
         args.num_dims = shape.dims.len();
-        args.byte_strides = byte_strides.as_ptr();
-        args.num_byte_strides = byte_strides.len();
+        if let Some(strides) = byte_strides {
+            args.byte_strides = strides.as_ptr();
+            args.num_byte_strides = strides.len();
+        }
         args.host_buffer_semantics = ffi::PJRT_HostBufferSemantics_kImmutableUntilTransferCompletes;
         args.device = device.raw();
-        // SAFETY: as in `buffer_from_host`; `byte_strides` lives through the call, and the
-        // plugin reads the view only within `bytes` (checked), until the event fires.
+        // SAFETY: the data (the caller's promise), `shape.dims` and the strides are valid for
+        // the call; with kImmutableUntilTransferCompletes the plugin may read the data until
+        // `done_with_host_buffer` fires, and we wait for that event below, before the data can
+        // be released. (With the zero-copy semantics the event would fire only when the buffer
+        // is destroyed: waiting would deadlock.)
         unsafe { pjrt_call!(api, PJRT_Client_BufferFromHostBuffer, &mut args) }?;
         let buffer = Buffer::from_raw(self.inner.clone(), args.buffer);
         api.await_event(

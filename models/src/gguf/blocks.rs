@@ -11,9 +11,7 @@
 //! value equals [`GgmlType::dequantize`] bit for bit (`x - 0.0 == x` and `x + m == x - (-m)`
 //! exactly).
 
-use half::f16;
-
-use super::quant::GgmlType;
+use super::quant::{crumb, five_bits, half_at, nibble, nibble_k, scale_min_k4, GgmlType};
 
 /// A run of whole blocks as integers, scales and offsets (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
@@ -101,18 +99,6 @@ impl IntegerBlocks {
     }
 }
 
-fn half_at(b: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
-}
-
-fn nibble(qs: &[u8], i: usize) -> u8 {
-    (qs[i % 16] >> (4 * (i / 16))) & 0x0F
-}
-
-fn five_bits(qh: u32, qs: &[u8], i: usize) -> u8 {
-    nibble(qs, i) | ((((qh >> i) & 1) as u8) << 4)
-}
-
 fn q4_0(b: &[u8], q: &mut [i8], s: &mut [f32]) {
     s[0] = half_at(b, 0);
     for (i, q) in q.iter_mut().enumerate() {
@@ -150,11 +136,6 @@ fn q8_0(b: &[u8], q: &mut [i8], s: &mut [f32]) {
     }
 }
 
-fn crumb(qs: &[u8], e: usize) -> u8 {
-    let (half, plane, lane) = (e / 128, (e % 128) / 32, e % 32);
-    (qs[half * 32 + lane] >> (2 * plane)) & 3
-}
-
 fn q2_k(b: &[u8], q: &mut [i8], s: &mut [f32], o: &mut [f32]) {
     let (scales, qs) = (&b[..16], &b[16..80]);
     let (d, dmin) = (half_at(b, 80), half_at(b, 82));
@@ -179,22 +160,6 @@ fn q3_k(b: &[u8], q: &mut [i8], s: &mut [f32]) {
         let high = ((hmask[e % 32] >> (e / 32)) & 1) ^ 1;
         *q = crumb(qs, e) as i8 - (high << 2) as i8;
     }
-}
-
-fn scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
-    for j in 0..4 {
-        sc[j] = s[j] & 0x3F;
-        m[j] = s[4 + j] & 0x3F;
-        sc[4 + j] = (s[8 + j] & 0x0F) | ((s[j] >> 2) & 0x30);
-        m[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
-    }
-    (sc, m)
-}
-
-fn nibble_k(qs: &[u8], e: usize) -> u8 {
-    let j = e / 32;
-    (qs[(j / 2) * 32 + e % 32] >> (4 * (j % 2))) & 0x0F
 }
 
 fn scales_k4(b: &[u8], s: &mut [f32], o: &mut [f32]) {
@@ -238,6 +203,7 @@ fn q6_k(b: &[u8], q: &mut [i8], s: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
 
     /// Random blocks with finite f16 scales (the scale bytes of each type rewritten).
     fn random_blocks(kind: GgmlType, blocks: usize, seed: u64) -> Vec<u8> {

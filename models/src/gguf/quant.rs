@@ -140,12 +140,12 @@ fn u16_at(b: &[u8], at: usize) -> u16 {
 }
 
 /// The little-endian f16 at byte `at`, widened (exactly) to f32.
-fn half_at(b: &[u8], at: usize) -> f32 {
+pub(super) fn half_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16_at(b, at)).to_f32()
 }
 
 /// The `i`-th of 32 four-bit values packed as 16 low nibbles then 16 high nibbles.
-fn nibble(qs: &[u8], i: usize) -> u8 {
+pub(super) fn nibble(qs: &[u8], i: usize) -> u8 {
     (qs[i % 16] >> (4 * (i / 16))) & 0x0F
 }
 
@@ -164,7 +164,7 @@ fn q4_1(b: &[u8], out: &mut [f32]) {
 }
 
 /// The `i`-th of 32 five-bit values: a nibble, and bit `i` of the 32-bit high mask.
-fn five_bits(qh: u32, qs: &[u8], i: usize) -> u8 {
+pub(super) fn five_bits(qh: u32, qs: &[u8], i: usize) -> u8 {
     nibble(qs, i) | ((((qh >> i) & 1) as u8) << 4)
 }
 
@@ -193,7 +193,7 @@ fn q8_0(b: &[u8], out: &mut [f32]) {
 
 /// The `e`-th of 256 two-bit values packed as two 32-byte halves, each holding four shifted
 /// planes.
-fn crumb(qs: &[u8], e: usize) -> u8 {
+pub(super) fn crumb(qs: &[u8], e: usize) -> u8 {
     let (half, plane, lane) = (e / 128, (e % 128) / 32, e % 32);
     (qs[half * 32 + lane] >> (2 * plane)) & 3
 }
@@ -226,7 +226,7 @@ fn q3_k(b: &[u8], out: &mut [f32]) {
 }
 
 /// The eight 6-bit scales and eight 6-bit minima of a Q4_K/Q5_K block, from its 12 bytes.
-fn scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub(super) fn scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut m) = ([0u8; 8], [0u8; 8]);
     for j in 0..4 {
         sc[j] = s[j] & 0x3F;
@@ -238,7 +238,7 @@ fn scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
 }
 
 /// The `e`-th of 256 four-bit values: four 32-byte chunks, low nibbles then high nibbles.
-fn nibble_k(qs: &[u8], e: usize) -> u8 {
+pub(super) fn nibble_k(qs: &[u8], e: usize) -> u8 {
     let j = e / 32;
     (qs[(j / 2) * 32 + e % 32] >> (4 * (j % 2))) & 0x0F
 }
