@@ -1,7 +1,8 @@
 //! The ControlNet flags: `--controlnet DIR_OR_FILE[:SCALE]` (repeatable), `--control-image
 //! FILE` (one per ControlNet, in order), `--control-guidance-start F`,
 //! `--control-guidance-end F` and `--guess-mode`, checked before any model loads, and the PNG
-//! fields A1111's ControlNet extension writes (`ControlNet 0: "..."`).
+//! fields A1111's ControlNet extension writes (`ControlNet 0: "..."`), read back by
+//! `--from-png` ([`ControlArgs::from_png_fields`]).
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -192,7 +193,7 @@ impl ControlArgs {
     /// parameters text quotes each value).
     pub fn png_fields(&self) -> Vec<(String, String)> {
         let mode = if self.guess_mode {
-            "ControlNet is more important"
+            MORE_IMPORTANT
         } else {
             "Balanced"
         };
@@ -213,5 +214,178 @@ impl ControlArgs {
                 )
             })
             .collect()
+    }
+}
+
+/// The guess-mode name A1111's ControlNet extension writes as `Control Mode`.
+const MORE_IMPORTANT: &str = "ControlNet is more important";
+
+/// One `ControlNet k` field of a PNG, as A1111's ControlNet extension writes it: `Module: none,
+/// Model: NAME, Weight: S, Guidance Start: A, Guidance End: B, Control Mode: MODE`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PngControlNet {
+    pub model: String,
+    pub weight: f32,
+    pub guidance_start: f64,
+    pub guidance_end: f64,
+    pub guess_mode: bool,
+}
+
+impl PngControlNet {
+    /// The field's value parsed; `None` when it is not one (a field of another extension).
+    pub fn parse(value: &str) -> Option<Self> {
+        let mut model = None;
+        let (mut weight, mut start, mut end, mut guess_mode) = (1.0f32, 0.0f64, 1.0f64, false);
+        for part in value.split(", ") {
+            let (key, v) = part.split_once(": ")?;
+            match key.trim() {
+                "Model" => model = Some(v.trim().to_string()),
+                "Weight" => weight = v.trim().parse().ok()?,
+                "Guidance Start" => start = v.trim().parse().ok()?,
+                "Guidance End" => end = v.trim().parse().ok()?,
+                "Control Mode" => guess_mode = v.trim() == MORE_IMPORTANT,
+                _ => {}
+            }
+        }
+        Some(Self {
+            model: model.filter(|m| !m.is_empty())?,
+            weight,
+            guidance_start: start,
+            guidance_end: end,
+            guess_mode,
+        })
+    }
+}
+
+impl ControlArgs {
+    /// `--from-png`'s ControlNets: the PNG's `ControlNet k` fields (`extra`, in order) as
+    /// flags, each model found by path or by folder name in `dirs`; nothing when the user gave
+    /// `--controlnet`. The conditioning images are not in a PNG: without `--control-image` for
+    /// each, the error names them. A PNG `png` whose ControlNets cannot be found or whose
+    /// windows differ (one window for all is what this CLI writes) is an error naming the fix.
+    pub fn from_png_fields(
+        &mut self,
+        extra: &[(String, String)],
+        png: &Path,
+        dirs: &[PathBuf],
+    ) -> Result<(), UsageError> {
+        if !self.controlnet.is_empty() {
+            return Ok(());
+        }
+        let mut nets = Vec::new();
+        for k in 0.. {
+            let key = format!("ControlNet {k}");
+            let Some((_, value)) = extra.iter().find(|(name, _)| *name == key) else {
+                break;
+            };
+            let net = PngControlNet::parse(value).ok_or_else(|| {
+                UsageError(format!(
+                    "{}: its {key} field is not one A1111's ControlNet extension writes \
+                     ({value}); pass --controlnet DIR:SCALE yourself",
+                    png.display()
+                ))
+            })?;
+            nets.push(net);
+        }
+        let Some(first) = nets.first() else {
+            return Ok(());
+        };
+        if nets.iter().any(|n| {
+            (n.guidance_start, n.guidance_end, n.guess_mode)
+                != (first.guidance_start, first.guidance_end, first.guess_mode)
+        }) {
+            return Err(UsageError(format!(
+                "{} was made with ControlNets of different guidance windows or modes; pass \
+                 --controlnet, --control-guidance-start/-end and --guess-mode yourself",
+                png.display()
+            )));
+        }
+        for net in &nets {
+            let path = find_controlnet(&net.model, dirs).ok_or_else(|| {
+                let searched: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+                UsageError(format!(
+                    "{} was made with ControlNet `{}`, which is not in the model folders ({}); \
+                     pass --controlnet DIR:{} or --model-dir DIR where it is",
+                    png.display(),
+                    net.model,
+                    searched.join(", "),
+                    net.weight
+                ))
+            })?;
+            self.controlnet.push(ControlNetSpec {
+                path,
+                scale: net.weight,
+            });
+        }
+        if self.control_image.len() != nets.len() {
+            let names: Vec<&str> = nets.iter().map(|n| n.model.as_str()).collect();
+            return Err(UsageError(format!(
+                "{} was made with ControlNet {} steered by images a PNG does not hold; pass \
+                 --control-image FILE for each, in that order",
+                png.display(),
+                names.join(", ")
+            )));
+        }
+        self.control_guidance_start = first.guidance_start;
+        self.control_guidance_end = first.guidance_end;
+        self.guess_mode = first.guess_mode;
+        Ok(())
+    }
+}
+
+/// The ControlNet `name` a PNG records: a path as it is, else a folder of that name (with a
+/// `config.json`) in `dirs`.
+fn find_controlnet(name: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
+    let path = Path::new(name);
+    if path.join("config.json").is_file() {
+        return Some(path.to_path_buf());
+    }
+    if name.contains(['/', '\\']) || name == "." || name == ".." {
+        return None;
+    }
+    dirs.iter()
+        .map(|dir| dir.join(name))
+        .find(|folder| folder.join("config.json").is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn png_fields_parse_back() {
+        let args = ControlArgs {
+            controlnet: vec![ControlNetSpec {
+                path: PathBuf::from("nets/canny"),
+                scale: 0.75,
+            }],
+            control_image: vec![PathBuf::from("edges.png")],
+            control_guidance_start: 0.1,
+            control_guidance_end: 0.9,
+            guess_mode: true,
+        };
+        let fields = args.png_fields();
+        assert_eq!(
+            PngControlNet::parse(&fields[0].1),
+            Some(PngControlNet {
+                model: "canny".into(),
+                weight: 0.75,
+                guidance_start: 0.1,
+                guidance_end: 0.9,
+                guess_mode: true,
+            })
+        );
+        // A1111's own field (with a preprocessor and more keys) reads the same way.
+        let a1111 = "Module: canny, Model: control_v11p_sd15_canny [d14c016b], Weight: 1, \
+                     Resize Mode: Crop and Resize, Low Vram: False, Processor Res: 512, \
+                     Guidance Start: 0, Guidance End: 1, Pixel Perfect: False, Control Mode: Balanced";
+        let net = PngControlNet::parse(a1111).unwrap();
+        assert_eq!(net.model, "control_v11p_sd15_canny [d14c016b]");
+        assert_eq!(
+            (net.weight, net.guidance_end, net.guess_mode),
+            (1.0, 1.0, false)
+        );
+        assert_eq!(PngControlNet::parse("no model here"), None);
+        assert_eq!(PngControlNet::parse("Model: x, Weight: heavy"), None);
     }
 }

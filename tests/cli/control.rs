@@ -210,3 +210,88 @@ fn bad_controlnet_input_is_one_line_before_anything_is_generated() {
     assert!(log.contains("made for another base model"), "{log}");
     assert!(!out.exists());
 }
+
+/// `--from-png` reads the ControlNet fields back: the same two ControlNets, weights, window
+/// and mode, found by name in `--model-dir`, with the control images given again (a PNG does
+/// not hold them) make the same image bit for bit; without the images, or with a ControlNet
+/// that is not in the model folders, it is a usage error naming the fix.
+#[test]
+fn from_png_reads_the_controlnets_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, image) = paths();
+    let first = tmp.path().join("first.png");
+    let (log, code) = run(
+        &first,
+        &[
+            "--controlnet",
+            &format!("{a}:0.8"),
+            "--control-image",
+            &image,
+            "--controlnet",
+            &format!("{b}:0.5"),
+            "--control-image",
+            &image,
+            "--control-guidance-start",
+            "0.25",
+            "--guess-mode",
+        ],
+    );
+    assert_eq!(code, Some(0), "{log}");
+    let again = tmp.path().join("again.png");
+    let fixtures_dir = fixtures().display().to_string();
+    let from_png = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "--from-png",
+            first.to_str().unwrap(),
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let result = txt2img(&args);
+        (stderr(&result), result.status.code())
+    };
+    let (log, code) = from_png(
+        &again,
+        &[
+            "--model-dir",
+            &fixtures_dir,
+            "--control-image",
+            &image,
+            "--control-image",
+            &image,
+        ],
+    );
+    assert_eq!(code, Some(0), "{log}");
+    assert_eq!(
+        image::open(&first).unwrap().to_rgb8().as_raw(),
+        image::open(&again).unwrap().to_rgb8().as_raw(),
+        "the PNG's ControlNets make its image again"
+    );
+    let text = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap();
+        oxidiff::pipelines::metadata::png_text(&bytes, "parameters")
+            .unwrap()
+            .unwrap()
+    };
+    assert_eq!(text(&first), text(&again));
+
+    let (log, code) = from_png(&tmp.path().join("x.png"), &["--model-dir", &fixtures_dir]);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains("tiny-controlnet-sd1, tiny-controlnet-sd1-b")
+            && log.contains("--control-image"),
+        "{log}"
+    );
+    let model = model_dir("tiny-sd1").display().to_string();
+    let (log, code) = from_png(
+        &tmp.path().join("y.png"),
+        &["--model", &model, "--control-image", &image],
+    );
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains("ControlNet `tiny-controlnet-sd1`") && log.contains("--model-dir"),
+        "{log}"
+    );
+    assert!(!tmp.path().join("x.png").exists() && !tmp.path().join("y.png").exists());
+}

@@ -53,9 +53,12 @@ pub fn apply_from_png(args: &mut Args) -> Result<()> {
             tags.join(" ")
         );
     }
+    let dirs = model_dirs(&args.model_dir);
     if !args.model_given && !p.model.is_empty() {
-        args.model = png_model(path, &p, &model_dirs(&args.model_dir))?;
+        args.model = png_model(path, &p, &dirs)?;
     }
+    // Its ControlNets (A1111's `ControlNet k` fields), unless --controlnet was given.
+    args.control.from_png_fields(&p.extra, path, &dirs)?;
     args.prompt.get_or_insert(prompt);
     args.negative_prompt.get_or_insert(p.negative_prompt);
     args.steps.get_or_insert(p.steps);
