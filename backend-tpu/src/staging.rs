@@ -11,7 +11,6 @@
 //! and the host holds at most one shard beside the mapped file. A staged tensor anything else
 //! uses is uploaded then, once.
 
-#[cfg(test)]
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -70,50 +69,30 @@ impl StagedTensor {
         })
     }
 
-    /// The logical tensor as dense row-major bytes: the stored bytes themselves when no
-    /// dimension moved, else one gathered copy (what [`upload`](Self::upload) sends).
-    #[cfg(test)]
-    fn dense(&self) -> Cow<'_, [u8]> {
-        let bytes = self.data.as_bytes();
-        if self.axes.iter().enumerate().all(|(i, &a)| i == a) {
-            return Cow::Borrowed(bytes);
-        }
-        let dims = self.dims();
-        let tables = dims
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| self.offsets(i, (0..n).collect()))
-            .collect::<Vec<_>>();
-        Cow::Owned(gather(bytes, self.element.byte_size(), &tables))
-    }
-
-    /// Partition `p`'s part of the logical tensor under `layout` on `mesh`, as dense row-major
-    /// bytes, and its dimensions (the same blocks as [`Layout::part_of`] cuts from dense bytes).
-    #[cfg(test)]
-    fn part(&self, layout: &Layout, mesh: &Mesh, p: usize) -> (Vec<u8>, Vec<usize>) {
-        let dims = self.dims();
-        let part_dims = layout.part_dims(mesh, &dims);
-        let tables = dims
-            .iter()
-            .enumerate()
-            .map(|(i, _)| self.offsets(i, layout.source_indices(mesh, p, &dims, i)))
-            .collect::<Vec<_>>();
-        (
-            gather(self.data.as_bytes(), self.element.byte_size(), &tables),
-            part_dims,
-        )
-    }
-
     /// Copies the logical tensor, or partition `p`'s part of it under `layout` on `mesh`, to
-    /// `device`: as a strided view of the stored bytes, so the plugin transposes and slices
-    /// while it copies, or, where the part is not one view (packed splits), from a gathered
-    /// copy. Returns the buffer and the bytes copied.
+    /// `device` through [`host_view`](Self::host_view). Returns the buffer and the bytes copied.
     pub(crate) fn upload(
         &self,
         client: &Client,
         device: &Device,
         part: Option<(&Layout, &Mesh, usize)>,
     ) -> pjrt::Result<(Buffer, usize)> {
+        let view = self.host_view(part);
+        let dims: Vec<i64> = view.dims.iter().map(|&d| d as i64).collect();
+        let strides: Vec<i64> = view.strides.iter().map(|&s| s as i64).collect();
+        let shape = pjrt::Shape::new(self.element, dims);
+        let bytes = view.dims.iter().product::<usize>() * self.element.byte_size();
+        let buffer =
+            client.buffer_from_strided_host(&view.bytes, view.offset, &shape, &strides, device)?;
+        Ok((buffer, bytes))
+    }
+
+    /// What [`upload`](Self::upload) hands the plugin for the logical tensor, or partition
+    /// `p`'s part of it: a strided view of the stored bytes (the plugin transposes and slices
+    /// while it copies), or, where the part is not one view (packed splits), a copy of its
+    /// elements gathered in the stored order (whole runs of the stored rows, copied as they
+    /// lie), read through the view's permutation.
+    fn host_view(&self, part: Option<(&Layout, &Mesh, usize)>) -> HostView<'_> {
         let dims = self.dims();
         let elem = self.element.byte_size();
         let indices: Vec<Vec<usize>> = match part {
@@ -122,39 +101,30 @@ impl StagedTensor {
                 .collect(),
             None => dims.iter().map(|&n| (0..n).collect()).collect(),
         };
-        let part_dims: Vec<i64> = indices.iter().map(|ix| ix.len() as i64).collect();
-        let shape = pjrt::Shape::new(self.element, part_dims);
-        let bytes = indices.iter().map(Vec::len).product::<usize>() * elem;
-        // One view when every dimension's indices are a contiguous run.
+        let part_dims: Vec<usize> = indices.iter().map(Vec::len).collect();
+        let stored_stride = |j: usize| self.data.shape[j + 1..].iter().product::<usize>() * elem;
         let contiguous = indices
             .iter()
             .all(|ix| ix.windows(2).all(|w| w[1] == w[0] + 1));
         if contiguous {
-            let mut offset = 0;
-            let mut strides = Vec::with_capacity(dims.len());
-            for (i, ix) in indices.iter().enumerate() {
-                let stride = self.stride(i);
-                offset += ix.first().copied().unwrap_or(0) * stride;
-                strides.push(stride as i64);
-            }
-            let buffer = client.buffer_from_strided_host(
-                self.data.as_bytes(),
+            let strides: Vec<usize> = self.axes.iter().map(|&j| stored_stride(j)).collect();
+            let offset = indices
+                .iter()
+                .zip(&strides)
+                .map(|(ix, s)| ix.first().copied().unwrap_or(0) * s)
+                .sum();
+            return HostView {
+                bytes: Cow::Borrowed(self.data.as_bytes()),
                 offset,
-                &shape,
-                &strides,
-                device,
-            )?;
-            return Ok((buffer, bytes));
+                dims: part_dims,
+                strides,
+            };
         }
-        // Otherwise the part's elements are gathered in the stored order (whole runs of the
-        // stored rows, copied as they lie), and the plugin reads that compact copy through the
-        // view's permutation.
         let rank = dims.len();
         let mut logical_of = vec![0; rank];
         for (i, &a) in self.axes.iter().enumerate() {
             logical_of[a] = i;
         }
-        let stored_stride = |j: usize| self.data.shape[j + 1..].iter().product::<usize>() * elem;
         let tables: Vec<Vec<usize>> = (0..rank)
             .map(|j| {
                 indices[logical_of[j]]
@@ -165,29 +135,27 @@ impl StagedTensor {
             .collect();
         let gathered = gather(self.data.as_bytes(), elem, &tables);
         let compact: Vec<usize> = (0..rank).map(|j| indices[logical_of[j]].len()).collect();
-        let strides: Vec<i64> = self
+        let strides = self
             .axes
             .iter()
-            .map(|&j| (compact[j + 1..].iter().product::<usize>() * elem) as i64)
+            .map(|&j| compact[j + 1..].iter().product::<usize>() * elem)
             .collect();
-        let buffer = client.buffer_from_strided_host(&gathered, 0, &shape, &strides, device)?;
-        Ok((buffer, bytes))
+        HostView {
+            bytes: Cow::Owned(gathered),
+            offset: 0,
+            dims: part_dims,
+            strides,
+        }
     }
+}
 
-    /// The byte stride of logical dimension `dim` in the stored data.
-    fn stride(&self, dim: usize) -> usize {
-        let stored = self.axes[dim];
-        self.data.shape[stored + 1..].iter().product::<usize>() * self.element.byte_size()
-    }
-
-    /// Byte offsets in the stored data of logical dimension `dim`'s `indices`.
-    #[cfg(test)]
-    fn offsets(&self, dim: usize, indices: Vec<usize>) -> Vec<usize> {
-        let stored = self.axes[dim];
-        let stride: usize =
-            self.data.shape[stored + 1..].iter().product::<usize>() * self.element.byte_size();
-        indices.into_iter().map(|i| i * stride).collect()
-    }
+/// Host bytes as a PJRT upload reads them: element `[i0, i1, ...]` of `dims` at byte
+/// `offset + Σ i_k * strides[k]`.
+struct HostView<'a> {
+    bytes: Cow<'a, [u8]>,
+    offset: usize,
+    dims: Vec<usize>,
+    strides: Vec<usize>,
 }
 
 /// The elements at every combination of per-dimension byte offsets (`tables[d][j]`: where
@@ -239,6 +207,21 @@ mod tests {
         StagedTensor::new(TensorData::new(values, shape), ElementType::F32)
     }
 
+    /// The f32 elements of `view`, row-major, read through its strides as the plugin does.
+    fn read(view: &HostView) -> Vec<f32> {
+        let count: usize = view.dims.iter().product();
+        (0..count)
+            .map(|mut flat| {
+                let mut at = view.offset;
+                for (&d, &s) in view.dims.iter().zip(&view.strides).rev() {
+                    at += (flat % d) * s;
+                    flat /= d;
+                }
+                f32::from_ne_bytes(view.bytes[at..at + 4].try_into().unwrap())
+            })
+            .collect()
+    }
+
     fn floats(bytes: &[u8]) -> Vec<f32> {
         bytes
             .chunks_exact(4)
@@ -247,23 +230,24 @@ mod tests {
     }
 
     #[test]
-    fn a_transposed_view_gathers_the_transpose() {
+    fn a_transposed_view_reads_the_transpose_without_a_copy() {
         // [2, 3] stored, seen as [3, 2].
         let t = staged((0..6).map(|v| v as f32).collect(), vec![2, 3]);
-        assert!(matches!(t.dense(), Cow::Borrowed(_)));
         let tt = t.swapped(0, 1).unwrap();
         assert_eq!(tt.dims(), vec![3, 2]);
-        assert_eq!(floats(&tt.dense()), vec![0., 3., 1., 4., 2., 5.]);
-        // Swapping back is the stored tensor again.
-        assert!(matches!(
-            tt.swapped(1, 0).unwrap().dense(),
-            Cow::Borrowed(_)
-        ));
+        let view = tt.host_view(None);
+        assert!(matches!(view.bytes, Cow::Borrowed(_)), "a view, not a copy");
+        assert_eq!(read(&view), vec![0., 3., 1., 4., 2., 5.]);
+        // Swapping back is the stored tensor again: dense strides.
+        assert_eq!(
+            tt.swapped(1, 0).unwrap().host_view(None).strides,
+            vec![12, 4]
+        );
         // A 3-d permutation against the index arithmetic.
         let t = staged((0..24).map(|v| v as f32).collect(), vec![2, 3, 4]);
         let p = t.permuted(&[2, 0, 1]).unwrap();
         assert_eq!(p.dims(), vec![4, 2, 3]);
-        let got = floats(&p.dense());
+        let got = read(&p.host_view(None));
         for a in 0..4 {
             for b in 0..2 {
                 for c in 0..3 {
@@ -280,7 +264,10 @@ mod tests {
         // A [4, 6] weight stored as [6, 4] (Linear's checkpoint layout), every layout, tp 2.
         let stored = staged((0..24).map(|v| v as f32).collect(), vec![6, 4]);
         let view = stored.swapped(0, 1).unwrap();
-        let dense = view.dense().into_owned();
+        let dense: Vec<u8> = read(&view.host_view(None))
+            .iter()
+            .flat_map(|v| v.to_ne_bytes())
+            .collect();
         let dims = view.dims();
         let mesh = Mesh::new(1, 2);
         for layout in [
@@ -290,23 +277,26 @@ mod tests {
             Layout::Replicated,
         ] {
             for p in 0..2 {
-                let (part, part_dims) = view.part(&layout, &mesh, p);
+                let part = view.host_view(Some((&layout, &mesh, p)));
                 assert_eq!(
-                    part,
-                    layout.part_of(&mesh, p, &dense, &dims, 4),
+                    read(&part),
+                    floats(&layout.part_of(&mesh, p, &dense, &dims, 4)),
                     "{layout:?} {p}"
                 );
-                assert_eq!(part_dims, layout.part_dims(&mesh, &dims));
+                assert_eq!(part.dims, layout.part_dims(&mesh, &dims));
+                // Only the packed split needs a gathered copy.
+                let packed = matches!(layout, Layout::PackedTensorSplit(..));
+                assert_eq!(matches!(part.bytes, Cow::Owned(_)), packed, "{layout:?}");
             }
         }
         // On dp 2 x tp 2, a batch split of the stored (not permuted) tensor.
         let mesh = Mesh::new(2, 2);
-        let bytes = stored.dense().into_owned();
+        let bytes = stored.data.as_bytes().to_vec();
         for p in 0..4 {
-            let (part, _) = stored.part(&Layout::BatchSplit(0), &mesh, p);
+            let part = stored.host_view(Some((&Layout::BatchSplit(0), &mesh, p)));
             assert_eq!(
-                part,
-                Layout::BatchSplit(0).part_of(&mesh, p, &bytes, &[6, 4], 4)
+                read(&part),
+                floats(&Layout::BatchSplit(0).part_of(&mesh, p, &bytes, &[6, 4], 4))
             );
         }
     }
