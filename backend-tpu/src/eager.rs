@@ -15,7 +15,6 @@
 //! it, naming the op). Nothing panics inside `register_op`, which also runs
 //! from `Drop`.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +25,7 @@ use burn_ir::{BaseOperationIr, OperationIr, TensorId, TensorIr, TensorStatus};
 
 use crate::compile_cache::{self, disk_key, entry_path, load_executable, store_executable};
 use crate::device::{OxiDevice, PjrtPlatform};
-use crate::host::{dims_i64, host_layout, read_buffer, scalar_bytes};
+use crate::host::{dims_i64, read_buffer, scalar_bytes};
 use crate::lowering::{self, element_type, Argument, LoweredFunction};
 use crate::pjrt::{self, Buffer, Client, CompileOptions, Device, ElementType, LoadedExecutable};
 pub use crate::platform::{shared_client, XLA_CPU_DEVICES_ENV};
@@ -74,6 +73,15 @@ struct State {
     fault: Option<InjectedFault>,
     /// Whether the disk cache's trouble was already reported (once per device).
     disk_cache_warned: bool,
+}
+
+impl State {
+    /// Records `result`'s error unless an earlier one is pending (the first is reported).
+    fn keep_first_error(&mut self, result: OpResult<()>) {
+        if let Err(e) = result {
+            self.error.get_or_insert(e);
+        }
+    }
 }
 
 /// A device fault scheduled by a test: op number `after` (counted from the call) fails.
@@ -270,18 +278,12 @@ impl PjrtClient {
             _ => {
                 if !state.staged.is_empty() {
                     for input in op.inputs() {
-                        if let Err(e) = self.upload_staged_one(&mut state, input.id) {
-                            if state.error.is_none() {
-                                state.error = Some(e);
-                            }
-                        }
+                        let uploaded = self.upload_staged_one(&mut state, input.id);
+                        state.keep_first_error(uploaded);
                     }
                 }
-                if let Err(e) = self.execute(&mut state, &op) {
-                    if state.error.is_none() {
-                        state.error = Some(e);
-                    }
-                }
+                let executed = self.execute(&mut state, &op);
+                state.keep_first_error(executed);
                 // Inputs consumed by the op (no `Drop` will come for them).
                 for input in op.inputs() {
                     if input.status == TensorStatus::ReadWrite {
@@ -533,11 +535,8 @@ impl PjrtClient {
     pub(crate) fn with_buffers<R>(&self, f: impl FnOnce(&mut HashMap<TensorId, Buffer>) -> R) -> R {
         let mut state = self.state();
         if !state.staged.is_empty() {
-            if let Err(e) = self.upload_all_staged(&mut state) {
-                if state.error.is_none() {
-                    state.error = Some(e);
-                }
-            }
+            let uploaded = self.upload_all_staged(&mut state);
+            state.keep_first_error(uploaded);
         }
         f(&mut state.buffers)
     }
@@ -549,64 +548,41 @@ impl PjrtClient {
         [state.seed, state.draws]
     }
 
-    /// Copies host data to the device; returns the new tensor's IR.
+    /// Copies host data to the device (or stages it, under [`stage_uploads`](Self::stage_uploads));
+    /// returns the new tensor's IR.
     pub fn register_tensor_data_ir(&self, data: TensorData) -> TensorIr {
-        let id = self.create_empty_handle();
-        let shape = data.shape.clone();
-        let dtype = data.dtype;
-        if self.state().staging > 0 {
-            // Only Flex32 is converted; anything else is staged in the loader's own bytes.
-            let layout = host_layout(&data).map(|(element, host)| match host {
-                Cow::Owned(converted) => (element, Some(converted)),
-                Cow::Borrowed(_) => (element, None),
-            });
-            match layout {
-                Ok((element, converted)) => {
-                    let staged = StagedTensor::new(converted.unwrap_or(data), element);
-                    self.state().staged.insert(id, staged);
-                }
-                Err(e) => {
-                    let mut state = self.state();
-                    if state.error.is_none() {
-                        state.error = Some(e);
-                    }
-                }
-            }
-            return TensorIr {
-                id,
-                shape,
-                status: TensorStatus::ReadWrite,
-                dtype,
-            };
-        }
-        let result = self.upload(&data);
-        let mut state = self.state();
-        match result {
-            Ok(buffer) => {
-                state.stats.uploaded_bytes += data.as_bytes().len() as u64;
-                state.buffers.insert(id, buffer);
-            }
-            Err(e) => {
-                if state.error.is_none() {
-                    state.error = Some(e);
-                }
-            }
-        }
-        TensorIr {
-            id,
-            shape,
+        let ir = TensorIr {
+            id: self.create_empty_handle(),
+            shape: data.shape.clone(),
             status: TensorStatus::ReadWrite,
-            dtype,
+            dtype: data.dtype,
+        };
+        let staged = match StagedTensor::from_data(data) {
+            Ok(staged) => staged,
+            Err(e) => {
+                self.state().keep_first_error(Err(e));
+                return ir;
+            }
+        };
+        if self.state().staging > 0 {
+            self.state().staged.insert(ir.id, staged);
+            return ir;
         }
-    }
-
-    fn upload(&self, data: &TensorData) -> OpResult<Buffer> {
-        let (client, device) = self.target()?;
-        let (elem, data) = host_layout(data)?;
-        let shape = pjrt::Shape::new(elem, dims_i64(&data.shape));
-        client
-            .buffer_from_host(data.as_bytes(), &shape, device)
-            .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))
+        // Copied outside the state's lock.
+        let copied = self.target().and_then(|(client, device)| {
+            staged
+                .upload(client, device, None)
+                .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))
+        });
+        let mut state = self.state();
+        match copied {
+            Ok((buffer, bytes)) => {
+                state.stats.uploaded_bytes += bytes as u64;
+                state.buffers.insert(ir.id, buffer);
+            }
+            Err(e) => state.keep_first_error(Err(e)),
+        }
+        ir
     }
 
     /// Copies a tensor to the host; frees it when the read consumes it. The
@@ -622,11 +598,8 @@ impl PjrtClient {
             });
         }
         let mut state = self.state();
-        if let Err(e) = self.upload_staged_one(&mut state, tensor.id) {
-            if state.error.is_none() {
-                state.error = Some(e);
-            }
-        }
+        let uploaded = self.upload_staged_one(&mut state, tensor.id);
+        state.keep_first_error(uploaded);
         if let Some(reason) = state.error.take() {
             return Err(ExecutionError::WithContext { reason });
         }

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use burn_backend::TensorData;
 
+use crate::host::host_layout;
 use crate::pjrt::{self, Buffer, Client, Device, ElementType};
 use crate::spmd::{Layout, Mesh};
 
@@ -37,6 +38,16 @@ impl StagedTensor {
             element,
             axes,
         }
+    }
+
+    /// `data` as a PJRT device holds it (Flex32 becomes f32; any other dtype is kept in the
+    /// loader's own bytes), or why no device can hold it.
+    pub(crate) fn from_data(data: TensorData) -> Result<Self, String> {
+        let (element, converted) = match host_layout(&data)? {
+            (element, Cow::Owned(converted)) => (element, Some(converted)),
+            (element, Cow::Borrowed(_)) => (element, None),
+        };
+        Ok(Self::new(converted.unwrap_or(data), element))
     }
 
     /// The logical dimensions (the stored ones, permuted).
