@@ -136,24 +136,16 @@ impl PipelineBackend for Oxi {
         let mut all = pipe.memory(&place);
         // A partitioned denoiser's weights are where its placement put them: its shards and
         // the replicated weights copied to each device of the mesh.
-        if let (Some(placement), OxiDevice::Pjrt { platform, index }) =
-            (pipe.spmd_placement(), placement_device(pipe))
-        {
+        if let Some(placement) = pipe.spmd_placement() {
             if let Some(denoiser) = all
                 .iter_mut()
                 .find(|c| c.component == "unet" || c.component == "transformer")
             {
                 denoiser.memory.by_place = placement
-                    .weight_bytes()
+                    .partition_devices()
                     .iter()
-                    .enumerate()
-                    .map(|(p, bytes)| {
-                        let device = OxiDevice::Pjrt {
-                            platform: platform.clone(),
-                            index: index + p,
-                        };
-                        (device.to_string(), bytes.sharded + bytes.replicated)
-                    })
+                    .zip(placement.weight_bytes())
+                    .map(|(device, bytes)| (device.to_string(), bytes.sharded + bytes.replicated))
                     .collect();
             }
         }
@@ -163,10 +155,4 @@ impl PipelineBackend for Oxi {
     fn eager_stats(device: &Self::Device) -> Option<EagerStats> {
         oxidiff_backend_tpu::pjrt_client(device).map(|client| client.stats())
     }
-}
-
-/// The first device of the denoiser's mesh (the CPU when it has none).
-fn placement_device(pipe: &AutoPipeline<Oxi>) -> OxiDevice {
-    pipe.spmd_placement()
-        .map_or(OxiDevice::Cpu, |placement| placement.device())
 }

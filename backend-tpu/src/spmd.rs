@@ -360,6 +360,20 @@ impl SpmdPlacement {
         self.client.device()
     }
 
+    /// The devices of the partitions, in partition order (`device`, `device + 1`, ...).
+    pub fn partition_devices(&self) -> Vec<OxiDevice> {
+        let first = self.client.device();
+        match &first {
+            OxiDevice::Pjrt { platform, index } => (0..self.mesh.partitions())
+                .map(|p| OxiDevice::Pjrt {
+                    platform: platform.clone(),
+                    index: index + p,
+                })
+                .collect(),
+            OxiDevice::Cpu => vec![first],
+        }
+    }
+
     pub(crate) fn devices(&self) -> &[pjrt::Device] {
         &self.devices
     }

@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, Shape, TensorData};
-use burn_ir::{OperationIr, TensorId, TensorIr};
+/// The IR of a traced tensor ([`float_ir`]), as the lowering takes it.
+pub use burn_ir::TensorIr;
+use burn_ir::{OperationIr, TensorId};
 use burn_router::{get_client, BackendRouter, RouterTensor, RunnerChannel, RunnerClient};
 
 use crate::channel::HostBridge;

@@ -11,7 +11,7 @@ use std::path::Path;
 use burn::tensor::{Tensor, TensorData};
 use oxidiff_backend_tpu::compiled::lower_recorded;
 use oxidiff_backend_tpu::lowering::{Argument, LoweredFunction};
-use oxidiff_backend_tpu::trace::{float_ir, take_ops, Traced};
+use oxidiff_backend_tpu::trace::{float_ir, take_ops, TensorIr, Traced};
 use oxidiff_backend_tpu::OxiDevice;
 use oxidiff_models::config::PerBlock;
 use oxidiff_models::{
@@ -261,16 +261,7 @@ pub fn trace_vae(vae_dir: &Path, variant: Option<&str>, half: VaeHalf) -> Result
             (float_ir(&latents), float_ir(&vae.run_decoder(latents)))
         }
     };
-    let ops = take_ops(&device);
-    let function = lower_recorded(&[input], &ops, &[output])
-        .map_err(|e| PipelineError::Compile(format!("lowering the traced VAE: {e}")))?;
-    let (weights, weight_bytes) = weight_arguments(&function, 1);
-    Ok(TracedPart {
-        ops: ops.len(),
-        weights,
-        weight_bytes,
-        module: function.module,
-    })
+    traced_part(&device, &[input], output, "VAE")
 }
 
 /// Which text encoder to trace, on how many rows of how many tokens.
@@ -314,9 +305,20 @@ pub fn trace_text_encoder(
             (inputs, float_ir(&t5.run_blocks(x, bias)))
         }
     };
-    let ops = take_ops(&device);
-    let function = lower_recorded(&inputs, &ops, &[output])
-        .map_err(|e| PipelineError::Compile(format!("lowering the traced text encoder: {e}")))?;
+    traced_part(&device, &inputs, output, "text encoder")
+}
+
+/// The ops recorded on `device` since the model loaded, lowered to one module from `inputs`
+/// to `output` (`what` names the part in errors).
+fn traced_part(
+    device: &OxiDevice,
+    inputs: &[TensorIr],
+    output: TensorIr,
+    what: &str,
+) -> Result<TracedPart> {
+    let ops = take_ops(device);
+    let function = lower_recorded(inputs, &ops, &[output])
+        .map_err(|e| PipelineError::Compile(format!("lowering the traced {what}: {e}")))?;
     let (weights, weight_bytes) = weight_arguments(&function, inputs.len());
     Ok(TracedPart {
         ops: ops.len(),
