@@ -109,6 +109,7 @@ def main():
                     help="torch_dtype of the pipeline (the weights and the models' compute)")
     ap.add_argument("--variant", default=None,
                     help="weight files to read (diffusers' variant, e.g. fp16; made on first use)")
+    ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     ap.add_argument("--unet-only", action="store_true")
     ap.add_argument("--make-only", action="store_true")
     args = ap.parse_args()
@@ -127,47 +128,54 @@ def main():
     pipe = StableDiffusionPipeline.from_pretrained(args.dir, safety_checker=None, requires_safety_checker=False,
                                                    torch_dtype=dtype, variant=args.variant)
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    device = torch.device(args.device)
+    pipe.to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pipe.set_progress_bar_config(disable=True)
     result = {"load_s": time.perf_counter() - start}
     prompt = "a photo of an astronaut riding a horse"
     lat = args.size // 8
 
     def generate():
-        pipe(prompt, num_inference_steps=args.steps, guidance_scale=7.5, height=args.size,
+        return pipe(prompt, num_inference_steps=args.steps, guidance_scale=7.5, height=args.size,
              width=args.size, generator=torch.Generator().manual_seed(0))
 
     def encode():
         ids = pipe.tokenizer(["", prompt], padding="max_length", max_length=77, truncation=True,
                              return_tensors="pt").input_ids
-        return pipe.text_encoder(ids)[0]
+        return pipe.text_encoder(ids.to(device))[0]
 
     with torch.no_grad():
         if not args.unet_only:
             start = time.perf_counter()
             generate()
+            sync()
             result["first_generation_s"] = time.perf_counter() - start
             result["time_to_first_image_s"] = time.perf_counter() - _STARTED
         ctx = encode()
-        sample = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(0)).to(dtype)
-        t = torch.tensor([501])
+        sample = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        t = torch.tensor([501], device=device)
 
         def step():
             noise = pipe.unet(torch.cat([sample] * 2), t, encoder_hidden_states=ctx).sample
             uncond, text = noise.chunk(2)
             return uncond + 7.5 * (text - uncond)
 
-        result["unet_step"] = timed(step, args.repeat)
+        result["unet_step"] = timed(lambda: (step(), sync()), args.repeat)
         if not args.unet_only:
-            result["text_encode"] = timed(encode, args.repeat)
-            latents = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(1)).to(dtype)
-            result["vae_decode"] = timed(lambda: pipe.vae.decode(latents / 0.18215), args.repeat)
-            result["end_to_end"] = timed(generate, args.e2e_repeat, result["first_generation_s"])
+            result["text_encode"] = timed(lambda: (encode(), sync()), args.repeat)
+            latents = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+            result["vae_decode"] = timed(lambda: (pipe.vae.decode(latents / 0.18215), sync()), args.repeat)
+            result["end_to_end"] = timed(lambda: (generate(), sync()), args.e2e_repeat,
+                                         result["first_generation_s"])
     json.dump({
         "impl": "diffusers", "mode": "torch", "dtype": args.dtype, "torch": torch.__version__,
         "kernels": f"torch {torch.backends.cpu.get_cpu_capability()}, oneDNN "
                    f"{'on' if torch.backends.mkldnn.is_available() else 'off'}",
         "threads": torch.get_num_threads(), "size": args.size, "steps": args.steps, **result,
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(), "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     }, sys.stdout)
     print()
 

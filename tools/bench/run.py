@@ -76,10 +76,14 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
         common += ["--variant", args.variant]
     if side == "diffusers":
         cmd = [sys.executable, "tools/bench/diffusers_bench.py", dir_, "--threads", str(threads)]
+        if args.device != "cpu":
+            cmd += ["--device", args.device]
     else:
         cmd = [args.bench_bin, dir_, "--mode", side]
+        if args.device != "cpu" and side != "cpu":
+            cmd += ["--device", args.device]
     cmd += common
-    if threads == 1 and shutil.which("taskset"):
+    if threads == 1 and args.device == "cpu" and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(args.pin_cpu)] + cmd
     load = loadavg()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -89,8 +93,9 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
     result = json.loads(line)
     result["loadavg_before"] = load
     result["command"] = " ".join(cmd)
-    print(f"  {side:10} load {load[0]:.2f}  unet median {result['unet_step']['median_s']:.4f} s",
-          file=sys.stderr, flush=True)
+    medians = "  ".join(f"{stage} {result[stage]['median_s']:.4f}" for stage in STAGES if stage in result)
+    print(f"  {side:10} load {load[0]:.2f}  medians (s): {medians}  first image "
+          f"{result.get('first_generation_s', float('nan')):.2f}", file=sys.stderr, flush=True)
     return result
 
 
@@ -215,6 +220,9 @@ def main():
     ap.add_argument("--variant", default=None,
                     help="both sides read these weight files (diffusers' variant, e.g. fp16: made on first use)")
     ap.add_argument("--sd15-dir", default=None, help="the random-weight SD 1.5 folder (made there on first use; default .cache/sd15-random)")
+    ap.add_argument("--device", default="cpu",
+                    help="an accelerator both sides run on: cuda (diffusers' torch device; oxidiff's "
+                         "eager/compiled modes then use XLA's CUDA plugin instead of xla:cpu)")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
     ap.add_argument("--pin-cpu", type=int, default=0,
                     help="the core 1-thread runs are pinned to (another one than a concurrent run's)")
@@ -228,7 +236,7 @@ def main():
                     "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                  if line.startswith("model name")), None),
                     "features": cpu_features()},
-        "command": " ".join(sys.argv), "modes": modes, "dtype": args.dtype, "variant": args.variant,
+        "command": " ".join(sys.argv), "modes": modes, "device": args.device, "dtype": args.dtype, "variant": args.variant,
         "cases": [],
     }
     print(f"CPU: {result['machine']['cpu']} ({', '.join(result['machine']['features']) or 'no AVX2'}); "

@@ -42,7 +42,7 @@ use oxidiff::{Cpu, Oxi, OxiDevice};
 use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
-                     [--mode cpu|eager|compiled] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--load-only]";
+                     [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--load-only]";
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
     match args.iter().position(|a| a == name) {
@@ -156,7 +156,11 @@ fn main() -> Result<()> {
     match mode.as_str() {
         "cpu" => bench::<Cpu>(&options, &Default::default(), started, |_| Ok(())),
         "eager" | "compiled" => {
-            let device: OxiDevice = "xla:cpu".parse()?;
+            let name = match args.iter().position(|a| a == "--device") {
+                Some(i) => args.get(i + 1).context(USAGE)?.as_str(),
+                None => "xla:cpu",
+            };
+            let device: OxiDevice = name.parse()?;
             bench::<Oxi>(&options, &device, started, |pipe| {
                 if mode == "compiled" {
                     pipe.compile()?;
