@@ -1,4 +1,5 @@
-//! `StableDiffusionControlNetPipeline` against diffusers' (tools/golden/make_controlnet.py):
+//! `StableDiffusionControlNetPipeline` against diffusers' (tools/golden/make_controlnet.py), and
+//! `StableDiffusionXLControlNetPipeline` (make_controlnet_sdxl.py):
 //! one ControlNet, two with guidance windows, guess mode, image to image and inpainting, each
 //! within 2 PNG levels; the control
 //! really changes the image; bad input (a ControlNet of another base model, control images not
@@ -12,6 +13,7 @@ use oxidiff::pipelines::{
     Control, ControlRequest, GenerateRequest, InpaintOptions, LoadOptions,
     StableDiffusionControlNetImg2ImgPipeline, StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline, StableDiffusionPipeline,
+    StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, XlRequest,
 };
 
 fn request() -> GenerateRequest<B> {
@@ -205,4 +207,95 @@ fn controlnet_img2img_and_inpaint_match_diffusers() {
         "controlnet-sd1-inpaint.png",
         2,
     );
+}
+
+/// `StableDiffusionXLControlNetPipeline` on tiny-sdxl with the ControlNets of
+/// tools/golden/make_controlnet_sdxl.py (the control image and prompt above, guidance 5.0).
+fn xl_run(nets: &[&str], control: &ControlRequest) -> image::RgbImage {
+    let dirs: Vec<_> = nets.iter().map(|n| model_dir(n)).collect();
+    let refs: Vec<&std::path::Path> = dirs.iter().map(|d| d.as_path()).collect();
+    let mut pipe = StableDiffusionXLControlNetPipeline::<B>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &refs,
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    let request = XlRequest::new(GenerateRequest {
+        guidance_scale: 5.0,
+        ..request()
+    });
+    let out = pipe.generate(&request, control).unwrap();
+    out.images.unwrap().to_rgb8(0).unwrap()
+}
+
+#[test]
+fn sdxl_controlnets_with_windows_and_guess_mode_match_diffusers() {
+    let image = control_image();
+    let single = ControlRequest {
+        controls: vec![Control::new(image.clone())],
+        guess_mode: false,
+    };
+    let ours = xl_run(&["tiny-controlnet-sdxl"], &single);
+    assert_png_close(&ours, "controlnet-sdxl-single.png", 2);
+    let multi = ControlRequest {
+        controls: vec![
+            Control {
+                scale: 0.8,
+                guidance_start: 0.0,
+                guidance_end: 0.75,
+                ..Control::new(image.clone())
+            },
+            Control {
+                scale: 0.5,
+                guidance_start: 0.25,
+                guidance_end: 1.0,
+                ..Control::new(image.clone())
+            },
+        ],
+        guess_mode: false,
+    };
+    let two = xl_run(&["tiny-controlnet-sdxl", "tiny-controlnet-sdxl-b"], &multi);
+    assert_png_close(&two, "controlnet-sdxl-multi.png", 2);
+    let guess = ControlRequest {
+        controls: vec![Control {
+            scale: 0.9,
+            ..Control::new(image)
+        }],
+        guess_mode: true,
+    };
+    let guessed = xl_run(&["tiny-controlnet-sdxl"], &guess);
+    assert_png_close(&guessed, "controlnet-sdxl-guess.png", 2);
+    assert!(png_level_diff(&ours, &guessed) > 10);
+}
+
+#[test]
+fn an_sd1_controlnet_is_refused_by_sdxl_and_an_sdxl_one_by_sd1() {
+    let device = Default::default();
+    let sd1_net =
+        ControlNetModel::<B>::from_dir(&model_dir("tiny-controlnet-sd1"), None, &device).unwrap();
+    let xl = StableDiffusionXLPipeline::<B>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let err = StableDiffusionXLControlNetPipeline::new(xl, vec![sd1_net])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("ControlNet 0"), "{err}");
+    let xl_net =
+        ControlNetModel::<B>::from_dir(&model_dir("tiny-controlnet-sdxl"), None, &device).unwrap();
+    let sd1 = StableDiffusionPipeline::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    let err = StableDiffusionControlNetPipeline::new(sd1, vec![xl_net])
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("ControlNet 0"), "{err}");
 }

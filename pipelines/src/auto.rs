@@ -26,6 +26,7 @@ use crate::stable_diffusion::{StableDiffusionPipeline, SUPPORTED_CLASSES};
 use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
 use crate::stable_diffusion_controlnet::StableDiffusionControlNetPipeline;
 use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlRequest, SDXL_CLASSES};
+use crate::stable_diffusion_xl_controlnet::StableDiffusionXLControlNetPipeline;
 
 /// The pipeline families [`AutoPipeline`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -111,6 +112,8 @@ pub enum AutoPipeline<B: Backend> {
     /// SD 1.x/2.x with ControlNets ([`with_controlnets`](AutoPipeline::with_controlnets)).
     StableDiffusionControlNet(Box<StableDiffusionControlNetPipeline<B>>),
     StableDiffusionXL(Box<StableDiffusionXLPipeline<B>>),
+    /// SDXL with ControlNets ([`with_controlnets`](AutoPipeline::with_controlnets)).
+    StableDiffusionXLControlNet(Box<StableDiffusionXLControlNetPipeline<B>>),
     StableDiffusion3(Box<StableDiffusion3Pipeline<B>>),
     Flux(Box<FluxPipeline<B>>),
     PixArt(Box<PixArtPipeline<B>>),
@@ -123,6 +126,7 @@ macro_rules! each {
             AutoPipeline::StableDiffusion($pipe) => $body,
             AutoPipeline::StableDiffusionControlNet($pipe) => $body,
             AutoPipeline::StableDiffusionXL($pipe) => $body,
+            AutoPipeline::StableDiffusionXLControlNet($pipe) => $body,
             AutoPipeline::StableDiffusion3($pipe) => $body,
             AutoPipeline::Flux($pipe) => $body,
             AutoPipeline::PixArt($pipe) => $body,
@@ -179,7 +183,7 @@ impl<B: Backend> AutoPipeline<B> {
     }
 
     /// The same pipeline steered by `controlnets` (diffusers' `from_pipe` with
-    /// `controlnet=`): SD 1.x/2.x for now; each ControlNet is checked against the UNet.
+    /// `controlnet=`): SD 1.x/2.x and SDXL; each ControlNet is checked against the UNet.
     pub fn with_controlnets(self, controlnets: Vec<ControlNetModel<B>>) -> Result<Self> {
         match self {
             Self::StableDiffusion(pipe) => Ok(Self::StableDiffusionControlNet(Box::new(
@@ -188,8 +192,15 @@ impl<B: Backend> AutoPipeline<B> {
             Self::StableDiffusionControlNet(pipe) => {
                 Self::StableDiffusion(Box::new(pipe.into_inner())).with_controlnets(controlnets)
             }
+            Self::StableDiffusionXL(pipe) => Ok(Self::StableDiffusionXLControlNet(Box::new(
+                StableDiffusionXLControlNetPipeline::new(*pipe, controlnets)?,
+            ))),
+            Self::StableDiffusionXLControlNet(pipe) => {
+                Self::StableDiffusionXL(Box::new(pipe.into_inner())).with_controlnets(controlnets)
+            }
             other => Err(PipelineError::InvalidInput(format!(
-                "ControlNets are implemented for Stable Diffusion 1.x/2.x pipelines                  (StableDiffusionControlNetPipeline), not yet for {:?}",
+                "ControlNets are implemented for Stable Diffusion 1.x/2.x and SDXL pipelines, \
+                 not yet for {:?}",
                 other.family()
             ))),
         }
@@ -201,7 +212,9 @@ impl<B: Backend> AutoPipeline<B> {
             Self::StableDiffusion(_) | Self::StableDiffusionControlNet(_) => {
                 PipelineFamily::StableDiffusion
             }
-            Self::StableDiffusionXL(_) => PipelineFamily::StableDiffusionXL,
+            Self::StableDiffusionXL(_) | Self::StableDiffusionXLControlNet(_) => {
+                PipelineFamily::StableDiffusionXL
+            }
             Self::StableDiffusion3(_) => PipelineFamily::StableDiffusion3,
             Self::Flux(_) => PipelineFamily::Flux,
             Self::PixArt(_) => PipelineFamily::PixArt,
@@ -304,7 +317,10 @@ impl<B: Backend> AutoPipeline<B> {
         if options.max_sequence_length.is_some() && !t5 {
             return refuse("max_sequence_length", "SD3, Flux and PixArt");
         }
-        let controlled = matches!(self, Self::StableDiffusionControlNet(_));
+        let controlled = matches!(
+            self,
+            Self::StableDiffusionControlNet(_) | Self::StableDiffusionXLControlNet(_)
+        );
         if options.control.is_some() != controlled {
             return Err(PipelineError::InvalidInput(if controlled {
                 "this pipeline has ControlNets: give their control images \
@@ -325,6 +341,10 @@ impl<B: Backend> AutoPipeline<B> {
             }
             Self::StableDiffusionXL(pipe) => {
                 pipe.generate_with(&XlRequest::new(common), noise, callback)
+            }
+            Self::StableDiffusionXLControlNet(pipe) => {
+                let control = options.control.clone().unwrap_or_default();
+                pipe.generate_with(&XlRequest::new(common), &control, noise, callback)
             }
             Self::StableDiffusion3(pipe) => {
                 let request = Sd3Request {

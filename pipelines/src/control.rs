@@ -5,10 +5,14 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use oxidiff_models::{ControlNetModel, ControlResiduals};
+use oxidiff_models::{
+    AddedCondition, ControlNetModel, ControlResiduals, ModelError, UNet2DConditionModel,
+};
 
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess_control;
+use crate::inpaint::InpaintCondition;
+use crate::stable_diffusion::combine_halves;
 
 /// One ControlNet's input: its conditioning image and how strongly and when it applies.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,13 +117,21 @@ pub struct Controls<'a, B: Backend> {
 
 /// What each denoising step of a controlled run adds: the ControlNets with their prepared
 /// conditioning images (diffusers' `prepare_image`: `[batch, 3, h, w]` in [0, 1], doubled for
-/// guidance unless in guess mode) and the conditional half of the text context.
+/// guidance unless in guess mode), the conditional half of the text context and, for SDXL, the
+/// added condition (all rows, and the conditional half for guess mode).
 pub struct ControlStep<'a, B: Backend> {
     controls: Controls<'a, B>,
     images: Vec<Tensor<B, 4>>,
     positive: Tensor<B, 3>,
+    added: Option<Added<B>>,
     /// The steps the run takes (the guidance windows are fractions of them).
     steps: usize,
+}
+
+/// SDXL's added condition for the UNet batch and its conditional rows.
+struct Added<B: Backend> {
+    all: AddedCondition<B>,
+    positive: AddedCondition<B>,
 }
 
 impl<'a, B: Backend> ControlStep<'a, B> {
@@ -155,7 +167,67 @@ impl<'a, B: Backend> ControlStep<'a, B> {
             controls,
             images,
             positive: context.clone().narrow(0, rows - batch, batch),
+            added: None,
             steps,
+        })
+    }
+
+    /// The same with SDXL's added condition (pooled text embeddings and time ids, one row per
+    /// context row), which the UNet and ControlNets both take (diffusers' `added_cond_kwargs`;
+    /// guess mode gives the ControlNets the conditional rows only).
+    pub fn with_added(mut self, added: &AddedCondition<B>) -> Self {
+        let rows = added.text_embeds.dims()[0];
+        let batch = self.positive.dims()[0];
+        let positive = AddedCondition {
+            text_embeds: added.text_embeds.clone().narrow(0, rows - batch, batch),
+            time_ids: added.time_ids.clone().narrow(0, rows - batch, batch),
+        };
+        self.added = Some(Added {
+            all: added.clone(),
+            positive,
+        });
+        self
+    }
+
+    /// One denoiser evaluation with the ControlNets: their residuals at step `i` (from the
+    /// 4-channel latents `sample`, doubled for guidance) added to the UNet's skip connections,
+    /// then guidance as [`guided_noise`](crate::stable_diffusion::guided_noise) does it. An
+    /// inpainting UNet gets its mask channels besides, as diffusers' ControlNet inpaint
+    /// pipelines do. Eager.
+    #[allow(clippy::too_many_arguments)]
+    pub fn noise(
+        &self,
+        unet: &UNet2DConditionModel<B>,
+        i: usize,
+        sample: Tensor<B, 4>,
+        inpaint: Option<&InpaintCondition<B>>,
+        timestep: Tensor<B, 1>,
+        context: &Tensor<B, 3>,
+        guidance: Tensor<B, 1>,
+    ) -> Result<Tensor<B, 4>> {
+        let batch = sample.dims()[0];
+        let guided = context.dims()[0] == 2 * batch;
+        let twice = |x: Tensor<B, 4>| {
+            if guided {
+                Tensor::cat(vec![x.clone(), x], 0)
+            } else {
+                x
+            }
+        };
+        let doubled = twice(sample.clone());
+        let residuals = self.residuals(i, &sample, &doubled, &timestep, context)?;
+        let unet_input = twice(InpaintCondition::unet_input(inpaint, sample));
+        let prediction = unet.forward_controlled(
+            unet_input,
+            timestep,
+            context.clone(),
+            self.added.as_ref().map(|a| &a.all),
+            residuals.as_ref(),
+        )?;
+        Ok(if guided {
+            combine_halves(prediction, batch, guidance)
+        } else {
+            prediction
         })
     }
 
@@ -192,7 +264,7 @@ impl<'a, B: Backend> ControlStep<'a, B> {
                     image.clone(),
                     scale,
                     true,
-                    None,
+                    self.added.as_ref().map(|a| &a.positive),
                 )?
                 .after_zeros()
             } else {
@@ -203,7 +275,7 @@ impl<'a, B: Backend> ControlStep<'a, B> {
                     image.clone(),
                     scale,
                     guess,
-                    None,
+                    self.added.as_ref().map(|a| &a.all),
                 )?
             };
             sum = Some(match sum {
@@ -213,6 +285,25 @@ impl<'a, B: Backend> ControlStep<'a, B> {
         }
         Ok(sum)
     }
+}
+
+/// Refuses ControlNets that do not fit `unet` (residuals of other shapes, another added
+/// conditioning), naming the ControlNet and what differs, and those whose downscale is not the
+/// VAE's ([`check_downscale`]).
+pub fn check_controlnets<B: Backend>(
+    nets: &[ControlNetModel<B>],
+    unet: &UNet2DConditionModel<B>,
+    vae_scale_factor: usize,
+) -> Result<()> {
+    for (k, net) in nets.iter().enumerate() {
+        net.check_fits(unet).map_err(|e| match e {
+            ModelError::Input(message) => {
+                PipelineError::InvalidInput(format!("ControlNet {k}: {message}"))
+            }
+            other => other.into(),
+        })?;
+    }
+    check_downscale(nets, vae_scale_factor)
 }
 
 /// Refuses ControlNets whose conditioning downscale is not the VAE's (the control image would
@@ -231,4 +322,13 @@ pub fn check_downscale<B: Backend>(
         }
     }
     Ok(())
+}
+
+/// What `compile` and `enable_parallelism` of the ControlNet pipelines say: they run eagerly.
+pub(crate) fn eager_only() -> PipelineError {
+    PipelineError::Compile(
+        "ControlNet pipelines run eagerly for now (each op at once, on any device); drop \
+         --compile/--tp/--dp"
+            .into(),
+    )
 }

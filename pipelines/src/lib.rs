@@ -79,6 +79,7 @@ pub mod stable_diffusion_controlnet_inpaint;
 pub mod stable_diffusion_img2img;
 pub mod stable_diffusion_inpaint;
 pub mod stable_diffusion_xl;
+pub mod stable_diffusion_xl_controlnet;
 pub mod stable_diffusion_xl_img2img;
 pub mod stable_diffusion_xl_inpaint;
 
@@ -115,6 +116,7 @@ pub use stable_diffusion_controlnet_inpaint::StableDiffusionControlNetInpaintPip
 pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds, XlRequest};
+pub use stable_diffusion_xl_controlnet::StableDiffusionXLControlNetPipeline;
 pub use stable_diffusion_xl_img2img::{
     StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage,
 };

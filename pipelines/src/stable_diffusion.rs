@@ -67,7 +67,7 @@ pub fn guided_noise<B: Backend>(
 
 /// `uncond + guidance * (text - uncond)` over a doubled batch's prediction (negative half
 /// first), `guidance` a `[1]` tensor (a runtime input of compiled steps).
-fn combine_halves<B: Backend>(
+pub(crate) fn combine_halves<B: Backend>(
     prediction: Tensor<B, 4>,
     batch: usize,
     guidance: Tensor<B, 1>,
@@ -75,46 +75,6 @@ fn combine_halves<B: Backend>(
     let uncond = prediction.clone().narrow(0, 0, batch);
     let text = prediction.narrow(0, batch, batch);
     uncond.clone() + (text - uncond) * guidance.reshape([1, 1, 1, 1])
-}
-
-/// [`guided_noise`] with ControlNets: their residuals at step `i` (from the 4-channel
-/// latents, doubled for guidance) added to the UNet's skip connections; an inpainting UNet
-/// gets its mask channels besides, as diffusers' ControlNet inpaint pipeline does. Eager.
-#[allow(clippy::too_many_arguments)]
-fn controlled_noise<B: Backend>(
-    unet: &UNet2DConditionModel<B>,
-    control: &ControlStep<'_, B>,
-    i: usize,
-    sample: Tensor<B, 4>,
-    inpaint: Option<&InpaintCondition<B>>,
-    timestep: Tensor<B, 1>,
-    context: &Tensor<B, 3>,
-    guidance: Tensor<B, 1>,
-) -> Result<Tensor<B, 4>> {
-    let batch = sample.dims()[0];
-    let guided = context.dims()[0] == 2 * batch;
-    let twice = |x: Tensor<B, 4>| {
-        if guided {
-            Tensor::cat(vec![x.clone(), x], 0)
-        } else {
-            x
-        }
-    };
-    let doubled = twice(sample.clone());
-    let residuals = control.residuals(i, &sample, &doubled, &timestep, context)?;
-    let unet_input = twice(InpaintCondition::unet_input(inpaint, sample));
-    let prediction = unet.forward_controlled(
-        unet_input,
-        timestep,
-        context.clone(),
-        None,
-        residuals.as_ref(),
-    )?;
-    Ok(if guided {
-        combine_halves(prediction, batch, guidance)
-    } else {
-        prediction
-    })
 }
 
 /// Stable Diffusion 1.x/2.x text-to-image.
@@ -406,9 +366,8 @@ impl<B: Backend> StableDiffusionPipeline<B> {
                 let i = step;
                 step += 1;
                 if let Some(control) = control {
-                    return controlled_noise(
+                    return control.noise(
                         unet,
-                        control,
                         i,
                         model_input,
                         inpaint,

@@ -17,7 +17,7 @@ use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
 use crate::compiled::{CompileStats, ComponentStats};
-use crate::control::{check_downscale, ControlRequest, ControlStep, Controls};
+use crate::control::{check_controlnets, eager_only, ControlRequest, ControlStep, Controls};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
@@ -69,13 +69,6 @@ impl StableDiffusionControlNetPipeline<Oxi> {
     }
 }
 
-fn eager_only() -> PipelineError {
-    PipelineError::Compile(
-        "ControlNet pipelines run eagerly for now (each op at once, on any device); drop          --compile/--tp/--dp"
-            .into(),
-    )
-}
-
 impl<B: Backend> StableDiffusionControlNetPipeline<B> {
     /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
     pub fn spmd_placement(
@@ -109,11 +102,7 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
                 "a ControlNet pipeline needs at least one ControlNet".into(),
             ));
         }
-        for (k, net) in controlnets.iter().enumerate() {
-            net.check_fits(&pipe.unet)
-                .map_err(|e| PipelineError::InvalidInput(format!("ControlNet {k}: {e}")))?;
-        }
-        check_downscale(&controlnets, pipe.vae_scale_factor)?;
+        check_controlnets(&controlnets, &pipe.unet, pipe.vae_scale_factor)?;
         let device = pipe.unet_device();
         let controlnets = controlnets.into_iter().map(|n| n.to(&device)).collect();
         Ok(Self { pipe, controlnets })

@@ -29,6 +29,7 @@ use oxidiff_schedulers::{
 use serde::Deserialize;
 
 use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
+use crate::control::ControlStep;
 use crate::denoise::{
     check_request, decode_latents, initial_latents, negatives_for, per_prompt, with_guidance,
     DenoisingLoop, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -569,6 +570,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             latents,
             &condition,
             None,
+            None,
             req,
             noise,
             &mut callback,
@@ -601,7 +603,11 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
 
     /// Text-to-image `add_time_ids` (positive, negative) for an image of `size` (h, w): the
     /// negative ones differ only when both negative sizes are given, as in diffusers.
-    fn time_ids_for(&self, xl: &XlOptions, size: (usize, usize)) -> (Vec<f32>, Vec<f32>) {
+    pub(crate) fn time_ids_for(
+        &self,
+        xl: &XlOptions,
+        size: (usize, usize),
+    ) -> (Vec<f32>, Vec<f32>) {
         let positive_ids = self.time_ids(
             xl.original_size.unwrap_or(size),
             xl.crops_coords_top_left,
@@ -713,6 +719,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         latents: Tensor<B, 4>,
         condition: &XlConditioning<B>,
         inpaint: Option<&InpaintCondition<B>>,
+        control: Option<&ControlStep<'_, B>>,
         req: &GenerateRequest<B>,
         noise: &mut dyn NoiseSource<B>,
         callback: &mut impl FnMut(StepInfo<'_, B>),
@@ -720,6 +727,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         check_unet_input(&self.unet, &latents, inpaint)?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let XlConditioning { context, added } = condition;
+        let mut step = 0;
         let mut blended;
         let scheduler: &mut dyn Scheduler<B> = match inpaint {
             Some(inpaint) => {
@@ -737,7 +745,21 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             noise,
         }
         .run(
-            |model_input, timestep, _| {
+            |model_input, timestep, guidance| {
+                // The loop calls this once per step, in order.
+                let i = step;
+                step += 1;
+                if let Some(control) = control {
+                    return control.noise(
+                        unet,
+                        i,
+                        model_input,
+                        inpaint,
+                        timestep,
+                        context,
+                        guidance,
+                    );
+                }
                 let model_input = InpaintCondition::unet_input(inpaint, model_input);
                 with_guidance(model_input, req.guidance_scale, |x| match compiled {
                     Some(denoiser) => {

@@ -315,6 +315,7 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
             latents,
             &condition,
             None,
+            None,
             req,
             noise,
             &mut callback,

@@ -159,6 +159,7 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
             latents,
             &condition,
             Some(&inpaint),
+            None,
             req,
             noise,
             &mut callback,

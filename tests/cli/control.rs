@@ -1,5 +1,6 @@
 //! `--controlnet`, `--control-image`, the guidance window and `--guess-mode` through txt2img
-//! against diffusers' `StableDiffusionControlNetPipeline` (tools/golden/make_controlnet.py),
+//! against diffusers' `StableDiffusionControlNetPipeline` (tools/golden/make_controlnet.py) and
+//! `StableDiffusionXLControlNetPipeline` (make_controlnet_sdxl.py),
 //! the PNG's A1111 ControlNet fields, and bad input refused before the model loads.
 
 use std::path::Path;
@@ -9,7 +10,12 @@ use crate::common::{assert_png_close, fixtures, model_dir, stderr, txt2img};
 /// The golden settings (4 steps, seed 42, guidance 7.5, negative prompt "blurry") on tiny-sd1
 /// with `extra` flags into `out`; returns stderr and the exit code.
 fn run(out: &Path, extra: &[&str]) -> (String, Option<i32>) {
-    let model = model_dir("tiny-sd1");
+    run_on("tiny-sd1", "7.5", out, extra)
+}
+
+/// [`run`] on another model folder with another guidance scale.
+fn run_on(model: &str, guidance: &str, out: &Path, extra: &[&str]) -> (String, Option<i32>) {
+    let model = model_dir(model);
     let mut args = vec![
         "--model",
         model.to_str().unwrap(),
@@ -18,7 +24,7 @@ fn run(out: &Path, extra: &[&str]) -> (String, Option<i32>) {
         "--seed",
         "42",
         "--guidance",
-        "7.5",
+        guidance,
         "--negative-prompt",
         "blurry",
         "--quiet",
@@ -294,4 +300,33 @@ fn from_png_reads_the_controlnets_back() {
         "{log}"
     );
     assert!(!tmp.path().join("x.png").exists() && !tmp.path().join("y.png").exists());
+}
+
+#[test]
+fn an_sdxl_folder_takes_sdxl_controlnets_and_refuses_sd1_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (sd1_net, _, image) = paths();
+    let net = format!("{}:0.9", model_dir("tiny-controlnet-sdxl").display());
+    let out = tmp.path().join("guess.png");
+    let flags = [
+        "--controlnet",
+        &net,
+        "--control-image",
+        &image,
+        "--guess-mode",
+    ];
+    let (log, code) = run_on("tiny-sdxl", "5.0", &out, &flags);
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&out).unwrap().to_rgb8(),
+        "controlnet-sdxl-guess.png",
+        2,
+    );
+
+    let refused = tmp.path().join("refused.png");
+    let flags = ["--controlnet", &sd1_net, "--control-image", &image];
+    let (log, code) = run_on("tiny-sdxl", "5.0", &refused, &flags);
+    assert_ne!(code, Some(0));
+    assert!(log.contains("ControlNet 0"), "{log}");
+    assert!(!refused.exists());
 }

@@ -1,0 +1,231 @@
+//! `StableDiffusionXLControlNetPipeline`: SDXL text to image steered by one or more
+//! ControlNets, as diffusers' `pipeline_controlnet_sd_xl.py` (several ControlNets are its
+//! `MultiControlNetModel`: their residuals are summed).
+//!
+//! The components, prompt encoding, time ids, initial latents and decode are
+//! [`StableDiffusionXLPipeline`]'s; each step runs every ControlNet inside its guidance window,
+//! with SDXL's added condition, and hands their residuals to the UNet. Eager only for now, as
+//! the SD 1.x/2.x ControlNet pipeline.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::FloatDType;
+use oxidiff_backend_tpu::Oxi;
+use oxidiff_models::{ControlNetModel, ToDevice};
+use oxidiff_parallel::ParallelConfig;
+use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
+
+use crate::compiled::{CompileStats, ComponentStats};
+use crate::control::{check_controlnets, eager_only, ControlRequest, ControlStep, Controls};
+use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
+use crate::error::{PipelineError, Result};
+use crate::loading::LoadOptions;
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlRequest};
+
+/// SDXL with ControlNets (diffusers' `StableDiffusionXLControlNetPipeline`). It derefs to the
+/// SDXL pipeline for its components (tokenizers, encoders, VAE, scheduler, LoRA).
+pub struct StableDiffusionXLControlNetPipeline<B: Backend> {
+    pub pipe: StableDiffusionXLPipeline<B>,
+    pub controlnets: Vec<ControlNetModel<B>>,
+}
+
+impl<B: Backend> std::ops::Deref for StableDiffusionXLControlNetPipeline<B> {
+    type Target = StableDiffusionXLPipeline<B>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.pipe
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for StableDiffusionXLControlNetPipeline<B> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.pipe
+    }
+}
+
+impl StableDiffusionXLControlNetPipeline<Oxi> {
+    /// Compiled mode is not implemented for ControlNet pipelines yet: an error saying so (the
+    /// pipeline runs eagerly on any device).
+    pub fn compile(&mut self) -> Result<()> {
+        Err(eager_only())
+    }
+
+    /// See [`compile`](Self::compile).
+    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
+        Err(eager_only())
+    }
+
+    /// Always `None`: the pipeline runs eagerly.
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        None
+    }
+
+    /// Always empty: the pipeline runs eagerly.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        Vec::new()
+    }
+}
+
+impl<B: Backend> StableDiffusionXLControlNetPipeline<B> {
+    /// The denoiser's device mesh and weight shards: none, the pipeline runs eagerly.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        None
+    }
+
+    /// What each component's weights hold and where (`place` names a device): `txt2img
+    /// --json`'s `memory`.
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        let mut all = self.pipe.memory(place);
+        for (i, net) in self.controlnets.iter().enumerate() {
+            let name = match self.controlnets.len() {
+                1 => "controlnet".to_string(),
+                _ => format!("controlnet_{i}"),
+            };
+            all.push(component_memory(&name, net, None, place));
+        }
+        all
+    }
+
+    /// The pipeline `pipe` with `controlnets` (at least one), each checked against its UNet
+    /// (an SD 1.x ControlNet, or one without SDXL's added conditioning, is an error naming
+    /// what differs). A refiner folder is refused: diffusers' pipeline takes a base model.
+    pub fn new(
+        pipe: StableDiffusionXLPipeline<B>,
+        controlnets: Vec<ControlNetModel<B>>,
+    ) -> Result<Self> {
+        if controlnets.is_empty() {
+            return Err(PipelineError::InvalidInput(
+                "a ControlNet pipeline needs at least one ControlNet".into(),
+            ));
+        }
+        if pipe.requires_aesthetics_score {
+            return Err(PipelineError::InvalidInput(format!(
+                "{} is an SDXL refiner (requires_aesthetics_score): ControlNets steer a base \
+                 SDXL model; load the base model's folder",
+                pipe.source.display()
+            )));
+        }
+        check_controlnets(&controlnets, &pipe.unet, pipe.vae_scale_factor)?;
+        let controlnets = controlnets
+            .into_iter()
+            .map(|n| n.to(&pipe.device))
+            .collect();
+        Ok(Self { pipe, controlnets })
+    }
+
+    /// Loads an SDXL folder and ControlNet folders (each with `config.json` and
+    /// `diffusion_pytorch_model.safetensors`).
+    pub fn from_dir(
+        dir: &Path,
+        controlnets: &[&Path],
+        options: &LoadOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let pipe = StableDiffusionXLPipeline::from_dir(dir, options, device)?;
+        let nets = controlnets
+            .iter()
+            .map(|path| {
+                ControlNetModel::from_dir_in(
+                    path,
+                    options.variant.as_deref(),
+                    options.dtype.unwrap_or(FloatDType::F32),
+                    device,
+                )
+                .map_err(PipelineError::from)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(pipe, nets)
+    }
+
+    /// The SDXL pipeline without its ControlNets.
+    pub fn into_inner(self) -> StableDiffusionXLPipeline<B> {
+        self.pipe
+    }
+
+    /// diffusers' `__call__` defaults (50 steps, guidance 5.0).
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_XL
+    }
+
+    /// Generates with the default generator seeded by `request.common.seed`.
+    pub fn generate(
+        &mut self,
+        request: &XlRequest<B>,
+        control: &ControlRequest,
+    ) -> Result<PipelineOutput<B>> {
+        let mut generator = TorchCpuGenerator::new(request.common.seed);
+        self.generate_with(request, control, &mut generator, |_| {})
+    }
+
+    /// Text to image under `control` (one [`Control`](crate::control::Control) per
+    /// ControlNet). The size is the request's, else the first control image's (rounded down
+    /// to a multiple of 8), and the time ids' default sizes are that size, as diffusers takes
+    /// them from the prepared image. Noise is drawn from `noise` as
+    /// [`StableDiffusionXLPipeline::generate_with`] draws it.
+    pub fn generate_with(
+        &mut self,
+        request: &XlRequest<B>,
+        control: &ControlRequest,
+        noise: &mut dyn NoiseSource<B>,
+        mut callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        control.check(self.controlnets.len())?;
+        let (req, xl) = (&request.common, &request.xl);
+        let pipe = &mut self.pipe;
+        let f = pipe.vae_scale_factor;
+        let (width, height) = control.size(req.width, req.height, f);
+        let sized = GenerateRequest {
+            width: Some(width),
+            height: Some(height),
+            latents: None,
+            cancel: None,
+            ..req.clone()
+        };
+        check_request(&sized, (width, height), f)?;
+        pipe.check_options(req, xl)?;
+        let (positive_ids, negative_ids) = pipe.time_ids_for(xl, (height, width));
+        let condition = pipe.conditioning(req, xl, &positive_ids, &negative_ids)?;
+        pipe.scheduler.set_timesteps(req.num_inference_steps)?;
+        pipe.scheduler.set_eta(req.eta);
+        let batch = req.prompts.len() * req.num_images_per_prompt;
+        let latents = crate::denoise::initial_latents(
+            req,
+            [batch, 4, height / f, width / f],
+            (width, height),
+            noise,
+            pipe.scheduler.init_noise_sigma(),
+            &pipe.device,
+        )?;
+        // The guidance windows are fractions of the whole schedule, before `denoising_end`.
+        let scheduled = pipe.scheduler.timesteps().to_vec();
+        let steps = scheduled.len();
+        let timesteps = pipe.cut_at_denoising_end(scheduled, xl);
+        let controls = Controls {
+            nets: &self.controlnets,
+            request: control,
+        };
+        let step = ControlStep::new(
+            controls,
+            (width, height),
+            batch,
+            &condition.context,
+            steps,
+            &pipe.device,
+        )?
+        .with_added(&condition.added);
+        pipe.denoise_and_decode(
+            &timesteps,
+            latents,
+            &condition,
+            None,
+            Some(&step),
+            req,
+            noise,
+            &mut callback,
+        )
+    }
+}
