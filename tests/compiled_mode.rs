@@ -542,3 +542,136 @@ fn a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt() {
     assert_eq!(fifth, first);
     assert_eq!(cache_entries(&cache).len(), 1);
 }
+
+/// The ControlNet pipelines compiled on XLA's CPU plugin (ControlNets, UNet and guidance as one
+/// program) against diffusers' PNGs (tools/golden/make_controlnet.py and
+/// make_controlnet_sdxl.py), within 2 levels as their eager runs: SD with two ControlNets and
+/// guidance windows (one program for every step, windows and scales as inputs), guess mode,
+/// image to image and inpainting; SDXL with its added condition, plain and in guess mode.
+#[test]
+fn compiled_controlnet_steps_match_diffusers_for_sd_and_sdxl() {
+    use common::assert_png_close;
+    use oxidiff::pipelines::{
+        Control, ControlRequest, InpaintOptions, StableDiffusionControlNetImg2ImgPipeline,
+        StableDiffusionControlNetInpaintPipeline, StableDiffusionControlNetPipeline,
+        StableDiffusionXLControlNetPipeline, XlRequest,
+    };
+    if skip() {
+        return;
+    }
+    let device = xla();
+    let image = image::open(common::fixtures().join("golden/controlnet-input.png")).unwrap();
+    let request = || GenerateRequest::<Oxi> {
+        prompts: vec!["a photo of an astronaut riding a horse".into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 4,
+        guidance_scale: 7.5,
+        seed: 42,
+        ..Default::default()
+    };
+    let png =
+        |out: oxidiff::pipelines::PipelineOutput<Oxi>| out.images.unwrap().to_rgb8(0).unwrap();
+    let windowed = |scale, guidance_start, guidance_end| Control {
+        scale,
+        guidance_start,
+        guidance_end,
+        ..Control::new(image.clone())
+    };
+    let nets = [
+        model_dir("tiny-controlnet-sd1"),
+        model_dir("tiny-controlnet-sd1-b"),
+    ];
+    let load = |n: usize| {
+        let refs: Vec<&Path> = nets[..n].iter().map(|d| d.as_path()).collect();
+        let mut pipe = StableDiffusionControlNetPipeline::<Oxi>::from_dir(
+            &model_dir("tiny-sd1"),
+            &refs,
+            &LoadOptions::default(),
+            &device,
+        )
+        .unwrap();
+        pipe.compile().unwrap();
+        pipe
+    };
+
+    let mut two = load(2);
+    let multi = ControlRequest {
+        controls: vec![windowed(0.8, 0.0, 0.75), windowed(0.5, 0.25, 1.0)],
+        guess_mode: false,
+    };
+    assert_png_close(
+        &png(two.generate(&request(), &multi).unwrap()),
+        "controlnet-sd1-multi.png",
+        2,
+    );
+    let stats = two.compile_stats().unwrap();
+    assert_eq!(stats.programs - stats.disk_loads - stats.xla_compiles, 0);
+    let programs = two.programs.as_ref().unwrap().compile_stats().programs;
+    assert_eq!(
+        programs, 1,
+        "one program for every step and window: {stats:?}"
+    );
+
+    let mut one = load(1);
+    let guess = ControlRequest {
+        controls: vec![windowed(0.9, 0.0, 1.0)],
+        guess_mode: true,
+    };
+    assert_png_close(
+        &png(one.generate(&request(), &guess).unwrap()),
+        "controlnet-sd1-guess.png",
+        2,
+    );
+    let edit = ControlRequest {
+        controls: vec![windowed(0.8, 0.0, 0.8)],
+        guess_mode: false,
+    };
+    let golden = common::fixtures().join("golden");
+    let init = image::open(golden.join("img2img-input.png")).unwrap();
+    let mask = image::open(golden.join("inpaint-mask.png")).unwrap();
+    let mut img2img = StableDiffusionControlNetImg2ImgPipeline::from(one);
+    let out = img2img.generate(&request(), &init, 0.75, &edit).unwrap();
+    assert_png_close(&png(out), "controlnet-sd1-img2img.png", 2);
+    let mut inpaint = StableDiffusionControlNetInpaintPipeline::from(img2img.pipe);
+    let options = InpaintOptions {
+        strength: 0.75,
+        padding_mask_crop: None,
+    };
+    let out = inpaint
+        .generate(&request(), &init, &mask, &options, &edit)
+        .unwrap();
+    assert_png_close(&png(out), "controlnet-sd1-inpaint.png", 2);
+
+    let xl_net = model_dir("tiny-controlnet-sdxl");
+    let mut xl = StableDiffusionXLControlNetPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &[xl_net.as_path()],
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    xl.compile().unwrap();
+    let xl_request = XlRequest::new(GenerateRequest {
+        guidance_scale: 5.0,
+        ..request()
+    });
+    let single = ControlRequest {
+        controls: vec![Control::new(image.clone())],
+        guess_mode: false,
+    };
+    assert_png_close(
+        &png(xl.generate(&xl_request, &single).unwrap()),
+        "controlnet-sdxl-single.png",
+        2,
+    );
+    let guess = ControlRequest {
+        controls: vec![windowed(0.9, 0.0, 1.0)],
+        guess_mode: true,
+    };
+    assert_png_close(
+        &png(xl.generate(&xl_request, &guess).unwrap()),
+        "controlnet-sdxl-guess.png",
+        2,
+    );
+    assert_eq!(xl.programs.as_ref().unwrap().compile_stats().programs, 2);
+}

@@ -381,16 +381,36 @@ impl<B: Backend> ControlNetModel<B> {
         guess_mode: bool,
         added: Option<&AddedCondition<B>>,
     ) -> Result<ControlResiduals<B>> {
-        let [batch, _, h, w] = sample.dims();
-        let [cb, _, ch, cw] = cond.dims();
+        let scale = Tensor::from_floats([scale as f32], &sample.device());
+        self.check_input(sample.dims(), cond.dims(), added)?;
+        Ok(self.residuals(
+            sample,
+            timestep,
+            encoder_hidden_states,
+            cond,
+            scale,
+            guess_mode,
+            added,
+        ))
+    }
+
+    /// Checks a call's shapes: the control image `cond` against the latents `sample` (batch,
+    /// and size times the conditioning downscale) and the added condition against the model.
+    pub fn check_input(
+        &self,
+        sample: [usize; 4],
+        cond: [usize; 4],
+        added: Option<&AddedCondition<B>>,
+    ) -> Result<()> {
+        let [batch, _, h, w] = sample;
+        let [cb, _, ch, cw] = cond;
         let s = self.conditioning_downscale;
         if cb != batch || ch != h * s || cw != w * s {
             return Err(ModelError::Input(format!(
-                "the control image batch is {:?}; expected [{batch}, 3, {}, {}] for latents {:?}",
-                cond.dims(),
+                "the control image batch is {cond:?}; expected [{batch}, 3, {}, {}] for latents \
+                 {sample:?}",
                 h * s,
                 w * s,
-                sample.dims()
             )));
         }
         check_added_condition(
@@ -398,7 +418,23 @@ impl<B: Backend> ControlNetModel<B> {
             self.add_embedding.as_ref(),
             batch,
             added,
-        )?;
+        )
+    }
+
+    /// [`forward`](Self::forward) on inputs [`check_input`](Self::check_input) accepted, with
+    /// the conditioning scale a `[1]` tensor (a runtime input of compiled programs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn residuals(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        cond: Tensor<B, 4>,
+        scale: Tensor<B, 1>,
+        guess_mode: bool,
+        added: Option<&AddedCondition<B>>,
+    ) -> ControlResiduals<B> {
+        let batch = sample.dims()[0];
         let (caller, dtype) = (dtype_of(&sample), dtype_of(&self.conv_in.weight.val()));
         let sample = cast_to(sample, dtype);
         let ctx = cast_to(encoder_hidden_states, dtype);
@@ -439,13 +475,14 @@ impl<B: Backend> ControlNetModel<B> {
         let guess = guess_mode || self.global_pool_conditions;
         // torch.logspace(-1, 0, n + 1): 0.1 up to 1, the last for the mid block.
         let n = down.len();
-        let weight = |i: usize| {
+        let ramp = |i: usize| {
             if guess {
-                scale * 10f64.powf(-1.0 + i as f64 / n as f64)
+                10f64.powf(-1.0 + i as f64 / n as f64)
             } else {
-                scale
+                1.0
             }
         };
+        let scale = cast_to(scale, caller).reshape([1, 1, 1, 1]);
         let pool = |r: Tensor<B, 4>| {
             if self.global_pool_conditions {
                 r.mean_dim(2).mean_dim(3)
@@ -456,9 +493,9 @@ impl<B: Backend> ControlNetModel<B> {
         let down = down
             .into_iter()
             .enumerate()
-            .map(|(i, r)| cast_to(pool(r.mul_scalar(weight(i))), caller))
+            .map(|(i, r)| cast_to(pool(r.mul_scalar(ramp(i))), caller) * scale.clone())
             .collect();
-        let mid = cast_to(pool(mid.mul_scalar(weight(n))), caller);
-        Ok(ControlResiduals { down, mid })
+        let mid = cast_to(pool(mid.mul_scalar(ramp(n))), caller) * scale;
+        ControlResiduals { down, mid }
     }
 }

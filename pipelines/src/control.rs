@@ -5,10 +5,12 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::{
     AddedCondition, ControlNetModel, ControlResiduals, ModelError, UNet2DConditionModel,
 };
 
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess_control;
 use crate::inpaint::InpaintCondition;
@@ -108,11 +110,13 @@ impl ControlRequest {
     }
 }
 
-/// ControlNets and the controls of one call, as the editing pipelines take them.
+/// ControlNets and the controls of one call, as the editing pipelines take them, with the
+/// compiled step when the pipeline was compiled.
 #[derive(Clone, Copy)]
 pub struct Controls<'a, B: Backend> {
     pub nets: &'a [ControlNetModel<B>],
     pub request: &'a ControlRequest,
+    pub programs: Option<&'a ControlPrograms<B>>,
 }
 
 /// What each denoising step of a controlled run adds: the ControlNets with their prepared
@@ -122,17 +126,24 @@ pub struct Controls<'a, B: Backend> {
 pub struct ControlStep<'a, B: Backend> {
     controls: Controls<'a, B>,
     images: Vec<Tensor<B, 4>>,
-    positive: Tensor<B, 3>,
-    added: Option<Added<B>>,
+    added: Option<AddedCondition<B>>,
     /// The steps the run takes (the guidance windows are fractions of them).
     steps: usize,
 }
 
-/// SDXL's added condition for the UNet batch and its conditional rows.
-struct Added<B: Backend> {
-    all: AddedCondition<B>,
-    positive: AddedCondition<B>,
+/// One denoiser evaluation's tensors: the scheduler-scaled 4-channel latents the ControlNets
+/// see, what the UNet sees (the same, or with an inpainting UNet's mask channels), timestep,
+/// text context (negative rows first under guidance) and the `[1]` guidance scale.
+struct StepTensors<B: Backend> {
+    sample: Tensor<B, 4>,
+    unet_input: Tensor<B, 4>,
+    timestep: Tensor<B, 1>,
+    context: Tensor<B, 3>,
+    guidance: Tensor<B, 1>,
 }
+
+/// A ControlNet of one step with its conditioning image rows and `[1]` scale.
+type Steer<'n, B> = (&'n ControlNetModel<B>, Tensor<B, 4>, Tensor<B, 1>);
 
 impl<'a, B: Backend> ControlStep<'a, B> {
     /// Prepares `controls` for a run of `steps` steps at `width x height` over a batch of
@@ -162,11 +173,9 @@ impl<'a, B: Backend> ControlStep<'a, B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let rows = context.dims()[0];
         Ok(Self {
             controls,
             images,
-            positive: context.clone().narrow(0, rows - batch, batch),
             added: None,
             steps,
         })
@@ -176,24 +185,18 @@ impl<'a, B: Backend> ControlStep<'a, B> {
     /// context row), which the UNet and ControlNets both take (diffusers' `added_cond_kwargs`;
     /// guess mode gives the ControlNets the conditional rows only).
     pub fn with_added(mut self, added: &AddedCondition<B>) -> Self {
-        let rows = added.text_embeds.dims()[0];
-        let batch = self.positive.dims()[0];
-        let positive = AddedCondition {
-            text_embeds: added.text_embeds.clone().narrow(0, rows - batch, batch),
-            time_ids: added.time_ids.clone().narrow(0, rows - batch, batch),
-        };
-        self.added = Some(Added {
-            all: added.clone(),
-            positive,
-        });
+        self.added = Some(added.clone());
         self
     }
 
-    /// One denoiser evaluation with the ControlNets: their residuals at step `i` (from the
-    /// 4-channel latents `sample`, doubled for guidance) added to the UNet's skip connections,
-    /// then guidance as [`guided_noise`](crate::stable_diffusion::guided_noise) does it. An
-    /// inpainting UNet gets its mask channels besides, as diffusers' ControlNet inpaint
-    /// pipelines do. Eager.
+    /// One denoiser evaluation with the ControlNets whose guidance window holds step `i`:
+    /// their residuals (from the 4-channel latents `sample`, doubled for guidance) added to
+    /// the UNet's skip connections, then guidance as
+    /// [`guided_noise`](crate::stable_diffusion::guided_noise) does it. An inpainting UNet gets
+    /// its mask channels besides, as diffusers' ControlNet inpaint pipelines do. Compiled
+    /// pipelines run it as one program ([`ControlPrograms`]), every ControlNet in it with its
+    /// scale times 0 or 1 for its window, as diffusers' `controlnet_keep`; eagerly the
+    /// ControlNets outside their window are skipped (the same sum without their cost).
     #[allow(clippy::too_many_arguments)]
     pub fn noise(
         &self,
@@ -205,85 +208,268 @@ impl<'a, B: Backend> ControlStep<'a, B> {
         context: &Tensor<B, 3>,
         guidance: Tensor<B, 1>,
     ) -> Result<Tensor<B, 4>> {
-        let batch = sample.dims()[0];
-        let guided = context.dims()[0] == 2 * batch;
-        let twice = |x: Tensor<B, 4>| {
-            if guided {
-                Tensor::cat(vec![x.clone(), x], 0)
-            } else {
-                x
-            }
-        };
-        let doubled = twice(sample.clone());
-        let residuals = self.residuals(i, &sample, &doubled, &timestep, context)?;
-        let unet_input = twice(InpaintCondition::unet_input(inpaint, sample));
-        let prediction = unet.forward_controlled(
-            unet_input,
+        let step = StepTensors {
+            unet_input: InpaintCondition::unet_input(inpaint, sample.clone()),
+            sample,
             timestep,
-            context.clone(),
-            self.added.as_ref().map(|a| &a.all),
-            residuals.as_ref(),
-        )?;
-        Ok(if guided {
-            combine_halves(prediction, batch, guidance)
-        } else {
-            prediction
-        })
-    }
-
-    /// The summed residuals of the ControlNets whose guidance window holds step `i`, each
-    /// scaled by its conditioning scale; `None` when no window holds it. diffusers runs a
-    /// ControlNet outside its window too and multiplies its residuals by 0 (`controlnet_keep`);
-    /// adding nothing is the same sum without the ControlNet's cost. `sample` is the scaled latents, `doubled` the UNet's batch (the
-    /// same twice with guidance), `context` the UNet's text.
-    pub fn residuals(
-        &self,
-        i: usize,
-        sample: &Tensor<B, 4>,
-        doubled: &Tensor<B, 4>,
-        timestep: &Tensor<B, 1>,
-        context: &Tensor<B, 3>,
-    ) -> Result<Option<ControlResiduals<B>>> {
-        let guided = doubled.dims()[0] == 2 * sample.dims()[0];
-        let guess = self.controls.request.guess_mode;
-        let mut sum: Option<ControlResiduals<B>> = None;
-        let each = self
+            context: context.clone(),
+            guidance,
+        };
+        let request = self.controls.request;
+        let (guess, added) = (request.guess_mode, self.added.as_ref());
+        let batch = step.sample.dims()[0];
+        let guided = context.dims()[0] == 2 * batch;
+        let unet_rows = if guided { 2 * batch } else { batch };
+        // Guess mode with guidance runs the ControlNets on the conditional rows only.
+        let net_rows = if guess && guided { batch } else { unet_rows };
+        let net_added = added.map(|a| positive_rows(a, net_rows));
+        let [_, _, h, w] = step.sample.dims();
+        for (k, (net, image)) in self.controls.nets.iter().zip(&self.images).enumerate() {
+            net.check_input([net_rows, 4, h, w], image.dims(), net_added.as_ref())
+                .map_err(|e| PipelineError::InvalidInput(format!("ControlNet {k}: {e}")))?;
+        }
+        unet.check_added_condition(unet_rows, added)?;
+        let device = step.sample.device();
+        let scale = |v: f64| Tensor::<B, 1>::from_floats([v as f32], &device);
+        let controls = &request.controls;
+        if let Some(programs) = self.controls.programs {
+            let scales: Vec<f64> = controls
+                .iter()
+                .map(|c| if c.keeps(i, self.steps) { c.scale } else { 0.0 })
+                .collect();
+            let scales = Tensor::<B, 1>::from_floats(
+                scales
+                    .iter()
+                    .map(|&v| v as f32)
+                    .collect::<Vec<_>>()
+                    .as_slice(),
+                &device,
+            );
+            let images = Tensor::cat(self.images.clone(), 0);
+            return programs.call(guess, step, images, scales, added);
+        }
+        let steer: Vec<Steer<'_, B>> = self
             .controls
             .nets
             .iter()
-            .zip(&self.controls.request.controls)
-            .zip(&self.images);
-        for ((net, control), image) in each.filter(|((_, c), _)| c.keeps(i, self.steps)) {
-            let scale = control.scale;
-            let residuals = if guess && guided {
-                // Only the conditional half is controlled; the unconditional half gets zeros.
-                net.forward(
-                    sample.clone(),
-                    timestep.clone(),
-                    self.positive.clone(),
-                    image.clone(),
-                    scale,
-                    true,
-                    self.added.as_ref().map(|a| &a.positive),
-                )?
-                .after_zeros()
-            } else {
-                net.forward(
-                    doubled.clone(),
-                    timestep.clone(),
-                    context.clone(),
-                    image.clone(),
-                    scale,
-                    guess,
-                    self.added.as_ref().map(|a| &a.all),
-                )?
-            };
-            sum = Some(match sum {
-                None => residuals,
-                Some(sum) => sum + residuals,
-            });
+            .zip(controls)
+            .zip(&self.images)
+            .filter(|((_, c), _)| c.keeps(i, self.steps))
+            .map(|((net, c), image)| (net, image.clone(), scale(c.scale)))
+            .collect();
+        Ok(controlled_prediction(unet, &steer, guess, step, added)?)
+    }
+}
+
+/// The last `rows` rows of `added` (its conditional half in guess mode), all of it otherwise.
+fn positive_rows<B: Backend>(added: &AddedCondition<B>, rows: usize) -> AddedCondition<B> {
+    let all = added.text_embeds.dims()[0];
+    AddedCondition {
+        text_embeds: added.text_embeds.clone().narrow(0, all - rows, rows),
+        time_ids: added.time_ids.clone().narrow(0, all - rows, rows),
+    }
+}
+
+/// The UNet's prediction with the summed residuals of `steer`, under guidance when `step`'s
+/// context has twice the latents' rows; the eager step and the compiled program both run it.
+/// Guess mode with guidance runs the ControlNets on the conditional rows only and gives the
+/// unconditional ones zeros (diffusers' `guess_mode and do_classifier_free_guidance`). The
+/// inputs must have passed `check_input`.
+fn controlled_prediction<B: Backend>(
+    unet: &UNet2DConditionModel<B>,
+    steer: &[Steer<'_, B>],
+    guess: bool,
+    step: StepTensors<B>,
+    added: Option<&AddedCondition<B>>,
+) -> oxidiff_models::Result<Tensor<B, 4>> {
+    let StepTensors {
+        sample,
+        unet_input,
+        timestep,
+        context,
+        guidance,
+    } = step;
+    let batch = sample.dims()[0];
+    let guided = context.dims()[0] == 2 * batch;
+    let twice = |x: Tensor<B, 4>| {
+        if guided {
+            Tensor::cat(vec![x.clone(), x], 0)
+        } else {
+            x
         }
-        Ok(sum)
+    };
+    let conditional = guess && guided;
+    let (net_sample, net_context, net_added) = if conditional {
+        let rows = context.dims()[0];
+        let positive = context.clone().narrow(0, rows - batch, batch);
+        (
+            sample.clone(),
+            positive,
+            added.map(|a| positive_rows(a, batch)),
+        )
+    } else {
+        (twice(sample.clone()), context.clone(), added.cloned())
+    };
+    let mut sum: Option<ControlResiduals<B>> = None;
+    for (net, image, scale) in steer {
+        let residuals = net.residuals(
+            net_sample.clone(),
+            timestep.clone(),
+            net_context.clone(),
+            image.clone(),
+            scale.clone(),
+            guess,
+            net_added.as_ref(),
+        );
+        let residuals = if conditional {
+            residuals.after_zeros()
+        } else {
+            residuals
+        };
+        sum = Some(match sum {
+            None => residuals,
+            Some(sum) => sum + residuals,
+        });
+    }
+    let prediction =
+        unet.forward_controlled(twice(unet_input), timestep, context, added, sum.as_ref())?;
+    Ok(if guided {
+        combine_halves(prediction, batch, guidance)
+    } else {
+        prediction
+    })
+}
+
+/// The compiled controlled step: the ControlNets, the UNet and guidance as one XLA program per
+/// input shape (one for guess mode, one without), with the latents, timestep, context,
+/// guidance scale, the control images and each ControlNet's scale (its window's 0 or 1
+/// folded in) as runtime inputs, so a new prompt, scale, window, step count or scheduler
+/// reuses the program.
+pub struct ControlPrograms<B: Backend> {
+    plain: ControlCall<B>,
+    guess: ControlCall<B>,
+}
+
+/// The inputs of a compiled controlled step: the [`StepTensors`] in order, then the control
+/// images (one block of rows per ControlNet) and the ControlNets' scales (`[nets]`).
+pub type ControlInputs<B> = (
+    (
+        Tensor<B, 4>,
+        Tensor<B, 4>,
+        Tensor<B, 1>,
+        Tensor<B, 3>,
+        Tensor<B, 1>,
+    ),
+    (Tensor<B, 4>, Tensor<B, 1>),
+);
+
+/// [`ControlInputs`] and SDXL's added condition (pooled text embeddings, time ids).
+pub type AddedControlInputs<B> = (ControlInputs<B>, (Tensor<B, 2>, Tensor<B, 2>));
+
+/// SD's step, or SDXL's with the added condition besides.
+enum ControlCall<B: Backend> {
+    Plain(CompiledCall<B, ControlInputs<B>>),
+    Added(CompiledCall<B, AddedControlInputs<B>>),
+}
+
+impl<B: Backend> ControlPrograms<B> {
+    fn call(
+        &self,
+        guess: bool,
+        step: StepTensors<B>,
+        images: Tensor<B, 4>,
+        scales: Tensor<B, 1>,
+        added: Option<&AddedCondition<B>>,
+    ) -> Result<Tensor<B, 4>> {
+        let inputs = (
+            (
+                step.sample,
+                step.unet_input,
+                step.timestep,
+                step.context,
+                step.guidance,
+            ),
+            (images, scales),
+        );
+        let call = if guess { &self.guess } else { &self.plain };
+        match (call, added) {
+            (ControlCall::Plain(call), None) => call.call(inputs),
+            (ControlCall::Added(call), Some(a)) => {
+                call.call((inputs, (a.text_embeds.clone(), a.time_ids.clone())))
+            }
+            _ => Err(PipelineError::Compile(
+                "the compiled ControlNet step was built for another UNet (with or without \
+                 SDXL's added condition): compile the pipeline again"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Counts of both programs together.
+    pub fn compile_stats(&self) -> CompileStats {
+        let stats = |call: &ControlCall<B>| match call {
+            ControlCall::Plain(c) => c.compile_stats(),
+            ControlCall::Added(c) => c.compile_stats(),
+        };
+        stats(&self.plain) + stats(&self.guess)
+    }
+}
+
+impl ControlPrograms<Oxi> {
+    /// The programs of `unet` steered by `nets` (SDXL's added condition when the UNet takes
+    /// one); nothing is traced before the first call.
+    pub fn new(unet: &UNet2DConditionModel<Oxi>, nets: &[ControlNetModel<Oxi>]) -> Self {
+        let xl = unet.add_embedding.is_some();
+        let build = |guess: bool| {
+            let (unet, nets) = (unet.clone(), nets.to_vec());
+            let name = if guess {
+                "controlnets+unet+cfg (guess mode)"
+            } else {
+                "controlnets+unet+cfg"
+            };
+            let run = move |inputs: ControlInputs<Oxi>, added: Option<AddedCondition<Oxi>>| {
+                let ((sample, unet_input, timestep, context, guidance), (images, scales)) = inputs;
+                let rows = images.dims()[0] / nets.len();
+                let steer: Vec<Steer<'_, Oxi>> = nets
+                    .iter()
+                    .enumerate()
+                    .map(|(k, net)| {
+                        (
+                            net,
+                            images.clone().narrow(0, k * rows, rows),
+                            scales.clone().narrow(0, k, 1),
+                        )
+                    })
+                    .collect();
+                let step = StepTensors {
+                    sample,
+                    unet_input,
+                    timestep,
+                    context,
+                    guidance,
+                };
+                // The shapes were checked by `ControlStep::noise` before the call.
+                controlled_prediction(&unet, &steer, guess, step, added.as_ref())
+                    .expect("ControlNet step inputs checked before tracing")
+            };
+            if xl {
+                let step = move |(inputs, (text_embeds, time_ids)): AddedControlInputs<Oxi>| {
+                    let added = AddedCondition {
+                        text_embeds,
+                        time_ids,
+                    };
+                    run(inputs, Some(added))
+                };
+                ControlCall::Added(CompiledCall::new(name, step, None, Vec::new()))
+            } else {
+                let step = move |inputs: ControlInputs<Oxi>| run(inputs, None);
+                ControlCall::Plain(CompiledCall::new(name, step, None, Vec::new()))
+            }
+        };
+        Self {
+            plain: build(false),
+            guess: build(true),
+        }
     }
 }
 
@@ -324,11 +510,25 @@ pub fn check_downscale<B: Backend>(
     Ok(())
 }
 
-/// What `compile` and `enable_parallelism` of the ControlNet pipelines say: they run eagerly.
-pub(crate) fn eager_only() -> PipelineError {
+/// What `enable_parallelism` of the ControlNet pipelines says.
+pub(crate) fn not_parallel() -> PipelineError {
     PipelineError::Compile(
-        "ControlNet pipelines run eagerly for now (each op at once, on any device); drop \
-         --compile/--tp/--dp"
+        "tensor and data parallelism are not implemented for ControlNet pipelines yet; drop \
+         --tp/--dp (--compile works)"
             .into(),
     )
+}
+
+/// A base pipeline's per-component counts with the controlled step's programs counted as the
+/// UNet's.
+pub(crate) fn control_component_stats(
+    mut stats: Vec<ComponentStats>,
+    programs: Option<&ControlPrograms<Oxi>>,
+) -> Vec<ComponentStats> {
+    if let Some(programs) = programs {
+        for entry in stats.iter_mut().filter(|e| e.component == "unet") {
+            entry.stats = entry.stats + programs.compile_stats();
+        }
+    }
+    stats
 }

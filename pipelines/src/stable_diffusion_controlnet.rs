@@ -17,7 +17,10 @@ use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
 use crate::compiled::{CompileStats, ComponentStats};
-use crate::control::{check_controlnets, eager_only, ControlRequest, ControlStep, Controls};
+use crate::control::{
+    check_controlnets, control_component_stats, not_parallel, ControlPrograms, ControlRequest,
+    ControlStep, Controls,
+};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
@@ -30,6 +33,8 @@ use crate::stable_diffusion::StableDiffusionPipeline;
 pub struct StableDiffusionControlNetPipeline<B: Backend> {
     pub pipe: StableDiffusionPipeline<B>,
     pub controlnets: Vec<ControlNetModel<B>>,
+    /// The compiled controlled step, after [`compile`](Self::compile).
+    pub programs: Option<ControlPrograms<B>>,
 }
 
 impl<B: Backend> std::ops::Deref for StableDiffusionControlNetPipeline<B> {
@@ -47,25 +52,33 @@ impl<B: Backend> std::ops::DerefMut for StableDiffusionControlNetPipeline<B> {
 }
 
 impl StableDiffusionControlNetPipeline<Oxi> {
-    /// Compiled mode is not implemented for ControlNet pipelines yet: an error saying so (the
-    /// pipeline runs eagerly on any device).
+    /// Compiled mode: the base pipeline's programs (text encoders, VAE) and, per input shape,
+    /// one program for the ControlNets, the UNet and guidance together ([`ControlPrograms`]),
+    /// with the control images, scales and guidance windows as runtime inputs. Needs the UNet
+    /// on a PJRT device.
     pub fn compile(&mut self) -> Result<()> {
-        Err(eager_only())
+        self.pipe.compile()?;
+        self.programs = Some(ControlPrograms::new(&self.pipe.unet, &self.controlnets));
+        Ok(())
     }
 
-    /// See [`compile`](Self::compile).
+    /// Tensor and data parallelism are not implemented for ControlNet pipelines yet: an error
+    /// saying so (`compile` works).
     pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
-        Err(eager_only())
+        Err(not_parallel())
     }
 
-    /// Always `None`: the pipeline runs eagerly.
+    /// Compiled mode's counts (`None` when eager): the controlled step's programs and the
+    /// base pipeline's.
     pub fn compile_stats(&self) -> Option<CompileStats> {
-        None
+        let programs = self.programs.as_ref()?.compile_stats();
+        Some(programs + self.pipe.compile_stats().unwrap_or_default())
     }
 
-    /// Always empty: the pipeline runs eagerly.
+    /// Compiled mode's counts per component, the ControlNets counted with the UNet (one
+    /// program holds them).
     pub fn component_stats(&self) -> Vec<ComponentStats> {
-        Vec::new()
+        control_component_stats(self.pipe.component_stats(), self.programs.as_ref())
     }
 }
 
@@ -105,7 +118,11 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
         check_controlnets(&controlnets, &pipe.unet, pipe.vae_scale_factor)?;
         let device = pipe.unet_device();
         let controlnets = controlnets.into_iter().map(|n| n.to(&device)).collect();
-        Ok(Self { pipe, controlnets })
+        Ok(Self {
+            pipe,
+            controlnets,
+            programs: None,
+        })
     }
 
     /// Loads a Stable Diffusion folder and ControlNet folders (each with `config.json` and
@@ -191,6 +208,7 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
         let controls = Controls {
             nets: &self.controlnets,
             request: control,
+            programs: self.programs.as_ref(),
         };
         let step = ControlStep::new(
             controls,

@@ -56,10 +56,15 @@ impl<B: Backend> StableDiffusionControlNetImg2ImgPipeline<B> {
         noise: &mut dyn NoiseSource<B>,
         callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
-        let StableDiffusionControlNetPipeline { pipe, controlnets } = &mut self.pipe;
+        let StableDiffusionControlNetPipeline {
+            pipe,
+            controlnets,
+            programs,
+        } = &mut self.pipe;
         let controls = crate::control::Controls {
             nets: controlnets,
             request: control,
+            programs: programs.as_ref(),
         };
         StableDiffusionImg2ImgPipeline::generate_controlled_on(
             pipe,

@@ -68,10 +68,15 @@ impl<B: Backend> StableDiffusionControlNetInpaintPipeline<B> {
                     .into(),
             ));
         }
-        let StableDiffusionControlNetPipeline { pipe, controlnets } = &mut self.pipe;
+        let StableDiffusionControlNetPipeline {
+            pipe,
+            controlnets,
+            programs,
+        } = &mut self.pipe;
         let controls = Controls {
             nets: controlnets,
             request: control,
+            programs: programs.as_ref(),
         };
         StableDiffusionInpaintPipeline::generate_controlled_on(
             pipe,

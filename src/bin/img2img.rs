@@ -189,11 +189,6 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     usage::steps("--steps", args.steps)?;
     usage::image_size("--width/--height", args.width, args.height, args.max_pixels)?;
     args.control.check(args.max_pixels)?;
-    if args.control.active() && args.compile {
-        return Err(UsageError(
-            "--controlnet runs eagerly for now: drop --compile".into(),
-        ));
-    }
     Ok(())
 }
 

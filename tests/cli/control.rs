@@ -323,6 +323,22 @@ fn an_sdxl_folder_takes_sdxl_controlnets_and_refuses_sd1_ones() {
         2,
     );
 
+    // Compiled on XLA's CPU plugin: the same image, and --tp is refused before loading.
+    let compiled = tmp.path().join("compiled.png");
+    let mut flags = flags.to_vec();
+    flags.extend(["--device", "xla:cpu", "--compile", "--json"]);
+    let (log, code) = run_on("tiny-sdxl", "5.0", &compiled, &flags);
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&compiled).unwrap().to_rgb8(),
+        "controlnet-sdxl-guess.png",
+        2,
+    );
+    flags.extend(["--tp", "2"]);
+    let (log, code) = run_on("tiny-sdxl", "5.0", &tmp.path().join("tp.png"), &flags);
+    assert_eq!(code, Some(2), "{log}");
+    assert!(log.contains("drop --tp/--dp"), "{log}");
+
     let refused = tmp.path().join("refused.png");
     let flags = ["--controlnet", &sd1_net, "--control-image", &image];
     let (log, code) = run_on("tiny-sdxl", "5.0", &refused, &flags);

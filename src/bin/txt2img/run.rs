@@ -93,9 +93,9 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     }
     usage::finite("--true-cfg-scale", args.true_cfg_scale)?;
     args.control.check(args.max_pixels)?;
-    if args.control.active() && (args.compile || args.tp != 1 || args.dp != 1) {
+    if args.control.active() && (args.tp != 1 || args.dp != 1) {
         return Err(UsageError(
-            "--controlnet runs eagerly for now: drop --compile/--tp/--dp".into(),
+            "--controlnet does not split over devices yet: drop --tp/--dp (--compile works)".into(),
         ));
     }
     Ok(())
