@@ -357,4 +357,23 @@ fn controlnet_flags_steer_image_to_image_and_inpainting_as_diffusers() {
         log.contains("StableDiffusionControlNetInpaintPipeline"),
         "{log}"
     );
+    // SDXL (tools/golden/make_controlnet_sdxl.py: the same settings, guidance 5.0, diffusers'
+    // default for both SDXL ControlNet editing pipelines).
+    let model = common::model_dir("tiny-sdxl");
+    let net = format!(
+        "{}:0.8",
+        common::model_dir("tiny-controlnet-sdxl").display()
+    );
+    let flags = [&flags[..3], &[net.as_str()], &flags[4..]].concat();
+    let log = check(&model, &flags, "controlnet-sdxl-img2img.png");
+    assert!(
+        log.contains("StableDiffusionXLControlNetImg2ImgPipeline"),
+        "{log}"
+    );
+    let with_mask = [&flags[..], &["--mask", mask.to_str().unwrap()]].concat();
+    let log = check(&model, &with_mask, "controlnet-sdxl-inpaint.png");
+    assert!(
+        log.contains("StableDiffusionXLControlNetInpaintPipeline"),
+        "{log}"
+    );
 }

@@ -13,7 +13,9 @@ use oxidiff::pipelines::{
     Control, ControlRequest, GenerateRequest, InpaintOptions, LoadOptions,
     StableDiffusionControlNetImg2ImgPipeline, StableDiffusionControlNetInpaintPipeline,
     StableDiffusionControlNetPipeline, StableDiffusionPipeline,
-    StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, XlRequest,
+    StableDiffusionXLControlNetImg2ImgPipeline, StableDiffusionXLControlNetInpaintPipeline,
+    StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, XlEditOptions, XlInitImage,
+    XlRequest,
 };
 
 fn request() -> GenerateRequest<B> {
@@ -298,4 +300,66 @@ fn an_sd1_controlnet_is_refused_by_sdxl_and_an_sdxl_one_by_sd1() {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(err.contains("ControlNet 0"), "{err}");
+}
+
+#[test]
+fn sdxl_controlnet_img2img_and_inpaint_match_diffusers() {
+    let golden = fixtures().join("golden");
+    let init = image::open(golden.join("img2img-input.png")).unwrap();
+    let mask = image::open(golden.join("inpaint-mask.png")).unwrap();
+    let control = ControlRequest {
+        controls: vec![Control {
+            scale: 0.8,
+            guidance_end: 0.8,
+            ..Control::new(control_image())
+        }],
+        guess_mode: false,
+    };
+    let net = model_dir("tiny-controlnet-sdxl");
+    let pipe = StableDiffusionXLControlNetPipeline::<B>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &[net.as_path()],
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    let request = XlRequest::new(GenerateRequest {
+        guidance_scale: 5.0,
+        ..request()
+    });
+    let edit = XlEditOptions {
+        strength: 0.75,
+        ..XlEditOptions::default()
+    };
+    let mut img2img = StableDiffusionXLControlNetImg2ImgPipeline::from(pipe);
+    assert_eq!(img2img.default_edit().strength, 0.8);
+    let out = img2img
+        .generate(&request, &edit, XlInitImage::Image(&init), &control)
+        .unwrap();
+    assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        "controlnet-sdxl-img2img.png",
+        2,
+    );
+    // diffusers' SDXL ControlNet img2img has no denoising_start: refused, not ignored.
+    let refiner_half = XlEditOptions {
+        denoising_start: Some(0.5),
+        ..edit.clone()
+    };
+    let err = img2img
+        .generate(&request, &refiner_half, XlInitImage::Image(&init), &control)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("denoising_start"), "{err}");
+
+    let mut inpaint = StableDiffusionXLControlNetInpaintPipeline::from(img2img.pipe);
+    let out = inpaint
+        .generate(&request, &edit, &init, &mask, &control)
+        .unwrap();
+    assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        "controlnet-sdxl-inpaint.png",
+        2,
+    );
 }

@@ -389,9 +389,18 @@ impl PjrtClient {
             (entry_path(dir, &key), key)
         });
         if let Some((path, key)) = &disk {
+            let started = std::time::Instant::now();
             match load_executable(path, key, client, function.results.len()) {
                 Ok(Some(exe)) => {
                     state.stats.disk_loads += 1;
+                    if compile_cache::log_compiles() {
+                        eprintln!(
+                            "oxidiff: eager op {} on {}: loaded from the disk cache in {:.1?}",
+                            lowering::op_name(op),
+                            self.device(),
+                            started.elapsed()
+                        );
+                    }
                     return Ok(exe);
                 }
                 Ok(None) => {}

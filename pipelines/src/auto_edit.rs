@@ -29,6 +29,9 @@ use crate::stable_diffusion_controlnet_inpaint::StableDiffusionControlNetInpaint
 use crate::stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 use crate::stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 use crate::stable_diffusion_xl::XlRequest;
+use crate::stable_diffusion_xl_controlnet::StableDiffusionXLControlNetPipeline;
+use crate::stable_diffusion_xl_controlnet_img2img::StableDiffusionXLControlNetImg2ImgPipeline;
+use crate::stable_diffusion_xl_controlnet_inpaint::StableDiffusionXLControlNetInpaintPipeline;
 use crate::stable_diffusion_xl_img2img::{
     StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage,
 };
@@ -143,13 +146,15 @@ fn editing_family(class: &str, source: &Path, task: &'static str) -> Result<Pipe
 /// every editing pipeline does (loading by class, defaults, LoRA, compiled mode). `$task`
 /// names the task in errors.
 macro_rules! editing_pipeline {
-    ($(#[$doc:meta])* $name:ident, $sd:ident, $cn:ident, $xl:ident, $task:literal) => {
+    ($(#[$doc:meta])* $name:ident, $sd:ident, $cn:ident, $xl:ident, $xcn:ident, $task:literal) => {
         $(#[$doc])*
         pub enum $name<B: Backend> {
             StableDiffusion(Box<$sd<B>>),
             /// SD 1.x/2.x with ControlNets (`with_controlnets`).
             StableDiffusionControlNet(Box<$cn<B>>),
             StableDiffusionXL(Box<$xl<B>>),
+            /// SDXL with ControlNets (`with_controlnets`).
+            StableDiffusionXLControlNet(Box<$xcn<B>>),
         }
 
         impl<B: Backend> $name<B> {
@@ -194,7 +199,7 @@ macro_rules! editing_pipeline {
                 })
             }
 
-            /// The same pipeline steered by `controlnets` (SD 1.x/2.x for now), each checked
+            /// The same pipeline steered by `controlnets` (SD 1.x/2.x and SDXL), each checked
             /// against the UNet.
             pub fn with_controlnets(self, controlnets: Vec<ControlNetModel<B>>) -> Result<Self> {
                 match self {
@@ -205,11 +210,13 @@ macro_rules! editing_pipeline {
                         $sd::from(pipe.pipe.into_inner()),
                     ))
                     .with_controlnets(controlnets),
-                    Self::StableDiffusionXL(_) => Err(PipelineError::InvalidInput(format!(
-                        "ControlNets for SDXL {} are not implemented yet; they work with SD \
-                         1.x/2.x models",
-                        $task
+                    Self::StableDiffusionXL(pipe) => Ok(Self::StableDiffusionXLControlNet(Box::new(
+                        $xcn::from(StableDiffusionXLControlNetPipeline::new(pipe.pipe, controlnets)?),
                     ))),
+                    Self::StableDiffusionXLControlNet(pipe) => Self::StableDiffusionXL(Box::new(
+                        $xl::from(pipe.pipe.into_inner()),
+                    ))
+                    .with_controlnets(controlnets),
                 }
             }
 
@@ -219,7 +226,9 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(_) | Self::StableDiffusionControlNet(_) => {
                         PipelineFamily::StableDiffusion
                     }
-                    Self::StableDiffusionXL(_) => PipelineFamily::StableDiffusionXL,
+                    Self::StableDiffusionXL(_) | Self::StableDiffusionXLControlNet(_) => {
+                        PipelineFamily::StableDiffusionXL
+                    }
                 }
             }
 
@@ -229,6 +238,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(_) => stringify!($sd),
                     Self::StableDiffusionControlNet(_) => stringify!($cn),
                     Self::StableDiffusionXL(_) => stringify!($xl),
+                    Self::StableDiffusionXLControlNet(_) => stringify!($xcn),
                 }
             }
 
@@ -238,6 +248,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.defaults(),
                     Self::StableDiffusionControlNet(pipe) => pipe.defaults(),
                     Self::StableDiffusionXL(pipe) => pipe.defaults(),
+                    Self::StableDiffusionXLControlNet(pipe) => pipe.defaults(),
                 }
             }
 
@@ -253,6 +264,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => &*pipe.pipe.scheduler,
                     Self::StableDiffusionControlNet(pipe) => &*pipe.pipe.scheduler,
                     Self::StableDiffusionXL(pipe) => &*pipe.pipe.scheduler,
+                    Self::StableDiffusionXLControlNet(pipe) => &*pipe.pipe.scheduler,
                 }
             }
 
@@ -262,6 +274,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => &mut pipe.pipe.vae,
                     Self::StableDiffusionControlNet(pipe) => &mut pipe.pipe.vae,
                     Self::StableDiffusionXL(pipe) => &mut pipe.pipe.vae,
+                    Self::StableDiffusionXLControlNet(pipe) => &mut pipe.pipe.vae,
                 }
             }
 
@@ -271,6 +284,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.pipe.vae_scale_factor,
                     Self::StableDiffusionControlNet(pipe) => pipe.pipe.vae_scale_factor,
                     Self::StableDiffusionXL(pipe) => pipe.pipe.vae_scale_factor,
+                    Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.vae_scale_factor,
                 }
             }
 
@@ -280,6 +294,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.pipe.load_lora(path, scale),
                     Self::StableDiffusionControlNet(pipe) => pipe.pipe.load_lora(path, scale),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.load_lora(path, scale),
+                    Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.load_lora(path, scale),
                 }
             }
         }
@@ -291,6 +306,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.pipe.compile(),
                     Self::StableDiffusionControlNet(pipe) => pipe.pipe.compile(),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.compile(),
+                    Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.compile(),
                 }
             }
 
@@ -301,6 +317,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.pipe.enable_parallelism(config),
                     Self::StableDiffusionControlNet(pipe) => pipe.pipe.enable_parallelism(config),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.enable_parallelism(config),
+                    Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.enable_parallelism(config),
                 }
             }
 
@@ -310,6 +327,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.pipe.compile_stats(),
                     Self::StableDiffusionControlNet(pipe) => pipe.pipe.compile_stats(),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.compile_stats(),
+                    Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.compile_stats(),
                 }
             }
 
@@ -319,6 +337,7 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusion(pipe) => pipe.pipe.component_stats(),
                     Self::StableDiffusionControlNet(pipe) => pipe.pipe.component_stats(),
                     Self::StableDiffusionXL(pipe) => pipe.pipe.component_stats(),
+                    Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.component_stats(),
                 }
             }
         }
@@ -333,6 +352,7 @@ editing_pipeline!(
     StableDiffusionImg2ImgPipeline,
     StableDiffusionControlNetImg2ImgPipeline,
     StableDiffusionXLImg2ImgPipeline,
+    StableDiffusionXLControlNetImg2ImgPipeline,
     "image to image"
 );
 
@@ -345,6 +365,7 @@ editing_pipeline!(
     StableDiffusionInpaintPipeline,
     StableDiffusionControlNetInpaintPipeline,
     StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLControlNetInpaintPipeline,
     "inpainting"
 );
 
@@ -360,7 +381,11 @@ impl<B: Backend> AutoPipelineForImage2Image<B> {
         callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let strength = options.strength_or(self.defaults());
-        let control = options.control_for(matches!(self, Self::StableDiffusionControlNet(_)))?;
+        let controlled = matches!(
+            self,
+            Self::StableDiffusionControlNet(_) | Self::StableDiffusionXLControlNet(_)
+        );
+        let control = options.control_for(controlled)?;
         match self {
             Self::StableDiffusionControlNet(pipe) => {
                 options.refuse_xl_fields()?;
@@ -390,6 +415,17 @@ impl<B: Backend> AutoPipelineForImage2Image<B> {
                 noise,
                 callback,
             ),
+            Self::StableDiffusionXLControlNet(pipe) => {
+                let control = control.cloned().unwrap_or_default();
+                pipe.generate_with(
+                    &XlRequest::new(req.clone()),
+                    &options.xl(strength),
+                    XlInitImage::Image(image),
+                    &control,
+                    noise,
+                    callback,
+                )
+            }
         }
     }
 }
@@ -408,7 +444,11 @@ impl<B: Backend> AutoPipelineForInpainting<B> {
         callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let strength = options.strength_or(self.defaults());
-        let control = options.control_for(matches!(self, Self::StableDiffusionControlNet(_)))?;
+        let controlled = matches!(
+            self,
+            Self::StableDiffusionControlNet(_) | Self::StableDiffusionXLControlNet(_)
+        );
+        let control = options.control_for(controlled)?;
         let inpaint = InpaintOptions {
             strength,
             padding_mask_crop: options.padding_mask_crop,
@@ -435,6 +475,18 @@ impl<B: Backend> AutoPipelineForInpainting<B> {
                 noise,
                 callback,
             ),
+            Self::StableDiffusionXLControlNet(pipe) => {
+                let control = control.cloned().unwrap_or_default();
+                pipe.generate_with(
+                    &XlRequest::new(req.clone()),
+                    &options.xl(strength),
+                    image,
+                    mask,
+                    &control,
+                    noise,
+                    callback,
+                )
+            }
         }
     }
 }

@@ -111,6 +111,16 @@ impl PipelineDefaults {
         strength: Some(0.9999),
         ..Self::STABLE_DIFFUSION_XL
     };
+    /// `StableDiffusionXLControlNetImg2ImgPipeline.__call__`: strength 0.8.
+    pub const STABLE_DIFFUSION_XL_CONTROLNET_IMG2IMG: Self = Self {
+        strength: Some(0.8),
+        ..Self::STABLE_DIFFUSION_XL
+    };
+    /// `StableDiffusionXLControlNetInpaintPipeline.__call__`: guidance 5.0, strength 0.9999.
+    pub const STABLE_DIFFUSION_XL_CONTROLNET_INPAINT: Self = Self {
+        strength: Some(0.9999),
+        ..Self::STABLE_DIFFUSION_XL
+    };
     /// `StableDiffusion3Pipeline.__call__`.
     pub const STABLE_DIFFUSION_3: Self = Self {
         num_inference_steps: 28,

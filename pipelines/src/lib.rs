@@ -80,6 +80,8 @@ pub mod stable_diffusion_img2img;
 pub mod stable_diffusion_inpaint;
 pub mod stable_diffusion_xl;
 pub mod stable_diffusion_xl_controlnet;
+pub mod stable_diffusion_xl_controlnet_img2img;
+pub mod stable_diffusion_xl_controlnet_inpaint;
 pub mod stable_diffusion_xl_img2img;
 pub mod stable_diffusion_xl_inpaint;
 
@@ -117,6 +119,8 @@ pub use stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 pub use stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
 pub use stable_diffusion_xl::{StableDiffusionXLPipeline, XlOptions, XlPromptEmbeds, XlRequest};
 pub use stable_diffusion_xl_controlnet::StableDiffusionXLControlNetPipeline;
+pub use stable_diffusion_xl_controlnet_img2img::StableDiffusionXLControlNetImg2ImgPipeline;
+pub use stable_diffusion_xl_controlnet_inpaint::StableDiffusionXLControlNetInpaintPipeline;
 pub use stable_diffusion_xl_img2img::{
     StableDiffusionXLImg2ImgPipeline, XlEditOptions, XlInitImage,
 };

@@ -15,6 +15,7 @@ use burn::tensor::Tensor;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, Scheduler, TorchCpuGenerator};
 
+use crate::control::{ControlStep, Controls};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
@@ -222,10 +223,32 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
         edit: &XlEditOptions,
         image: XlInitImage<'_, B>,
         noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        Self::generate_controlled_on(&mut self.pipe, request, edit, image, None, noise, callback)
+    }
+
+    /// [`generate_with`](Self::generate_with) with ControlNets (their control images resized
+    /// to the image's size), for the SDXL ControlNet image-to-image pipeline, which takes no
+    /// `denoising_start` or `denoising_end` (as diffusers').
+    pub(crate) fn generate_controlled_on(
+        pipe: &mut StableDiffusionXLPipeline<B>,
+        request: &XlRequest<B>,
+        edit: &XlEditOptions,
+        image: XlInitImage<'_, B>,
+        controls: Option<Controls<'_, B>>,
+        noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let (req, xl) = (&request.common, &request.xl);
         check_edit(edit, xl)?;
+        if controls.is_some() && (edit.denoising_start.is_some() || xl.denoising_end.is_some()) {
+            return Err(PipelineError::InvalidInput(
+                "SDXL ControlNet image to image runs the whole (strength-cut) schedule: leave \
+                 denoising_start and denoising_end unset"
+                    .into(),
+            ));
+        }
         if edit.padding_mask_crop.is_some() {
             return Err(PipelineError::InvalidInput(
                 "padding_mask_crop crops to a mask's region: it applies to inpainting \
@@ -240,7 +263,6 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
                     .into(),
             ));
         }
-        let pipe = &mut self.pipe;
         pipe.check_options(req, xl)?;
         let f = pipe.vae_scale_factor;
         let batch = req.prompts.len() * req.num_images_per_prompt;
@@ -309,13 +331,26 @@ impl<B: Backend> StableDiffusionXLImg2ImgPipeline<B> {
         } else {
             init
         };
+        let control = controls
+            .map(|c| {
+                ControlStep::new(
+                    c,
+                    (width, height),
+                    batch,
+                    &condition.context,
+                    timesteps.len(),
+                    &pipe.device,
+                )
+            })
+            .transpose()?
+            .map(|step| step.with_added(&condition.added));
         let timesteps = pipe.cut_at_denoising_end(timesteps, xl);
         pipe.denoise_and_decode(
             &timesteps,
             latents,
             &condition,
             None,
-            None,
+            control.as_ref(),
             req,
             noise,
             &mut callback,

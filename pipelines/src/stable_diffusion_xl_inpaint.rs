@@ -12,8 +12,9 @@ use burn::tensor::backend::Backend;
 use oxidiff_models::ToDevice;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
+use crate::control::{ControlStep, Controls};
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
-use crate::error::Result;
+use crate::error::{PipelineError, Result};
 use crate::image::{preprocess, preprocess_mask};
 use crate::img2img::check_strength_steps;
 use crate::inpaint::{
@@ -89,16 +90,39 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
         image: &image::DynamicImage,
         mask: &image::DynamicImage,
         noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        let images = (image, mask);
+        Self::generate_controlled_on(&mut self.pipe, request, edit, images, None, noise, callback)
+    }
+
+    /// [`generate_with`](Self::generate_with) with ControlNets (their control images resized
+    /// to the image's size; the guidance windows are fractions of the steps from
+    /// `denoising_start` on, before `denoising_end`, as diffusers'), for the SDXL ControlNet
+    /// inpainting pipeline. `padding_mask_crop` is refused with ControlNets.
+    pub(crate) fn generate_controlled_on(
+        pipe: &mut StableDiffusionXLPipeline<B>,
+        request: &XlRequest<B>,
+        edit: &XlEditOptions,
+        (image, mask): (&image::DynamicImage, &image::DynamicImage),
+        controls: Option<Controls<'_, B>>,
+        noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let (req, xl) = (&request.common, &request.xl);
+        if controls.is_some() && edit.padding_mask_crop.is_some() {
+            return Err(PipelineError::InvalidInput(
+                "padding_mask_crop with ControlNets is not implemented yet; inpaint the whole \
+                 image"
+                    .into(),
+            ));
+        }
         check_edit(edit, xl)?;
         if edit.denoising_start.is_none() {
             check_strength_steps(edit.strength, req.num_inference_steps)?;
         }
         check_mask_size(image, mask)?;
-        let channels = inpaint_channels(self.unet_in_channels())?;
-        let pipe = &mut self.pipe;
+        let channels = inpaint_channels(pipe.unet.conv_in.weight.dims()[1])?;
         pipe.check_options(req, xl)?;
         let f = pipe.vae_scale_factor;
         let vae_device = pipe.vae.decoder.conv_in.weight.device();
@@ -153,13 +177,26 @@ impl<B: Backend> StableDiffusionXLInpaintPipeline<B> {
             noise,
             &pipe.device,
         )?;
+        let control = controls
+            .map(|c| {
+                ControlStep::new(
+                    c,
+                    (width, height),
+                    batch,
+                    &condition.context,
+                    timesteps.len(),
+                    &pipe.device,
+                )
+            })
+            .transpose()?
+            .map(|step| step.with_added(&condition.added));
         let timesteps = pipe.cut_at_denoising_end(timesteps, xl);
         let mut out = pipe.denoise_and_decode(
             &timesteps,
             latents,
             &condition,
             Some(&inpaint),
-            None,
+            control.as_ref(),
             req,
             noise,
             &mut callback,

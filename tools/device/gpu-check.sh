@@ -21,41 +21,9 @@ step() { echo "== $(date +%T) $*"; }
 budget="${GPU_CHECK_BENCH-f32,bf16}"
 dev="${GPU_CHECK_DEVICE:-cuda}" # xla:cpu to try the script out here
 
-step "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-nproc
-python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__version__)"
-
-step "binaries"
-mkdir -p /tmp/bin
-for b in txt2img bench; do gzip -dc ".device/$b.gz" >"/tmp/bin/$b" && chmod +x "/tmp/bin/$b"; done
-site=$(python3 -c "import site; print(site.getsitepackages()[0])")
-plugin=$(ls "$site"/jax_plugins/xla_cuda1*/xla_cuda_plugin.so 2>/dev/null | head -1)
-echo "plugin: $plugin"
-[[ -n "$plugin" ]] && export OXIDIFF_PJRT_PLUGIN="$plugin"
-# The plugin dlopens CUDA's libraries from the nvidia-* wheels, as jax does.
-LD_LIBRARY_PATH="$(ls -d "$site"/nvidia/*/lib 2>/dev/null | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export LD_LIBRARY_PATH
-[[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
-export OXIDIFF_COMPILE_CACHE=/tmp/oxidiff-cache
-fx=tests/fixtures
+source tools/device/env.sh
 
 step "parity (txt2img; max |level difference| against diffusers' PNG)"
-compare() { # OURS GOLDEN LABEL
-    python3 - "$1" "$2" "$3" <<'EOF' | tee -a "$OUT/parity.txt"
-import sys
-import numpy as np
-from PIL import Image
-ours, golden, label = sys.argv[1:]
-try:
-    a = np.asarray(Image.open(ours).convert("RGB"), dtype=np.int16)
-    b = np.asarray(Image.open(golden).convert("RGB"), dtype=np.int16)
-    d = np.abs(a - b)
-    print(f"{label:40} max {d.max():3d}  mean {d.mean():.3f}  {'ok' if d.max() <= 2 else 'OVER 2'}")
-except Exception as e:
-    print(f"{label:40} no image: {e}")
-EOF
-}
 case_args() { # NAME -> the CLI arguments of tests/cli/parity.rs for that fixture
     case "$1" in
     sd1) echo "--model $fx/tiny-sd1 --latents .device/tiny-sd1-latents.npy --steps 4 --guidance 7.5 --scheduler pndm" ;;
@@ -85,8 +53,6 @@ golden_of() {
     esac
 }
 # The SD 1.5 folder is made (CPU work) while the parity runs use the GPU.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .device/*.whl \
-    && export PYTHONPATH=/tmp/site
 sd15=/tmp/sd15-random
 (timeout 300 python3 tools/bench/diffusers_bench.py "$sd15" --make-only --fixture $fx/tiny-sd1 \
     >/tmp/make.log 2>&1 || echo "making $sd15 failed: $(tail -3 /tmp/make.log)") &

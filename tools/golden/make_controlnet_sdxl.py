@@ -16,6 +16,10 @@ Writes:
   golden/controlnet-input.png (prompt below, negative prompt "blurry", 4 steps, guidance 5.0,
   seed 42, 64x64, tiny-sdxl's Euler scheduler): one ControlNet at scale 1; both at scales 0.8
   and 0.5 with guidance windows [0, 0.75] and [0.25, 1]; one in guess mode at scale 0.9.
+- tests/fixtures/golden/controlnet-sdxl-{img2img,inpaint}.png:
+  `StableDiffusionXLControlNetImg2ImgPipeline` and `...InpaintPipeline` (tiny-sdxl's 4-channel
+  UNet: the masked-latent method) on golden/img2img-input.png (and inpaint-mask.png) with the
+  first ControlNet at scale 0.8 over [0, 0.8], strength 0.75, otherwise as above.
 - tests/fixtures/golden/controlnet-sdxl.json: the settings.
 Reruns give identical bytes.
 """
@@ -62,6 +66,18 @@ def main():
                    generator=torch.Generator().manual_seed(42), **SETTINGS, **run).images[0]
         out.save(os.path.join(sd.GOLDEN, f"controlnet-sdxl-{name}.png"))
         info["runs"][name] = run
+    from diffusers import StableDiffusionXLControlNetImg2ImgPipeline, StableDiffusionXLControlNetInpaintPipeline
+    init = PIL.Image.open(os.path.join(sd.GOLDEN, "img2img-input.png")).convert("RGB")
+    mask = PIL.Image.open(os.path.join(sd.GOLDEN, "inpaint-mask.png"))
+    edit = dict(strength=0.75, controlnet_conditioning_scale=0.8, control_guidance_end=0.8)
+    for name, cls, extra in [("img2img", StableDiffusionXLControlNetImg2ImgPipeline, {}),
+                             ("inpaint", StableDiffusionXLControlNetInpaintPipeline, {"mask_image": mask})]:
+        pipe = cls.from_pretrained(base, controlnet=nets[0], local_files_only=True)
+        pipe.set_progress_bar_config(disable=True)
+        out = pipe(PROMPT, image=init, control_image=image, generator=torch.Generator().manual_seed(42),
+                   **SETTINGS, **extra, **edit).images[0]
+        out.save(os.path.join(sd.GOLDEN, f"controlnet-sdxl-{name}.png"))
+    info["edit"] = edit
     save_json(os.path.join(sd.GOLDEN, "controlnet-sdxl.json"), info)
 
 

@@ -470,7 +470,14 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         });
         let copies = self.donated_copies(client, device, &program, irs, &traced.released)?;
         let out_ids: Vec<TensorId> = out_irs.iter().map(|t| t.id).collect();
+        let started = Instant::now();
         self.run(client, device, &program, irs, &out_ids, &copies)?;
+        if log_compiles() {
+            eprintln!(
+                "oxidiff: `{name}`'s first run (enqueued) took {:.1?}",
+                started.elapsed()
+            );
+        }
         Ok(program)
     }
 }
