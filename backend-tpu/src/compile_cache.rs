@@ -150,6 +150,44 @@ pub(crate) fn load_executable(
     Ok(Some(exe))
 }
 
+/// The executable of a small helper program (`module`, one result) on `device`: loaded from
+/// `disk` when an earlier process stored it, else compiled and stored there (a damaged entry is
+/// compiled again; a failed store only costs a compile later). Returns whether it came from
+/// the disk.
+pub(crate) fn load_or_compile(
+    client: &pjrt::Client,
+    device: &pjrt::Device,
+    module: &str,
+    disk: Option<&Path>,
+) -> pjrt::Result<(LoadedExecutable, bool)> {
+    let key = disk_key(module, client, device.id());
+    let path = disk.map(|dir| entry_path(dir, &key));
+    if let Some(path) = &path {
+        match load_executable(path, &key, client, 1) {
+            Ok(Some(exe)) => return Ok((exe, true)),
+            Ok(None) => {}
+            Err(why) => {
+                let _ = std::fs::remove_file(path);
+                eprintln!(
+                    "oxidiff: warning: the cached executable {}: {why}; rebuilt",
+                    path.display()
+                );
+            }
+        }
+    }
+    let options = pjrt::CompileOptions::on_device(i64::from(device.id()));
+    let exe = client.compile(module, &options)?;
+    if let Some(path) = &path {
+        if let Err(e) = store_executable(path, &key, &exe) {
+            eprintln!(
+                "oxidiff: warning: the compile cache could not store {}: {e}",
+                path.display()
+            );
+        }
+    }
+    Ok((exe, false))
+}
+
 /// Writes `exe` to `path` (through a temporary file, so a reader never sees
 /// half a file). A failure only costs a compile later; the caller says so.
 pub(crate) fn store_executable(

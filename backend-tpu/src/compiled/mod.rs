@@ -153,7 +153,18 @@ pub struct CompiledFn<I, O, F> {
     /// (`Lowerer::with_kernels_last`), made on the first trace that needs
     /// them, by tensor and permutation.
     kernels: Mutex<PermutedKernels>,
+    /// The small programs that permute those kernels, one per type and permutation, and how
+    /// many were compiled or loaded from the disk cache.
+    transposes: Mutex<Transposes>,
     _io: PhantomData<fn(I) -> O>,
+}
+
+/// Kernel-transpose programs by module text, with their counts.
+#[derive(Default)]
+struct Transposes {
+    programs: HashMap<String, LoadedExecutable>,
+    compiled: u64,
+    loaded: u64,
 }
 
 /// Permuted copies of captured kernels, by tensor and permutation.
@@ -178,6 +189,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             disk_cache: compile_cache::dir_from_env(),
             spmd: None,
             kernels: Mutex::default(),
+            transposes: Mutex::default(),
             _io: PhantomData,
         }
     }
@@ -251,16 +263,18 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         lock(&self.log).len() as u64
     }
 
-    /// XLA compiles this function ran (programs not loaded from the disk
-    /// cache).
+    /// XLA compiles this function ran: programs not loaded from the disk cache, and the small
+    /// programs that lay captured kernels out for them.
     pub fn xla_compiles(&self) -> u64 {
-        lock(&self.log).iter().filter(|i| !i.from_disk).count() as u64
+        let programs = lock(&self.log).iter().filter(|i| !i.from_disk).count() as u64;
+        programs + lock(&self.transposes).compiled
     }
 
-    /// Programs this function loaded from the disk cache instead of
-    /// compiling.
+    /// Executables this function loaded from the disk cache instead of compiling (programs
+    /// and kernel transposes).
     pub fn disk_loads(&self) -> u64 {
-        lock(&self.log).iter().filter(|i| i.from_disk).count() as u64
+        let programs = lock(&self.log).iter().filter(|i| i.from_disk).count() as u64;
+        programs + lock(&self.transposes).loaded
     }
 
     /// What each compile did, in order.

@@ -9,10 +9,11 @@ use burn_ir::{TensorId, TensorIr};
 
 use super::tensors::Tensors;
 use super::{lock, CompiledFn};
+use crate::compile_cache;
 use crate::eager::PjrtClient;
 use crate::host::scalar_bytes;
 use crate::lowering::{Argument, LoweredFunction, TensorType};
-use crate::pjrt::{self, Buffer, CompileOptions, LoadedExecutable};
+use crate::pjrt::{self, Buffer};
 
 /// Where one argument of a program comes from on each call.
 pub(super) enum Source {
@@ -59,7 +60,6 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             .collect();
         let mut sources = Vec::with_capacity(function.arguments.len());
         let (mut captured, mut scalars, mut random) = (0, 0, 0);
-        let mut transposes = HashMap::new();
         for (argument, ty) in &function.arguments {
             let source = match argument {
                 Argument::Permuted { id, permutation } => {
@@ -79,13 +79,11 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                             let permuted = client.with_buffers(|buffers| {
                                 let buffer = if owned { buffers.remove(id) } else { None };
                                 match buffer.as_ref().or_else(|| buffers.get(id)) {
-                                    Some(buffer) => permute_buffer(
-                                        pjrt_client,
-                                        pjrt_device,
+                                    Some(buffer) => self.permute_buffer(
+                                        (pjrt_client, pjrt_device),
                                         buffer,
                                         ty,
                                         permutation,
-                                        &mut transposes,
                                     ),
                                     None => Err(format!(
                                         "tensor {id}, used by the traced ops, is not on the device"
@@ -145,37 +143,44 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     }
 }
 
-/// `buffer` (of the tensor whose permutation by `permutation` has type
-/// `permuted`) transposed on its device by a small program, one per type and
-/// permutation in `programs`.
-fn permute_buffer(
-    client: &pjrt::Client,
-    device: &pjrt::Device,
-    buffer: &Buffer,
-    permuted: &TensorType,
-    permutation: &[usize],
-    programs: &mut HashMap<String, LoadedExecutable>,
-) -> Result<Buffer, String> {
-    let mut dims = vec![0; permutation.len()];
-    for (i, &p) in permutation.iter().enumerate() {
-        dims[p] = permuted.dims[i];
+impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
+    /// `buffer` (of the tensor whose permutation by `permutation` has type `permuted`)
+    /// transposed on its device by a small program, one per type and permutation, kept for
+    /// the function's later programs and in the disk cache like them (counted with them).
+    fn permute_buffer(
+        &self,
+        (client, device): (&pjrt::Client, &pjrt::Device),
+        buffer: &Buffer,
+        permuted: &TensorType,
+        permutation: &[usize],
+    ) -> Result<Buffer, String> {
+        let mut dims = vec![0; permutation.len()];
+        for (i, &p) in permutation.iter().enumerate() {
+            dims[p] = permuted.dims[i];
+        }
+        let source = TensorType::new(dims, permuted.elem);
+        let module = format!(
+            "module @oxidiff_permute {{\n  func.func public @main(%arg0: {from}) -> ({to}) {{\n    %0 = stablehlo.transpose %arg0, dims = {permutation:?} : ({from}) -> {to}\n    return %0 : {to}\n  }}\n}}\n",
+            from = source.mlir(),
+            to = permuted.mlir(),
+        );
+        let mut transposes = lock(&self.transposes);
+        if !transposes.programs.contains_key(&module) {
+            let disk = self.disk_cache.as_deref().filter(|_| self.spmd.is_none());
+            let (exe, from_disk) = compile_cache::load_or_compile(client, device, &module, disk)
+                .map_err(|e| format!("compiling a kernel transpose failed: {e}"))?;
+            if from_disk {
+                transposes.loaded += 1;
+            } else {
+                transposes.compiled += 1;
+                super::COMPILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            transposes.programs.insert(module.clone(), exe);
+        }
+        let mut out = transposes.programs[&module]
+            .execute(&[buffer])
+            .map_err(|e| format!("transposing a kernel failed: {e}"))?;
+        out.pop()
+            .ok_or_else(|| "a kernel transpose returned nothing (a bug)".to_string())
     }
-    let source = TensorType::new(dims, permuted.elem);
-    let module = format!(
-        "module @oxidiff_permute {{\n  func.func public @main(%arg0: {from}) -> ({to}) {{\n    %0 = stablehlo.transpose %arg0, dims = {permutation:?} : ({from}) -> {to}\n    return %0 : {to}\n  }}\n}}\n",
-        from = source.mlir(),
-        to = permuted.mlir(),
-    );
-    if !programs.contains_key(&module) {
-        let options = CompileOptions::on_device(i64::from(device.id()));
-        let exe = client
-            .compile(&module, &options)
-            .map_err(|e| format!("compiling a kernel transpose failed: {e}"))?;
-        programs.insert(module.clone(), exe);
-    }
-    let mut out = programs[&module]
-        .execute(&[buffer])
-        .map_err(|e| format!("transposing a kernel failed: {e}"))?;
-    out.pop()
-        .ok_or_else(|| "a kernel transpose returned nothing (a bug)".to_string())
 }
