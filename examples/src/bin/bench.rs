@@ -36,13 +36,15 @@ use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff::models::cpu::half_gemm::HalfKernel;
+use oxidiff::models::vae_tiling::VaeTiling;
 use oxidiff::pipelines::{guided_noise, GenerateRequest, LoadOptions, StableDiffusionPipeline};
 use oxidiff::schedulers::{NoiseSource, TorchCpuGenerator};
 use oxidiff::{Cpu, Oxi, OxiDevice};
 use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
-                     [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--load-only]";
+                     [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--load-only] \
+                     [--vae-only] [--vae-tile-size N]";
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
     match args.iter().position(|a| a == name) {
@@ -110,6 +112,10 @@ struct Options {
     e2e_repeat: usize,
     unet_only: bool,
     load_only: bool,
+    /// One timed VAE decode at `--size` (no warm-up: large sizes take minutes), then exit.
+    vae_only: bool,
+    /// Decode in tiles of this many pixels (diffusers' `enable_tiling`); 0: whole.
+    vae_tile_size: usize,
     mode: String,
     dtype: Option<FloatDType>,
     variant: Option<String>,
@@ -135,6 +141,8 @@ fn main() -> Result<()> {
         e2e_repeat: arg(&args, "--e2e-repeat", 1)?,
         unet_only: args.iter().any(|a| a == "--unet-only"),
         load_only: args.iter().any(|a| a == "--load-only"),
+        vae_only: args.iter().any(|a| a == "--vae-only"),
+        vae_tile_size: arg(&args, "--vae-tile-size", 0)?,
         mode: mode.clone(),
         dtype: match args.iter().position(|a| a == "--dtype") {
             None => None,
@@ -202,6 +210,28 @@ fn bench<B: Backend>(
         "size": options.size, "steps": options.steps, "load_s": load,
         "peak_rss_after_load_bytes": peak_rss_bytes(),
     });
+    if options.vae_tile_size > 0 {
+        let tiling = VaeTiling::new(options.vae_tile_size, pipe.vae_scale_factor)?;
+        pipe.vae.enable_tiling(tiling);
+        report["vae_tile_size"] = options.vae_tile_size.into();
+    }
+    if options.vae_only {
+        let lat = options.size / 8;
+        let mut gen = TorchCpuGenerator::new(1);
+        let latents: Tensor<B, 4> =
+            NoiseSource::<B>::randn(&mut gen, [1, 4, lat, lat], &pipe.vae_device())?;
+        let vae = Timed::after_warmup(f64::NAN, 1, || {
+            let _ = pipe
+                .vae
+                .decode(latents.clone().div_scalar(0.18215))
+                .into_data();
+            Ok(())
+        })?;
+        report["vae_decode"] = vae.json();
+        report["peak_rss_bytes"] = peak_rss_bytes().into();
+        println!("{report}");
+        return Ok(());
+    }
     if options.load_only {
         report["peak_rss_bytes"] = peak_rss_bytes().into();
         println!("{report}");
