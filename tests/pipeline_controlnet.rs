@@ -10,12 +10,12 @@ mod common;
 use common::{assert_png_close, fixtures, model_dir, png_level_diff, B};
 use oxidiff::models::ControlNetModel;
 use oxidiff::pipelines::{
-    Control, ControlRequest, GenerateRequest, InpaintOptions, LoadOptions,
-    StableDiffusionControlNetImg2ImgPipeline, StableDiffusionControlNetInpaintPipeline,
-    StableDiffusionControlNetPipeline, StableDiffusionPipeline,
-    StableDiffusionXLControlNetImg2ImgPipeline, StableDiffusionXLControlNetInpaintPipeline,
-    StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, XlEditOptions, XlInitImage,
-    XlRequest,
+    Control, ControlRequest, GenerateRequest, InpaintOptions, LoadOptions, Sd3Request,
+    StableDiffusion3ControlNetPipeline, StableDiffusionControlNetImg2ImgPipeline,
+    StableDiffusionControlNetInpaintPipeline, StableDiffusionControlNetPipeline,
+    StableDiffusionPipeline, StableDiffusionXLControlNetImg2ImgPipeline,
+    StableDiffusionXLControlNetInpaintPipeline, StableDiffusionXLControlNetPipeline,
+    StableDiffusionXLPipeline, XlEditOptions, XlInitImage, XlRequest,
 };
 
 fn request() -> GenerateRequest<B> {
@@ -362,4 +362,62 @@ fn sdxl_controlnet_img2img_and_inpaint_match_diffusers() {
         "controlnet-sdxl-inpaint.png",
         2,
     );
+}
+
+/// `StableDiffusion3ControlNetPipeline` on tiny-sd3 with the ControlNets of
+/// tools/golden/make_controlnet_sd3.py (tiny-sd3's settings, seed 42 for both generators).
+fn sd3_run(nets: &[&str], control: &ControlRequest) -> image::RgbImage {
+    let dirs: Vec<_> = nets.iter().map(|n| model_dir(n)).collect();
+    let refs: Vec<&std::path::Path> = dirs.iter().map(|d| d.as_path()).collect();
+    let mut pipe = StableDiffusion3ControlNetPipeline::<B>::from_dir(
+        &model_dir("tiny-sd3"),
+        &refs,
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    let request = Sd3Request {
+        common: GenerateRequest {
+            prompts: vec!["A photo of an astronaut riding a horse on the moon".into()],
+            negative_prompts: vec!["blurry, low quality".into()],
+            num_inference_steps: 3,
+            guidance_scale: 5.0,
+            width: Some(48),
+            height: Some(64),
+            seed: 42,
+            ..Default::default()
+        },
+        max_sequence_length: 24,
+        ..Default::default()
+    };
+    let out = pipe.generate(&request, control).unwrap();
+    out.images.unwrap().to_rgb8(0).unwrap()
+}
+
+#[test]
+fn sd3_controlnets_match_diffusers() {
+    let image = control_image();
+    let scaled = |scale, guidance_start, guidance_end| Control {
+        scale,
+        guidance_start,
+        guidance_end,
+        ..Control::new(image.clone())
+    };
+    let one = |control| ControlRequest {
+        controls: vec![control],
+        guess_mode: false,
+    };
+    // InstantX-style (zero pooled projections, no VAE shift), then the prompt's pooled
+    // projections and the shift.
+    let single = sd3_run(&["tiny-controlnet-sd3"], &one(scaled(1.0, 0.0, 1.0)));
+    assert_png_close(&single, "controlnet-sd3-single.png", 2);
+    let b = sd3_run(&["tiny-controlnet-sd3-b"], &one(scaled(0.7, 0.0, 1.0)));
+    assert_png_close(&b, "controlnet-sd3-single-b.png", 2);
+    let multi = ControlRequest {
+        controls: vec![scaled(0.8, 0.0, 0.7), scaled(0.5, 0.3, 1.0)],
+        guess_mode: false,
+    };
+    let both = sd3_run(&["tiny-controlnet-sd3", "tiny-controlnet-sd3-b"], &multi);
+    assert_png_close(&both, "controlnet-sd3-multi.png", 2);
+    assert!(png_level_diff(&single, &b) > 10);
 }

@@ -143,6 +143,9 @@ pub struct PatchEmbed<B: Backend> {
     /// The native grid side, `sample_size / patch_size`: positions are scaled to it.
     pub base_size: usize,
     pub interpolation_scale: f64,
+    /// Whether positions are added at all (`pos_embed_type=None`: the SD3 ControlNet's input
+    /// embedding adds none).
+    pub positions: bool,
 }
 
 impl<B: Backend> PatchEmbed<B> {
@@ -168,7 +171,20 @@ impl<B: Backend> PatchEmbed<B> {
             patch_size,
             base_size: (sample_size / patch_size).max(1),
             interpolation_scale,
+            positions: true,
         })
+    }
+
+    /// The convolution alone, no positions (diffusers' `PatchEmbed(pos_embed_type=None)`).
+    pub fn load_without_positions(
+        vb: &VarBuilder<B>,
+        in_channels: usize,
+        dim: usize,
+        patch_size: usize,
+    ) -> Result<Self> {
+        let mut embed = Self::load(vb, in_channels, dim, patch_size, patch_size, 1.0)?;
+        embed.positions = false;
+        Ok(embed)
     }
 
     /// SD3's patch embedding with a `max_size x max_size` position table (interpolation scale
@@ -206,6 +222,9 @@ impl<B: Backend> PatchEmbed<B> {
         let x = self.proj.forward(latent);
         let [b, dim, gh, gw] = x.dims();
         let tokens = x.reshape([b, dim, gh * gw]).swap_dims(1, 2);
+        if !self.positions {
+            return tokens;
+        }
         if let (Some(table), Some(max)) = (&self.pos_embed, self.pos_embed_max_size) {
             // The centre crop, as diffusers' `cropped_pos_embed` (callers check the fit).
             let (top, left) = ((max - gh) / 2, (max - gw) / 2);

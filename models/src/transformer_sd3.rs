@@ -350,7 +350,7 @@ pub enum JointTransformerBlock<B: Backend> {
 }
 
 impl<B: Backend> JointTransformerBlock<B> {
-    fn load(
+    pub(crate) fn load(
         vb: &VarBuilder<B>,
         cfg: &SD3Transformer2DConfig,
         context_pre_only: bool,
@@ -365,7 +365,7 @@ impl<B: Backend> JointTransformerBlock<B> {
     }
 
     /// One block: `(context, x)` in, `(context, x)` out; the context is `None` after the last.
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
         context: Tensor<B, 3>,
@@ -626,6 +626,64 @@ impl<B: Backend> SD3Transformer2DModel<B> {
         )
     }
 
+    /// [`forward`](Self::forward) with an SD3 ControlNet's residuals added after the blocks
+    /// that update the context (diffusers' `block_controlnet_hidden_states`: block `i` takes
+    /// residual `int(i / (blocks / residuals))`). Inputs as
+    /// [`check_controlled`](Self::check_controlled) accepts them.
+    pub fn forward_controlled(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        control: &[Tensor<B, 3>],
+    ) -> Tensor<B, 4> {
+        self.run_controlled(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            pooled_projections,
+            &[],
+            control,
+        )
+    }
+
+    /// Checks a controlled call: [`check_inputs`](Self::check_inputs), and 1 to `blocks`
+    /// residuals, each `[batch, tokens, inner_dim]` for the latents' patch grid.
+    pub fn check_controlled(
+        &self,
+        latents: [usize; 4],
+        timesteps: usize,
+        encoder_hidden_states: [usize; 3],
+        pooled_projections: [usize; 2],
+        control: &[[usize; 3]],
+    ) -> Result<()> {
+        self.check_inputs(
+            latents,
+            timesteps,
+            encoder_hidden_states,
+            pooled_projections,
+        )?;
+        let [b, _, h, w] = latents;
+        let p = self.patch_size;
+        let dim = self.context_embedder.weight.dims()[1];
+        let expected = [b, (h / p) * (w / p), dim];
+        let blocks = self.transformer_blocks.len();
+        if control.is_empty() || control.len() > blocks {
+            return Err(ModelError::Input(format!(
+                "{} ControlNet residuals for {blocks} transformer blocks: give 1 to {blocks}",
+                control.len()
+            )));
+        }
+        if let Some(bad) = control.iter().find(|r| **r != expected) {
+            return Err(ModelError::Input(format!(
+                "a ControlNet residual is {bad:?}; the transformer's tokens are {expected:?}: \
+                 the ControlNet was made for another model"
+            )));
+        }
+        Ok(())
+    }
+
     fn run(
         &self,
         latents: Tensor<B, 4>,
@@ -633,6 +691,25 @@ impl<B: Backend> SD3Transformer2DModel<B> {
         encoder_hidden_states: Tensor<B, 3>,
         pooled_projections: Tensor<B, 2>,
         skip_layers: &[usize],
+    ) -> Tensor<B, 4> {
+        self.run_controlled(
+            latents,
+            timestep,
+            encoder_hidden_states,
+            pooled_projections,
+            skip_layers,
+            &[],
+        )
+    }
+
+    fn run_controlled(
+        &self,
+        latents: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        skip_layers: &[usize],
+        control: &[Tensor<B, 3>],
     ) -> Tensor<B, 4> {
         // Computed in the weights' dtype, returned in the caller's (see `crate::dtype`); the
         // timestep stays as given: its sinusoidal projection is computed in f32.
@@ -654,8 +731,16 @@ impl<B: Backend> SD3Transformer2DModel<B> {
             // Only the last block drops the context, so every block before it has one.
             let Some(c) = context else { break };
             let (next, out) = block.forward(x, c, temb.clone());
+            x = match next.is_some() && !control.is_empty() {
+                // diffusers: `control[int(i / (len(blocks) / len(control)))]`.
+                true => {
+                    let interval = self.transformer_blocks.len() as f64 / control.len() as f64;
+                    let k = ((i as f64 / interval) as usize).min(control.len() - 1);
+                    out + cast_to(control[k].clone(), dtype)
+                }
+                false => out,
+            };
             context = next;
-            x = out;
         }
         let x = self.norm_out.forward(x, temb);
         let x = self.proj_out.forward(x);

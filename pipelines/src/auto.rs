@@ -9,11 +9,14 @@ use std::path::Path;
 
 use burn::tensor::backend::Backend;
 use oxidiff_backend_tpu::Oxi;
-use oxidiff_models::{AutoencoderKL, ControlNetModel};
+use oxidiff_models::AutoencoderKL;
 use oxidiff_parallel::ParallelConfig;
-use oxidiff_schedulers::{scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig};
+use oxidiff_schedulers::{
+    scheduler_from_config, NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator,
+};
 
 use crate::compiled::{CompileStats, ComponentStats};
+use crate::control::ControlNets;
 use crate::control::ControlRequest;
 use crate::denoise::{GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
@@ -24,6 +27,7 @@ use crate::pixart::{PixArtPipeline, PixArtRequest, PIXART_CLASSES};
 use crate::single_file::{single_file_pipeline_class, SingleFileOptions};
 use crate::stable_diffusion::{StableDiffusionPipeline, SUPPORTED_CLASSES};
 use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline, SD3_CLASS};
+use crate::stable_diffusion_3_controlnet::StableDiffusion3ControlNetPipeline;
 use crate::stable_diffusion_controlnet::StableDiffusionControlNetPipeline;
 use crate::stable_diffusion_xl::{StableDiffusionXLPipeline, XlRequest, SDXL_CLASSES};
 use crate::stable_diffusion_xl_controlnet::StableDiffusionXLControlNetPipeline;
@@ -115,6 +119,8 @@ pub enum AutoPipeline<B: Backend> {
     /// SDXL with ControlNets ([`with_controlnets`](AutoPipeline::with_controlnets)).
     StableDiffusionXLControlNet(Box<StableDiffusionXLControlNetPipeline<B>>),
     StableDiffusion3(Box<StableDiffusion3Pipeline<B>>),
+    /// SD3 with SD3 ControlNets ([`with_controlnets`](AutoPipeline::with_controlnets)).
+    StableDiffusion3ControlNet(Box<StableDiffusion3ControlNetPipeline<B>>),
     Flux(Box<FluxPipeline<B>>),
     PixArt(Box<PixArtPipeline<B>>),
 }
@@ -128,6 +134,7 @@ macro_rules! each {
             AutoPipeline::StableDiffusionXL($pipe) => $body,
             AutoPipeline::StableDiffusionXLControlNet($pipe) => $body,
             AutoPipeline::StableDiffusion3($pipe) => $body,
+            AutoPipeline::StableDiffusion3ControlNet($pipe) => $body,
             AutoPipeline::Flux($pipe) => $body,
             AutoPipeline::PixArt($pipe) => $body,
         }
@@ -183,26 +190,42 @@ impl<B: Backend> AutoPipeline<B> {
     }
 
     /// The same pipeline steered by `controlnets` (diffusers' `from_pipe` with
-    /// `controlnet=`): SD 1.x/2.x and SDXL; each ControlNet is checked against the UNet.
-    pub fn with_controlnets(self, controlnets: Vec<ControlNetModel<B>>) -> Result<Self> {
-        match self {
-            Self::StableDiffusion(pipe) => Ok(Self::StableDiffusionControlNet(Box::new(
-                StableDiffusionControlNetPipeline::new(*pipe, controlnets)?,
-            ))),
-            Self::StableDiffusionControlNet(pipe) => {
-                Self::StableDiffusion(Box::new(pipe.into_inner())).with_controlnets(controlnets)
+    /// `controlnet=`): UNet ControlNets for SD 1.x/2.x and SDXL, SD3 ControlNets for SD3; each
+    /// is checked against the denoiser.
+    pub fn with_controlnets(self, controlnets: impl Into<ControlNets<B>>) -> Result<Self> {
+        let wrong = |family: PipelineFamily| {
+            Err(PipelineError::InvalidInput(format!(
+                "ControlNets of this kind do not steer {family:?} pipelines: UNet ControlNets \
+                 (ControlNetModel) are for SD 1.x/2.x and SDXL, SD3ControlNetModel for SD3; \
+                 Flux and PixArt ControlNets are not implemented yet"
+            )))
+        };
+        match (self, controlnets.into()) {
+            (Self::StableDiffusion(pipe), ControlNets::Unet(nets)) => {
+                Ok(Self::StableDiffusionControlNet(Box::new(
+                    StableDiffusionControlNetPipeline::new(*pipe, nets)?,
+                )))
             }
-            Self::StableDiffusionXL(pipe) => Ok(Self::StableDiffusionXLControlNet(Box::new(
-                StableDiffusionXLControlNetPipeline::new(*pipe, controlnets)?,
-            ))),
-            Self::StableDiffusionXLControlNet(pipe) => {
-                Self::StableDiffusionXL(Box::new(pipe.into_inner())).with_controlnets(controlnets)
+            (Self::StableDiffusionControlNet(pipe), nets) => {
+                Self::StableDiffusion(Box::new(pipe.into_inner())).with_controlnets(nets)
             }
-            other => Err(PipelineError::InvalidInput(format!(
-                "ControlNets are implemented for Stable Diffusion 1.x/2.x and SDXL pipelines, \
-                 not yet for {:?}",
-                other.family()
-            ))),
+            (Self::StableDiffusionXL(pipe), ControlNets::Unet(nets)) => {
+                Ok(Self::StableDiffusionXLControlNet(Box::new(
+                    StableDiffusionXLControlNetPipeline::new(*pipe, nets)?,
+                )))
+            }
+            (Self::StableDiffusionXLControlNet(pipe), nets) => {
+                Self::StableDiffusionXL(Box::new(pipe.into_inner())).with_controlnets(nets)
+            }
+            (Self::StableDiffusion3(pipe), ControlNets::Sd3(nets)) => {
+                Ok(Self::StableDiffusion3ControlNet(Box::new(
+                    StableDiffusion3ControlNetPipeline::new(*pipe, nets)?,
+                )))
+            }
+            (Self::StableDiffusion3ControlNet(pipe), nets) => {
+                Self::StableDiffusion3(Box::new(pipe.into_inner())).with_controlnets(nets)
+            }
+            (other, _) => wrong(other.family()),
         }
     }
 
@@ -215,7 +238,9 @@ impl<B: Backend> AutoPipeline<B> {
             Self::StableDiffusionXL(_) | Self::StableDiffusionXLControlNet(_) => {
                 PipelineFamily::StableDiffusionXL
             }
-            Self::StableDiffusion3(_) => PipelineFamily::StableDiffusion3,
+            Self::StableDiffusion3(_) | Self::StableDiffusion3ControlNet(_) => {
+                PipelineFamily::StableDiffusion3
+            }
             Self::Flux(_) => PipelineFamily::Flux,
             Self::PixArt(_) => PipelineFamily::PixArt,
         }
@@ -319,7 +344,9 @@ impl<B: Backend> AutoPipeline<B> {
         }
         let controlled = matches!(
             self,
-            Self::StableDiffusionControlNet(_) | Self::StableDiffusionXLControlNet(_)
+            Self::StableDiffusionControlNet(_)
+                | Self::StableDiffusionXLControlNet(_)
+                | Self::StableDiffusion3ControlNet(_)
         );
         if options.control.is_some() != controlled {
             return Err(PipelineError::InvalidInput(if controlled {
@@ -356,6 +383,21 @@ impl<B: Backend> AutoPipeline<B> {
                     ..Default::default()
                 };
                 pipe.generate_with(&request, noise, callback)
+            }
+            Self::StableDiffusion3ControlNet(pipe) => {
+                let control = options.control.clone().unwrap_or_default();
+                let request = Sd3Request {
+                    common,
+                    max_sequence_length: options
+                        .max_sequence_length
+                        .or(defaults.max_sequence_length)
+                        .unwrap_or_default(),
+                    ..Default::default()
+                };
+                // The control images' VAE samples from a generator of the request's seed, as
+                // diffusers after `torch.manual_seed(seed)`.
+                let mut control_noise = TorchCpuGenerator::new(request.common.seed);
+                pipe.generate_with(&request, &control, noise, &mut control_noise, callback)
             }
             Self::Flux(pipe) => {
                 let request = FluxRequest {

@@ -4,10 +4,12 @@
 //! ControlNet's guidance window, and the conditioning images prepared as `prepare_image`.
 
 use burn::tensor::backend::Backend;
+use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::{
-    AddedCondition, ControlNetModel, ControlResiduals, ModelError, UNet2DConditionModel,
+    AddedCondition, ControlNetModel, ControlResiduals, ModelError, SD3ControlNetModel,
+    UNet2DConditionModel,
 };
 
 use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
@@ -107,6 +109,78 @@ impl ControlRequest {
         let (w, h) = first.map_or((0, 0), |(w, h)| (w as usize, h as usize));
         let round = |v: usize| v - v % multiple.max(1);
         (round(width.unwrap_or(w)), round(height.unwrap_or(h)))
+    }
+}
+
+/// Loaded ControlNets of one kind: the UNet's (SD 1.x/2.x, SDXL) or SD3's.
+pub enum ControlNets<B: Backend> {
+    Unet(Vec<ControlNetModel<B>>),
+    Sd3(Vec<SD3ControlNetModel<B>>),
+}
+
+impl<B: Backend> From<Vec<ControlNetModel<B>>> for ControlNets<B> {
+    fn from(nets: Vec<ControlNetModel<B>>) -> Self {
+        Self::Unet(nets)
+    }
+}
+
+impl<B: Backend> From<Vec<SD3ControlNetModel<B>>> for ControlNets<B> {
+    fn from(nets: Vec<SD3ControlNetModel<B>>) -> Self {
+        Self::Sd3(nets)
+    }
+}
+
+impl<B: Backend> ControlNets<B> {
+    /// Loads ControlNet folders, each by the `_class_name` of its `config.json`
+    /// (`ControlNetModel` or `SD3ControlNetModel`); kinds cannot be mixed, and another class
+    /// is an error naming it.
+    pub fn from_dirs(
+        dirs: &[&std::path::Path],
+        variant: Option<&str>,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let mut unet = Vec::new();
+        let mut sd3 = Vec::new();
+        for dir in dirs {
+            let config = dir.join("config.json");
+            let class = crate::loading::class_name(&config)?;
+            match class.as_str() {
+                "ControlNetModel" => {
+                    unet.push(ControlNetModel::from_dir_in(dir, variant, dtype, device)?)
+                }
+                "SD3ControlNetModel" => sd3.push(SD3ControlNetModel::from_dir_in(
+                    dir, variant, dtype, device,
+                )?),
+                other => {
+                    return Err(PipelineError::InvalidInput(format!(
+                        "{}: `_class_name: {other}` is not a ControlNet oxidiff runs \
+                         (ControlNetModel for SD 1.x/2.x and SDXL, SD3ControlNetModel)",
+                        config.display()
+                    )))
+                }
+            }
+        }
+        match (unet.is_empty(), sd3.is_empty()) {
+            (_, true) => Ok(Self::Unet(unet)),
+            (true, false) => Ok(Self::Sd3(sd3)),
+            (false, false) => Err(PipelineError::InvalidInput(
+                "the ControlNets mix UNet ControlNets (ControlNetModel) and SD3 ones \
+                 (SD3ControlNetModel): one pipeline takes one kind"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The UNet ControlNets, or an error saying `what` takes only those.
+    pub fn into_unet(self, what: &str) -> Result<Vec<ControlNetModel<B>>> {
+        match self {
+            Self::Unet(nets) => Ok(nets),
+            Self::Sd3(_) => Err(PipelineError::InvalidInput(format!(
+                "SD3 ControlNets steer SD3 text to image; {what} takes SD 1.x/2.x and SDXL \
+                 ControlNets"
+            ))),
+        }
     }
 }
 

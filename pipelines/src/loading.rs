@@ -72,6 +72,12 @@ pub fn pipeline_class(dir: &Path) -> Result<String> {
     Ok(index.class_name)
 }
 
+/// The `_class_name` of a component's `config.json` (a ControlNet's kind, say).
+pub(crate) fn class_name(config: &Path) -> Result<String> {
+    let index: ModelIndex = load_json(config)?;
+    Ok(index.class_name)
+}
+
 /// Reads the class of `dir` and checks it is one of `supported`.
 pub fn check_pipeline_class(dir: &Path, supported: &[&str]) -> Result<String> {
     let class = pipeline_class(dir)?;

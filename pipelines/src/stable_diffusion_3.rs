@@ -36,6 +36,7 @@ use crate::denoise::{
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::stable_diffusion_3_controlnet::Sd3Control;
 use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
@@ -468,9 +469,28 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         &mut self,
         req: &Sd3Request<B>,
         noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        self.generate_controlled(req, None, noise, callback)
+    }
+
+    /// [`generate_with`](Self::generate_with), with SD3 ControlNets steering each step (the
+    /// SD3 ControlNet pipeline).
+    pub(crate) fn generate_controlled(
+        &mut self,
+        req: &Sd3Request<B>,
+        control: Option<Sd3Control<'_, B>>,
+        noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let common = &req.common;
+        if control.is_some() && !req.skip_guidance_layers.is_empty() {
+            return Err(PipelineError::InvalidInput(
+                "skip-layer guidance is not part of the SD3 ControlNet pipeline (as in \
+                 diffusers): leave skip_guidance_layers empty"
+                    .into(),
+            ));
+        }
         let default = self.default_size();
         let p = self.transformer.patch_size;
         let (width, height) = check_request(common, (default, default), self.vae_scale_factor * p)?;
@@ -556,11 +576,27 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
 
         let timesteps = self.scheduler.timesteps().to_vec();
         let steps = timesteps.len() as f64;
+        let control = control
+            .map(|c| {
+                c.prepare(
+                    &self.vae,
+                    (width, height),
+                    batch,
+                    cfg,
+                    &pooled,
+                    timesteps.len(),
+                    &self.device,
+                )
+            })
+            .transpose()?;
         let (transformer, compiled) = (&self.transformer, &self.compiled);
-        // The transformer on the whole (guidance-doubled) batch, compiled or eager.
-        let predict = |x: Tensor<B, 4>, timestep: Tensor<B, 1>| -> Result<Tensor<B, 4>> {
+        // The transformer on the whole (guidance-doubled) batch at step `i`, compiled or eager.
+        let predict = |i: usize, x: Tensor<B, 4>, timestep: Tensor<B, 1>| -> Result<Tensor<B, 4>> {
             // One timestep per row of the (guidance-doubled) batch.
             let timestep = timestep.expand([model_batch]);
+            if let Some(control) = &control {
+                return control.predict(transformer, i, x, timestep, &context, &pooled);
+            }
             match compiled {
                 Some(denoiser) => {
                     transformer.check_inputs(
@@ -585,6 +621,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         }
         .run(
             |model_input, timestep, _| {
+                let index = step;
                 let i = step as f64;
                 step += 1;
                 let skipping = skip_layer_guidance.as_ref().filter(|_| {
@@ -593,10 +630,11 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
                 });
                 let Some((prompt_embeds, pooled_prompt_embeds)) = skipping else {
                     return with_guidance(model_input, common.guidance_scale, |x| {
-                        predict(x, timestep.clone())
+                        predict(index, x, timestep.clone())
                     });
                 };
                 let prediction = predict(
+                    index,
                     Tensor::cat(vec![model_input.clone(), model_input.clone()], 0),
                     timestep.clone(),
                 )?;

@@ -436,7 +436,8 @@ fn edit<B: EditBackend>(
         let nets = args
             .control
             .load::<B>(burn::tensor::FloatDType::F32, device)
-            .context("loading --controlnet")?;
+            .context("loading --controlnet")?
+            .into_unet("img2img")?;
         editor = match editor {
             Editor::Image2Image(pipe) => Editor::Image2Image(pipe.with_controlnets(nets)?),
             Editor::Inpainting(pipe) => Editor::Inpainting(pipe.with_controlnets(nets)?),

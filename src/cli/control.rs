@@ -9,10 +9,9 @@ use std::str::FromStr;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::FloatDType;
-use oxidiff_models::ControlNetModel;
 use oxidiff_pipelines::image::load_image_as;
 use oxidiff_pipelines::path_scale::parse_path_scale;
-use oxidiff_pipelines::{Control, ControlRequest, PipelineError};
+use oxidiff_pipelines::{Control, ControlNets, ControlRequest, PipelineError};
 
 use crate::cli::usage::pixels_within;
 use crate::cli::UsageError;
@@ -146,23 +145,15 @@ impl ControlArgs {
         Ok(())
     }
 
-    /// Loads the ControlNets on `device`, weights in `dtype`.
+    /// Loads the ControlNets on `device`, weights in `dtype`, each by its config's class
+    /// (UNet or SD3 ControlNets).
     pub fn load<B: Backend>(
         &self,
         dtype: FloatDType,
         device: &B::Device,
-    ) -> Result<Vec<ControlNetModel<B>>, PipelineError> {
-        self.controlnet
-            .iter()
-            .map(|spec| {
-                Ok(ControlNetModel::from_dir_in(
-                    spec.folder(),
-                    None,
-                    dtype,
-                    device,
-                )?)
-            })
-            .collect()
+    ) -> Result<ControlNets<B>, PipelineError> {
+        let dirs: Vec<&Path> = self.controlnet.iter().map(|spec| spec.folder()).collect();
+        ControlNets::from_dirs(&dirs, None, dtype, device)
     }
 
     /// The control request (images decoded), or `None` without ControlNets.

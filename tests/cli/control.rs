@@ -346,3 +346,60 @@ fn an_sdxl_folder_takes_sdxl_controlnets_and_refuses_sd1_ones() {
     assert!(log.contains("ControlNet 0"), "{log}");
     assert!(!refused.exists());
 }
+
+#[test]
+fn an_sd3_folder_takes_sd3_controlnets_by_their_class() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (sd1_net, _, image) = paths();
+    let model = model_dir("tiny-sd3");
+    let net = model_dir("tiny-controlnet-sd3");
+    let out = tmp.path().join("sd3.png");
+    let args = |net: &str, out: &Path| {
+        [
+            "--model",
+            model.to_str().unwrap(),
+            "--controlnet",
+            net,
+            "--control-image",
+            &image,
+            "--steps",
+            "3",
+            "--seed",
+            "42",
+            "--guidance",
+            "5.0",
+            "--width",
+            "48",
+            "--height",
+            "64",
+            "--max-sequence-length",
+            "24",
+            "--negative-prompt",
+            "blurry, low quality",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "A photo of an astronaut riding a horse on the moon",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let run = |args: Vec<String>| {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let result = txt2img(&refs);
+        (stderr(&result), result.status.code())
+    };
+    let (log, code) = run(args(net.to_str().unwrap(), &out));
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&out).unwrap().to_rgb8(),
+        "controlnet-sd3-single.png",
+        2,
+    );
+    // A UNet ControlNet on SD3: refused, naming both kinds, nothing written.
+    let refused = tmp.path().join("refused.png");
+    let (log, code) = run(args(&sd1_net, &refused));
+    assert_ne!(code, Some(0));
+    assert!(log.contains("SD3ControlNetModel"), "{log}");
+    assert!(!refused.exists());
+}

@@ -1,0 +1,324 @@
+//! `StableDiffusion3ControlNetPipeline`: SD3 text to image steered by one or more SD3
+//! ControlNets, as diffusers' `pipeline_stable_diffusion_3_controlnet.py` (several are its
+//! `SD3MultiControlNetModel`: their residuals are summed block by block).
+//!
+//! Unlike the UNet ControlNets these take the control image's VAE latents: the image is resized
+//! to the output size, scaled to [-1, 1], repeated for the batch (and for guidance), encoded and
+//! sampled (the sample drawn from a noise source of its own, as diffusers draws it from torch's
+//! global generator), then shifted (unless the ControlNet forces zero pooled projections, as
+//! InstantX's do) and scaled. Eager only for now.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
+use oxidiff_backend_tpu::Oxi;
+use oxidiff_models::{AutoencoderKL, SD3ControlNetModel, SD3Transformer2DModel, ToDevice};
+use oxidiff_parallel::ParallelConfig;
+use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
+
+use crate::compiled::{CompileStats, ComponentStats};
+use crate::control::ControlRequest;
+use crate::denoise::{PipelineDefaults, PipelineOutput, StepInfo};
+use crate::error::{PipelineError, Result};
+use crate::image::preprocess;
+use crate::loading::LoadOptions;
+use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline};
+
+/// SD3 with ControlNets (diffusers' `StableDiffusion3ControlNetPipeline`). It derefs to the
+/// SD3 pipeline for its components.
+pub struct StableDiffusion3ControlNetPipeline<B: Backend> {
+    pub pipe: StableDiffusion3Pipeline<B>,
+    pub controlnets: Vec<SD3ControlNetModel<B>>,
+}
+
+impl<B: Backend> std::ops::Deref for StableDiffusion3ControlNetPipeline<B> {
+    type Target = StableDiffusion3Pipeline<B>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.pipe
+    }
+}
+
+impl<B: Backend> std::ops::DerefMut for StableDiffusion3ControlNetPipeline<B> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.pipe
+    }
+}
+
+fn eager_only() -> PipelineError {
+    PipelineError::Compile(
+        "the SD3 ControlNet pipeline runs eagerly for now (each op at once, on any device); \
+         drop --compile/--tp/--dp"
+            .into(),
+    )
+}
+
+impl StableDiffusion3ControlNetPipeline<Oxi> {
+    /// Compiled mode is not implemented for SD3 ControlNets yet: an error saying so.
+    pub fn compile(&mut self) -> Result<()> {
+        Err(eager_only())
+    }
+
+    /// See [`compile`](Self::compile).
+    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
+        Err(eager_only())
+    }
+
+    /// Always `None`: the pipeline runs eagerly.
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        None
+    }
+
+    /// Always empty: the pipeline runs eagerly.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        Vec::new()
+    }
+}
+
+impl<B: Backend> StableDiffusion3ControlNetPipeline<B> {
+    /// The denoiser's device mesh and weight shards: none, the pipeline runs eagerly.
+    pub fn spmd_placement(
+        &self,
+    ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
+        None
+    }
+
+    /// What each component's weights hold and where (`txt2img --json`'s `memory`).
+    pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
+        let mut all = self.pipe.memory(place);
+        for (i, net) in self.controlnets.iter().enumerate() {
+            let name = match self.controlnets.len() {
+                1 => "controlnet".to_string(),
+                _ => format!("controlnet_{i}"),
+            };
+            all.push(component_memory(&name, net, None, place));
+        }
+        all
+    }
+
+    /// The pipeline `pipe` with `controlnets` (at least one), each checked against its
+    /// transformer: a ControlNet made for another model is an error naming what differs.
+    pub fn new(
+        pipe: StableDiffusion3Pipeline<B>,
+        controlnets: Vec<SD3ControlNetModel<B>>,
+    ) -> Result<Self> {
+        if controlnets.is_empty() {
+            return Err(PipelineError::InvalidInput(
+                "a ControlNet pipeline needs at least one ControlNet".into(),
+            ));
+        }
+        for (k, net) in controlnets.iter().enumerate() {
+            net.check_fits(&pipe.transformer)
+                .map_err(|e| PipelineError::InvalidInput(format!("ControlNet {k}: {e}")))?;
+            let latent = pipe.transformer.in_channels;
+            if net.cond_channels != latent {
+                return Err(PipelineError::InvalidInput(format!(
+                    "ControlNet {k} takes {} conditioning channels (an inpainting ControlNet's \
+                     mask among them); the SD3 ControlNet pipeline gives it the image's {latent}",
+                    net.cond_channels
+                )));
+            }
+        }
+        let controlnets = controlnets
+            .into_iter()
+            .map(|n| n.to(&pipe.device))
+            .collect();
+        Ok(Self { pipe, controlnets })
+    }
+
+    /// Loads an SD3 folder and SD3 ControlNet folders.
+    pub fn from_dir(
+        dir: &Path,
+        controlnets: &[&Path],
+        options: &LoadOptions,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let pipe = StableDiffusion3Pipeline::from_dir(dir, options, device)?;
+        let nets = controlnets
+            .iter()
+            .map(|path| {
+                SD3ControlNetModel::from_dir_in(
+                    path,
+                    options.variant.as_deref(),
+                    options.dtype.unwrap_or(FloatDType::F32),
+                    device,
+                )
+                .map_err(PipelineError::from)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::new(pipe, nets)
+    }
+
+    /// The SD3 pipeline without its ControlNets.
+    pub fn into_inner(self) -> StableDiffusion3Pipeline<B> {
+        self.pipe
+    }
+
+    /// diffusers' `__call__` defaults (those of SD3: 28 steps, guidance 7.0).
+    pub fn defaults(&self) -> PipelineDefaults {
+        PipelineDefaults::STABLE_DIFFUSION_3
+    }
+
+    /// Generates with generators seeded by `req.common.seed`: one for the latents and the
+    /// scheduler, another for the control images' VAE samples (diffusers after
+    /// `torch.manual_seed(seed)` with `generator=torch.Generator().manual_seed(seed)`).
+    pub fn generate(
+        &mut self,
+        req: &Sd3Request<B>,
+        control: &ControlRequest,
+    ) -> Result<PipelineOutput<B>> {
+        let mut generator = TorchCpuGenerator::new(req.common.seed);
+        let mut control_noise = TorchCpuGenerator::new(req.common.seed);
+        self.generate_with(req, control, &mut generator, &mut control_noise, |_| {})
+    }
+
+    /// Text to image under `control` (one [`Control`](crate::control::Control) per
+    /// ControlNet; guess mode is not part of SD3's pipeline): the latents and the scheduler
+    /// draw from `noise`, the control images' VAE samples from `control_noise`, in ControlNet
+    /// order.
+    pub fn generate_with(
+        &mut self,
+        req: &Sd3Request<B>,
+        control: &ControlRequest,
+        noise: &mut dyn NoiseSource<B>,
+        control_noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        let control = Sd3Control {
+            nets: &self.controlnets,
+            request: control,
+            noise: control_noise,
+        };
+        self.pipe
+            .generate_controlled(req, Some(control), noise, callback)
+    }
+}
+
+/// The SD3 ControlNets of one call, before their control latents are made.
+pub(crate) struct Sd3Control<'a, B: Backend> {
+    nets: &'a [SD3ControlNetModel<B>],
+    request: &'a ControlRequest,
+    noise: &'a mut dyn NoiseSource<B>,
+}
+
+/// The SD3 ControlNets of one call, ready for its steps.
+pub(crate) struct Sd3ControlStep<'a, B: Backend> {
+    nets: &'a [SD3ControlNetModel<B>],
+    request: &'a ControlRequest,
+    /// Each ControlNet's control latents, rows as the transformer's batch.
+    latents: Vec<Tensor<B, 4>>,
+    /// The pooled projections the ControlNets see (zeros when the first forces them).
+    pooled: Tensor<B, 2>,
+    steps: usize,
+}
+
+impl<'a, B: Backend> Sd3Control<'a, B> {
+    /// Encodes the control images at `width x height` for `batch` images (twice with
+    /// guidance) as diffusers' SD3 ControlNet pipeline does; `pooled` is the transformer's.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn prepare(
+        self,
+        vae: &AutoencoderKL<B>,
+        (width, height): (usize, usize),
+        batch: usize,
+        guided: bool,
+        pooled: &Tensor<B, 2>,
+        steps: usize,
+        device: &B::Device,
+    ) -> Result<Sd3ControlStep<'a, B>> {
+        let Self {
+            nets,
+            request,
+            noise,
+        } = self;
+        request.check(nets.len())?;
+        if request.guess_mode {
+            return Err(PipelineError::InvalidInput(
+                "guess mode is not part of the SD3 ControlNet pipeline (as in diffusers); \
+                 leave it off"
+                    .into(),
+            ));
+        }
+        // The first ControlNet's config decides for all, as diffusers' `controlnet_config`.
+        let zeros = nets[0].force_zeros_for_pooled_projection;
+        let shift = if zeros { 0.0 } else { vae.shift_factor };
+        let vae_device = vae.decoder.conv_in.weight.device();
+        let mut latents = Vec::with_capacity(nets.len());
+        for c in &request.controls {
+            let image = preprocess::<B>(&c.image, Some(width), Some(height), 1, &vae_device)?
+                .repeat_dim(0, batch);
+            let image = if guided {
+                Tensor::cat(vec![image.clone(), image], 0)
+            } else {
+                image
+            };
+            let dist = vae.encode(image);
+            let sample = noise.randn(dist.mean.dims(), &dist.mean.device())?;
+            let encoded = dist
+                .sample(sample)
+                .sub_scalar(shift)
+                .mul_scalar(vae.scaling_factor);
+            latents.push(encoded.to_device(device));
+        }
+        Ok(Sd3ControlStep {
+            nets,
+            request,
+            latents,
+            pooled: if zeros {
+                pooled.zeros_like()
+            } else {
+                pooled.clone()
+            },
+            steps,
+        })
+    }
+}
+
+impl<B: Backend> Sd3ControlStep<'_, B> {
+    /// The transformer's prediction at step `i` for the (guidance-doubled) `x` with the summed
+    /// residuals of the ControlNets whose window holds the step (block by block, as many as
+    /// the ControlNet with the fewest); without any, the plain transformer.
+    pub(crate) fn predict(
+        &self,
+        transformer: &SD3Transformer2DModel<B>,
+        i: usize,
+        x: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        context: &Tensor<B, 3>,
+        pooled: &Tensor<B, 2>,
+    ) -> Result<Tensor<B, 4>> {
+        let rows = x.dims()[0];
+        transformer.check_inputs(x.dims(), rows, context.dims(), pooled.dims())?;
+        let mut sum: Option<Vec<Tensor<B, 3>>> = None;
+        let each = self
+            .nets
+            .iter()
+            .zip(&self.request.controls)
+            .zip(&self.latents);
+        for ((net, control), cond) in each.filter(|((_, c), _)| c.keeps(i, self.steps)) {
+            net.check_cond(x.dims(), cond.dims())
+                .map_err(|e| PipelineError::InvalidInput(e.to_string()))?;
+            let scale = Tensor::<B, 1>::from_floats([control.scale as f32], &x.device());
+            let residuals = net.forward(
+                x.clone(),
+                timestep.clone(),
+                context.clone(),
+                self.pooled.clone(),
+                cond.clone(),
+                scale,
+            );
+            sum = Some(match sum {
+                None => residuals,
+                Some(sum) => sum.into_iter().zip(residuals).map(|(a, b)| a + b).collect(),
+            });
+        }
+        let Some(control) = sum else {
+            return Ok(transformer.forward(x, timestep, context.clone(), pooled.clone())?);
+        };
+        let dims: Vec<[usize; 3]> = control.iter().map(|r| r.dims()).collect();
+        transformer.check_controlled(x.dims(), rows, context.dims(), pooled.dims(), &dims)?;
+        Ok(transformer.forward_controlled(x, timestep, context.clone(), pooled.clone(), &control))
+    }
+}
