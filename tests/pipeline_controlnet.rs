@@ -10,12 +10,13 @@ mod common;
 use common::{assert_png_close, fixtures, model_dir, png_level_diff, B};
 use oxidiff::models::ControlNetModel;
 use oxidiff::pipelines::{
-    Control, ControlRequest, GenerateRequest, InpaintOptions, LoadOptions, Sd3Request,
-    StableDiffusion3ControlNetPipeline, StableDiffusionControlNetImg2ImgPipeline,
-    StableDiffusionControlNetInpaintPipeline, StableDiffusionControlNetPipeline,
-    StableDiffusionPipeline, StableDiffusionXLControlNetImg2ImgPipeline,
-    StableDiffusionXLControlNetInpaintPipeline, StableDiffusionXLControlNetPipeline,
-    StableDiffusionXLPipeline, XlEditOptions, XlInitImage, XlRequest,
+    Control, ControlRequest, FluxControlNetPipeline, FluxRequest, GenerateRequest, InpaintOptions,
+    LoadOptions, Sd3Request, StableDiffusion3ControlNetPipeline,
+    StableDiffusionControlNetImg2ImgPipeline, StableDiffusionControlNetInpaintPipeline,
+    StableDiffusionControlNetPipeline, StableDiffusionPipeline,
+    StableDiffusionXLControlNetImg2ImgPipeline, StableDiffusionXLControlNetInpaintPipeline,
+    StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline, XlEditOptions, XlInitImage,
+    XlRequest,
 };
 
 fn request() -> GenerateRequest<B> {
@@ -420,4 +421,57 @@ fn sd3_controlnets_match_diffusers() {
     let both = sd3_run(&["tiny-controlnet-sd3", "tiny-controlnet-sd3-b"], &multi);
     assert_png_close(&both, "controlnet-sd3-multi.png", 2);
     assert!(png_level_diff(&single, &b) > 10);
+}
+
+/// `FluxControlNetPipeline` on tiny-flux-dev with the ControlNets of
+/// tools/golden/make_controlnet_flux.py (tiny-flux-dev's settings, seed 42).
+fn flux_run(nets: &[&str], control: &ControlRequest) -> image::RgbImage {
+    let dirs: Vec<_> = nets.iter().map(|n| model_dir(n)).collect();
+    let refs: Vec<&std::path::Path> = dirs.iter().map(|d| d.as_path()).collect();
+    let mut pipe = FluxControlNetPipeline::<B>::from_dir(
+        &model_dir("tiny-flux-dev"),
+        &refs,
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    let request = FluxRequest {
+        common: GenerateRequest {
+            prompts: vec!["A photo of an astronaut riding a horse on the moon".into()],
+            num_inference_steps: 4,
+            guidance_scale: 3.5,
+            width: Some(96),
+            height: Some(64),
+            seed: 42,
+            ..Default::default()
+        },
+        max_sequence_length: 24,
+        ..Default::default()
+    };
+    let out = pipe.generate(&request, control).unwrap();
+    out.images.unwrap().to_rgb8(0).unwrap()
+}
+
+#[test]
+fn flux_controlnets_match_diffusers() {
+    let image = control_image();
+    let scaled = |scale, guidance_start, guidance_end| Control {
+        scale,
+        guidance_start,
+        guidance_end,
+        ..Control::new(image.clone())
+    };
+    let single = ControlRequest {
+        controls: vec![scaled(0.9, 0.0, 1.0)],
+        guess_mode: false,
+    };
+    let one = flux_run(&["tiny-controlnet-flux"], &single);
+    assert_png_close(&one, "controlnet-flux-single.png", 2);
+    let multi = ControlRequest {
+        controls: vec![scaled(0.8, 0.0, 0.75), scaled(0.6, 0.25, 1.0)],
+        guess_mode: false,
+    };
+    let two = flux_run(&["tiny-controlnet-flux", "tiny-controlnet-flux-b"], &multi);
+    assert_png_close(&two, "controlnet-flux-multi.png", 2);
+    assert!(png_level_diff(&one, &two) > 10);
 }

@@ -286,7 +286,7 @@ pub struct FluxTransformerBlock<B: Backend> {
 }
 
 impl<B: Backend> FluxTransformerBlock<B> {
-    fn load(vb: &VarBuilder<B>, cfg: &FluxTransformer2DConfig) -> Result<Self> {
+    pub(crate) fn load(vb: &VarBuilder<B>, cfg: &FluxTransformer2DConfig) -> Result<Self> {
         let dim = cfg.inner_dim();
         let ff = |name: &str| {
             FeedForward::load_with(&vb.pp(name), dim, 4 * dim, FeedForwardActivation::GeluTanh)
@@ -306,7 +306,7 @@ impl<B: Backend> FluxTransformerBlock<B> {
     }
 
     /// Returns `(text, image)` hidden states.
-    fn forward(
+    pub(crate) fn forward(
         &self,
         image: Tensor<B, 3>,
         text: Tensor<B, 3>,
@@ -344,7 +344,7 @@ pub struct FluxSingleTransformerBlock<B: Backend> {
 }
 
 impl<B: Backend> FluxSingleTransformerBlock<B> {
-    fn load(vb: &VarBuilder<B>, cfg: &FluxTransformer2DConfig) -> Result<Self> {
+    pub(crate) fn load(vb: &VarBuilder<B>, cfg: &FluxTransformer2DConfig) -> Result<Self> {
         let dim = cfg.inner_dim();
         let mlp_hidden = 4 * dim;
         Ok(Self {
@@ -361,7 +361,7 @@ impl<B: Backend> FluxSingleTransformerBlock<B> {
     }
 
     /// `x` is the joined sequence `[batch, text + image, dim]`.
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
         temb: Tensor<B, 2>,
@@ -388,6 +388,18 @@ pub enum FluxTimeTextEmbed<B: Backend> {
 }
 
 impl<B: Backend> FluxTimeTextEmbed<B> {
+    /// The embedding `cfg.guidance_embeds` picks.
+    pub(crate) fn load(vb: &VarBuilder<B>, cfg: &FluxTransformer2DConfig) -> Result<Self> {
+        let (dim, pooled) = (cfg.inner_dim(), cfg.pooled_projection_dim);
+        Ok(if cfg.guidance_embeds {
+            Self::TimestepGuidanceText(CombinedTimestepGuidanceTextProjEmbeddings::load(
+                vb, dim, pooled,
+            )?)
+        } else {
+            Self::TimestepText(CombinedTimestepTextProjEmbeddings::load(vb, dim, pooled)?)
+        })
+    }
+
     /// `guidance` is used only by the guidance embedding (callers check it is given).
     pub fn forward(
         &self,
@@ -405,6 +417,28 @@ impl<B: Backend> FluxTimeTextEmbed<B> {
                 embed.forward(timestep, guidance, pooled)
             }
             (Self::TimestepText(embed), _) => embed.forward(timestep, pooled),
+        }
+    }
+}
+
+/// What a Flux ControlNet adds: one sample per double block it has and one per single block,
+/// each `[batch, image tokens, dim]`.
+#[derive(Debug, Clone)]
+pub struct FluxControlSamples<B: Backend> {
+    pub blocks: Vec<Tensor<B, 3>>,
+    pub single_blocks: Vec<Tensor<B, 3>>,
+}
+
+impl<B: Backend> FluxControlSamples<B> {
+    /// The element-wise sum of two ControlNets' samples, as diffusers' multi-ControlNet sums
+    /// them (as many as the shorter list has).
+    pub fn sum(self, other: Self) -> Self {
+        let add = |a: Vec<Tensor<B, 3>>, b: Vec<Tensor<B, 3>>| {
+            a.into_iter().zip(b).map(|(a, b)| a + b).collect()
+        };
+        Self {
+            blocks: add(self.blocks, other.blocks),
+            single_blocks: add(self.single_blocks, other.single_blocks),
         }
     }
 }
@@ -468,24 +502,7 @@ impl<B: Backend> FluxTransformer2DModel<B> {
             .collect::<Result<Vec<_>>>()?;
         let out_channels = cfg.out_channels();
         Ok(Self {
-            time_text_embed: {
-                let vb = vb.pp("time_text_embed");
-                if cfg.guidance_embeds {
-                    FluxTimeTextEmbed::TimestepGuidanceText(
-                        CombinedTimestepGuidanceTextProjEmbeddings::load(
-                            &vb,
-                            dim,
-                            cfg.pooled_projection_dim,
-                        )?,
-                    )
-                } else {
-                    FluxTimeTextEmbed::TimestepText(CombinedTimestepTextProjEmbeddings::load(
-                        &vb,
-                        dim,
-                        cfg.pooled_projection_dim,
-                    )?)
-                }
-            },
+            time_text_embed: FluxTimeTextEmbed::load(&vb.pp("time_text_embed"), cfg)?,
             context_embedder: Linear::load(
                 &vb.pp("context_embedder"),
                 cfg.joint_attention_dim,
@@ -641,6 +658,70 @@ impl<B: Backend> FluxTransformer2DModel<B> {
         guidance: Option<Tensor<B, 1>>,
         image_rotary_emb: &RotaryEmbedding<B>,
     ) -> Tensor<B, 3> {
+        self.forward_controlled(
+            hidden_states,
+            encoder_hidden_states,
+            pooled_projections,
+            timestep,
+            guidance,
+            image_rotary_emb,
+            None,
+        )
+    }
+
+    /// Checks a ControlNet's samples for a call on `hidden_states` (`[batch, image tokens,
+    /// in_channels]`): each `[batch, image tokens, dim]`, at most as many as there are blocks.
+    pub fn check_control(
+        &self,
+        hidden_states: [usize; 3],
+        control: &FluxControlSamples<B>,
+    ) -> Result<()> {
+        let dim = self.x_embedder.weight.dims()[1];
+        let expected = [hidden_states[0], hidden_states[1], dim];
+        let counts = [
+            (
+                control.blocks.len(),
+                self.transformer_blocks.len(),
+                "double",
+            ),
+            (
+                control.single_blocks.len(),
+                self.single_transformer_blocks.len(),
+                "single",
+            ),
+        ];
+        for (got, blocks, kind) in counts {
+            if got > blocks {
+                return Err(ModelError::Input(format!(
+                    "{got} ControlNet samples for the transformer's {blocks} {kind} blocks"
+                )));
+            }
+        }
+        let all = control.blocks.iter().chain(&control.single_blocks);
+        if let Some(bad) = all.map(|t| t.dims()).find(|d| *d != expected) {
+            return Err(ModelError::Input(format!(
+                "a ControlNet sample is {bad:?}; the transformer's image tokens are \
+                 {expected:?}: the ControlNet was made for another model"
+            )));
+        }
+        Ok(())
+    }
+
+    /// [`forward_checked`](Self::forward_checked) with a Flux ControlNet's samples added to the
+    /// image tokens after the blocks (diffusers' `controlnet_block_samples` and
+    /// `controlnet_single_block_samples`; each `[batch, image tokens, dim]`, checked by
+    /// [`check_control`](Self::check_control)).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_controlled(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        encoder_hidden_states: Tensor<B, 3>,
+        pooled_projections: Tensor<B, 2>,
+        timestep: Tensor<B, 1>,
+        guidance: Option<Tensor<B, 1>>,
+        image_rotary_emb: &RotaryEmbedding<B>,
+        control: Option<&FluxControlSamples<B>>,
+    ) -> Tensor<B, 3> {
         // Computed in the weights' dtype, returned in the caller's (see `crate::dtype`); the
         // rotary tables stay as given (f32), as diffusers applies them in f32.
         let caller = dtype_of(&hidden_states);
@@ -657,16 +738,35 @@ impl<B: Backend> FluxTransformer2DModel<B> {
             .time_text_embed
             .forward(timestep, guidance, pooled_projections);
         let mut text = self.context_embedder.forward(encoder_hidden_states);
-        for block in &self.transformer_blocks {
+        // diffusers: block `i` takes sample `i // ceil(blocks / samples)`.
+        let sample = |samples: &[Tensor<B, 3>], i: usize, blocks: usize| {
+            let interval = blocks.div_ceil(samples.len()).max(1);
+            cast_to(
+                samples[(i / interval).min(samples.len() - 1)].clone(),
+                dtype,
+            )
+        };
+        let blocks = self.transformer_blocks.len();
+        for (i, block) in self.transformer_blocks.iter().enumerate() {
             (text, image) = block.forward(image, text, temb.clone(), image_rotary_emb);
+            if let Some(control) = control.filter(|c| !c.blocks.is_empty()) {
+                image = image + sample(&control.blocks, i, blocks);
+            }
         }
         // diffusers joins and splits the streams in every single block; joining once is the
-        // same computation.
+        // same computation (a ControlNet's samples go to the image part).
         let text_len = text.dims()[1];
         let image_len = image.dims()[1];
         let mut joined = Tensor::cat(vec![text, image], 1);
-        for block in &self.single_transformer_blocks {
+        let singles = self.single_transformer_blocks.len();
+        for (i, block) in self.single_transformer_blocks.iter().enumerate() {
             joined = block.forward(joined, temb.clone(), image_rotary_emb);
+            if let Some(control) = control.filter(|c| !c.single_blocks.is_empty()) {
+                let text = joined.clone().narrow(1, 0, text_len);
+                let image = joined.narrow(1, text_len, image_len)
+                    + sample(&control.single_blocks, i, singles);
+                joined = Tensor::cat(vec![text, image], 1);
+            }
         }
         let image = joined.narrow(1, text_len, image_len);
         cast_to(

@@ -21,6 +21,7 @@ use crate::control::ControlRequest;
 use crate::denoise::{GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::flux::{FluxPipeline, FluxRequest, FLUX_CLASSES};
+use crate::flux_controlnet::FluxControlNetPipeline;
 use crate::loading::{pipeline_class, LoadOptions};
 use crate::lora::LoraReport;
 use crate::pixart::{PixArtPipeline, PixArtRequest, PIXART_CLASSES};
@@ -122,6 +123,8 @@ pub enum AutoPipeline<B: Backend> {
     /// SD3 with SD3 ControlNets ([`with_controlnets`](AutoPipeline::with_controlnets)).
     StableDiffusion3ControlNet(Box<StableDiffusion3ControlNetPipeline<B>>),
     Flux(Box<FluxPipeline<B>>),
+    /// Flux with Flux ControlNets ([`with_controlnets`](AutoPipeline::with_controlnets)).
+    FluxControlNet(Box<FluxControlNetPipeline<B>>),
     PixArt(Box<PixArtPipeline<B>>),
 }
 
@@ -136,6 +139,7 @@ macro_rules! each {
             AutoPipeline::StableDiffusion3($pipe) => $body,
             AutoPipeline::StableDiffusion3ControlNet($pipe) => $body,
             AutoPipeline::Flux($pipe) => $body,
+            AutoPipeline::FluxControlNet($pipe) => $body,
             AutoPipeline::PixArt($pipe) => $body,
         }
     };
@@ -196,8 +200,8 @@ impl<B: Backend> AutoPipeline<B> {
         let wrong = |family: PipelineFamily| {
             Err(PipelineError::InvalidInput(format!(
                 "ControlNets of this kind do not steer {family:?} pipelines: UNet ControlNets \
-                 (ControlNetModel) are for SD 1.x/2.x and SDXL, SD3ControlNetModel for SD3; \
-                 Flux and PixArt ControlNets are not implemented yet"
+                 (ControlNetModel) are for SD 1.x/2.x and SDXL, SD3ControlNetModel for SD3, \
+                 FluxControlNetModel for Flux; PixArt ControlNets are not implemented yet"
             )))
         };
         match (self, controlnets.into()) {
@@ -225,6 +229,12 @@ impl<B: Backend> AutoPipeline<B> {
             (Self::StableDiffusion3ControlNet(pipe), nets) => {
                 Self::StableDiffusion3(Box::new(pipe.into_inner())).with_controlnets(nets)
             }
+            (Self::Flux(pipe), ControlNets::Flux(nets)) => Ok(Self::FluxControlNet(Box::new(
+                FluxControlNetPipeline::new(*pipe, nets)?,
+            ))),
+            (Self::FluxControlNet(pipe), nets) => {
+                Self::Flux(Box::new(pipe.into_inner())).with_controlnets(nets)
+            }
             (other, _) => wrong(other.family()),
         }
     }
@@ -241,7 +251,7 @@ impl<B: Backend> AutoPipeline<B> {
             Self::StableDiffusion3(_) | Self::StableDiffusion3ControlNet(_) => {
                 PipelineFamily::StableDiffusion3
             }
-            Self::Flux(_) => PipelineFamily::Flux,
+            Self::Flux(_) | Self::FluxControlNet(_) => PipelineFamily::Flux,
             Self::PixArt(_) => PipelineFamily::PixArt,
         }
     }
@@ -347,6 +357,7 @@ impl<B: Backend> AutoPipeline<B> {
             Self::StableDiffusionControlNet(_)
                 | Self::StableDiffusionXLControlNet(_)
                 | Self::StableDiffusion3ControlNet(_)
+                | Self::FluxControlNet(_)
         );
         if options.control.is_some() != controlled {
             return Err(PipelineError::InvalidInput(if controlled {
@@ -410,6 +421,19 @@ impl<B: Backend> AutoPipeline<B> {
                     ..Default::default()
                 };
                 pipe.generate_with(&request, noise, callback)
+            }
+            Self::FluxControlNet(pipe) => {
+                let control = options.control.clone().unwrap_or_default();
+                let request = FluxRequest {
+                    common,
+                    max_sequence_length: options
+                        .max_sequence_length
+                        .or(defaults.max_sequence_length)
+                        .unwrap_or_default(),
+                    true_cfg_scale: options.true_cfg_scale,
+                    ..Default::default()
+                };
+                pipe.generate_with(&request, &control, noise, callback)
             }
             Self::PixArt(pipe) => {
                 let request = PixArtRequest {

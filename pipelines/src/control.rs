@@ -8,8 +8,8 @@ use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::{
-    AddedCondition, ControlNetModel, ControlResiduals, ModelError, SD3ControlNetModel,
-    UNet2DConditionModel,
+    AddedCondition, ControlNetModel, ControlResiduals, FluxControlNetModel, ModelError,
+    SD3ControlNetModel, UNet2DConditionModel,
 };
 
 use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
@@ -112,10 +112,17 @@ impl ControlRequest {
     }
 }
 
-/// Loaded ControlNets of one kind: the UNet's (SD 1.x/2.x, SDXL) or SD3's.
+/// Loaded ControlNets of one kind: the UNet's (SD 1.x/2.x, SDXL), SD3's or Flux's.
 pub enum ControlNets<B: Backend> {
     Unet(Vec<ControlNetModel<B>>),
     Sd3(Vec<SD3ControlNetModel<B>>),
+    Flux(Vec<FluxControlNetModel<B>>),
+}
+
+impl<B: Backend> From<Vec<FluxControlNetModel<B>>> for ControlNets<B> {
+    fn from(nets: Vec<FluxControlNetModel<B>>) -> Self {
+        Self::Flux(nets)
+    }
 }
 
 impl<B: Backend> From<Vec<ControlNetModel<B>>> for ControlNets<B> {
@@ -132,53 +139,70 @@ impl<B: Backend> From<Vec<SD3ControlNetModel<B>>> for ControlNets<B> {
 
 impl<B: Backend> ControlNets<B> {
     /// Loads ControlNet folders, each by the `_class_name` of its `config.json`
-    /// (`ControlNetModel` or `SD3ControlNetModel`); kinds cannot be mixed, and another class
-    /// is an error naming it.
+    /// (`ControlNetModel`, `SD3ControlNetModel` or `FluxControlNetModel`); kinds cannot be
+    /// mixed, and another class is an error naming it.
     pub fn from_dirs(
         dirs: &[&std::path::Path],
         variant: Option<&str>,
         dtype: FloatDType,
         device: &B::Device,
     ) -> Result<Self> {
-        let mut unet = Vec::new();
-        let mut sd3 = Vec::new();
+        let mut loaded: Option<Self> = None;
         for dir in dirs {
             let config = dir.join("config.json");
             let class = crate::loading::class_name(&config)?;
-            match class.as_str() {
-                "ControlNetModel" => {
-                    unet.push(ControlNetModel::from_dir_in(dir, variant, dtype, device)?)
-                }
-                "SD3ControlNetModel" => sd3.push(SD3ControlNetModel::from_dir_in(
+            let one = match class.as_str() {
+                "ControlNetModel" => Self::Unet(vec![ControlNetModel::from_dir_in(
                     dir, variant, dtype, device,
-                )?),
+                )?]),
+                "SD3ControlNetModel" => Self::Sd3(vec![SD3ControlNetModel::from_dir_in(
+                    dir, variant, dtype, device,
+                )?]),
+                "FluxControlNetModel" => Self::Flux(vec![FluxControlNetModel::from_dir_in(
+                    dir, variant, dtype, device,
+                )?]),
                 other => {
                     return Err(PipelineError::InvalidInput(format!(
                         "{}: `_class_name: {other}` is not a ControlNet oxidiff runs \
-                         (ControlNetModel for SD 1.x/2.x and SDXL, SD3ControlNetModel)",
+                         (ControlNetModel for SD 1.x/2.x and SDXL, SD3ControlNetModel, \
+                         FluxControlNetModel)",
                         config.display()
                     )))
                 }
-            }
+            };
+            loaded = Some(match (loaded, one) {
+                (None, one) => one,
+                (Some(Self::Unet(mut a)), Self::Unet(b)) => {
+                    a.extend(b);
+                    Self::Unet(a)
+                }
+                (Some(Self::Sd3(mut a)), Self::Sd3(b)) => {
+                    a.extend(b);
+                    Self::Sd3(a)
+                }
+                (Some(Self::Flux(mut a)), Self::Flux(b)) => {
+                    a.extend(b);
+                    Self::Flux(a)
+                }
+                _ => {
+                    return Err(PipelineError::InvalidInput(format!(
+                        "{} is another kind of ControlNet than the ones before it: one \
+                         pipeline takes one kind",
+                        dir.display()
+                    )))
+                }
+            });
         }
-        match (unet.is_empty(), sd3.is_empty()) {
-            (_, true) => Ok(Self::Unet(unet)),
-            (true, false) => Ok(Self::Sd3(sd3)),
-            (false, false) => Err(PipelineError::InvalidInput(
-                "the ControlNets mix UNet ControlNets (ControlNetModel) and SD3 ones \
-                 (SD3ControlNetModel): one pipeline takes one kind"
-                    .into(),
-            )),
-        }
+        Ok(loaded.unwrap_or(Self::Unet(Vec::new())))
     }
 
     /// The UNet ControlNets, or an error saying `what` takes only those.
     pub fn into_unet(self, what: &str) -> Result<Vec<ControlNetModel<B>>> {
         match self {
             Self::Unet(nets) => Ok(nets),
-            Self::Sd3(_) => Err(PipelineError::InvalidInput(format!(
-                "SD3 ControlNets steer SD3 text to image; {what} takes SD 1.x/2.x and SDXL \
-                 ControlNets"
+            Self::Sd3(_) | Self::Flux(_) => Err(PipelineError::InvalidInput(format!(
+                "SD3 and Flux ControlNets steer text to image; {what} takes SD 1.x/2.x and \
+                 SDXL ControlNets"
             ))),
         }
     }

@@ -38,6 +38,7 @@ use crate::denoise::{
     GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
 };
 use crate::error::{PipelineError, Result};
+use crate::flux_controlnet::FluxControl;
 use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
@@ -424,10 +425,30 @@ impl<B: Backend> FluxPipeline<B> {
         &mut self,
         req: &FluxRequest<B>,
         noise: &mut dyn NoiseSource<B>,
+        callback: impl FnMut(StepInfo<'_, B>),
+    ) -> Result<PipelineOutput<B>> {
+        self.generate_controlled(req, None, noise, callback)
+    }
+
+    /// [`generate_with`](Self::generate_with), with Flux ControlNets steering each step (the
+    /// Flux ControlNet pipeline; their control images' VAE samples are drawn from `noise`
+    /// first, as diffusers draws them before the latents).
+    pub(crate) fn generate_controlled(
+        &mut self,
+        req: &FluxRequest<B>,
+        control: Option<FluxControl<'_, B>>,
+        noise: &mut dyn NoiseSource<B>,
         mut callback: impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         let common = &req.common;
         let (width, height) = self.check(req)?;
+        if control.is_some() && Self::does_true_cfg(req) {
+            return Err(PipelineError::InvalidInput(
+                "true classifier-free guidance with Flux ControlNets is not implemented yet: \
+                 drop the negative prompt or true_cfg_scale"
+                    .into(),
+            ));
+        }
         let images_per_prompt = common.num_images_per_prompt;
         let max_len = req.max_sequence_length;
         let on_device = |e: FluxPromptEmbeds<B>, device: &B::Device| FluxPromptEmbeds {
@@ -456,6 +477,9 @@ impl<B: Backend> FluxPipeline<B> {
         let (h, w) = (2 * (height / (2 * f)), 2 * (width / (2 * f)));
         let batch = common.prompts.len() * images_per_prompt;
         let channels = self.transformer.in_channels / 4;
+        let control = control
+            .map(|c| c.prepare(&self.vae, (width, height), batch, noise, &self.device))
+            .transpose()?;
         let latents = initial_latents(
             common,
             [batch, channels, h, w],
@@ -480,7 +504,9 @@ impl<B: Backend> FluxPipeline<B> {
 
         let timesteps = self.scheduler.timesteps().to_vec();
         let (transformer, compiled) = (&self.transformer, &self.compiled);
-        let velocity = |latents: Tensor<B, 4>,
+        let steps = timesteps.len();
+        let velocity = |i: usize,
+                        latents: Tensor<B, 4>,
                         timestep: Tensor<B, 1>,
                         guidance: Tensor<B, 1>,
                         text: &FluxPromptEmbeds<B>|
@@ -494,6 +520,18 @@ impl<B: Backend> FluxPipeline<B> {
                 transformer.guidance_embeds().then_some(b),
                 rope.cos.dims()[0],
             )?;
+            if let Some(control) = &control {
+                let step = (i, steps);
+                return control.velocity(
+                    transformer,
+                    step,
+                    latents,
+                    timestep,
+                    guidance,
+                    text,
+                    &rope,
+                );
+            }
             match compiled {
                 Some(denoiser) => denoiser.call((
                     latents,
@@ -513,6 +551,7 @@ impl<B: Backend> FluxPipeline<B> {
                 )),
             }
         };
+        let mut step = 0;
         let latents = DenoisingLoop {
             scheduler: &mut *self.scheduler,
             timesteps: &timesteps,
@@ -523,11 +562,18 @@ impl<B: Backend> FluxPipeline<B> {
         }
         .run(
             |latents, timestep, guidance| {
-                let positive =
-                    velocity(latents.clone(), timestep.clone(), guidance.clone(), &text)?;
+                let i = step;
+                step += 1;
+                let positive = velocity(
+                    i,
+                    latents.clone(),
+                    timestep.clone(),
+                    guidance.clone(),
+                    &text,
+                )?;
                 match &negative {
                     Some(negative) => {
-                        let negative = velocity(latents, timestep, guidance, negative)?;
+                        let negative = velocity(i, latents, timestep, guidance, negative)?;
                         Ok(negative.clone() + (positive - negative).mul_scalar(req.true_cfg_scale))
                     }
                     None => Ok(positive),

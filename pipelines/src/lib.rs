@@ -70,6 +70,7 @@ mod truncation;
 
 // One pipeline a file, side by side.
 pub mod flux;
+pub mod flux_controlnet;
 pub mod pixart;
 pub mod stable_diffusion;
 pub mod stable_diffusion_3;
@@ -99,6 +100,7 @@ pub use control::{Control, ControlNets, ControlRequest};
 pub use denoise::{GenerateRequest, OutputType, PipelineDefaults, PipelineOutput, StepInfo};
 pub use error::{PipelineError, Result};
 pub use flux::{FluxPipeline, FluxPromptEmbeds, FluxRequest, FLUX_CLASSES};
+pub use flux_controlnet::FluxControlNetPipeline;
 pub use guard::CancelToken;
 pub use hub::{resolve_model, ModelSource};
 pub use image::Images;

@@ -314,6 +314,18 @@ impl<B: Backend> Sd3ControlStep<'_, B> {
                 Some(sum) => sum.into_iter().zip(residuals).map(|(a, b)| a + b).collect(),
             });
         }
+        // diffusers runs every ControlNet (those outside their window at scale 0) and sums
+        // their residuals pairwise, so the sum has as many as the ControlNet with the fewest.
+        let fewest = self
+            .nets
+            .iter()
+            .map(|n| n.controlnet_blocks.len())
+            .min()
+            .unwrap_or(0);
+        let sum = sum.map(|mut sum| {
+            sum.truncate(fewest);
+            sum
+        });
         let Some(control) = sum else {
             return Ok(transformer.forward(x, timestep, context.clone(), pooled.clone())?);
         };

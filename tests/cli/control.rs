@@ -403,3 +403,51 @@ fn an_sd3_folder_takes_sd3_controlnets_by_their_class() {
     assert!(log.contains("SD3ControlNetModel"), "{log}");
     assert!(!refused.exists());
 }
+
+#[test]
+fn a_flux_folder_takes_flux_controlnets_and_refuses_a_mix_of_kinds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, _, image) = paths();
+    let model = model_dir("tiny-flux-dev");
+    let net = format!("{}:0.9", model_dir("tiny-controlnet-flux").display());
+    let sd3_net = model_dir("tiny-controlnet-sd3").display().to_string();
+    let run = |nets: &[&str], out: &Path| {
+        let mut args = vec!["--model", model.to_str().unwrap()];
+        for net in nets {
+            args.extend(["--controlnet", net, "--control-image", &image]);
+        }
+        args.extend([
+            "--steps",
+            "4",
+            "--seed",
+            "42",
+            "--guidance",
+            "3.5",
+            "--width",
+            "96",
+            "--height",
+            "64",
+            "--max-sequence-length",
+            "24",
+            "--quiet",
+            "-o",
+            out.to_str().unwrap(),
+            "A photo of an astronaut riding a horse on the moon",
+        ]);
+        let result = txt2img(&args);
+        (stderr(&result), result.status.code())
+    };
+    let out = tmp.path().join("flux.png");
+    let (log, code) = run(&[&net], &out);
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&out).unwrap().to_rgb8(),
+        "controlnet-flux-single.png",
+        2,
+    );
+    let mixed = tmp.path().join("mixed.png");
+    let (log, code) = run(&[&net, &sd3_net], &mixed);
+    assert_ne!(code, Some(0));
+    assert!(log.contains("another kind of ControlNet"), "{log}");
+    assert!(!mixed.exists());
+}
