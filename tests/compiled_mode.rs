@@ -682,3 +682,107 @@ fn compiled_controlnet_steps_match_diffusers_for_sd_and_sdxl() {
     );
     assert_eq!(xl.programs.as_ref().unwrap().compile_stats().programs, 2);
 }
+
+/// The SD3 and Flux ControlNet pipelines compiled on XLA's CPU plugin (ControlNets and
+/// transformer as one program, scales and windows as inputs) against diffusers' PNGs
+/// (tools/golden/make_controlnet_sd3.py, make_controlnet_flux.py), within 2 levels as their
+/// eager runs: two ControlNets with guidance windows each, one program for every step.
+#[test]
+fn compiled_sd3_and_flux_controlnets_match_diffusers() {
+    use common::assert_png_close;
+    use oxidiff::pipelines::{
+        Control, ControlRequest, FluxControlNetPipeline, FluxRequest, Sd3Request,
+        StableDiffusion3ControlNetPipeline,
+    };
+    if skip() {
+        return;
+    }
+    let device = xla();
+    let image = image::open(common::fixtures().join("golden/controlnet-input.png")).unwrap();
+    let windowed = |scale, guidance_start, guidance_end| Control {
+        scale,
+        guidance_start,
+        guidance_end,
+        ..Control::new(image.clone())
+    };
+    let png =
+        |out: oxidiff::pipelines::PipelineOutput<Oxi>| out.images.unwrap().to_rgb8(0).unwrap();
+    let prompt = "A photo of an astronaut riding a horse on the moon";
+
+    let nets = [
+        model_dir("tiny-controlnet-sd3"),
+        model_dir("tiny-controlnet-sd3-b"),
+    ];
+    let refs: Vec<&Path> = nets.iter().map(|d| d.as_path()).collect();
+    let mut sd3 = StableDiffusion3ControlNetPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-sd3"),
+        &refs,
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    sd3.compile().unwrap();
+    let request = Sd3Request {
+        common: GenerateRequest {
+            prompts: vec![prompt.into()],
+            negative_prompts: vec!["blurry, low quality".into()],
+            num_inference_steps: 3,
+            guidance_scale: 5.0,
+            width: Some(48),
+            height: Some(64),
+            seed: 42,
+            ..Default::default()
+        },
+        max_sequence_length: 24,
+        ..Default::default()
+    };
+    let multi = ControlRequest {
+        controls: vec![windowed(0.8, 0.0, 0.7), windowed(0.5, 0.3, 1.0)],
+        guess_mode: false,
+    };
+    assert_png_close(
+        &png(sd3.generate(&request, &multi).unwrap()),
+        "controlnet-sd3-multi.png",
+        2,
+    );
+    let stats = sd3.compile_stats().unwrap();
+    assert!(stats.programs >= 1, "{stats:?}");
+
+    let nets = [
+        model_dir("tiny-controlnet-flux"),
+        model_dir("tiny-controlnet-flux-b"),
+    ];
+    let refs: Vec<&Path> = nets.iter().map(|d| d.as_path()).collect();
+    let mut flux = FluxControlNetPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-flux-dev"),
+        &refs,
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    flux.compile().unwrap();
+    let request = FluxRequest {
+        common: GenerateRequest {
+            prompts: vec![prompt.into()],
+            num_inference_steps: 4,
+            guidance_scale: 3.5,
+            width: Some(96),
+            height: Some(64),
+            seed: 42,
+            ..Default::default()
+        },
+        max_sequence_length: 24,
+        ..Default::default()
+    };
+    let multi = ControlRequest {
+        controls: vec![windowed(0.8, 0.0, 0.75), windowed(0.6, 0.25, 1.0)],
+        guess_mode: false,
+    };
+    assert_png_close(
+        &png(flux.generate(&request, &multi).unwrap()),
+        "controlnet-flux-multi.png",
+        2,
+    );
+    let stats = flux.compile_stats().unwrap();
+    assert!(stats.programs >= 1, "{stats:?}");
+}

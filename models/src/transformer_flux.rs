@@ -669,47 +669,28 @@ impl<B: Backend> FluxTransformer2DModel<B> {
         )
     }
 
-    /// Checks a ControlNet's samples for a call on `hidden_states` (`[batch, image tokens,
-    /// in_channels]`): each `[batch, image tokens, dim]`, at most as many as there are blocks.
-    pub fn check_control(
-        &self,
-        hidden_states: [usize; 3],
-        control: &FluxControlSamples<B>,
-    ) -> Result<()> {
-        let dim = self.x_embedder.weight.dims()[1];
-        let expected = [hidden_states[0], hidden_states[1], dim];
+    /// Checks that a ControlNet's `blocks` double and `singles` single samples fit: at most
+    /// as many as the transformer has blocks of each kind (their shapes follow from a
+    /// ControlNet that fits the transformer, run on the same latents).
+    pub fn check_control(&self, blocks: usize, singles: usize) -> Result<()> {
         let counts = [
-            (
-                control.blocks.len(),
-                self.transformer_blocks.len(),
-                "double",
-            ),
-            (
-                control.single_blocks.len(),
-                self.single_transformer_blocks.len(),
-                "single",
-            ),
+            (blocks, self.transformer_blocks.len(), "double"),
+            (singles, self.single_transformer_blocks.len(), "single"),
         ];
-        for (got, blocks, kind) in counts {
-            if got > blocks {
+        for (got, have, kind) in counts {
+            if got > have {
                 return Err(ModelError::Input(format!(
-                    "{got} ControlNet samples for the transformer's {blocks} {kind} blocks"
+                    "{got} ControlNet samples for the transformer's {have} {kind} blocks: the \
+                     ControlNet was made for another model"
                 )));
             }
-        }
-        let all = control.blocks.iter().chain(&control.single_blocks);
-        if let Some(bad) = all.map(|t| t.dims()).find(|d| *d != expected) {
-            return Err(ModelError::Input(format!(
-                "a ControlNet sample is {bad:?}; the transformer's image tokens are \
-                 {expected:?}: the ControlNet was made for another model"
-            )));
         }
         Ok(())
     }
 
     /// [`forward_checked`](Self::forward_checked) with a Flux ControlNet's samples added to the
     /// image tokens after the blocks (diffusers' `controlnet_block_samples` and
-    /// `controlnet_single_block_samples`; each `[batch, image tokens, dim]`, checked by
+    /// `controlnet_single_block_samples`; each `[batch, image tokens, dim]`, counts checked by
     /// [`check_control`](Self::check_control)).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_controlled(

@@ -6,8 +6,8 @@
 //! batch, VAE-encoded and sampled (from the request's generator, before the latents, as
 //! diffusers does), shifted and scaled, and packed like the latents; the ControlNets see the
 //! packed latents and the transformer's inputs, and their samples go to the transformer's image
-//! tokens. Eager only for now; InstantX's layout (XLabs' and the Union ControlNets are refused
-//! when loading).
+//! tokens; compiled, the ControlNets and the transformer are one program. InstantX's layout
+//! (XLabs' and the Union ControlNets are refused when loading).
 
 use std::path::Path;
 
@@ -20,7 +20,7 @@ use oxidiff_models::{AutoencoderKL, FluxControlNetModel, FluxTransformer2DModel,
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
-use crate::compiled::{CompileStats, ComponentStats};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::control::ControlRequest;
 use crate::denoise::{PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
@@ -34,6 +34,8 @@ use crate::memory::{component_memory, ComponentMemory, PlaceName};
 pub struct FluxControlNetPipeline<B: Backend> {
     pub pipe: FluxPipeline<B>,
     pub controlnets: Vec<FluxControlNetModel<B>>,
+    /// The compiled controlled step, after [`compile`](Self::compile).
+    pub programs: Option<FluxControlPrograms<B>>,
 }
 
 impl<B: Backend> std::ops::Deref for FluxControlNetPipeline<B> {
@@ -50,34 +52,164 @@ impl<B: Backend> std::ops::DerefMut for FluxControlNetPipeline<B> {
     }
 }
 
-fn eager_only() -> PipelineError {
-    PipelineError::Compile(
-        "the Flux ControlNet pipeline runs eagerly for now (each op at once, on any device); \
-         drop --compile/--tp/--dp"
-            .into(),
+impl FluxControlNetPipeline<Oxi> {
+    /// Compiled mode: the Flux pipeline's programs (text encoders, VAE) and, per input shape,
+    /// one program for the ControlNets and the transformer together ([`FluxControlPrograms`]),
+    /// the control latents and scales (windows folded in) runtime inputs. Needs the
+    /// transformer on a PJRT device.
+    pub fn compile(&mut self) -> Result<()> {
+        self.pipe.compile()?;
+        self.programs = Some(FluxControlPrograms::new(
+            &self.pipe.transformer,
+            &self.controlnets,
+        ));
+        Ok(())
+    }
+
+    /// Tensor and data parallelism are not implemented for ControlNet pipelines yet: an error
+    /// saying so (`compile` works).
+    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
+        Err(crate::control::not_parallel())
+    }
+
+    /// Compiled mode's counts (`None` when eager): the controlled step's programs and the
+    /// base pipeline's.
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        let programs = self.programs.as_ref()?.call.compile_stats();
+        Some(programs + self.pipe.compile_stats().unwrap_or_default())
+    }
+
+    /// Compiled mode's counts per component, the ControlNets counted with the transformer.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        let mut stats = self.pipe.component_stats();
+        if let Some(programs) = &self.programs {
+            for entry in stats.iter_mut().filter(|e| e.component == "transformer") {
+                entry.stats = entry.stats + programs.call.compile_stats();
+            }
+        }
+        stats
+    }
+}
+
+/// The inputs of the compiled Flux controlled step: the transformer's (unpacked latents,
+/// timestep, guidance, T5 states, pooled CLIP), then the rotary tables (cos, sin), the packed
+/// control latents (one block of rows per ControlNet) and the scales (`[nets]`).
+pub type FluxControlInputs<B> = (
+    (
+        Tensor<B, 4>,
+        Tensor<B, 1>,
+        Tensor<B, 1>,
+        Tensor<B, 3>,
+        Tensor<B, 2>,
+    ),
+    ((Tensor<B, 2>, Tensor<B, 2>), Tensor<B, 3>, Tensor<B, 1>),
+);
+
+/// The compiled Flux controlled step: every ControlNet (scaled by 0 outside its window, as
+/// diffusers runs them) and the transformer as one XLA program per input shape.
+pub struct FluxControlPrograms<B: Backend> {
+    call: CompiledCall<B, FluxControlInputs<B>>,
+}
+
+impl FluxControlPrograms<Oxi> {
+    /// The program of `transformer` steered by `nets`; nothing is traced before the first
+    /// call.
+    pub fn new(
+        transformer: &FluxTransformer2DModel<Oxi>,
+        nets: &[FluxControlNetModel<Oxi>],
+    ) -> Self {
+        let (transformer, nets) = (transformer.clone(), nets.to_vec());
+        let step = move |inputs: FluxControlInputs<Oxi>| {
+            let ((latents, t, g, prompt_embeds, pooled), ((cos, sin), conds, scales)) = inputs;
+            let rows = conds.dims()[0] / nets.len();
+            let steer: Vec<_> = nets
+                .iter()
+                .enumerate()
+                .map(|(k, net)| {
+                    (
+                        net,
+                        conds.clone().narrow(0, k * rows, rows),
+                        scales.clone().narrow(0, k, 1),
+                    )
+                })
+                .collect();
+            let text = FluxPromptEmbeds {
+                prompt_embeds,
+                pooled_prompt_embeds: pooled,
+            };
+            let rope = RotaryEmbedding { cos, sin };
+            let fewest = fewest_blocks(&nets);
+            controlled_velocity(&transformer, &steer, latents, t, g, &text, &rope, fewest)
+        };
+        Self {
+            call: CompiledCall::new("flux-controlnets+transformer", step, None, Vec::new()),
+        }
+    }
+}
+
+/// The fewest double and single blocks among `nets`: how many samples diffusers' pairwise
+/// sum keeps.
+fn fewest_blocks<B: Backend>(nets: &[FluxControlNetModel<B>]) -> (usize, usize) {
+    let fewest =
+        |count: fn(&FluxControlNetModel<B>) -> usize| nets.iter().map(count).min().unwrap_or(0);
+    (
+        fewest(|n| n.controlnet_blocks.len()),
+        fewest(|n| n.controlnet_single_blocks.len()),
     )
 }
 
-impl FluxControlNetPipeline<Oxi> {
-    /// Compiled mode is not implemented for Flux ControlNets yet: an error saying so.
-    pub fn compile(&mut self) -> Result<()> {
-        Err(eager_only())
+/// The transformer's velocity for `latents` (`[b, c, h, w]`, unpacked) with the summed samples
+/// of `steer` (ControlNet, packed control latents, `[1]` scale), kept to `fewest` (double,
+/// single) as diffusers' pairwise sum keeps them; the eager step and the compiled program both
+/// run it. `timestep` and `guidance` are the loop's `[1]` tensors.
+#[allow(clippy::too_many_arguments)]
+fn controlled_velocity<B: Backend>(
+    transformer: &FluxTransformer2DModel<B>,
+    steer: &[(&FluxControlNetModel<B>, Tensor<B, 3>, Tensor<B, 1>)],
+    latents: Tensor<B, 4>,
+    timestep: Tensor<B, 1>,
+    guidance: Tensor<B, 1>,
+    text: &FluxPromptEmbeds<B>,
+    rope: &RotaryEmbedding<B>,
+    (blocks, singles): (usize, usize),
+) -> Tensor<B, 4> {
+    let [b, _, h, w] = latents.dims();
+    let packed = pack_latents(latents);
+    let timestep = timestep.div_scalar(1000.0).expand([b]);
+    let guidance = guidance.expand([b]);
+    let mut sum: Option<FluxControlSamples<B>> = None;
+    for (net, cond, scale) in steer {
+        let samples = net.forward(
+            packed.clone(),
+            cond.clone(),
+            text.prompt_embeds.clone(),
+            text.pooled_prompt_embeds.clone(),
+            timestep.clone(),
+            Some(guidance.clone()),
+            rope,
+            scale.clone(),
+        );
+        sum = Some(match sum {
+            None => samples,
+            Some(sum) => sum.sum(samples),
+        });
     }
-
-    /// See [`compile`](Self::compile).
-    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
-        Err(eager_only())
-    }
-
-    /// Always `None`: the pipeline runs eagerly.
-    pub fn compile_stats(&self) -> Option<CompileStats> {
-        None
-    }
-
-    /// Always empty: the pipeline runs eagerly.
-    pub fn component_stats(&self) -> Vec<ComponentStats> {
-        Vec::new()
-    }
+    let sum = sum.map(|mut sum| {
+        sum.blocks.truncate(blocks);
+        sum.single_blocks.truncate(singles);
+        sum
+    });
+    let transformer_guidance = transformer.guidance_embeds().then_some(guidance);
+    let out = transformer.forward_controlled(
+        packed,
+        text.prompt_embeds.clone(),
+        text.pooled_prompt_embeds.clone(),
+        timestep,
+        transformer_guidance,
+        rope,
+        sum.as_ref(),
+    );
+    unpack_latents(out, h, w)
 }
 
 impl<B: Backend> FluxControlNetPipeline<B> {
@@ -117,7 +249,11 @@ impl<B: Backend> FluxControlNetPipeline<B> {
             .into_iter()
             .map(|n| n.to(&pipe.device))
             .collect();
-        Ok(Self { pipe, controlnets })
+        Ok(Self {
+            pipe,
+            controlnets,
+            programs: None,
+        })
     }
 
     /// Loads a Flux folder and Flux ControlNet folders.
@@ -176,6 +312,7 @@ impl<B: Backend> FluxControlNetPipeline<B> {
         let control = FluxControl {
             nets: &self.controlnets,
             request: control,
+            programs: self.programs.as_ref(),
         };
         self.pipe
             .generate_controlled(req, Some(control), noise, callback)
@@ -186,6 +323,7 @@ impl<B: Backend> FluxControlNetPipeline<B> {
 pub(crate) struct FluxControl<'a, B: Backend> {
     nets: &'a [FluxControlNetModel<B>],
     request: &'a ControlRequest,
+    programs: Option<&'a FluxControlPrograms<B>>,
 }
 
 /// The Flux ControlNets of one call with their packed control latents.
@@ -193,6 +331,7 @@ pub(crate) struct FluxControlStep<'a, B: Backend> {
     nets: &'a [FluxControlNetModel<B>],
     request: &'a ControlRequest,
     latents: Vec<Tensor<B, 3>>,
+    programs: Option<&'a FluxControlPrograms<B>>,
 }
 
 impl<'a, B: Backend> FluxControl<'a, B> {
@@ -205,7 +344,11 @@ impl<'a, B: Backend> FluxControl<'a, B> {
         noise: &mut dyn NoiseSource<B>,
         device: &B::Device,
     ) -> Result<FluxControlStep<'a, B>> {
-        let Self { nets, request } = self;
+        let Self {
+            nets,
+            request,
+            programs,
+        } = self;
         request.check(nets.len())?;
         if request.guess_mode {
             return Err(PipelineError::InvalidInput(
@@ -231,6 +374,7 @@ impl<'a, B: Backend> FluxControl<'a, B> {
             nets,
             request,
             latents,
+            programs,
         })
     }
 }
@@ -249,64 +393,56 @@ impl<B: Backend> FluxControlStep<'_, B> {
         text: &FluxPromptEmbeds<B>,
         rope: &RotaryEmbedding<B>,
     ) -> Result<Tensor<B, 4>> {
-        let [b, _, h, w] = latents.dims();
-        let packed = pack_latents(latents);
-        let timestep = timestep.div_scalar(1000.0).expand([b]);
-        let guidance = guidance.expand([b]);
-        let mut sum: Option<FluxControlSamples<B>> = None;
-        let each = self
-            .nets
-            .iter()
-            .zip(&self.request.controls)
-            .zip(&self.latents);
-        for ((net, control), cond) in each.filter(|((_, c), _)| c.keeps(i, n)) {
-            if cond.dims() != packed.dims() {
+        let [b, c, h, w] = latents.dims();
+        let packed_dims = [b, (h / 2) * (w / 2), c * 4];
+        for cond in &self.latents {
+            if cond.dims() != packed_dims {
                 return Err(PipelineError::InvalidInput(format!(
-                    "the control latents are {:?}; the latents {:?}",
-                    cond.dims(),
-                    packed.dims()
+                    "the control latents are {:?}; the packed latents {packed_dims:?}",
+                    cond.dims()
                 )));
             }
-            let scale = Tensor::<B, 1>::from_floats([control.scale as f32], &packed.device());
-            let samples = net.forward(
-                packed.clone(),
-                cond.clone(),
-                text.prompt_embeds.clone(),
-                text.pooled_prompt_embeds.clone(),
-                timestep.clone(),
-                Some(guidance.clone()),
-                rope,
-                scale,
-            );
-            sum = Some(match sum {
-                None => samples,
-                Some(sum) => sum.sum(samples),
-            });
         }
-        // diffusers runs every ControlNet (those outside their window at scale 0) and sums
-        // their samples pairwise, so the sum has as many as the ControlNet with the fewest.
-        let sum = sum.map(|mut sum| {
-            let fewest = |count: fn(&FluxControlNetModel<B>) -> usize| {
-                self.nets.iter().map(count).min().unwrap_or(0)
-            };
-            sum.blocks.truncate(fewest(|n| n.controlnet_blocks.len()));
-            sum.single_blocks
-                .truncate(fewest(|n| n.controlnet_single_blocks.len()));
-            sum
-        });
-        if let Some(control) = &sum {
-            transformer.check_control(packed.dims(), control)?;
+        let fewest = fewest_blocks(self.nets);
+        transformer.check_control(fewest.0, fewest.1)?;
+        let keeps = |c: &crate::control::Control| c.keeps(i, n);
+        if let Some(programs) = self.programs {
+            // Every ControlNet runs, scaled by 0 outside its window, as diffusers runs them.
+            let scales: Vec<f32> = (self.request.controls.iter())
+                .map(|c| if keeps(c) { c.scale as f32 } else { 0.0 })
+                .collect();
+            let scales = Tensor::<B, 1>::from_floats(scales.as_slice(), &latents.device());
+            let conds = Tensor::cat(self.latents.clone(), 0);
+            return programs.call.call((
+                (
+                    latents,
+                    timestep,
+                    guidance,
+                    text.prompt_embeds.clone(),
+                    text.pooled_prompt_embeds.clone(),
+                ),
+                ((rope.cos.clone(), rope.sin.clone()), conds, scales),
+            ));
         }
-        let transformer_guidance = transformer.guidance_embeds().then_some(guidance);
-        let out = transformer.forward_controlled(
-            packed,
-            text.prompt_embeds.clone(),
-            text.pooled_prompt_embeds.clone(),
+        // Eagerly, a ControlNet outside its window is skipped: the same sum without its cost.
+        let steer: Vec<_> = (self.nets.iter())
+            .zip(&self.request.controls)
+            .zip(&self.latents)
+            .filter(|((_, c), _)| keeps(c))
+            .map(|((net, c), cond)| {
+                let scale = Tensor::<B, 1>::from_floats([c.scale as f32], &latents.device());
+                (net, cond.clone(), scale)
+            })
+            .collect();
+        Ok(controlled_velocity(
+            transformer,
+            &steer,
+            latents,
             timestep,
-            transformer_guidance,
+            guidance,
+            text,
             rope,
-            sum.as_ref(),
-        );
-        Ok(unpack_latents(out, h, w))
+            fewest,
+        ))
     }
 }

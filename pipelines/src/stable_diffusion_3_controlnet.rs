@@ -6,7 +6,7 @@
 //! to the output size, scaled to [-1, 1], repeated for the batch (and for guidance), encoded and
 //! sampled (the sample drawn from a noise source of its own, as diffusers draws it from torch's
 //! global generator), then shifted (unless the ControlNet forces zero pooled projections, as
-//! InstantX's do) and scaled. Eager only for now.
+//! InstantX's do) and scaled. Compiled, the ControlNets and the transformer are one program.
 
 use std::path::Path;
 
@@ -17,7 +17,7 @@ use oxidiff_models::{AutoencoderKL, SD3ControlNetModel, SD3Transformer2DModel, T
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
-use crate::compiled::{CompileStats, ComponentStats};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::control::ControlRequest;
 use crate::denoise::{PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
@@ -31,6 +31,8 @@ use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline};
 pub struct StableDiffusion3ControlNetPipeline<B: Backend> {
     pub pipe: StableDiffusion3Pipeline<B>,
     pub controlnets: Vec<SD3ControlNetModel<B>>,
+    /// The compiled controlled step, after [`compile`](Self::compile).
+    pub programs: Option<Sd3ControlPrograms<B>>,
 }
 
 impl<B: Backend> std::ops::Deref for StableDiffusion3ControlNetPipeline<B> {
@@ -47,34 +49,116 @@ impl<B: Backend> std::ops::DerefMut for StableDiffusion3ControlNetPipeline<B> {
     }
 }
 
-fn eager_only() -> PipelineError {
-    PipelineError::Compile(
-        "the SD3 ControlNet pipeline runs eagerly for now (each op at once, on any device); \
-         drop --compile/--tp/--dp"
-            .into(),
-    )
+impl StableDiffusion3ControlNetPipeline<Oxi> {
+    /// Compiled mode: the SD3 pipeline's programs (text encoders, VAE) and, per input shape,
+    /// one program for the ControlNets and the transformer together ([`Sd3ControlPrograms`]),
+    /// the control latents and scales (windows folded in) runtime inputs. Needs the
+    /// transformer on a PJRT device.
+    pub fn compile(&mut self) -> Result<()> {
+        self.pipe.compile()?;
+        self.programs = Some(Sd3ControlPrograms::new(
+            &self.pipe.transformer,
+            &self.controlnets,
+        ));
+        Ok(())
+    }
+
+    /// Tensor and data parallelism are not implemented for ControlNet pipelines yet: an error
+    /// saying so (`compile` works).
+    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
+        Err(crate::control::not_parallel())
+    }
+
+    /// Compiled mode's counts (`None` when eager): the controlled step's programs and the
+    /// base pipeline's.
+    pub fn compile_stats(&self) -> Option<CompileStats> {
+        let programs = self.programs.as_ref()?.call.compile_stats();
+        Some(programs + self.pipe.compile_stats().unwrap_or_default())
+    }
+
+    /// Compiled mode's counts per component, the ControlNets counted with the transformer.
+    pub fn component_stats(&self) -> Vec<ComponentStats> {
+        let mut stats = self.pipe.component_stats();
+        if let Some(programs) = &self.programs {
+            for entry in stats.iter_mut().filter(|e| e.component == "transformer") {
+                entry.stats = entry.stats + programs.call.compile_stats();
+            }
+        }
+        stats
+    }
 }
 
-impl StableDiffusion3ControlNetPipeline<Oxi> {
-    /// Compiled mode is not implemented for SD3 ControlNets yet: an error saying so.
-    pub fn compile(&mut self) -> Result<()> {
-        Err(eager_only())
-    }
+/// The inputs of the compiled SD3 controlled step: the transformer's (latents, timestep,
+/// prompt embeddings, pooled), then the ControlNets' pooled projections, their control latents
+/// (one block of rows per ControlNet) and scales (`[nets]`).
+pub type Sd3ControlInputs<B> = (
+    (Tensor<B, 4>, Tensor<B, 1>, Tensor<B, 3>, Tensor<B, 2>),
+    (Tensor<B, 2>, Tensor<B, 4>, Tensor<B, 1>),
+);
 
-    /// See [`compile`](Self::compile).
-    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
-        Err(eager_only())
-    }
+/// The compiled SD3 controlled step: every ControlNet (scaled by 0 outside its window, as
+/// diffusers runs them) and the transformer as one XLA program per input shape.
+pub struct Sd3ControlPrograms<B: Backend> {
+    call: CompiledCall<B, Sd3ControlInputs<B>>,
+}
 
-    /// Always `None`: the pipeline runs eagerly.
-    pub fn compile_stats(&self) -> Option<CompileStats> {
-        None
+impl Sd3ControlPrograms<Oxi> {
+    /// The program of `transformer` steered by `nets`; nothing is traced before the first
+    /// call.
+    pub fn new(transformer: &SD3Transformer2DModel<Oxi>, nets: &[SD3ControlNetModel<Oxi>]) -> Self {
+        let (transformer, nets) = (transformer.clone(), nets.to_vec());
+        let step =
+            move |((x, t, context, pooled), (net_pooled, conds, scales)): Sd3ControlInputs<Oxi>| {
+                let rows = conds.dims()[0] / nets.len();
+                let steer: Vec<_> = nets
+                    .iter()
+                    .enumerate()
+                    .map(|(k, net)| {
+                        (
+                            net,
+                            conds.clone().narrow(0, k * rows, rows),
+                            scales.clone().narrow(0, k, 1),
+                        )
+                    })
+                    .collect();
+                let residuals = summed_residuals(&steer, &x, &t, &context, &net_pooled, nets.len());
+                transformer.forward_controlled(x, t, context, pooled, &residuals)
+            };
+        Self {
+            call: CompiledCall::new("sd3-controlnets+transformer", step, None, Vec::new()),
+        }
     }
+}
 
-    /// Always empty: the pipeline runs eagerly.
-    pub fn component_stats(&self) -> Vec<ComponentStats> {
-        Vec::new()
+/// The residuals of `steer` (ControlNet, control latents, `[1]` scale) summed pairwise as
+/// diffusers' multi-ControlNet sums them: `fewest`, the block count of the pipeline's
+/// ControlNet with the fewest.
+fn summed_residuals<B: Backend>(
+    steer: &[(&SD3ControlNetModel<B>, Tensor<B, 4>, Tensor<B, 1>)],
+    x: &Tensor<B, 4>,
+    timestep: &Tensor<B, 1>,
+    context: &Tensor<B, 3>,
+    pooled: &Tensor<B, 2>,
+    fewest: usize,
+) -> Vec<Tensor<B, 3>> {
+    let mut sum: Option<Vec<Tensor<B, 3>>> = None;
+    for (net, cond, scale) in steer {
+        let residuals = net.forward(
+            x.clone(),
+            timestep.clone(),
+            context.clone(),
+            pooled.clone(),
+            cond.clone(),
+            scale.clone(),
+        );
+        sum = Some(match sum {
+            None => residuals,
+            Some(sum) => sum.into_iter().zip(residuals).map(|(a, b)| a + b).collect(),
+        });
     }
+    let mut sum = sum.unwrap_or_default();
+    sum.truncate(fewest);
+    sum
 }
 
 impl<B: Backend> StableDiffusion3ControlNetPipeline<B> {
@@ -125,7 +209,11 @@ impl<B: Backend> StableDiffusion3ControlNetPipeline<B> {
             .into_iter()
             .map(|n| n.to(&pipe.device))
             .collect();
-        Ok(Self { pipe, controlnets })
+        Ok(Self {
+            pipe,
+            controlnets,
+            programs: None,
+        })
     }
 
     /// Loads an SD3 folder and SD3 ControlNet folders.
@@ -190,6 +278,7 @@ impl<B: Backend> StableDiffusion3ControlNetPipeline<B> {
             nets: &self.controlnets,
             request: control,
             noise: control_noise,
+            programs: self.programs.as_ref(),
         };
         self.pipe
             .generate_controlled(req, Some(control), noise, callback)
@@ -201,6 +290,7 @@ pub(crate) struct Sd3Control<'a, B: Backend> {
     nets: &'a [SD3ControlNetModel<B>],
     request: &'a ControlRequest,
     noise: &'a mut dyn NoiseSource<B>,
+    programs: Option<&'a Sd3ControlPrograms<B>>,
 }
 
 /// The SD3 ControlNets of one call, ready for its steps.
@@ -212,6 +302,7 @@ pub(crate) struct Sd3ControlStep<'a, B: Backend> {
     /// The pooled projections the ControlNets see (zeros when the first forces them).
     pooled: Tensor<B, 2>,
     steps: usize,
+    programs: Option<&'a Sd3ControlPrograms<B>>,
 }
 
 impl<'a, B: Backend> Sd3Control<'a, B> {
@@ -232,6 +323,7 @@ impl<'a, B: Backend> Sd3Control<'a, B> {
             nets,
             request,
             noise,
+            programs,
         } = self;
         request.check(nets.len())?;
         if request.guess_mode {
@@ -272,6 +364,7 @@ impl<'a, B: Backend> Sd3Control<'a, B> {
                 pooled.clone()
             },
             steps,
+            programs,
         })
     }
 }
@@ -291,46 +384,48 @@ impl<B: Backend> Sd3ControlStep<'_, B> {
     ) -> Result<Tensor<B, 4>> {
         let rows = x.dims()[0];
         transformer.check_inputs(x.dims(), rows, context.dims(), pooled.dims())?;
-        let mut sum: Option<Vec<Tensor<B, 3>>> = None;
-        let each = self
-            .nets
-            .iter()
-            .zip(&self.request.controls)
-            .zip(&self.latents);
-        for ((net, control), cond) in each.filter(|((_, c), _)| c.keeps(i, self.steps)) {
+        for (net, cond) in self.nets.iter().zip(&self.latents) {
             net.check_cond(x.dims(), cond.dims())
                 .map_err(|e| PipelineError::InvalidInput(e.to_string()))?;
-            let scale = Tensor::<B, 1>::from_floats([control.scale as f32], &x.device());
-            let residuals = net.forward(
-                x.clone(),
-                timestep.clone(),
-                context.clone(),
-                self.pooled.clone(),
-                cond.clone(),
-                scale,
-            );
-            sum = Some(match sum {
-                None => residuals,
-                Some(sum) => sum.into_iter().zip(residuals).map(|(a, b)| a + b).collect(),
-            });
         }
-        // diffusers runs every ControlNet (those outside their window at scale 0) and sums
-        // their residuals pairwise, so the sum has as many as the ControlNet with the fewest.
         let fewest = self
             .nets
             .iter()
             .map(|n| n.controlnet_blocks.len())
             .min()
             .unwrap_or(0);
-        let sum = sum.map(|mut sum| {
-            sum.truncate(fewest);
-            sum
-        });
-        let Some(control) = sum else {
-            return Ok(transformer.forward(x, timestep, context.clone(), pooled.clone())?);
-        };
-        let dims: Vec<[usize; 3]> = control.iter().map(|r| r.dims()).collect();
+        let dim = transformer.context_embedder.weight.dims()[1];
+        let [_, _, h, w] = x.dims();
+        let tokens = (h / transformer.patch_size) * (w / transformer.patch_size);
+        let dims = vec![[rows, tokens, dim]; fewest];
         transformer.check_controlled(x.dims(), rows, context.dims(), pooled.dims(), &dims)?;
+        let keeps = |c: &crate::control::Control| c.keeps(i, self.steps);
+        if let Some(programs) = self.programs {
+            // Every ControlNet runs, scaled by 0 outside its window, as diffusers runs them.
+            let scales: Vec<f32> = (self.request.controls.iter())
+                .map(|c| if keeps(c) { c.scale as f32 } else { 0.0 })
+                .collect();
+            let scales = Tensor::<B, 1>::from_floats(scales.as_slice(), &x.device());
+            let conds = Tensor::cat(self.latents.clone(), 0);
+            return programs.call.call((
+                (x, timestep, context.clone(), pooled.clone()),
+                (self.pooled.clone(), conds, scales),
+            ));
+        }
+        // Eagerly, a ControlNet outside its window is skipped: the same sum without its cost.
+        let steer: Vec<_> = (self.nets.iter())
+            .zip(&self.request.controls)
+            .zip(&self.latents)
+            .filter(|((_, c), _)| keeps(c))
+            .map(|((net, c), cond)| {
+                let scale = Tensor::<B, 1>::from_floats([c.scale as f32], &x.device());
+                (net, cond.clone(), scale)
+            })
+            .collect();
+        if steer.is_empty() {
+            return Ok(transformer.forward(x, timestep, context.clone(), pooled.clone())?);
+        }
+        let control = summed_residuals(&steer, &x, &timestep, context, &self.pooled, fewest);
         Ok(transformer.forward_controlled(x, timestep, context.clone(), pooled.clone(), &control))
     }
 }
