@@ -4,8 +4,8 @@
 //!
 //! The components, prompt encoding, initial latents and decode are
 //! [`StableDiffusionPipeline`]'s; each step runs every ControlNet inside its guidance window and
-//! hands their residuals to the UNet. Eager only for now: the UNet and ControlNets run op by op
-//! on any backend (`compile` says so).
+//! hands their residuals to the UNet. Compiled, the ControlNets, the UNet and guidance are one
+//! program per input shape ([`ControlPrograms`](crate::control::ControlPrograms)).
 
 use std::path::Path;
 

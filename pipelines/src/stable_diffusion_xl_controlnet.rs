@@ -4,8 +4,8 @@
 //!
 //! The components, prompt encoding, time ids, initial latents and decode are
 //! [`StableDiffusionXLPipeline`]'s; each step runs every ControlNet inside its guidance window,
-//! with SDXL's added condition, and hands their residuals to the UNet. Eager only for now, as
-//! the SD 1.x/2.x ControlNet pipeline.
+//! with SDXL's added condition, and hands their residuals to the UNet; compiled, as the SD
+//! 1.x/2.x ControlNet pipeline.
 
 use std::path::Path;
 
