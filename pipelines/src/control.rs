@@ -448,7 +448,8 @@ pub struct ControlPrograms<B: Backend> {
     guess: ControlCall<B>,
 }
 
-/// The inputs of a compiled controlled step: the [`StepTensors`] in order, then the control
+/// The inputs of a compiled controlled step: the step's tensors in order (latents, UNet input,
+/// timestep, context, guidance), then the control
 /// images (one block of rows per ControlNet) and the ControlNets' scales (`[nets]`).
 pub type ControlInputs<B> = (
     (
