@@ -3,10 +3,12 @@
 //! `control_guidance_start` / `control_guidance_end`), guess mode, the per-step "keep" of each
 //! ControlNet's guidance window, and the conditioning images prepared as `prepare_image`.
 
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
 use oxidiff_backend_tpu::Oxi;
+use oxidiff_models::ToDevice;
 use oxidiff_models::{
     AddedCondition, ControlNetModel, ControlResiduals, FluxControlNetModel, ModelError,
     SD3ControlNetModel, UNet2DConditionModel,
@@ -572,41 +574,31 @@ impl ControlPrograms<Oxi> {
     }
 }
 
-/// Refuses ControlNets that do not fit `unet` (residuals of other shapes, another added
-/// conditioning), naming the ControlNet and what differs, and those whose downscale is not the
-/// VAE's ([`check_downscale`]).
-pub fn check_controlnets<B: Backend>(
-    nets: &[ControlNetModel<B>],
+/// Refuses a ControlNet that does not fit `unet` (residuals of other shapes, another added
+/// conditioning), saying what differs, or whose downscale is not the VAE's (the control image
+/// would not land on the latents' grid).
+pub fn unet_controlnet_fits<B: Backend>(
+    net: &ControlNetModel<B>,
     unet: &UNet2DConditionModel<B>,
     vae_scale_factor: usize,
 ) -> Result<()> {
-    for (k, net) in nets.iter().enumerate() {
-        net.check_fits(unet).map_err(|e| match e {
-            ModelError::Input(message) => {
-                PipelineError::InvalidInput(format!("ControlNet {k}: {message}"))
-            }
-            other => other.into(),
-        })?;
-    }
-    check_downscale(nets, vae_scale_factor)
-}
-
-/// Refuses ControlNets whose conditioning downscale is not the VAE's (the control image would
-/// not land on the latents' grid).
-pub fn check_downscale<B: Backend>(
-    nets: &[ControlNetModel<B>],
-    vae_scale_factor: usize,
-) -> Result<()> {
-    for (k, net) in nets.iter().enumerate() {
-        if net.conditioning_downscale != vae_scale_factor {
-            return Err(PipelineError::InvalidInput(format!(
-                "ControlNet {k} maps its image down {} times, the VAE {vae_scale_factor} times: \
-                 it was made for another base model",
-                net.conditioning_downscale
-            )));
-        }
+    net.check_fits(unet).map_err(model_input)?;
+    if net.conditioning_downscale != vae_scale_factor {
+        return Err(PipelineError::InvalidInput(format!(
+            "it maps its image down {} times, the VAE {vae_scale_factor} times: it was made \
+             for another base model",
+            net.conditioning_downscale
+        )));
     }
     Ok(())
+}
+
+/// A model's input error as the pipeline's, its message alone.
+pub(crate) fn model_input(e: ModelError) -> PipelineError {
+    match e {
+        ModelError::Input(message) => PipelineError::InvalidInput(message),
+        other => other.into(),
+    }
 }
 
 /// What `enable_parallelism` of the ControlNet pipelines says.
@@ -618,15 +610,68 @@ pub(crate) fn not_parallel() -> PipelineError {
     )
 }
 
-/// A base pipeline's per-component counts with the controlled step's programs counted as the
-/// UNet's.
-pub(crate) fn control_component_stats(
+/// `nets` for a pipeline whose denoiser is on `device`: at least one, each accepted by `fits`
+/// (its error names the ControlNet by index), moved to `device`.
+pub(crate) fn attach<B: Backend, N: Module<B>>(
+    nets: Vec<N>,
+    device: &B::Device,
+    fits: impl Fn(&N) -> Result<()>,
+) -> Result<Vec<N>> {
+    if nets.is_empty() {
+        return Err(PipelineError::InvalidInput(
+            "a ControlNet pipeline needs at least one ControlNet".into(),
+        ));
+    }
+    for (k, net) in nets.iter().enumerate() {
+        fits(net).map_err(|e| match e {
+            PipelineError::InvalidInput(message) => {
+                PipelineError::InvalidInput(format!("ControlNet {k}: {message}"))
+            }
+            other => other,
+        })?;
+    }
+    Ok(nets.into_iter().map(|n| n.to(device)).collect())
+}
+
+/// Each of `dirs` loaded by `load` (a ControlNet folder, weights as `options` ask).
+pub(crate) fn load_each<N>(
+    dirs: &[&std::path::Path],
+    options: &crate::loading::LoadOptions,
+    load: impl Fn(&std::path::Path, Option<&str>, FloatDType) -> oxidiff_models::Result<N>,
+) -> Result<Vec<N>> {
+    let dtype = options.dtype.unwrap_or(FloatDType::F32);
+    dirs.iter()
+        .map(|dir| Ok(load(dir, options.variant.as_deref(), dtype)?))
+        .collect()
+}
+
+/// `base` (a pipeline's components) and each ControlNet's weights (`controlnet`, or
+/// `controlnet_0`, `controlnet_1`, ... when there are several).
+pub(crate) fn with_controlnet_memory<B: Backend, N: Module<B>>(
+    mut base: Vec<crate::memory::ComponentMemory>,
+    nets: &[N],
+    place: crate::memory::PlaceName<'_, B::Device>,
+) -> Vec<crate::memory::ComponentMemory> {
+    for (i, net) in nets.iter().enumerate() {
+        let name = match nets.len() {
+            1 => "controlnet".to_string(),
+            _ => format!("controlnet_{i}"),
+        };
+        base.push(crate::memory::component_memory(&name, net, None, place));
+    }
+    base
+}
+
+/// A base pipeline's per-component counts with a controlled step's counts added to
+/// `denoiser`'s (one program holds the ControlNets and the denoiser).
+pub(crate) fn merged_component_stats(
     mut stats: Vec<ComponentStats>,
-    programs: Option<&ControlPrograms<Oxi>>,
+    denoiser: &str,
+    programs: Option<CompileStats>,
 ) -> Vec<ComponentStats> {
     if let Some(programs) = programs {
-        for entry in stats.iter_mut().filter(|e| e.component == "unet") {
-            entry.stats = entry.stats + programs.compile_stats();
+        for entry in stats.iter_mut().filter(|e| e.component == denoiser) {
+            entry.stats = entry.stats + programs;
         }
     }
     stats

@@ -12,22 +12,24 @@
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::Tensor;
 use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::embeddings::RotaryEmbedding;
 use oxidiff_models::transformer_flux::FluxControlSamples;
-use oxidiff_models::{AutoencoderKL, FluxControlNetModel, FluxTransformer2DModel, ToDevice};
+use oxidiff_models::{AutoencoderKL, FluxControlNetModel, FluxTransformer2DModel};
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
 use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
-use crate::control::ControlRequest;
+use crate::control::{
+    attach, load_each, merged_component_stats, model_input, with_controlnet_memory, ControlRequest,
+};
 use crate::denoise::{PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::flux::{pack_latents, unpack_latents, FluxPipeline, FluxPromptEmbeds, FluxRequest};
 use crate::image::preprocess;
 use crate::loading::LoadOptions;
-use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::memory::{ComponentMemory, PlaceName};
 
 /// Flux with ControlNets (diffusers' `FluxControlNetPipeline`). It derefs to the Flux pipeline
 /// for its components.
@@ -81,13 +83,8 @@ impl FluxControlNetPipeline<Oxi> {
 
     /// Compiled mode's counts per component, the ControlNets counted with the transformer.
     pub fn component_stats(&self) -> Vec<ComponentStats> {
-        let mut stats = self.pipe.component_stats();
-        if let Some(programs) = &self.programs {
-            for entry in stats.iter_mut().filter(|e| e.component == "transformer") {
-                entry.stats = entry.stats + programs.call.compile_stats();
-            }
-        }
-        stats
+        let programs = self.programs.as_ref().map(|p| p.call.compile_stats());
+        merged_component_stats(self.pipe.component_stats(), "transformer", programs)
     }
 }
 
@@ -222,33 +219,16 @@ impl<B: Backend> FluxControlNetPipeline<B> {
 
     /// What each component's weights hold and where (`txt2img --json`'s `memory`).
     pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
-        let mut all = self.pipe.memory(place);
-        for (i, net) in self.controlnets.iter().enumerate() {
-            let name = match self.controlnets.len() {
-                1 => "controlnet".to_string(),
-                _ => format!("controlnet_{i}"),
-            };
-            all.push(component_memory(&name, net, None, place));
-        }
-        all
+        with_controlnet_memory(self.pipe.memory(place), &self.controlnets, place)
     }
 
     /// The pipeline `pipe` with `controlnets` (at least one), each checked against its
     /// transformer.
     pub fn new(pipe: FluxPipeline<B>, controlnets: Vec<FluxControlNetModel<B>>) -> Result<Self> {
-        if controlnets.is_empty() {
-            return Err(PipelineError::InvalidInput(
-                "a ControlNet pipeline needs at least one ControlNet".into(),
-            ));
-        }
-        for (k, net) in controlnets.iter().enumerate() {
-            net.check_fits(&pipe.transformer)
-                .map_err(|e| PipelineError::InvalidInput(format!("ControlNet {k}: {e}")))?;
-        }
-        let controlnets = controlnets
-            .into_iter()
-            .map(|n| n.to(&pipe.device))
-            .collect();
+        let device = pipe.device.clone();
+        let controlnets = attach(controlnets, &device, |net| {
+            net.check_fits(&pipe.transformer).map_err(model_input)
+        })?;
         Ok(Self {
             pipe,
             controlnets,
@@ -264,18 +244,9 @@ impl<B: Backend> FluxControlNetPipeline<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let pipe = FluxPipeline::from_dir(dir, options, device)?;
-        let nets = controlnets
-            .iter()
-            .map(|path| {
-                FluxControlNetModel::from_dir_in(
-                    path,
-                    options.variant.as_deref(),
-                    options.dtype.unwrap_or(FloatDType::F32),
-                    device,
-                )
-                .map_err(PipelineError::from)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let nets = load_each(controlnets, options, |dir, variant, dtype| {
+            FluxControlNetModel::from_dir_in(dir, variant, dtype, device)
+        })?;
         Self::new(pipe, nets)
     }
 

@@ -11,19 +11,21 @@
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::Tensor;
 use oxidiff_backend_tpu::Oxi;
-use oxidiff_models::{AutoencoderKL, SD3ControlNetModel, SD3Transformer2DModel, ToDevice};
+use oxidiff_models::{AutoencoderKL, SD3ControlNetModel, SD3Transformer2DModel};
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
 use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
-use crate::control::ControlRequest;
+use crate::control::{
+    attach, load_each, merged_component_stats, model_input, with_controlnet_memory, ControlRequest,
+};
 use crate::denoise::{PipelineDefaults, PipelineOutput, StepInfo};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess;
 use crate::loading::LoadOptions;
-use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::memory::{ComponentMemory, PlaceName};
 use crate::stable_diffusion_3::{Sd3Request, StableDiffusion3Pipeline};
 
 /// SD3 with ControlNets (diffusers' `StableDiffusion3ControlNetPipeline`). It derefs to the
@@ -78,13 +80,8 @@ impl StableDiffusion3ControlNetPipeline<Oxi> {
 
     /// Compiled mode's counts per component, the ControlNets counted with the transformer.
     pub fn component_stats(&self) -> Vec<ComponentStats> {
-        let mut stats = self.pipe.component_stats();
-        if let Some(programs) = &self.programs {
-            for entry in stats.iter_mut().filter(|e| e.component == "transformer") {
-                entry.stats = entry.stats + programs.call.compile_stats();
-            }
-        }
-        stats
+        let programs = self.programs.as_ref().map(|p| p.call.compile_stats());
+        merged_component_stats(self.pipe.component_stats(), "transformer", programs)
     }
 }
 
@@ -171,15 +168,7 @@ impl<B: Backend> StableDiffusion3ControlNetPipeline<B> {
 
     /// What each component's weights hold and where (`txt2img --json`'s `memory`).
     pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
-        let mut all = self.pipe.memory(place);
-        for (i, net) in self.controlnets.iter().enumerate() {
-            let name = match self.controlnets.len() {
-                1 => "controlnet".to_string(),
-                _ => format!("controlnet_{i}"),
-            };
-            all.push(component_memory(&name, net, None, place));
-        }
-        all
+        with_controlnet_memory(self.pipe.memory(place), &self.controlnets, place)
     }
 
     /// The pipeline `pipe` with `controlnets` (at least one), each checked against its
@@ -188,27 +177,19 @@ impl<B: Backend> StableDiffusion3ControlNetPipeline<B> {
         pipe: StableDiffusion3Pipeline<B>,
         controlnets: Vec<SD3ControlNetModel<B>>,
     ) -> Result<Self> {
-        if controlnets.is_empty() {
-            return Err(PipelineError::InvalidInput(
-                "a ControlNet pipeline needs at least one ControlNet".into(),
-            ));
-        }
-        for (k, net) in controlnets.iter().enumerate() {
-            net.check_fits(&pipe.transformer)
-                .map_err(|e| PipelineError::InvalidInput(format!("ControlNet {k}: {e}")))?;
-            let latent = pipe.transformer.in_channels;
+        let device = pipe.device.clone();
+        let latent = pipe.transformer.in_channels;
+        let controlnets = attach(controlnets, &device, |net| {
+            net.check_fits(&pipe.transformer).map_err(model_input)?;
             if net.cond_channels != latent {
                 return Err(PipelineError::InvalidInput(format!(
-                    "ControlNet {k} takes {} conditioning channels (an inpainting ControlNet's \
-                     mask among them); the SD3 ControlNet pipeline gives it the image's {latent}",
+                    "it takes {} conditioning channels (an inpainting ControlNet's mask among \
+                     them); the SD3 ControlNet pipeline gives it the image's {latent}",
                     net.cond_channels
                 )));
             }
-        }
-        let controlnets = controlnets
-            .into_iter()
-            .map(|n| n.to(&pipe.device))
-            .collect();
+            Ok(())
+        })?;
         Ok(Self {
             pipe,
             controlnets,
@@ -224,18 +205,9 @@ impl<B: Backend> StableDiffusion3ControlNetPipeline<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let pipe = StableDiffusion3Pipeline::from_dir(dir, options, device)?;
-        let nets = controlnets
-            .iter()
-            .map(|path| {
-                SD3ControlNetModel::from_dir_in(
-                    path,
-                    options.variant.as_deref(),
-                    options.dtype.unwrap_or(FloatDType::F32),
-                    device,
-                )
-                .map_err(PipelineError::from)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let nets = load_each(controlnets, options, |dir, variant, dtype| {
+            SD3ControlNetModel::from_dir_in(dir, variant, dtype, device)
+        })?;
         Self::new(pipe, nets)
     }
 

@@ -10,21 +10,20 @@
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::FloatDType;
 use oxidiff_backend_tpu::Oxi;
-use oxidiff_models::{ControlNetModel, ToDevice};
+use oxidiff_models::ControlNetModel;
 use oxidiff_parallel::ParallelConfig;
 use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
 use crate::compiled::{CompileStats, ComponentStats};
 use crate::control::{
-    check_controlnets, control_component_stats, not_parallel, ControlPrograms, ControlRequest,
-    ControlStep, Controls,
+    attach, load_each, merged_component_stats, not_parallel, unet_controlnet_fits,
+    with_controlnet_memory, ControlPrograms, ControlRequest, ControlStep, Controls,
 };
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
-use crate::error::{PipelineError, Result};
+use crate::error::Result;
 use crate::loading::LoadOptions;
-use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::memory::{ComponentMemory, PlaceName};
 use crate::stable_diffusion::StableDiffusionPipeline;
 
 /// SD 1.x/2.x with ControlNets (diffusers' `StableDiffusionControlNetPipeline`). It is a
@@ -78,7 +77,8 @@ impl StableDiffusionControlNetPipeline<Oxi> {
     /// Compiled mode's counts per component, the ControlNets counted with the UNet (one
     /// program holds them).
     pub fn component_stats(&self) -> Vec<ComponentStats> {
-        control_component_stats(self.pipe.component_stats(), self.programs.as_ref())
+        let programs = self.programs.as_ref().map(|p| p.compile_stats());
+        merged_component_stats(self.pipe.component_stats(), "unet", programs)
     }
 }
 
@@ -93,15 +93,7 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
     /// What each component's weights hold and where (`place` names a device): `txt2img
     /// --json`'s `memory`.
     pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
-        let mut all = self.pipe.memory(place);
-        for (i, net) in self.controlnets.iter().enumerate() {
-            let name = match self.controlnets.len() {
-                1 => "controlnet".to_string(),
-                _ => format!("controlnet_{i}"),
-            };
-            all.push(component_memory(&name, net, None, place));
-        }
-        all
+        with_controlnet_memory(self.pipe.memory(place), &self.controlnets, place)
     }
 
     /// The pipeline `pipe` with `controlnets` (at least one), each checked against its UNet:
@@ -110,14 +102,10 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
         pipe: StableDiffusionPipeline<B>,
         controlnets: Vec<ControlNetModel<B>>,
     ) -> Result<Self> {
-        if controlnets.is_empty() {
-            return Err(PipelineError::InvalidInput(
-                "a ControlNet pipeline needs at least one ControlNet".into(),
-            ));
-        }
-        check_controlnets(&controlnets, &pipe.unet, pipe.vae_scale_factor)?;
         let device = pipe.unet_device();
-        let controlnets = controlnets.into_iter().map(|n| n.to(&device)).collect();
+        let controlnets = attach(controlnets, &device, |net| {
+            unet_controlnet_fits(net, &pipe.unet, pipe.vae_scale_factor)
+        })?;
         Ok(Self {
             pipe,
             controlnets,
@@ -134,18 +122,9 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let pipe = StableDiffusionPipeline::from_dir(dir, options, device)?;
-        let nets = controlnets
-            .iter()
-            .map(|path| {
-                ControlNetModel::from_dir_in(
-                    path,
-                    options.variant.as_deref(),
-                    options.dtype.unwrap_or(FloatDType::F32),
-                    device,
-                )
-                .map_err(PipelineError::from)
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let nets = load_each(controlnets, options, |dir, variant, dtype| {
+            ControlNetModel::from_dir_in(dir, variant, dtype, device)
+        })?;
         Self::new(pipe, nets)
     }
 
