@@ -285,3 +285,43 @@ fn tiny_text_encoder_programs_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
         );
     }
 }
+
+/// The compiled ControlNet step (two ControlNets, the UNet and guidance: what `compile()`
+/// installs for the SD ControlNet pipelines) compiles ahead of time for TPU v5e and v6e, and
+/// costs more flops than the UNet step alone.
+#[test]
+fn tiny_controlnet_step_compiles_ahead_of_time_for_tpu_v5e_and_v6e() {
+    use oxidiff::pipelines::aot::{trace_controlled_step, trace_guided_step, TracedPart};
+
+    let Some(plugin) = libtpu() else {
+        return;
+    };
+    let unet = common::model_dir("tiny-sd1").join("unet");
+    let nets = [
+        common::model_dir("tiny-controlnet-sd1"),
+        common::model_dir("tiny-controlnet-sd1-b"),
+    ];
+    let refs: Vec<&std::path::Path> = nets.iter().map(|d| d.as_path()).collect();
+    let controlled = trace_controlled_step(&unet, &refs, 1, 8, 8).unwrap();
+    let plain = trace_guided_step(&unet, None, 1, 8, 8, true).unwrap();
+    let plain = TracedPart {
+        module: plain.module,
+        ops: plain.ops,
+        weights: plain.weights,
+        weight_bytes: plain.weight_bytes,
+    };
+    assert!(
+        controlled.weights > plain.weights,
+        "{} weights with ControlNets, {} without",
+        controlled.weights,
+        plain.weights
+    );
+    let programs = [("unet step", plain), ("controlnet step", controlled)];
+    for topology_name in ["v5e:2x2x1", "v6e:2x2x1"] {
+        let flops = part_flops(&plugin, topology_name, &programs);
+        assert!(
+            flops[1] > flops[0],
+            "{topology_name}: the ControlNets add no flops ({flops:?})"
+        );
+    }
+}

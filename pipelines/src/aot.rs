@@ -101,11 +101,7 @@ fn trace_step(
     guidance: bool,
     parallel: Option<(&ParallelConfig, usize)>,
 ) -> Result<TracedStep> {
-    let config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
-    let context_dim = match &config.cross_attention_dim {
-        PerBlock::One(d) => *d,
-        PerBlock::Each(dims) => dims.first().copied().unwrap_or(768),
-    };
+    let context_dim = context_width(unet_dir)?;
     let _one_at_a_time = TRACING
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -130,7 +126,12 @@ fn trace_step(
         None => HashMap::new(),
     };
 
-    let latents = [batch, config.in_channels, latent_height, latent_width];
+    let latents = [
+        batch,
+        unet.conv_in.weight.dims()[1],
+        latent_height,
+        latent_width,
+    ];
     let rows = if guidance { 2 * batch } else { batch };
     let zeros = |shape: Vec<usize>| TensorData::new(vec![0f32; shape.iter().product()], shape);
     let sample = Tensor::<Traced, 4>::from_data(zeros(latents.to_vec()), &device);
@@ -264,6 +265,68 @@ pub fn trace_vae(vae_dir: &Path, variant: Option<&str>, half: VaeHalf) -> Result
     traced_part(&device, &[input], output, "VAE")
 }
 
+/// Traces the compiled ControlNet step ([`ControlPrograms`](crate::control::ControlPrograms):
+/// the ControlNets in `controlnet_dirs`, the UNet in `unet_dir` and classifier-free guidance)
+/// on latents of `batch` x `latent_height` x `latent_width`, and lowers it to one module whose
+/// inputs are the latents, the UNet's input, timestep, context, guidance scale, then each
+/// ControlNet's image and `[1]` scale.
+pub fn trace_controlled_step(
+    unet_dir: &Path,
+    controlnet_dirs: &[&Path],
+    batch: usize,
+    latent_height: usize,
+    latent_width: usize,
+) -> Result<TracedPart> {
+    use oxidiff_models::ControlNetModel;
+
+    use crate::control::{controlled_prediction, StepTensors};
+
+    let width = context_width(unet_dir)?;
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = OxiDevice::Cpu;
+    let unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, None, &device)?;
+    let nets = controlnet_dirs
+        .iter()
+        .map(|dir| ControlNetModel::<Traced>::from_dir(dir, None, &device))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let _loading = take_ops(&device);
+    let zeros = |shape: Vec<usize>| TensorData::new(vec![0f32; shape.iter().product()], shape);
+    let tensor4 = |shape: Vec<usize>| Tensor::<Traced, 4>::from_data(zeros(shape), &device);
+    let tensor1 = || Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
+    let rows = 2 * batch;
+    let channels = unet.conv_in.weight.dims()[1];
+    let latents = vec![batch, channels, latent_height, latent_width];
+    let step = StepTensors {
+        sample: tensor4(latents.clone()),
+        unet_input: tensor4(latents),
+        timestep: tensor1(),
+        context: Tensor::<Traced, 3>::from_data(zeros(vec![rows, CONTEXT_LEN, width]), &device),
+        guidance: tensor1(),
+    };
+    let mut inputs = vec![
+        float_ir(&step.sample),
+        float_ir(&step.unet_input),
+        float_ir(&step.timestep),
+        float_ir(&step.context),
+        float_ir(&step.guidance),
+    ];
+    let steer: Vec<_> = nets
+        .iter()
+        .map(|net| {
+            let s = net.conditioning_downscale;
+            let image = tensor4(vec![rows, 3, latent_height * s, latent_width * s]);
+            let scale = tensor1();
+            inputs.push(float_ir(&image));
+            inputs.push(float_ir(&scale));
+            (net, image, scale)
+        })
+        .collect();
+    let prediction = controlled_prediction(&unet, &steer, false, step, None)?;
+    traced_part(&device, &inputs, float_ir(&prediction), "ControlNet step")
+}
+
 /// Which text encoder to trace, on how many rows of how many tokens.
 #[derive(Debug, Clone, Copy)]
 pub enum TextEncoderPart {
@@ -325,6 +388,15 @@ fn traced_part(
         weights,
         weight_bytes,
         module: function.module,
+    })
+}
+
+/// The text width the UNet in `unet_dir` attends to (its config's first `cross_attention_dim`).
+fn context_width(unet_dir: &Path) -> Result<usize> {
+    let config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
+    Ok(match &config.cross_attention_dim {
+        PerBlock::One(d) => *d,
+        PerBlock::Each(dims) => dims.first().copied().unwrap_or(768),
     })
 }
 

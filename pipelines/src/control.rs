@@ -234,16 +234,16 @@ pub struct ControlStep<'a, B: Backend> {
 /// One denoiser evaluation's tensors: the scheduler-scaled 4-channel latents the ControlNets
 /// see, what the UNet sees (the same, or with an inpainting UNet's mask channels), timestep,
 /// text context (negative rows first under guidance) and the `[1]` guidance scale.
-struct StepTensors<B: Backend> {
-    sample: Tensor<B, 4>,
-    unet_input: Tensor<B, 4>,
-    timestep: Tensor<B, 1>,
-    context: Tensor<B, 3>,
-    guidance: Tensor<B, 1>,
+pub(crate) struct StepTensors<B: Backend> {
+    pub(crate) sample: Tensor<B, 4>,
+    pub(crate) unet_input: Tensor<B, 4>,
+    pub(crate) timestep: Tensor<B, 1>,
+    pub(crate) context: Tensor<B, 3>,
+    pub(crate) guidance: Tensor<B, 1>,
 }
 
 /// A ControlNet of one step with its conditioning image rows and `[1]` scale.
-type Steer<'n, B> = (&'n ControlNetModel<B>, Tensor<B, 4>, Tensor<B, 1>);
+pub(crate) type Steer<'n, B> = (&'n ControlNetModel<B>, Tensor<B, 4>, Tensor<B, 1>);
 
 impl<'a, B: Backend> ControlStep<'a, B> {
     /// Prepares `controls` for a run of `steps` steps at `width x height` over a batch of
@@ -375,7 +375,7 @@ fn positive_rows<B: Backend>(added: &AddedCondition<B>, rows: usize) -> AddedCon
 /// Guess mode with guidance runs the ControlNets on the conditional rows only and gives the
 /// unconditional ones zeros (diffusers' `guess_mode and do_classifier_free_guidance`). The
 /// inputs must have passed `check_input`.
-fn controlled_prediction<B: Backend>(
+pub(crate) fn controlled_prediction<B: Backend>(
     unet: &UNet2DConditionModel<B>,
     steer: &[Steer<'_, B>],
     guess: bool,
