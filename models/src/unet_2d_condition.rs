@@ -205,6 +205,28 @@ impl<B: Backend> UNet2DConditionModel<B> {
         control: Option<&ControlResiduals<B>>,
     ) -> Result<Tensor<B, 4>> {
         self.check_added_condition(sample.dims()[0], added)?;
+        Ok(
+            self.forward_controlled_checked(
+                sample,
+                timestep,
+                encoder_hidden_states,
+                added,
+                control,
+            ),
+        )
+    }
+
+    /// [`forward_controlled`](Self::forward_controlled) for an added condition already passed
+    /// through [`check_added_condition`](Self::check_added_condition) (a compiled step cannot
+    /// return errors).
+    pub fn forward_controlled_checked(
+        &self,
+        sample: Tensor<B, 4>,
+        timestep: Tensor<B, 1>,
+        encoder_hidden_states: Tensor<B, 3>,
+        added: Option<&AddedCondition<B>>,
+        control: Option<&ControlResiduals<B>>,
+    ) -> Tensor<B, 4> {
         let dtype = dtype_of(&self.conv_in.weight.val());
         let aug = embed_added(
             self.add_time_proj.as_ref(),
@@ -212,7 +234,7 @@ impl<B: Backend> UNet2DConditionModel<B> {
             added,
             dtype,
         );
-        Ok(self.forward_inner(sample, timestep, encoder_hidden_states, aug, control))
+        self.forward_inner(sample, timestep, encoder_hidden_states, aug, control)
     }
 
     /// The channels of each skip connection, in order (what a ControlNet's residuals must

@@ -323,7 +323,8 @@ pub fn trace_controlled_step(
             (net, image, scale)
         })
         .collect();
-    let prediction = controlled_prediction(&unet, &steer, false, step, None)?;
+    unet.check_added_condition(2 * batch, None)?;
+    let prediction = controlled_prediction(&unet, &steer, false, step, None);
     traced_part(&device, &inputs, float_ir(&prediction), "ControlNet step")
 }
 

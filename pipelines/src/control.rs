@@ -226,6 +226,9 @@ pub struct Controls<'a, B: Backend> {
 pub struct ControlStep<'a, B: Backend> {
     controls: Controls<'a, B>,
     images: Vec<Tensor<B, 4>>,
+    /// The images as the compiled step takes them (one block of rows per ControlNet), made
+    /// once per run when the pipeline was compiled.
+    stacked: Option<Tensor<B, 4>>,
     added: Option<AddedCondition<B>>,
     /// The steps the run takes (the guidance windows are fractions of them).
     steps: usize,
@@ -273,9 +276,11 @@ impl<'a, B: Backend> ControlStep<'a, B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let stacked = controls.programs.map(|_| Tensor::cat(images.clone(), 0));
         Ok(Self {
             controls,
             images,
+            stacked,
             added: None,
             steps,
         })
@@ -332,7 +337,7 @@ impl<'a, B: Backend> ControlStep<'a, B> {
         let device = step.sample.device();
         let scale = |v: f64| Tensor::<B, 1>::from_floats([v as f32], &device);
         let controls = &request.controls;
-        if let Some(programs) = self.controls.programs {
+        if let (Some(programs), Some(images)) = (self.controls.programs, &self.stacked) {
             let scales: Vec<f64> = controls
                 .iter()
                 .map(|c| if c.keeps(i, self.steps) { c.scale } else { 0.0 })
@@ -345,8 +350,7 @@ impl<'a, B: Backend> ControlStep<'a, B> {
                     .as_slice(),
                 &device,
             );
-            let images = Tensor::cat(self.images.clone(), 0);
-            return programs.call(guess, step, images, scales, added);
+            return programs.call(guess, step, images.clone(), scales, added);
         }
         let steer: Vec<Steer<'_, B>> = self
             .controls
@@ -357,7 +361,7 @@ impl<'a, B: Backend> ControlStep<'a, B> {
             .filter(|((_, c), _)| c.keeps(i, self.steps))
             .map(|((net, c), image)| (net, image.clone(), scale(c.scale)))
             .collect();
-        Ok(controlled_prediction(unet, &steer, guess, step, added)?)
+        Ok(controlled_prediction(unet, &steer, guess, step, added))
     }
 }
 
@@ -374,14 +378,15 @@ fn positive_rows<B: Backend>(added: &AddedCondition<B>, rows: usize) -> AddedCon
 /// context has twice the latents' rows; the eager step and the compiled program both run it.
 /// Guess mode with guidance runs the ControlNets on the conditional rows only and gives the
 /// unconditional ones zeros (diffusers' `guess_mode and do_classifier_free_guidance`). The
-/// inputs must have passed `check_input`.
+/// inputs must have passed the ControlNets' `check_input` and the UNet's
+/// `check_added_condition`.
 pub(crate) fn controlled_prediction<B: Backend>(
     unet: &UNet2DConditionModel<B>,
     steer: &[Steer<'_, B>],
     guess: bool,
     step: StepTensors<B>,
     added: Option<&AddedCondition<B>>,
-) -> oxidiff_models::Result<Tensor<B, 4>> {
+) -> Tensor<B, 4> {
     let StepTensors {
         sample,
         unet_input,
@@ -432,12 +437,12 @@ pub(crate) fn controlled_prediction<B: Backend>(
         });
     }
     let prediction =
-        unet.forward_controlled(twice(unet_input), timestep, context, added, sum.as_ref())?;
-    Ok(if guided {
+        unet.forward_controlled_checked(twice(unet_input), timestep, context, added, sum.as_ref());
+    if guided {
         combine_halves(prediction, batch, guidance)
     } else {
         prediction
-    })
+    }
 }
 
 /// The compiled controlled step: the ControlNets, the UNet and guidance as one XLA program per
@@ -551,7 +556,6 @@ impl ControlPrograms<Oxi> {
                 };
                 // The shapes were checked by `ControlStep::noise` before the call.
                 controlled_prediction(&unet, &steer, guess, step, added.as_ref())
-                    .expect("ControlNet step inputs checked before tracing")
             };
             if xl {
                 let step = move |(inputs, (text_embeds, time_ids)): AddedControlInputs<Oxi>| {

@@ -302,6 +302,9 @@ pub(crate) struct FluxControlStep<'a, B: Backend> {
     nets: &'a [FluxControlNetModel<B>],
     request: &'a ControlRequest,
     latents: Vec<Tensor<B, 3>>,
+    /// The latents as the compiled step takes them (one block of rows per ControlNet), made
+    /// once per run when the pipeline was compiled.
+    stacked: Option<Tensor<B, 3>>,
     programs: Option<&'a FluxControlPrograms<B>>,
 }
 
@@ -344,6 +347,7 @@ impl<'a, B: Backend> FluxControl<'a, B> {
         Ok(FluxControlStep {
             nets,
             request,
+            stacked: programs.map(|_| Tensor::cat(latents.clone(), 0)),
             latents,
             programs,
         })
@@ -377,13 +381,12 @@ impl<B: Backend> FluxControlStep<'_, B> {
         let fewest = fewest_blocks(self.nets);
         transformer.check_control(fewest.0, fewest.1)?;
         let keeps = |c: &crate::control::Control| c.keeps(i, n);
-        if let Some(programs) = self.programs {
+        if let (Some(programs), Some(conds)) = (self.programs, &self.stacked) {
             // Every ControlNet runs, scaled by 0 outside its window, as diffusers runs them.
             let scales: Vec<f32> = (self.request.controls.iter())
                 .map(|c| if keeps(c) { c.scale as f32 } else { 0.0 })
                 .collect();
             let scales = Tensor::<B, 1>::from_floats(scales.as_slice(), &latents.device());
-            let conds = Tensor::cat(self.latents.clone(), 0);
             return programs.call.call((
                 (
                     latents,
@@ -392,7 +395,7 @@ impl<B: Backend> FluxControlStep<'_, B> {
                     text.prompt_embeds.clone(),
                     text.pooled_prompt_embeds.clone(),
                 ),
-                ((rope.cos.clone(), rope.sin.clone()), conds, scales),
+                ((rope.cos.clone(), rope.sin.clone()), conds.clone(), scales),
             ));
         }
         // Eagerly, a ControlNet outside its window is skipped: the same sum without its cost.

@@ -271,6 +271,9 @@ pub(crate) struct Sd3ControlStep<'a, B: Backend> {
     request: &'a ControlRequest,
     /// Each ControlNet's control latents, rows as the transformer's batch.
     latents: Vec<Tensor<B, 4>>,
+    /// The latents as the compiled step takes them (one block of rows per ControlNet), made
+    /// once per run when the pipeline was compiled.
+    stacked: Option<Tensor<B, 4>>,
     /// The pooled projections the ControlNets see (zeros when the first forces them).
     pooled: Tensor<B, 2>,
     steps: usize,
@@ -329,13 +332,14 @@ impl<'a, B: Backend> Sd3Control<'a, B> {
         Ok(Sd3ControlStep {
             nets,
             request,
-            latents,
             pooled: if zeros {
                 pooled.zeros_like()
             } else {
                 pooled.clone()
             },
             steps,
+            stacked: programs.map(|_| Tensor::cat(latents.clone(), 0)),
+            latents,
             programs,
         })
     }
@@ -372,16 +376,15 @@ impl<B: Backend> Sd3ControlStep<'_, B> {
         let dims = vec![[rows, tokens, dim]; fewest];
         transformer.check_controlled(x.dims(), rows, context.dims(), pooled.dims(), &dims)?;
         let keeps = |c: &crate::control::Control| c.keeps(i, self.steps);
-        if let Some(programs) = self.programs {
+        if let (Some(programs), Some(conds)) = (self.programs, &self.stacked) {
             // Every ControlNet runs, scaled by 0 outside its window, as diffusers runs them.
             let scales: Vec<f32> = (self.request.controls.iter())
                 .map(|c| if keeps(c) { c.scale as f32 } else { 0.0 })
                 .collect();
             let scales = Tensor::<B, 1>::from_floats(scales.as_slice(), &x.device());
-            let conds = Tensor::cat(self.latents.clone(), 0);
             return programs.call.call((
                 (x, timestep, context.clone(), pooled.clone()),
-                (self.pooled.clone(), conds, scales),
+                (self.pooled.clone(), conds.clone(), scales),
             ));
         }
         // Eagerly, a ControlNet outside its window is skipped: the same sum without its cost.

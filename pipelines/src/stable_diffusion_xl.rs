@@ -847,8 +847,7 @@ impl StableDiffusionXLPipeline<Oxi> {
                 time_ids,
             };
             // The shapes were checked by `check_added_condition` before the call.
-            unet.forward_with_condition(sample, timestep, context, Some(&added))
-                .expect("added condition checked before tracing")
+            unet.forward_controlled_checked(sample, timestep, context, Some(&added), None)
         };
         // Every input batch-major: split by batch where it divides, else whole.
         let layouts = vec![Layout::BatchSplit(0); 5];
