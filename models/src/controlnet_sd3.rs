@@ -20,7 +20,7 @@ use crate::embeddings::{CombinedTimestepTextProjEmbeddings, PatchEmbed};
 use crate::error::{ModelError, Result};
 use crate::nn::Linear;
 use crate::transformer_sd3::{
-    JointTransformerBlock, SD3Transformer2DConfig, SD3Transformer2DModel,
+    load_embedders, JointTransformerBlock, SD3Transformer2DConfig, SD3Transformer2DModel,
 };
 use crate::var_builder::{load_component, VarBuilder};
 
@@ -152,26 +152,11 @@ impl<B: Backend> SD3ControlNetModel<B> {
             .map(|i| Linear::load(&vb.pp("controlnet_blocks").pp(i), dim, dim, true))
             .collect::<Result<Vec<_>>>()?;
         let cond_channels = cfg.in_channels + config.extra_conditioning_channels;
+        let (pos_embed, time_text_embed, context_embedder) = load_embedders(cfg, &vb)?;
         Ok(Self {
-            pos_embed: PatchEmbed::load_cropped(
-                &vb.pp("pos_embed"),
-                cfg.in_channels,
-                dim,
-                p,
-                cfg.sample_size,
-                cfg.pos_embed_max_size,
-            )?,
-            time_text_embed: CombinedTimestepTextProjEmbeddings::load(
-                &vb.pp("time_text_embed"),
-                dim,
-                cfg.pooled_projection_dim,
-            )?,
-            context_embedder: Linear::load(
-                &vb.pp("context_embedder"),
-                cfg.joint_attention_dim,
-                cfg.caption_projection_dim,
-                true,
-            )?,
+            pos_embed,
+            time_text_embed,
+            context_embedder,
             transformer_blocks,
             controlnet_blocks,
             pos_embed_input: PatchEmbed::load_without_positions(

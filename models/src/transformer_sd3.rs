@@ -408,6 +408,40 @@ impl<B: Backend> JointTransformerBlock<B> {
     }
 }
 
+/// The embedders an SD3 transformer and its ControlNets share: the latents' patch embedding
+/// with its position table, the timestep and pooled-text embedding, the context projection.
+pub(crate) fn load_embedders<B: Backend>(
+    cfg: &SD3Transformer2DConfig,
+    vb: &VarBuilder<B>,
+) -> Result<(
+    PatchEmbed<B>,
+    CombinedTimestepTextProjEmbeddings<B>,
+    Linear<B>,
+)> {
+    let dim = cfg.inner_dim();
+    Ok((
+        PatchEmbed::load_cropped(
+            &vb.pp("pos_embed"),
+            cfg.in_channels,
+            dim,
+            cfg.patch_size,
+            cfg.sample_size,
+            cfg.pos_embed_max_size,
+        )?,
+        CombinedTimestepTextProjEmbeddings::load(
+            &vb.pp("time_text_embed"),
+            dim,
+            cfg.pooled_projection_dim,
+        )?,
+        Linear::load(
+            &vb.pp("context_embedder"),
+            cfg.joint_attention_dim,
+            cfg.caption_projection_dim,
+            true,
+        )?,
+    ))
+}
+
 /// diffusers' `SD3Transformer2DModel`.
 #[derive(Module, Debug)]
 pub struct SD3Transformer2DModel<B: Backend> {
@@ -467,27 +501,12 @@ impl<B: Backend> SD3Transformer2DModel<B> {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        let (pos_embed, time_text_embed, context_embedder) = load_embedders(cfg, &vb)?;
         Ok(Self {
             quantized: QuantizedBytes::default(),
-            pos_embed: PatchEmbed::load_cropped(
-                &vb.pp("pos_embed"),
-                cfg.in_channels,
-                dim,
-                p,
-                cfg.sample_size,
-                cfg.pos_embed_max_size,
-            )?,
-            time_text_embed: CombinedTimestepTextProjEmbeddings::load(
-                &vb.pp("time_text_embed"),
-                dim,
-                cfg.pooled_projection_dim,
-            )?,
-            context_embedder: Linear::load(
-                &vb.pp("context_embedder"),
-                cfg.joint_attention_dim,
-                cfg.caption_projection_dim,
-                true,
-            )?,
+            pos_embed,
+            time_text_embed,
+            context_embedder,
             transformer_blocks,
             norm_out: AdaLayerNormContinuous::load(&vb.pp("norm_out"), dim, dim, 1e-6)?,
             proj_out: Linear::load(&vb.pp("proj_out"), dim, p * p * out_channels, true)?,
