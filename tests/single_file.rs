@@ -1439,3 +1439,233 @@ fn sdxl_inpainting_single_file_matches_diffusers_from_single_file() {
         out.images.unwrap(),
     );
 }
+
+// --- single-file ControlNets (tools/golden/make_controlnet_single_file.py) ---------------------
+
+/// tiny-controlnet-sd1 in lllyasviel's layout (`control_model.zero_convs.0.0.weight`, ...).
+fn controlnet_file() -> PathBuf {
+    fixtures().join("single-file/tiny-controlnet-sd1.safetensors")
+}
+
+/// The file in lllyasviel's layout, with the folder's config (diffusers'
+/// `from_single_file(config=folder)`), gives diffusers' residuals (the folder's golden), and
+/// the pipeline with it diffusers' image; without a config, the built-in one (32 norm groups)
+/// does not fit the tiny model and the error says what to pass.
+#[test]
+fn an_original_layout_controlnet_file_matches_diffusers() {
+    use oxidiff::models::{ControlNetFile, ControlNetLayout, ControlNetModel};
+    use oxidiff::pipelines::{Control, ControlRequest, StableDiffusionControlNetPipeline};
+    let device = Default::default();
+    let file = ControlNetFile::open(&controlnet_file()).unwrap();
+    assert_eq!(
+        file.layout,
+        ControlNetLayout::Original {
+            prefix: "control_model."
+        }
+    );
+    let folder = model_dir("tiny-controlnet-sd1");
+    let net = ControlNetModel::<B>::from_single_file(
+        &controlnet_file(),
+        Some(&folder),
+        burn::tensor::FloatDType::F32,
+        &device,
+    )
+    .unwrap();
+    let golden = Golden::load("controlnet");
+    let residuals = net
+        .forward(
+            golden.tensor("sample"),
+            golden.tensor("timestep"),
+            golden.tensor("context"),
+            golden.tensor("cond"),
+            0.7,
+            false,
+            None,
+        )
+        .unwrap();
+    for (i, r) in residuals.down.iter().enumerate() {
+        assert_close(&golden, &format!("down.{i}"), r.clone(), TOL);
+    }
+    assert_close(&golden, "mid", residuals.mid, TOL);
+
+    let pipe = StableDiffusionPipeline::<B>::from_dir(
+        &model_dir("tiny-sd1"),
+        &Default::default(),
+        &device,
+    )
+    .unwrap();
+    let mut pipe = StableDiffusionControlNetPipeline::new(pipe, vec![net]).unwrap();
+    let control = ControlRequest {
+        controls: vec![Control::new(
+            image::open(fixtures().join("golden/controlnet-input.png")).unwrap(),
+        )],
+        guess_mode: false,
+    };
+    let request = GenerateRequest {
+        prompts: vec!["a photo of an astronaut riding a horse".into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 4,
+        guidance_scale: 7.5,
+        seed: 42,
+        ..Default::default()
+    };
+    let out = pipe.generate(&request, &control).unwrap();
+    common::assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        "controlnet-sd1-single.png",
+        2,
+    );
+
+    let err = ControlNetModel::<B>::from_single_file(
+        &controlnet_file(),
+        None,
+        burn::tensor::FloatDType::F32,
+        &device,
+    )
+    .err()
+    .expect("the built-in config does not fit the tiny ControlNet")
+    .to_string();
+    assert!(
+        err.contains("tiny-controlnet-sd1.safetensors") && err.contains("config"),
+        "{err}"
+    );
+}
+
+/// The released ControlNets' layouts (shapes only): lllyasviel's SD 1.5 and an SD 2.1 one in
+/// the original layout, diffusers' SDXL one under its own names: the renaming gives exactly
+/// diffusers' names and shapes, and the config read from the tensors is the released one.
+#[test]
+fn released_controlnet_layouts_rename_and_configure_as_diffusers() {
+    use oxidiff::models::{ControlNetConfig, ControlNetFile, ControlNetLayout};
+    let text =
+        std::fs::read_to_string(fixtures().join("single-file/released-controlnet-layouts.json"))
+            .unwrap();
+    let layouts: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let shapes = |v: &serde_json::Value| -> Vec<(String, Vec<usize>)> {
+        let mut out: Vec<(String, Vec<usize>)> = v
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, s)| {
+                let dims = s
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap() as usize);
+                (k.clone(), dims.collect())
+            })
+            .collect();
+        out.sort();
+        out
+    };
+    for name in ["sd15", "sd21", "sdxl"] {
+        let layout = &layouts[name];
+        let label = PathBuf::from(format!("controlnet-{name}.safetensors"));
+        let weights = Weights::shapes_only(&label, shapes(&layout["shapes"])).unwrap();
+        let file = ControlNetFile::from_weights(&label, weights).unwrap();
+        let original = layout["layout"] == "original";
+        assert_eq!(
+            matches!(file.layout, ControlNetLayout::Original { .. }),
+            original,
+            "{name}"
+        );
+        let renamed = file.weights().unwrap();
+        let mut ours: Vec<(String, Vec<usize>)> = renamed
+            .keys()
+            .map(|k| (k.to_string(), renamed.shape(k).unwrap().to_vec()))
+            .collect();
+        ours.sort();
+        assert_eq!(
+            ours,
+            shapes(&layout["diffusers_shapes"]),
+            "{name}: names and shapes"
+        );
+
+        let want: ControlNetConfig = serde_json::from_value(layout["config"].clone()).unwrap();
+        let want = want.completed(Path::new(name)).unwrap();
+        let got = file.config().unwrap();
+        let path = Path::new(name);
+        let fields = |c: &ControlNetConfig| {
+            let u = &c.unet;
+            let n = u.block_out_channels.len();
+            format!(
+                "{:?}",
+                (
+                    (
+                        u.in_channels,
+                        &u.down_block_types,
+                        &u.mid_block_type,
+                        &u.block_out_channels,
+                        u.layers_per_block.expand(n, "", path).unwrap(),
+                        u.transformer_layers_per_block.expand(n, "", path).unwrap(),
+                        u.cross_attention_dim.expand(n, "", path).unwrap(),
+                        u.heads(path).unwrap(),
+                    ),
+                    (
+                        u.norm_num_groups,
+                        u.use_linear_projection,
+                        u.upcast_attention,
+                        &u.addition_embed_type,
+                        u.addition_time_embed_dim,
+                        u.projection_class_embeddings_input_dim,
+                    ),
+                    (
+                        c.conditioning_channels,
+                        &c.conditioning_embedding_out_channels,
+                        &c.controlnet_conditioning_channel_order,
+                        c.global_pool_conditions,
+                    ),
+                )
+            )
+        };
+        assert_eq!(fields(&got), fields(&want), "{name}: config");
+    }
+}
+
+/// Files that are not a ControlNet oxidiff reads are one clear error naming the file: a
+/// pickle, a whole SD checkpoint, a Control-LoRA, an SD3 ControlNet's weights, a tensor
+/// outside lllyasviel's layout.
+#[test]
+fn files_that_are_not_controlnets_are_refused_with_the_reason() {
+    use oxidiff::models::ControlNetFile;
+    let tmp = tempfile::tempdir().unwrap();
+    let pth = tmp.path().join("control_v11p_sd15_canny.pth");
+    std::fs::write(&pth, b"PK\x03\x04").unwrap();
+    let lora = tmp.path().join("control-lora-canny.safetensors");
+    write_tensors(
+        &lora,
+        &["lora_controlnet", "input_blocks.1.0.in_layers.0.weight"],
+    );
+    let stray = tmp.path().join("stray.safetensors");
+    write_tensors(
+        &stray,
+        &[
+            "control_model.input_hint_block.0.weight",
+            "control_model.input_blocks.1.0.in_layers.0.weight",
+            "control_model.output_blocks.0.0.in_layers.0.weight",
+        ],
+    );
+    let sd3 = model_dir("tiny-controlnet-sd3").join("diffusion_pytorch_model.safetensors");
+    let cases = [
+        (pth, "pickle"),
+        (
+            checkpoint("tiny-sd1"),
+            "a whole Stable Diffusion checkpoint",
+        ),
+        (lora, "Control-LoRA"),
+        (sd3, "SD3 or Flux ControlNet"),
+        (
+            stray,
+            "`control_model.output_blocks.0.0.in_layers.0.weight` is not part of a ControlNet",
+        ),
+    ];
+    for (path, want) in cases {
+        let err = ControlNetFile::open(&path)
+            .and_then(|f| f.names().map(|_| f))
+            .err()
+            .unwrap_or_else(|| panic!("{} was read", path.display()))
+            .to_string();
+        let file = path.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(err.contains(want) && err.contains(&file), "{file}: {err}");
+    }
+}

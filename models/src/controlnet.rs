@@ -59,17 +59,21 @@ impl Default for ControlNetConfig {
 
 impl ControlNetConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let mut config: Self = load_json(path)?;
-        // A ControlNet has no up half; the UNet checks want one mirroring the down half.
-        config.unet.up_block_types = config
+        load_json::<Self>(path)?.completed(path)
+    }
+
+    /// The config with the up half the UNet checks want (a ControlNet has none: it mirrors
+    /// the down half), validated; `path` names it in messages.
+    pub fn completed(mut self, path: &Path) -> Result<Self> {
+        self.unet.up_block_types = self
             .unet
             .down_block_types
             .iter()
             .rev()
             .map(|d| d.replace("Down", "Up"))
             .collect();
-        config.validate(path)?;
-        Ok(config)
+        self.validate(path)?;
+        Ok(self)
     }
 
     /// Rejects configurations this model does not implement, naming the field.

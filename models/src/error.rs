@@ -74,6 +74,16 @@ pub enum ModelError {
         looked_for: String,
         found: String,
     },
+    #[error(
+        "{path}: not an SD 1.x/2.x or SDXL ControlNet file oxidiff reads: {reason}; looked for \
+         {looked_for}; the file's first keys are {found}"
+    )]
+    NotAControlNet {
+        path: PathBuf,
+        reason: String,
+        looked_for: String,
+        found: String,
+    },
     #[error("{path} is not a usable GGUF file: {reason}")]
     Gguf { path: PathBuf, reason: String },
     #[error("LoRA {path}: {reason}")]

@@ -47,7 +47,7 @@ pub mod weights;
 
 pub use autoencoder_kl::{AutoencoderKL, AutoencoderKLConfig, LatentDist};
 pub use clip::{ClipTextConfig, ClipTextModel, ClipTextOutput};
-pub use controlnet::{ControlNetModel, ControlResiduals};
+pub use controlnet::{ControlNetConfig, ControlNetModel, ControlResiduals};
 pub use controlnet_flux::FluxControlNetModel;
 pub use controlnet_sd3::{SD3ControlNetConfig, SD3ControlNetModel};
 pub use device::ToDevice;
@@ -57,7 +57,7 @@ pub use oxidiff_parallel::{TensorParallel, TensorParallelPlan};
 pub use parallel::{sharded_params, ShardedParam};
 pub use pixart_transformer_2d::{PixArtTransformer2DConfig, PixArtTransformer2DModel};
 pub use program::{ProgramSlot, TensorProgram};
-pub use single_file::{SingleFile, SingleFileArch};
+pub use single_file::{ControlNetFile, ControlNetLayout, SingleFile, SingleFileArch};
 pub use t5::{T5Config, T5EncoderModel};
 pub use tokenizer::{ClipTokenizer, Encoded, MaskedTokens, T5Tokenizer};
 pub use transformer_flux::{FluxTransformer2DConfig, FluxTransformer2DModel};

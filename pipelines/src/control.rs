@@ -140,17 +140,37 @@ impl<B: Backend> From<Vec<SD3ControlNetModel<B>>> for ControlNets<B> {
 }
 
 impl<B: Backend> ControlNets<B> {
-    /// Loads ControlNet folders, each by the `_class_name` of its `config.json`
-    /// (`ControlNetModel`, `SD3ControlNetModel` or `FluxControlNetModel`); kinds cannot be
-    /// mixed, and another class is an error naming it.
-    pub fn from_dirs(
-        dirs: &[&std::path::Path],
+    /// Loads ControlNets, each a diffusers folder loaded by the `_class_name` of its
+    /// `config.json` (`ControlNetModel`, `SD3ControlNetModel` or `FluxControlNetModel`) or a
+    /// single `ControlNetModel` file (lllyasviel's / A1111's layout or diffusers' names; the
+    /// config is the `config.json` beside it if there is one, else read from the tensors:
+    /// diffusers' `from_single_file`); kinds cannot be mixed, and another class is an error
+    /// naming it.
+    pub fn from_paths(
+        paths: &[&std::path::Path],
         variant: Option<&str>,
         dtype: FloatDType,
         device: &B::Device,
     ) -> Result<Self> {
         let mut loaded: Option<Self> = None;
-        for dir in dirs {
+        for &path in paths {
+            // A file is a single-file ControlNet, unless it is the weights file of an SD3 or
+            // Flux ControlNet folder (those load from their folder).
+            let folder = path.parent().filter(|p| p.join("config.json").is_file());
+            let dir = match folder {
+                _ if !path.is_file() => path,
+                Some(folder)
+                    if crate::loading::class_name(&folder.join("config.json"))?
+                        != "ControlNetModel" =>
+                {
+                    folder
+                }
+                _ => {
+                    let net = ControlNetModel::from_path(path, variant, dtype, device)?;
+                    loaded = Self::merge(loaded, Self::Unet(vec![net]), path)?;
+                    continue;
+                }
+            };
             let config = dir.join("config.json");
             let class = crate::loading::class_name(&config)?;
             let one = match class.as_str() {
@@ -172,30 +192,35 @@ impl<B: Backend> ControlNets<B> {
                     )))
                 }
             };
-            loaded = Some(match (loaded, one) {
-                (None, one) => one,
-                (Some(Self::Unet(mut a)), Self::Unet(b)) => {
-                    a.extend(b);
-                    Self::Unet(a)
-                }
-                (Some(Self::Sd3(mut a)), Self::Sd3(b)) => {
-                    a.extend(b);
-                    Self::Sd3(a)
-                }
-                (Some(Self::Flux(mut a)), Self::Flux(b)) => {
-                    a.extend(b);
-                    Self::Flux(a)
-                }
-                _ => {
-                    return Err(PipelineError::InvalidInput(format!(
-                        "{} is another kind of ControlNet than the ones before it: one \
-                         pipeline takes one kind",
-                        dir.display()
-                    )))
-                }
-            });
+            loaded = Self::merge(loaded, one, dir)?;
         }
         Ok(loaded.unwrap_or(Self::Unet(Vec::new())))
+    }
+
+    /// `one` added to the ControlNets loaded so far, which must be of its kind.
+    fn merge(loaded: Option<Self>, one: Self, path: &std::path::Path) -> Result<Option<Self>> {
+        Ok(Some(match (loaded, one) {
+            (None, one) => one,
+            (Some(Self::Unet(mut a)), Self::Unet(b)) => {
+                a.extend(b);
+                Self::Unet(a)
+            }
+            (Some(Self::Sd3(mut a)), Self::Sd3(b)) => {
+                a.extend(b);
+                Self::Sd3(a)
+            }
+            (Some(Self::Flux(mut a)), Self::Flux(b)) => {
+                a.extend(b);
+                Self::Flux(a)
+            }
+            _ => {
+                return Err(PipelineError::InvalidInput(format!(
+                    "{} is another kind of ControlNet than the ones before it: one \
+                     pipeline takes one kind",
+                    path.display()
+                )))
+            }
+        }))
     }
 
     /// The UNet ControlNets, or an error saying `what` takes only those.

@@ -113,8 +113,8 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
         })
     }
 
-    /// Loads a Stable Diffusion folder and ControlNet folders (each with `config.json` and
-    /// `diffusion_pytorch_model.safetensors`).
+    /// Loads a Stable Diffusion folder and ControlNets: folders (each with `config.json` and
+    /// `diffusion_pytorch_model.safetensors`) or single files ([`ControlNetModel::from_path`]).
     pub fn from_dir(
         dir: &Path,
         controlnets: &[&Path],
@@ -123,7 +123,7 @@ impl<B: Backend> StableDiffusionControlNetPipeline<B> {
     ) -> Result<Self> {
         let pipe = StableDiffusionPipeline::from_dir(dir, options, device)?;
         let nets = load_each(controlnets, options, |dir, variant, dtype| {
-            ControlNetModel::from_dir_in(dir, variant, dtype, device)
+            ControlNetModel::from_path(dir, variant, dtype, device)
         })?;
         Self::new(pipe, nets)
     }

@@ -120,8 +120,8 @@ impl<B: Backend> StableDiffusionXLControlNetPipeline<B> {
         })
     }
 
-    /// Loads an SDXL folder and ControlNet folders (each with `config.json` and
-    /// `diffusion_pytorch_model.safetensors`).
+    /// Loads an SDXL folder and ControlNets: folders (each with `config.json` and
+    /// `diffusion_pytorch_model.safetensors`) or single files ([`ControlNetModel::from_path`]).
     pub fn from_dir(
         dir: &Path,
         controlnets: &[&Path],
@@ -130,7 +130,7 @@ impl<B: Backend> StableDiffusionXLControlNetPipeline<B> {
     ) -> Result<Self> {
         let pipe = StableDiffusionXLPipeline::from_dir(dir, options, device)?;
         let nets = load_each(controlnets, options, |dir, variant, dtype| {
-            ControlNetModel::from_dir_in(dir, variant, dtype, device)
+            ControlNetModel::from_path(dir, variant, dtype, device)
         })?;
         Self::new(pipe, nets)
     }

@@ -34,31 +34,30 @@ impl FromStr for ControlNetSpec {
 }
 
 impl ControlNetSpec {
-    /// The ControlNet's folder: the path itself, or the folder of a weights file given.
-    pub fn folder(&self) -> &Path {
-        if self.path.is_file() {
-            self.path.parent().unwrap_or(Path::new("."))
-        } else {
-            &self.path
-        }
-    }
-
-    /// The name the PNG records: the ControlNet folder's.
+    /// The name the PNG records: the folder's for a diffusers folder or its weights file
+    /// (`diffusion_pytorch_model*.safetensors`), else the single file's stem.
     pub fn name(&self) -> String {
-        let folder = self.folder();
-        folder
-            .file_name()
+        let stem = self.path.file_stem().map(|s| s.to_string_lossy());
+        let named = match stem {
+            Some(stem) if self.path.is_file() && !stem.starts_with("diffusion_pytorch_model") => {
+                self.path.file_stem()
+            }
+            _ if self.path.is_file() => self.path.parent().and_then(Path::file_name),
+            _ => self.path.file_name(),
+        };
+        named
             .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| folder.display().to_string())
+            .unwrap_or_else(|| self.path.display().to_string())
     }
 }
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct ControlArgs {
-    /// A ControlNet to steer the image (diffusers' StableDiffusionControlNetPipeline; SD
-    /// 1.x/2.x models): a diffusers ControlNet folder (config.json and
-    /// diffusion_pytorch_model.safetensors) or that weights file, at SCALE (its
-    /// `controlnet_conditioning_scale`, default 1). Repeat for several, each with its
+    /// A ControlNet to steer the image (diffusers' ControlNet pipelines): a diffusers
+    /// ControlNet folder (config.json and diffusion_pytorch_model.safetensors), or one
+    /// .safetensors file of an SD 1.x/2.x or SDXL ControlNet (A1111's control_*.safetensors or
+    /// diffusers' names; its config is the config.json beside it, else read from the tensors),
+    /// at SCALE (its `controlnet_conditioning_scale`, default 1). Repeat for several, each with its
     /// --control-image. Recorded in the PNG as A1111's ControlNet extension does.
     #[arg(long, value_name = "DIR_OR_FILE[:SCALE]")]
     pub controlnet: Vec<ControlNetSpec>,
@@ -117,10 +116,11 @@ impl ControlArgs {
             )));
         }
         for spec in &self.controlnet {
-            if !spec.folder().join("config.json").is_file() {
+            if !spec.path.is_file() && !spec.path.join("config.json").is_file() {
                 return Err(UsageError(format!(
                     "--controlnet {}: no ControlNet there; give a diffusers ControlNet folder \
-                     (config.json and diffusion_pytorch_model.safetensors) or its weights file",
+                     (config.json and diffusion_pytorch_model.safetensors) or a ControlNet \
+                     .safetensors file (A1111's control_*.safetensors, or diffusers' names)",
                     spec.path.display()
                 )));
             }
@@ -152,8 +152,12 @@ impl ControlArgs {
         dtype: FloatDType,
         device: &B::Device,
     ) -> Result<ControlNets<B>, PipelineError> {
-        let dirs: Vec<&Path> = self.controlnet.iter().map(|spec| spec.folder()).collect();
-        ControlNets::from_dirs(&dirs, None, dtype, device)
+        let paths: Vec<&Path> = self
+            .controlnet
+            .iter()
+            .map(|spec| spec.path.as_path())
+            .collect();
+        ControlNets::from_paths(&paths, None, dtype, device)
     }
 
     /// The control request (images decoded), or `None` without ControlNets.
@@ -324,19 +328,29 @@ impl ControlArgs {
     }
 }
 
-/// The ControlNet `name` a PNG records: a path as it is, else a folder of that name (with a
-/// `config.json`) in `dirs`.
+/// The ControlNet `name` a PNG records (A1111 adds ` [hash]`): a path as it is, else a folder
+/// of that name (with a `config.json`) or a `NAME.safetensors` file in `dirs`.
 fn find_controlnet(name: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
     let path = Path::new(name);
-    if path.join("config.json").is_file() {
+    if path.join("config.json").is_file() || path.is_file() {
         return Some(path.to_path_buf());
     }
-    if name.contains(['/', '\\']) || name == "." || name == ".." {
+    let name = match name.rsplit_once(" [") {
+        Some((stem, hash)) if hash.ends_with(']') => stem,
+        _ => name,
+    };
+    if name.contains(['/', '\\']) || name == "." || name == ".." || name.is_empty() {
         return None;
     }
-    dirs.iter()
-        .map(|dir| dir.join(name))
-        .find(|folder| folder.join("config.json").is_file())
+    dirs.iter().find_map(|dir| {
+        let folder = dir.join(name);
+        let file = dir.join(format!("{name}.safetensors"));
+        if folder.join("config.json").is_file() {
+            Some(folder)
+        } else {
+            file.is_file().then_some(file)
+        }
+    })
 }
 
 #[cfg(test)]

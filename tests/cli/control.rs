@@ -451,3 +451,81 @@ fn a_flux_folder_takes_flux_controlnets_and_refuses_a_mix_of_kinds() {
     assert!(log.contains("another kind of ControlNet"), "{log}");
     assert!(!mixed.exists());
 }
+
+/// A ControlNet as one file in lllyasviel's layout (A1111's `control_*.safetensors`; the tiny
+/// one needs its config beside it, a released one is configured from its tensors) gives
+/// diffusers' image, the PNG names it by its stem, and `--from-png` finds `NAME.safetensors`
+/// in a `--model-dir` (also under A1111's `NAME [hash]`).
+#[test]
+fn a_single_file_controlnet_is_used_recorded_and_found_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, _, image) = paths();
+    let nets = tmp.path().join("ControlNet");
+    std::fs::create_dir(&nets).unwrap();
+    let file = nets.join("control_tiny_canny.safetensors");
+    std::fs::copy(
+        fixtures().join("single-file/tiny-controlnet-sd1.safetensors"),
+        &file,
+    )
+    .unwrap();
+    std::fs::copy(Path::new(&a).join("config.json"), nets.join("config.json")).unwrap();
+    let first = tmp.path().join("first.png");
+    let (log, code) = run(
+        &first,
+        &[
+            "--controlnet",
+            file.to_str().unwrap(),
+            "--control-image",
+            &image,
+        ],
+    );
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&first).unwrap().to_rgb8(),
+        "controlnet-sd1-single.png",
+        2,
+    );
+    let bytes = std::fs::read(&first).unwrap();
+    let text = oxidiff::pipelines::metadata::png_text(&bytes, "parameters")
+        .unwrap()
+        .unwrap();
+    assert!(
+        text.contains("Model: control_tiny_canny, Weight: 1,"),
+        "{text}"
+    );
+
+    // A1111 writes the model's short hash after its name.
+    let a1111 = tmp.path().join("a1111.png");
+    let renamed = text.replace(
+        "Model: control_tiny_canny,",
+        "Model: control_tiny_canny [d14c016b],",
+    );
+    let png = image::open(&first).unwrap().to_rgb8();
+    let encoded =
+        oxidiff::pipelines::metadata::encode_png(&png, &[("parameters", renamed)]).unwrap();
+    std::fs::write(&a1111, encoded).unwrap();
+    for source in [&first, &a1111] {
+        let again = tmp.path().join("again.png");
+        let result = txt2img(&[
+            "--from-png",
+            source.to_str().unwrap(),
+            "--model-dir",
+            &fixtures().display().to_string(),
+            "--model-dir",
+            nets.to_str().unwrap(),
+            "--control-image",
+            &image,
+            "--quiet",
+            "--force",
+            "-o",
+            again.to_str().unwrap(),
+        ]);
+        assert_eq!(result.status.code(), Some(0), "{}", stderr(&result));
+        assert_eq!(
+            image::open(&first).unwrap().to_rgb8().as_raw(),
+            image::open(&again).unwrap().to_rgb8().as_raw(),
+            "{}: the PNG's ControlNet file makes its image again",
+            source.display()
+        );
+    }
+}

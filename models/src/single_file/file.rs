@@ -29,36 +29,7 @@ impl SingleFile {
     /// Opens `path` (refusing pickles, checking the safetensors header) and detects the
     /// architecture from its keys.
     pub fn open(path: &Path) -> Result<Self> {
-        let ext = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .map(str::to_ascii_lowercase)
-            .unwrap_or_default();
-        if PICKLE_EXTENSIONS.contains(&ext.as_str()) {
-            return Err(ModelError::Pickle {
-                path: path.to_path_buf(),
-                kind: format!("a .{ext} file"),
-            });
-        }
-        // The user named this file: a link is followed to where it points (model folders
-        // commonly link to a shared download folder).
-        let real = path.canonicalize().map_err(|source| ModelError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let weights = match Weights::from_files(std::slice::from_ref(&real)) {
-            Ok(w) => w,
-            Err(e) => {
-                if let Some(kind) = pickle_magic(&real) {
-                    return Err(ModelError::Pickle {
-                        path: path.to_path_buf(),
-                        kind: format!("{kind} with a .{ext} name"),
-                    });
-                }
-                return Err(rename_path(e, &real, path));
-            }
-        };
-        Self::from_weights(path, weights)
+        Self::from_weights(path, open_safetensors(path)?)
     }
 
     /// Classifies tensors already opened (for example [`Weights::shapes_only`] of a layout);
@@ -144,45 +115,9 @@ impl SingleFile {
         }
     }
 
-    /// Down/up blocks' resnet count, from the numbering of `input_blocks`: block b holds
-    /// `layers` resnets and (but the last) a downsampler, so `n * layers + (n - 1)` blocks
-    /// follow `input_blocks.0`.
+    /// Down/up blocks' resnet count, from the numbering of `input_blocks`.
     pub fn unet_layers_per_block(&self) -> Result<usize> {
-        let input = format!("{UNET_PREFIX}input_blocks.");
-        let mut indices = BTreeSet::new();
-        let mut downsamplers = BTreeSet::new();
-        for key in self.weights.keys() {
-            let Some(rest) = key.strip_prefix(&input) else {
-                continue;
-            };
-            let Some((i, tail)) = rest.split_once('.') else {
-                continue;
-            };
-            let Ok(i) = i.parse::<usize>() else { continue };
-            if i == 0 {
-                continue;
-            }
-            indices.insert(i);
-            if tail.starts_with("0.op.") {
-                downsamplers.insert(i);
-            }
-        }
-        let blocks = downsamplers.len() + 1;
-        let total = indices.len();
-        let contiguous = indices.iter().copied().eq(1..=total);
-        if !contiguous || total < blocks || !(total - downsamplers.len()).is_multiple_of(blocks) {
-            return Err(ModelError::UnknownArchitecture {
-                path: self.path.clone(),
-                reason: format!(
-                    "the UNet's input blocks ({total} after `input_blocks.0`, {} downsamplers) \
-                     do not form equal down blocks",
-                    downsamplers.len()
-                ),
-                looked_for: format!("`{UNET_PREFIX}input_blocks.N.0.op.weight`"),
-                found: first_keys(&self.weights),
-            });
-        }
-        Ok((total - downsamplers.len()) / blocks)
+        layers_per_block(&self.weights, UNET_PREFIX, &self.path)
     }
 
     /// How many distinct `N` follow `prefix` in the keys (`prefix N.…`).
@@ -198,6 +133,81 @@ impl SingleFile {
             })
             .collect::<BTreeSet<_>>()
             .len()
+    }
+}
+
+/// Down blocks' resnet count of an LDM UNet (or ControlNet) whose keys start with `prefix`,
+/// from the numbering of `input_blocks`: block b holds `layers` resnets and (but the last) a
+/// downsampler, so `n * layers + (n - 1)` blocks follow `input_blocks.0`.
+pub(crate) fn layers_per_block(weights: &Weights, prefix: &str, path: &Path) -> Result<usize> {
+    let input = format!("{prefix}input_blocks.");
+    let mut indices = BTreeSet::new();
+    let mut downsamplers = BTreeSet::new();
+    for key in weights.keys() {
+        let Some(rest) = key.strip_prefix(&input) else {
+            continue;
+        };
+        let Some((i, tail)) = rest.split_once('.') else {
+            continue;
+        };
+        let Ok(i) = i.parse::<usize>() else { continue };
+        if i == 0 {
+            continue;
+        }
+        indices.insert(i);
+        if tail.starts_with("0.op.") {
+            downsamplers.insert(i);
+        }
+    }
+    let blocks = downsamplers.len() + 1;
+    let total = indices.len();
+    let contiguous = indices.iter().copied().eq(1..=total);
+    if !contiguous || total < blocks || !(total - downsamplers.len()).is_multiple_of(blocks) {
+        return Err(ModelError::UnknownArchitecture {
+            path: path.to_path_buf(),
+            reason: format!(
+                "the input blocks ({total} after `input_blocks.0`, {} downsamplers) do not \
+                 form equal down blocks",
+                downsamplers.len()
+            ),
+            looked_for: format!("`{prefix}input_blocks.N.0.op.weight`"),
+            found: first_keys(weights),
+        });
+    }
+    Ok((total - downsamplers.len()) / blocks)
+}
+
+/// The tensors of a single `.safetensors` file the user named: pickles (by extension or by
+/// their first bytes) refused with the reason, a link followed, errors naming the path given.
+pub(crate) fn open_safetensors(path: &Path) -> Result<Weights> {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase)
+        .unwrap_or_default();
+    if PICKLE_EXTENSIONS.contains(&ext.as_str()) {
+        return Err(ModelError::Pickle {
+            path: path.to_path_buf(),
+            kind: format!("a .{ext} file"),
+        });
+    }
+    // The user named this file: a link is followed to where it points (model folders
+    // commonly link to a shared download folder).
+    let real = path.canonicalize().map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    match Weights::from_files(std::slice::from_ref(&real)) {
+        Ok(w) => Ok(w),
+        Err(e) => {
+            if let Some(kind) = pickle_magic(&real) {
+                return Err(ModelError::Pickle {
+                    path: path.to_path_buf(),
+                    kind: format!("{kind} with a .{ext} name"),
+                });
+            }
+            Err(rename_path(e, &real, path))
+        }
     }
 }
 

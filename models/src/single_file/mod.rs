@@ -7,12 +7,14 @@
 //! the models load unchanged.
 
 pub mod config;
+pub mod controlnet;
 pub mod detect;
 pub mod file;
 pub mod flux;
 pub mod gguf;
 pub mod rename;
 
+pub use controlnet::{ControlNetFile, ControlNetLayout, CONTROL_MODEL_PREFIX};
 pub use detect::{
     SingleFileArch, KEY_CLIP, KEY_CONV_IN, KEY_OPEN_CLIP, KEY_OPEN_CLIP_SDXL,
     KEY_OPEN_CLIP_SDXL_REFINER, KEY_V1, KEY_V2, KEY_XL_BASE, KEY_XL_REFINER, UNET_PREFIX,

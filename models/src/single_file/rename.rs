@@ -223,7 +223,7 @@ impl SingleFile {
 
 /// diffusers' name of UNet tensor `rest` (the key after `model.diffusion_model.`), as
 /// `convert_ldm_unet_checkpoint` renames it; `None` for keys it does not take.
-fn unet_name(rest: &str, layers: usize) -> Option<String> {
+pub(super) fn unet_name(rest: &str, layers: usize) -> Option<String> {
     const FIXED: [(&str, &str); 7] = [
         ("time_embed.0.", "time_embedding.linear_1."),
         ("time_embed.2.", "time_embedding.linear_2."),
