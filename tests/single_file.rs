@@ -1516,15 +1516,15 @@ fn an_original_layout_controlnet_file_matches_diffusers() {
         2,
     );
 
-    let err = ControlNetModel::<B>::from_single_file(
+    let Err(err) = ControlNetModel::<B>::from_single_file(
         &controlnet_file(),
         None,
         burn::tensor::FloatDType::F32,
         &device,
-    )
-    .err()
-    .expect("the built-in config does not fit the tiny ControlNet")
-    .to_string();
+    ) else {
+        panic!("the built-in config does not fit the tiny ControlNet");
+    };
+    let err = err.to_string();
     assert!(
         err.contains("tiny-controlnet-sd1.safetensors") && err.contains("config"),
         "{err}"
