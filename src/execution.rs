@@ -148,6 +148,14 @@ impl PipelineBackend for Oxi {
                     .map(|(device, bytes)| (device.to_string(), bytes.sharded + bytes.replicated))
                     .collect();
             }
+            // ControlNets run in the denoiser's program: their weights are in its placement,
+            // counted under the denoiser.
+            for net in all
+                .iter_mut()
+                .filter(|c| c.component.starts_with("controlnet"))
+            {
+                net.memory.by_place.clear();
+            }
         }
         all
     }

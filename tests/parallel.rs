@@ -565,6 +565,13 @@ fn txt2img_tp_and_dp_need_compile_and_a_fitting_degree() {
 /// devices holds the same bytes, fewer than the one device (the split weights' halves); under
 /// `--dp` each holds them all.
 fn split_runs_match_one_device(model: &str, size: &str, splits: &[[&str; 2]]) {
+    split_runs_with(model, size, &[], splits)
+}
+
+/// [`split_runs_match_one_device`] with `common` flags on every run (ControlNets: their
+/// weights are in the denoiser's placement, so the one device's "whole" is the denoiser's and
+/// the ControlNets' bytes together).
+fn split_runs_with(model: &str, size: &str, common: &[&str], splits: &[[&str; 2]]) {
     let tmp = tempfile::tempdir().unwrap();
     let run = |name: &str, extra: &[&str]| {
         let out_path = tmp.path().join(name);
@@ -586,6 +593,7 @@ fn split_runs_match_one_device(model: &str, size: &str, splits: &[[&str; 2]]) {
                 "--json",
                 "--quiet",
             ])
+            .args(common)
             .args(extra)
             .env(XLA_CPU_DEVICES_ENV, "4")
             .arg("-o")
@@ -602,20 +610,35 @@ fn split_runs_match_one_device(model: &str, size: &str, splits: &[[&str; 2]]) {
         } else {
             &memory["transformer"]
         };
-        let places: Vec<(String, u64)> = denoiser["places"]
+        let places = |component: &serde_json::Value| -> Vec<(String, u64)> {
+            component["places"]
+                .as_object()
+                .unwrap_or_else(|| panic!("{model} {extra:?}: no memory places: {summary}"))
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
+                .collect()
+        };
+        let controlnets: u64 = memory
             .as_object()
-            .unwrap_or_else(|| panic!("{model} {extra:?}: no memory places: {summary}"))
+            .unwrap()
             .iter()
-            .map(|(k, v)| (k.clone(), v.as_u64().unwrap()))
-            .collect();
-        (image::open(&out_path).unwrap().to_rgb8(), places)
+            .filter(|(name, _)| name.starts_with("controlnet"))
+            .flat_map(|(_, c)| places(c))
+            .map(|(_, bytes)| bytes)
+            .sum();
+        (
+            image::open(&out_path).unwrap().to_rgb8(),
+            places(denoiser),
+            controlnets,
+        )
     };
-    let (single, one_device) = run("single.png", &[]);
+    let (single, one_device, controlnets) = run("single.png", &[]);
     assert_eq!(one_device.len(), 1, "{one_device:?}");
     assert_eq!(one_device[0].0, "xla:cpu:0");
-    let whole = one_device[0].1;
+    assert_eq!(controlnets > 0, !common.is_empty(), "{model} {common:?}");
+    let whole = one_device[0].1 + controlnets;
     for (k, extra) in splits.iter().enumerate() {
-        let (split, places) = run(&format!("split-{k}.png"), extra);
+        let (split, places, _) = run(&format!("split-{k}.png"), extra);
         eprintln!("{model} {extra:?}: denoiser bytes {places:?}, one device {whole}");
         let names: Vec<&str> = places.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["xla:cpu:0", "xla:cpu:1"], "{model} {extra:?}");
@@ -661,4 +684,84 @@ fn txt2img_tp_and_dp_for_sdxl_sd3_and_flux_write_the_image_of_one_device() {
     split_runs_match_one_device("tiny-sd3", "64", &[["--tp", "2"], ["--dp", "2"]]);
     // Flux dev is guidance-distilled (one transformer call per step, batch 1): tp only.
     split_runs_match_one_device("tiny-flux-dev", "64", &[["--tp", "2"]]);
+}
+
+/// The ControlNet pipelines split the UNet and their ControlNets over the devices (each by
+/// its plan, the controlled step one program): SD 1.x with two ControlNets, SDXL with one.
+#[test]
+fn txt2img_tp_with_controlnets_writes_the_image_of_one_device() {
+    if skip() {
+        return;
+    }
+    let image = common::fixtures().join("golden/controlnet-input.png");
+    let image = image.to_str().unwrap();
+    let (a, b, xl) = (
+        model_dir("tiny-controlnet-sd1"),
+        model_dir("tiny-controlnet-sd1-b"),
+        model_dir("tiny-controlnet-sdxl"),
+    );
+    let (a, b, xl) = (
+        a.to_str().unwrap(),
+        b.to_str().unwrap(),
+        xl.to_str().unwrap(),
+    );
+    let two = [
+        "--controlnet",
+        a,
+        "--control-image",
+        image,
+        "--controlnet",
+        b,
+        "--control-image",
+        image,
+    ];
+    split_runs_with("tiny-sd1", "64", &two, &[["--tp", "2"]]);
+    let one = ["--controlnet", xl, "--control-image", image, "--guess-mode"];
+    split_runs_with("tiny-sdxl", "64", &one, &[["--tp", "2"]]);
+}
+
+/// A ControlNet's plan splits exactly what the UNet's splits in the half it copies: the same
+/// checkpoint keys (the down and mid blocks' transformer layers), along the same dimensions,
+/// with the same widths for the degree to divide.
+#[test]
+fn a_controlnet_splits_the_layers_its_unet_splits_in_the_down_and_mid_blocks() {
+    use oxidiff::models::ControlNetModel;
+    type Cpu = common::B;
+    let device = Default::default();
+    let net =
+        ControlNetModel::<Cpu>::from_dir(&model_dir("tiny-controlnet-sd1"), None, &device).unwrap();
+    let unet =
+        UNet2DConditionModel::<Cpu>::from_dir(&model_dir("tiny-sd1").join("unet"), None, &device)
+            .unwrap();
+    let keys = |params: Vec<oxidiff::models::ShardedParam<Cpu>>| -> Vec<(String, usize, usize)> {
+        let mut v: Vec<_> = params
+            .into_iter()
+            .filter(|p| !p.key.starts_with("up_blocks."))
+            .map(|p| (p.key, p.split_dim, p.packed))
+            .collect();
+        v.sort();
+        v
+    };
+    let ours = keys(sharded_params(
+        &net,
+        &ControlNetModel::<Cpu>::tensor_parallel_plan(),
+    ));
+    assert!(!ours.is_empty());
+    assert_eq!(
+        ours,
+        keys(sharded_params(
+            &unet,
+            &UNet2DConditionModel::<Cpu>::tensor_parallel_plan()
+        ))
+    );
+    let widths = |w: Vec<oxidiff_parallel::ShardedWidth>| -> Vec<String> {
+        let mut v: Vec<String> = w
+            .iter()
+            .map(|w| format!("{w:?}"))
+            .filter(|w| !w.contains("up_blocks."))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(widths(net.sharded_widths()), widths(unet.sharded_widths()));
 }

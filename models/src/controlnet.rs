@@ -27,6 +27,7 @@ use crate::unet_layout::{
     check_added_condition, embed_added, embed_time, TimeEmbeddings, UNetLayout,
 };
 use crate::var_builder::{load_component, VarBuilder};
+use oxidiff_parallel::{ShardRule, ShardedWidth, TensorParallel, TensorParallelPlan};
 
 /// `controlnet/config.json`: a UNet config's down half plus the conditioning fields, with
 /// diffusers' defaults.
@@ -501,5 +502,53 @@ impl<B: Backend> ControlNetModel<B> {
             .collect();
         let mid = cast_to(pool(mid.mul_scalar(ramp(n))), caller) * scale;
         ControlResiduals { down, mid }
+    }
+}
+
+const CONTROLNET_RULES: [ShardRule; 20] = crate::unet_2d_condition::transformer_block_rules!(
+    "down_blocks.*.attentions.*.transformer_blocks.*",
+    "mid_block.attentions.*.transformer_blocks.*"
+);
+
+/// The ControlNet's plan is the UNet's on the half it copies: the transformer blocks of its
+/// down and mid blocks split as [`UNet2DConditionModel`]'s (GEGLU's packed columns grouped per
+/// device); the convolutions, the conditioning embedding and the zero convolutions stay
+/// replicated.
+impl<B: Backend> TensorParallel for ControlNetModel<B> {
+    fn tensor_parallel_plan() -> TensorParallelPlan {
+        TensorParallelPlan {
+            model: "ControlNetModel",
+            rules: &CONTROLNET_RULES,
+        }
+    }
+
+    fn set_tensor_parallel_degree(&mut self, tp: usize) {
+        let mut feed_forwards = Vec::new();
+        let attentions = self
+            .down_blocks
+            .iter_mut()
+            .flat_map(|b| b.attentions_mut().iter_mut())
+            .chain(self.mid_block.attentions_mut().iter_mut());
+        for transformer in attentions {
+            for block in &mut transformer.transformer_blocks {
+                feed_forwards.push(&mut block.ff);
+            }
+        }
+        crate::parallel::set_geglu_groups(&mut feed_forwards, tp);
+    }
+
+    fn sharded_widths(&self) -> Vec<ShardedWidth> {
+        let mut widths = Vec::new();
+        for (i, block) in self.down_blocks.iter().enumerate() {
+            widths.extend(crate::unet_2d_condition::attention_widths(
+                &format!("down_blocks.{i}"),
+                block.attentions(),
+            ));
+        }
+        widths.extend(crate::unet_2d_condition::attention_widths(
+            "mid_block",
+            self.mid_block.attentions(),
+        ));
+        widths
     }
 }

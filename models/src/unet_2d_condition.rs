@@ -379,26 +379,39 @@ impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
 
     fn sharded_widths(&self) -> Vec<ShardedWidth> {
         let mut widths = Vec::new();
-        let mut add = |prefix: String, attentions: &[Transformer2DModel<B>]| {
-            for (a, transformer) in attentions.iter().enumerate() {
-                for (t, block) in transformer.transformer_blocks.iter().enumerate() {
-                    widths.extend(block_widths(
-                        &format!("{prefix}.attentions.{a}.transformer_blocks.{t}"),
-                        &[("attn1", &block.attn1), ("attn2", &block.attn2)],
-                        &block.ff,
-                    ));
-                }
-            }
-        };
         for (i, block) in self.down_blocks.iter().enumerate() {
-            add(format!("down_blocks.{i}"), block.attentions());
+            widths.extend(attention_widths(
+                &format!("down_blocks.{i}"),
+                block.attentions(),
+            ));
         }
         if let Some(mid) = &self.mid_block {
-            add("mid_block".into(), mid.attentions());
+            widths.extend(attention_widths("mid_block", mid.attentions()));
         }
         for (i, block) in self.up_blocks.iter().enumerate() {
-            add(format!("up_blocks.{i}"), block.attentions());
+            widths.extend(attention_widths(
+                &format!("up_blocks.{i}"),
+                block.attentions(),
+            ));
         }
         widths
     }
+}
+
+/// The widths of the sharded layers of a block's transformers (`{prefix}.attentions.{a}`).
+pub(crate) fn attention_widths<B: Backend>(
+    prefix: &str,
+    attentions: &[Transformer2DModel<B>],
+) -> Vec<ShardedWidth> {
+    let mut widths = Vec::new();
+    for (a, transformer) in attentions.iter().enumerate() {
+        for (t, block) in transformer.transformer_blocks.iter().enumerate() {
+            widths.extend(block_widths(
+                &format!("{prefix}.attentions.{a}.transformer_blocks.{t}"),
+                &[("attn1", &block.attn1), ("attn2", &block.attn2)],
+                &block.ff,
+            ));
+        }
+    }
+    widths
 }

@@ -7,6 +7,9 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::FloatDType;
 use burn::tensor::Tensor;
+use std::sync::Arc;
+
+use oxidiff_backend_tpu::spmd::SpmdPlacement;
 use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::ToDevice;
 use oxidiff_models::{
@@ -18,6 +21,7 @@ use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
 use crate::error::{PipelineError, Result};
 use crate::image::preprocess_control;
 use crate::inpaint::InpaintCondition;
+use crate::parallel::ParallelConfig;
 use crate::stable_diffusion::combine_halves;
 
 /// One ControlNet's input: its conditioning image and how strongly and when it applies.
@@ -536,6 +540,14 @@ impl<B: Backend> ControlPrograms<B> {
         }
     }
 
+    /// The device mesh and weight shards both programs run on, after `enable_parallelism`.
+    pub fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>> {
+        match &self.plain {
+            ControlCall::Plain(c) => c.spmd_placement(),
+            ControlCall::Added(c) => c.spmd_placement(),
+        }
+    }
+
     /// Counts of both programs together.
     pub fn compile_stats(&self) -> CompileStats {
         let stats = |call: &ControlCall<B>| match call {
@@ -548,8 +560,13 @@ impl<B: Backend> ControlPrograms<B> {
 
 impl ControlPrograms<Oxi> {
     /// The programs of `unet` steered by `nets` (SDXL's added condition when the UNet takes
-    /// one); nothing is traced before the first call.
-    pub fn new(unet: &UNet2DConditionModel<Oxi>, nets: &[ControlNetModel<Oxi>]) -> Self {
+    /// one), partitioned over `placement`'s mesh when given ([`control_parallelism`]); nothing
+    /// is traced before the first call.
+    pub fn new(
+        unet: &UNet2DConditionModel<Oxi>,
+        nets: &[ControlNetModel<Oxi>],
+        placement: Option<Arc<SpmdPlacement>>,
+    ) -> Self {
         let xl = unet.add_embedding.is_some();
         let build = |guess: bool| {
             let (unet, nets) = (unet.clone(), nets.to_vec());
@@ -590,10 +607,10 @@ impl ControlPrograms<Oxi> {
                     };
                     run(inputs, Some(added))
                 };
-                ControlCall::Added(CompiledCall::new(name, step, None, Vec::new()))
+                ControlCall::Added(CompiledCall::new(name, step, placement.clone(), Vec::new()))
             } else {
                 let step = move |inputs: ControlInputs<Oxi>| run(inputs, None);
-                ControlCall::Plain(CompiledCall::new(name, step, None, Vec::new()))
+                ControlCall::Plain(CompiledCall::new(name, step, placement.clone(), Vec::new()))
             }
         };
         Self {
@@ -630,13 +647,33 @@ pub(crate) fn model_input(e: ModelError) -> PipelineError {
     }
 }
 
-/// What `enable_parallelism` of the ControlNet pipelines says.
+/// What `enable_parallelism` of the SD3 and Flux ControlNet pipelines says.
 pub(crate) fn not_parallel() -> PipelineError {
     PipelineError::Compile(
-        "tensor and data parallelism are not implemented for ControlNet pipelines yet; drop \
-         --tp/--dp (--compile works)"
+        "tensor and data parallelism are not implemented for SD3 and Flux ControlNet \
+         pipelines yet; drop --tp/--dp (--compile works)"
             .into(),
     )
+}
+
+/// `enable_parallelism` of the SD and SDXL ControlNet pipelines: tensor parallelism splits the
+/// UNet and every ControlNet by their plans over one mesh (the controlled step is one program;
+/// every input whole). Data parallelism is refused: the control images hold one block of
+/// rows per ControlNet, which a batch split would cut across.
+pub(crate) fn control_parallelism(
+    unet: &mut UNet2DConditionModel<Oxi>,
+    nets: &mut [ControlNetModel<Oxi>],
+    config: ParallelConfig,
+) -> Result<Arc<SpmdPlacement>> {
+    if config.dp() > 1 {
+        return Err(PipelineError::Compile(
+            "data parallelism is not implemented for ControlNet pipelines; drop --dp (--tp \
+             splits the UNet and the ControlNets)"
+                .into(),
+        ));
+    }
+    let device = unet.conv_in.weight.device();
+    crate::parallel::enable_parallelism_with(unet, nets, &device, config)
 }
 
 /// `nets` for a pipeline whose denoiser is on `device`: at least one, each accepted by `fits`

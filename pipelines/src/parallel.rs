@@ -64,7 +64,21 @@ pub fn enable_parallelism<M>(
 where
     M: Module<Oxi> + TensorParallel,
 {
-    let widths = model.sharded_widths();
+    enable_parallelism_with::<M, M>(model, &mut [], device, config)
+}
+
+/// [`enable_parallelism`] for a model and the models that run with it in one program (the
+/// UNet and its ControlNets): each checked against its own plan, all split over one mesh.
+pub fn enable_parallelism_with<M, N>(
+    model: &mut M,
+    with: &mut [N],
+    device: &OxiDevice,
+    config: ParallelConfig,
+) -> Result<Arc<SpmdPlacement>>
+where
+    M: Module<Oxi> + TensorParallel,
+    N: Module<Oxi> + TensorParallel,
+{
     let available = match (device, pjrt_client(device)) {
         (OxiDevice::Pjrt { index, .. }, Some(client)) => {
             client.platform_device_count().saturating_sub(*index)
@@ -72,18 +86,33 @@ where
         _ => 1,
     };
     let device_name = device.to_string();
-    config.validate(&ParallelTarget {
-        model: M::tensor_parallel_plan().model,
-        widths: &widths,
-        device: &device_name,
-        devices_available: available,
-        compiled_pjrt: device.is_pjrt(),
-    })?;
-    model.set_tensor_parallel_degree(config.tp());
-    let split = split_weights::<Oxi, M>(model, &config);
+    let validate = |model: &'static str, widths: Vec<oxidiff_parallel::ShardedWidth>| {
+        config.validate(&ParallelTarget {
+            model,
+            widths: &widths,
+            device: &device_name,
+            devices_available: available,
+            compiled_pjrt: device.is_pjrt(),
+        })
+    };
+    validate(M::tensor_parallel_plan().model, model.sharded_widths())?;
+    for net in with.iter() {
+        validate(N::tensor_parallel_plan().model, net.sharded_widths())?;
+    }
+    let set_degree = |model: &mut M, with: &mut [N], tp: usize| {
+        model.set_tensor_parallel_degree(tp);
+        for net in with.iter_mut() {
+            net.set_tensor_parallel_degree(tp);
+        }
+    };
+    set_degree(model, with, config.tp());
+    let mut split = split_weights::<Oxi, M>(model, &config);
+    for net in with.iter() {
+        split.extend(split_weights::<Oxi, N>(net, &config));
+    }
     let placement = SpmdPlacement::new(device, Mesh::new(config.dp(), config.tp()), &split)
         .map_err(|e| {
-            model.set_tensor_parallel_degree(1);
+            set_degree(model, with, 1);
             PipelineError::Device(e)
         })?;
     // What a staged load left on the host (the replicated weights, the other components)

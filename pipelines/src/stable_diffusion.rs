@@ -445,7 +445,7 @@ impl StableDiffusionPipeline<Oxi> {
         Ok(())
     }
 
-    fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) {
+    pub(crate) fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) {
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
         let unet = self.unet.clone();

@@ -833,7 +833,7 @@ impl StableDiffusionXLPipeline<Oxi> {
         self.compile_on(Some(placement))
     }
 
-    fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
+    pub(crate) fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
         crate::parallel::require_pjrt("UNet", &self.unet.conv_in.weight.device())?;
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder_2, "text_encoder_2");

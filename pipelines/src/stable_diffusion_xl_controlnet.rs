@@ -17,7 +17,7 @@ use oxidiff_schedulers::{NoiseSource, TorchCpuGenerator};
 
 use crate::compiled::{CompileStats, ComponentStats};
 use crate::control::{
-    attach, load_each, merged_component_stats, not_parallel, unet_controlnet_fits,
+    attach, control_parallelism, load_each, merged_component_stats, unet_controlnet_fits,
     with_controlnet_memory, ControlPrograms, ControlRequest, ControlStep, Controls,
 };
 use crate::denoise::{check_request, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo};
@@ -56,14 +56,28 @@ impl StableDiffusionXLControlNetPipeline<Oxi> {
     /// on a PJRT device.
     pub fn compile(&mut self) -> Result<()> {
         self.pipe.compile()?;
-        self.programs = Some(ControlPrograms::new(&self.pipe.unet, &self.controlnets));
+        self.programs = Some(ControlPrograms::new(
+            &self.pipe.unet,
+            &self.controlnets,
+            None,
+        ));
         Ok(())
     }
 
-    /// Tensor and data parallelism are not implemented for ControlNet pipelines yet: an error
-    /// saying so (`compile` works).
-    pub fn enable_parallelism(&mut self, _config: impl Into<ParallelConfig>) -> Result<()> {
-        Err(not_parallel())
+    /// Tensor parallelism, as the base pipeline's `enable_parallelism`: the UNet and every
+    /// ControlNet split by their plans over `tp_degree` devices, the controlled step one
+    /// program partitioned by XLA. Data parallelism is refused (`--dp`), as is anything the
+    /// base pipeline refuses, before anything moves.
+    pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        let placement =
+            control_parallelism(&mut self.pipe.unet, &mut self.controlnets, config.into())?;
+        self.pipe.compile_on(Some(placement.clone()))?;
+        self.programs = Some(ControlPrograms::new(
+            &self.pipe.unet,
+            &self.controlnets,
+            Some(placement),
+        ));
+        Ok(())
     }
 
     /// Compiled mode's counts (`None` when eager): the controlled step's programs and the
@@ -82,11 +96,11 @@ impl StableDiffusionXLControlNetPipeline<Oxi> {
 }
 
 impl<B: Backend> StableDiffusionXLControlNetPipeline<B> {
-    /// The denoiser's device mesh and weight shards: none, the pipeline runs eagerly.
+    /// The denoiser's device mesh and weight shards, after `enable_parallelism`.
     pub fn spmd_placement(
         &self,
     ) -> Option<&std::sync::Arc<oxidiff_backend_tpu::spmd::SpmdPlacement>> {
-        None
+        self.programs.as_ref()?.spmd_placement()
     }
 
     /// What each component's weights hold and where (`place` names a device): `txt2img

@@ -323,7 +323,8 @@ fn an_sdxl_folder_takes_sdxl_controlnets_and_refuses_sd1_ones() {
         2,
     );
 
-    // Compiled on XLA's CPU plugin: the same image, and --tp is refused before loading.
+    // Compiled on XLA's CPU plugin: the same image, and --dp is refused before loading (--tp
+    // is tests/parallel.rs's).
     let compiled = tmp.path().join("compiled.png");
     let mut flags = flags.to_vec();
     flags.extend(["--device", "xla:cpu", "--compile", "--json"]);
@@ -334,10 +335,10 @@ fn an_sdxl_folder_takes_sdxl_controlnets_and_refuses_sd1_ones() {
         "controlnet-sdxl-guess.png",
         2,
     );
-    flags.extend(["--tp", "2"]);
-    let (log, code) = run_on("tiny-sdxl", "5.0", &tmp.path().join("tp.png"), &flags);
+    flags.extend(["--dp", "2"]);
+    let (log, code) = run_on("tiny-sdxl", "5.0", &tmp.path().join("dp.png"), &flags);
     assert_eq!(code, Some(2), "{log}");
-    assert!(log.contains("drop --tp/--dp"), "{log}");
+    assert!(log.contains("drop --dp"), "{log}");
 
     let refused = tmp.path().join("refused.png");
     let flags = ["--controlnet", &sd1_net, "--control-image", &image];

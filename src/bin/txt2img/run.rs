@@ -93,9 +93,11 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     }
     usage::finite("--true-cfg-scale", args.true_cfg_scale)?;
     args.control.check(args.max_pixels)?;
-    if args.control.active() && (args.tp != 1 || args.dp != 1) {
+    if args.control.active() && args.dp != 1 {
         return Err(UsageError(
-            "--controlnet does not split over devices yet: drop --tp/--dp (--compile works)".into(),
+            "--controlnet does not split the batch over devices: drop --dp (--tp splits the UNet \
+             and the ControlNets)"
+                .into(),
         ));
     }
     Ok(())
