@@ -2,9 +2,11 @@
 //! device, burn-flex's runner for the CPU and the eager PJRT client for PJRT
 //! devices, and a bridge that moves tensors between them through host memory.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll, Wake};
 
 use burn_backend::{DType, DTypeUsageSet, ExecutionError, Shape, TensorData};
@@ -60,14 +62,18 @@ impl RunnerClient for OxiClient {
 
     fn create_empty_handle(&self) -> TensorId {
         match self {
-            Self::Cpu(runner) => runner.create_empty_handle(),
+            Self::Cpu(_) => cpu_tensor_id(),
             Self::Pjrt(client) => client.create_empty_handle(),
         }
     }
 
     fn register_tensor_data(&self, data: TensorData) -> RouterTensor<Self> {
         let ir = match self {
-            Self::Cpu(runner) => runner.register_tensor_data_desc(data),
+            Self::Cpu(runner) => {
+                let (id, shape, dtype) = (cpu_tensor_id(), data.shape.clone(), data.dtype);
+                runner.register_tensor_data_id(id, data);
+                return RouterTensor::new(id, shape, dtype, self.clone());
+            }
             Self::Pjrt(client) => client.register_tensor_data_ir(data),
         };
         RouterTensor::new(ir.id, ir.shape, ir.dtype, self.clone())
@@ -93,6 +99,16 @@ impl RunnerClient for OxiClient {
             Self::Pjrt(client) => client.dtype_usage(dtype),
         }
     }
+}
+
+/// A new id for a tensor of the CPU device. burn-router's runner counts its ids in a `static`
+/// of its own, which evcxr's cells each have a copy of; the shared runner's ids come from one
+/// process-wide counter instead ([`crate::process`]).
+fn cpu_tensor_id() -> TensorId {
+    struct Ids(AtomicU64);
+    static IDS: OnceLock<&'static Ids> = OnceLock::new();
+    let ids = IDS.get_or_init(|| crate::process::shared(|| Ids(AtomicU64::new(0))));
+    TensorId::new(ids.0.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Moves tensors between devices as host data: the handle of a tensor in
@@ -133,13 +149,23 @@ impl RunnerChannel for OxiChannel {
         }
     }
 
+    /// The device's one client of the process ([`crate::process`]): every copy of this
+    /// crate in the process (evcxr's cells) serves a device's tensors from the same client.
     fn init_client(device: &OxiDevice) -> OxiClient {
-        match device {
-            OxiDevice::Cpu => OxiClient::Cpu(Runner::new(FlexDevice)),
-            OxiDevice::Pjrt { platform, index } => {
-                OxiClient::Pjrt(PjrtClient::new(platform.clone(), *index))
-            }
-        }
+        #[derive(Default)]
+        struct Clients(Mutex<HashMap<OxiDevice, OxiClient>>);
+        static CLIENTS: OnceLock<&'static Clients> = OnceLock::new();
+        let clients = CLIENTS.get_or_init(|| crate::process::shared(Clients::default));
+        let mut clients = clients.0.lock().unwrap_or_else(|p| p.into_inner());
+        clients
+            .entry(device.clone())
+            .or_insert_with(|| match device {
+                OxiDevice::Cpu => OxiClient::Cpu(Runner::new(FlexDevice)),
+                OxiDevice::Pjrt { platform, index } => {
+                    OxiClient::Pjrt(PjrtClient::new(platform.clone(), *index))
+                }
+            })
+            .clone()
     }
 
     /// Reads the tensor to the host. A failed read (an earlier operation of

@@ -166,8 +166,11 @@ fn parse_index(device: &str, index: &str) -> Result<usize, DeviceError> {
 /// Plugin paths seen in devices, so that a [`DeviceId`] (two numbers) can
 /// name a path platform: type id `PATH_TYPE_BASE + position`.
 fn path_registry() -> &'static Mutex<Vec<PathBuf>> {
-    static PATHS: OnceLock<Mutex<Vec<PathBuf>>> = OnceLock::new();
-    PATHS.get_or_init(|| Mutex::new(Vec::new()))
+    struct Paths(Mutex<Vec<PathBuf>>);
+    static PATHS: OnceLock<&'static Paths> = OnceLock::new();
+    &PATHS
+        .get_or_init(|| crate::process::shared(|| Paths(Mutex::new(Vec::new()))))
+        .0
 }
 
 const PATH_TYPE_BASE: u16 = 16;

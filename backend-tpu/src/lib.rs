@@ -41,6 +41,7 @@ mod host;
 pub mod lowering;
 pub mod pjrt;
 pub mod platform;
+mod process;
 mod recording;
 pub mod spmd;
 pub(crate) mod staging;

@@ -55,10 +55,13 @@ pub const XLA_CPU_DEVICES_ENV: &str = "OXIDIFF_XLA_CPU_DEVICES";
 
 /// The process-wide PJRT client of a platform, created on first use.
 pub fn shared_client(platform: &PjrtPlatform) -> pjrt::Result<Client> {
-    type Clients = Mutex<HashMap<PjrtPlatform, Client>>;
-    static CLIENTS: OnceLock<Clients> = OnceLock::new();
+    /// Once per process ([`crate::process`]).
+    #[derive(Default)]
+    struct Clients(Mutex<HashMap<PjrtPlatform, Client>>);
+    static CLIENTS: OnceLock<&'static Clients> = OnceLock::new();
     let mut clients = CLIENTS
-        .get_or_init(Default::default)
+        .get_or_init(|| crate::process::shared(Clients::default))
+        .0
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(client) = clients.get(platform) {

@@ -1,10 +1,13 @@
 //! The recording of a compiled function's trace: while a thread traces for a
 //! device, the eager client hands each op it is given to [`intercept`], which
-//! keeps it instead of running it. Thread-local, so other threads and devices
+//! keeps it instead of running it. Per thread, so other threads and devices
 //! stay eager. Compiled mode starts and ends recordings; eager mode only asks.
+//! Kept by thread id in process-wide state, not in a `thread_local`: see [`crate::process`].
 
-use std::cell::RefCell;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::thread::ThreadId;
 
 use burn_ir::{OperationIr, TensorId, TensorStatus};
 
@@ -45,8 +48,32 @@ impl Recording {
     }
 }
 
-thread_local! {
-    static RECORDING: RefCell<Option<Recording>> = const { RefCell::new(None) };
+/// The recordings in progress, by thread, once per process ([`crate::process`]): the code
+/// that starts a trace and the eager client that hands it ops may be different copies of this
+/// crate (evcxr cells).
+#[derive(Default)]
+struct Recordings {
+    /// How many threads are recording: eager ops skip the lock while none is.
+    active: AtomicUsize,
+    by_thread: Mutex<HashMap<ThreadId, Recording>>,
+}
+
+fn recordings() -> &'static Recordings {
+    static RECORDINGS: OnceLock<&'static Recordings> = OnceLock::new();
+    RECORDINGS.get_or_init(|| crate::process::shared(Recordings::default))
+}
+
+/// Runs `f` on this thread's recording, if it has one.
+fn with_mine<R>(f: impl FnOnce(&mut Recording) -> R) -> Option<R> {
+    let recordings = recordings();
+    if recordings.active.load(Ordering::Acquire) == 0 {
+        return None;
+    }
+    let mut by_thread = recordings
+        .by_thread
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    by_thread.get_mut(&std::thread::current().id()).map(f)
 }
 
 /// Records `op` if this thread is tracing for the device `device()` names;
@@ -56,12 +83,10 @@ pub(crate) fn intercept(
     device: impl FnOnce() -> OxiDevice,
 ) -> Option<OperationIr> {
     let mut op = Some(op);
-    let _ = RECORDING.try_with(|cell| {
-        if let Some(recording) = cell.borrow_mut().as_mut() {
-            if recording.device == device() {
-                if let Some(op) = op.take() {
-                    recording.record(op);
-                }
+    with_mine(|recording| {
+        if recording.device == device() {
+            if let Some(op) = op.take() {
+                recording.record(op);
             }
         }
     });
@@ -70,33 +95,44 @@ pub(crate) fn intercept(
 
 /// Whether this thread is tracing for `device`.
 pub(crate) fn is_tracing(device: &OxiDevice) -> bool {
-    RECORDING
-        .try_with(|cell| cell.borrow().as_ref().is_some_and(|r| &r.device == device))
-        .unwrap_or(false)
+    with_mine(|recording| &recording.device == device).unwrap_or(false)
 }
 
 pub(crate) fn tracing_any() -> bool {
-    RECORDING
-        .try_with(|cell| cell.borrow().is_some())
-        .unwrap_or(false)
+    with_mine(|_| ()).is_some()
 }
 
 /// Starts recording this thread's ops on `device`.
 pub(crate) fn start(device: OxiDevice) {
-    RECORDING.with(|cell| {
-        *cell.borrow_mut() = Some(Recording {
-            device,
-            ops: Vec::new(),
-            produced: HashSet::new(),
-            released: Vec::new(),
-        })
-    });
+    let recordings = recordings();
+    let mut by_thread = recordings
+        .by_thread
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let recording = Recording {
+        device,
+        ops: Vec::new(),
+        produced: HashSet::new(),
+        released: Vec::new(),
+    };
+    if by_thread
+        .insert(std::thread::current().id(), recording)
+        .is_none()
+    {
+        recordings.active.fetch_add(1, Ordering::Release);
+    }
 }
 
 /// Ends this thread's recording and returns it (`None` when there is none).
 pub(crate) fn take() -> Option<Recording> {
-    RECORDING
-        .try_with(|cell| cell.borrow_mut().take())
-        .ok()
-        .flatten()
+    let recordings = recordings();
+    let mut by_thread = recordings
+        .by_thread
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let taken = by_thread.remove(&std::thread::current().id());
+    if taken.is_some() {
+        recordings.active.fetch_sub(1, Ordering::Release);
+    }
+    taken
 }

@@ -124,12 +124,21 @@ impl RunnerChannel for TraceChannel {
         format!("trace<{device}>")
     }
 
+    /// The device's one client of the process ([`crate::process`]).
     fn init_client(device: &OxiDevice) -> TraceClient {
-        TraceClient {
-            device: device.clone(),
-            ops: Arc::default(),
-            next_id: Arc::default(),
-        }
+        #[derive(Default)]
+        struct Clients(Mutex<std::collections::HashMap<OxiDevice, TraceClient>>);
+        static CLIENTS: std::sync::OnceLock<&'static Clients> = std::sync::OnceLock::new();
+        let clients = CLIENTS.get_or_init(|| crate::process::shared(Clients::default));
+        let mut clients = clients.0.lock().unwrap_or_else(|p| p.into_inner());
+        clients
+            .entry(device.clone())
+            .or_insert_with(|| TraceClient {
+                device: device.clone(),
+                ops: Arc::default(),
+                next_id: Arc::default(),
+            })
+            .clone()
     }
 
     /// Traced tensors have no values to move.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::tensors::Tensors;
 use super::trace::Signature;
-use super::{lock, CompileError, CompiledFn, COMPILES};
+use super::{compiles, lock, CompileError, CompiledFn};
 use crate::compile_cache::{disk_key, entry_path, load_executable, store_executable};
 use crate::device::OxiDevice;
 use crate::pjrt::{self, CompileOptions, LoadedExecutable};
@@ -134,7 +134,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         let compiled = match loaded {
             Some(exe) => Ok(exe),
             None => pjrt_client.compile(module, &options).inspect(|exe| {
-                COMPILES.fetch_add(1, Ordering::Relaxed);
+                compiles().fetch_add(1, Ordering::Relaxed);
                 if let Some(path) = &disk {
                     if let Err(e) = store_executable(path, &key, exe) {
                         eprintln!(

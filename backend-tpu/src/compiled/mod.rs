@@ -73,7 +73,15 @@ pub use crate::compile_cache::{COMPILE_CACHE_ENV, LOG_COMPILES_ENV};
 /// the default), for comparisons.
 pub const KERNELS_LAST_ENV: &str = "OXIDIFF_KERNELS_LAST";
 
-static COMPILES: AtomicU64 = AtomicU64::new(0);
+/// XLA compiles of compiled mode, once per process ([`crate::process`]).
+pub(crate) struct Compiles(pub(crate) AtomicU64);
+
+pub(crate) fn compiles() -> &'static AtomicU64 {
+    static COMPILES: std::sync::OnceLock<&'static Compiles> = std::sync::OnceLock::new();
+    &COMPILES
+        .get_or_init(|| crate::process::shared(|| Compiles(AtomicU64::new(0))))
+        .0
+}
 
 fn kernels_last() -> bool {
     std::env::var(KERNELS_LAST_ENV).map_or(true, |v| v != "0")
@@ -82,7 +90,7 @@ fn kernels_last() -> bool {
 /// XLA compiles run by every [`CompiledFn`] of the process so far (loads
 /// from the disk cache do not count).
 pub fn compile_count() -> u64 {
-    COMPILES.load(Ordering::Relaxed)
+    compiles().load(Ordering::Relaxed)
 }
 
 /// Why a compiled function could not run.

@@ -173,7 +173,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                 transposes.loaded += 1;
             } else {
                 transposes.compiled += 1;
-                super::COMPILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                super::compiles().fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             transposes.programs.insert(module.clone(), exe);
         }

@@ -42,9 +42,14 @@ impl std::fmt::Debug for Plugin {
     }
 }
 
+/// The plugins loaded, by path: once per process ([`crate::process`]).
+struct Loaded(Mutex<HashMap<PathBuf, Plugin>>);
+
 fn registry() -> &'static Mutex<HashMap<PathBuf, Plugin>> {
-    static LOADED: OnceLock<Mutex<HashMap<PathBuf, Plugin>>> = OnceLock::new();
-    LOADED.get_or_init(|| Mutex::new(HashMap::new()))
+    static LOADED: OnceLock<&'static Loaded> = OnceLock::new();
+    &LOADED
+        .get_or_init(|| crate::process::shared(|| Loaded(Mutex::new(HashMap::new()))))
+        .0
 }
 
 impl Plugin {
