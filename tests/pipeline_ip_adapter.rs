@@ -1,6 +1,6 @@
 //! IP-Adapter against diffusers (tools/golden/make_ip_adapter.py): the CLIP image processor and
 //! image encoder, the image projection (with the zero-embedding negative), and whole tiny SD 1.x
-//! and SDXL runs within 2 PNG levels; scale 0 gives the plain pipeline's image and a non-zero
+//! (text to image and image to image) and SDXL runs within 2 PNG levels; scale 0 gives the plain pipeline's image and a non-zero
 //! scale another; bad weight files are refused with errors naming the file and the fix.
 
 mod common;
@@ -9,8 +9,8 @@ use burn::tensor::{Tensor, TensorData};
 use common::{assert_png_close, fixtures, model_dir, png_level_diff, Golden, B};
 use oxidiff::models::ClipVisionModelWithProjection;
 use oxidiff::pipelines::{
-    ClipImageProcessor, GenerateRequest, IpAdapter, LoadOptions, StableDiffusionPipeline,
-    StableDiffusionXLPipeline, XlRequest,
+    ClipImageProcessor, GenerateRequest, IpAdapter, LoadOptions, StableDiffusionImg2ImgPipeline,
+    StableDiffusionPipeline, StableDiffusionXLPipeline, XlRequest,
 };
 
 /// Pixels and embeddings are f32 sums over a few dozen terms; 1 and 2 torch threads already
@@ -134,6 +134,24 @@ fn sd1_with_ip_adapter_matches_diffusers_and_scale_zero_is_the_plain_image() {
     assert_eq!(
         png_level_diff(&plain, &sd1_png(&mut pipe, &request(None))),
         0
+    );
+}
+
+#[test]
+fn sd1_img2img_with_ip_adapter_matches_diffusers() {
+    let mut pipe = sd1();
+    pipe.load_ip_adapter(&adapter_dir().join("ip-adapter_sd1.safetensors"), None)
+        .unwrap();
+    pipe.set_ip_adapter_scale(0.8).unwrap();
+    let mut edit = StableDiffusionImg2ImgPipeline::from(pipe);
+    let init = image::open(fixtures().join("golden").join("img2img-input.png")).unwrap();
+    let out = edit
+        .generate(&request(Some(input_image())), &init, 0.75)
+        .unwrap();
+    assert_png_close(
+        &out.images.unwrap().to_rgb8(0).unwrap(),
+        "ip-adapter-sd1-img2img.png",
+        2,
     );
 }
 

@@ -26,6 +26,8 @@ Writes:
 - tests/fixtures/golden/ip-adapter-sd1.png and ip-adapter-sdxl.png: whole pipeline runs
   (prompt below, negative prompt "blurry", 4 steps, seed 42, 64x64; guidance 7.5 with PNDM for
   SD 1.x, 5.0 with Euler for SDXL) at `set_ip_adapter_scale(0.8)`.
+- tests/fixtures/golden/ip-adapter-sd1-img2img.png: `StableDiffusionImg2ImgPipeline.from_pipe`
+  of the SD 1.x run on golden/img2img-input.png at strength 0.75, otherwise the same.
 - tests/fixtures/golden/ip-adapter.json: the settings and the attention processor names in
   order.
 Reruns give identical bytes.
@@ -142,6 +144,17 @@ def main():
                    guidance_scale=guidance, generator=torch.Generator().manual_seed(42)).images[0]
         out.save(os.path.join(sd.GOLDEN, f"ip-adapter-{name}.png"))
         info[f"{name}_guidance"] = guidance
+        if name == "sd1":
+            # Image to image shares the pipeline's IP-Adapter (diffusers' from_pipe).
+            from diffusers import StableDiffusionImg2ImgPipeline
+            edit = StableDiffusionImg2ImgPipeline.from_pipe(pipe)
+            edit.set_progress_bar_config(disable=True)
+            init = PIL.Image.open(os.path.join(sd.GOLDEN, "img2img-input.png")).convert("RGB")
+            out = edit(PROMPT, image=init, strength=0.75, negative_prompt="blurry",
+                       ip_adapter_image=image, num_inference_steps=4, guidance_scale=guidance,
+                       generator=torch.Generator().manual_seed(42)).images[0]
+            out.save(os.path.join(sd.GOLDEN, "ip-adapter-sd1-img2img.png"))
+            info["img2img_strength"] = 0.75
     save_canonical(os.path.join(sd.GOLDEN, "ip-adapter.safetensors"), tensors)
     save_json(os.path.join(sd.GOLDEN, "ip-adapter.json"), info)
 
