@@ -6,6 +6,9 @@ use std::path::PathBuf;
 use crate::cli::UsageError;
 use crate::files::check_regular;
 
+/// The PNG field naming the IP-Adapter (and, with ` image` and ` scale`, its image and scale).
+pub const IP_ADAPTER_FIELD: &str = "IP-Adapter";
+
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct IpAdapterArgs {
     /// An IP-Adapter weight file (SD 1.x/2.x and SDXL; the original h94 layout as diffusers'
@@ -85,6 +88,64 @@ impl IpAdapterArgs {
                 })
             })
             .transpose()
+    }
+
+    /// The PNG fields that record the adapter: `IP-Adapter` (the weight file's name),
+    /// `IP-Adapter image` (the image's file name) and `IP-Adapter scale`.
+    pub fn png_fields(&self) -> Vec<(String, String)> {
+        let (Some(file), Some(image)) = (&self.ip_adapter, &self.ip_adapter_image) else {
+            return Vec::new();
+        };
+        let name = |p: &std::path::Path| {
+            p.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| p.display().to_string())
+        };
+        vec![
+            (IP_ADAPTER_FIELD.into(), name(file)),
+            (format!("{IP_ADAPTER_FIELD} image"), name(image)),
+            (
+                format!("{IP_ADAPTER_FIELD} scale"),
+                self.scale().to_string(),
+            ),
+        ]
+    }
+
+    /// `--from-png`: a PNG made with an IP-Adapter needs the adapter and its image given
+    /// again (the PNG records only their names); the scale comes from the PNG unless
+    /// --ip-adapter-scale is given.
+    pub fn from_png_fields(
+        &mut self,
+        extra: &[(String, String)],
+        png: &std::path::Path,
+    ) -> Result<(), UsageError> {
+        let field = |key: &str| extra.iter().find(|(k, _)| k == key).map(|(_, v)| v);
+        let Some(name) = field(IP_ADAPTER_FIELD) else {
+            return Ok(());
+        };
+        if self.ip_adapter.is_none() {
+            let image = field(&format!("{IP_ADAPTER_FIELD} image"))
+                .map(|i| format!(" with the image prompt {i}"))
+                .unwrap_or_default();
+            return Err(UsageError(format!(
+                "{} was made with the IP-Adapter {name}{image}: pass --ip-adapter FILE and \
+                 --ip-adapter-image FILE to make it again",
+                png.display()
+            )));
+        }
+        if self.ip_adapter_scale.is_none() {
+            if let Some(scale) = field(&format!("{IP_ADAPTER_FIELD} scale")) {
+                let scale = scale.parse::<f64>().map_err(|_| {
+                    UsageError(format!(
+                        "{}: its `{IP_ADAPTER_FIELD} scale` field is not a number ({scale}); \
+                         pass --ip-adapter-scale S",
+                        png.display()
+                    ))
+                })?;
+                self.ip_adapter_scale = Some(scale);
+            }
+        }
+        Ok(())
     }
 
     /// The scale, 1 when not given.

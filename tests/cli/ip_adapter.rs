@@ -1,7 +1,7 @@
 //! `--ip-adapter`, `--ip-adapter-image`, `--ip-adapter-scale` and
 //! `--ip-adapter-image-encoder` through txt2img against diffusers' IP-Adapter pipelines
-//! (tools/golden/make_ip_adapter.py), and bad input refused with one-line errors and nothing
-//! written.
+//! (tools/golden/make_ip_adapter.py), the PNG fields `--from-png` reads back, and bad input
+//! refused with one-line errors and nothing written.
 
 use std::path::Path;
 
@@ -71,6 +71,37 @@ fn ip_adapter_flags_match_diffusers_for_sd1_and_sdxl() {
         &image::open(&sd1).unwrap().to_rgb8(),
         "ip-adapter-sd1.png",
         2,
+    );
+
+    // The PNG records the adapter; --from-png needs its files again and restores the scale.
+    let again = tmp.path().join("again.png");
+    let from_png = |extra: &[&str]| {
+        let mut args = vec![
+            "--from-png",
+            sd1.to_str().unwrap(),
+            "--quiet",
+            "-o",
+            again.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        txt2img(&args)
+    };
+    let refused = from_png(&[]);
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    let log = stderr(&refused);
+    assert!(
+        log.contains(
+            "IP-Adapter ip-adapter_sd1.safetensors with the image prompt ip-adapter-input.png"
+        ),
+        "{log}"
+    );
+    assert!(!again.exists());
+    let sd1_file = adapter("ip-adapter_sd1.safetensors");
+    let made = from_png(&["--ip-adapter", &sd1_file, "--ip-adapter-image", &image]);
+    assert!(made.status.success(), "{}", stderr(&made));
+    assert_eq!(
+        image::open(&again).unwrap().to_rgb8(),
+        image::open(&sd1).unwrap().to_rgb8()
     );
 
     // SDXL, with the image encoder folder named explicitly.

@@ -486,6 +486,7 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
                             extra.push((LATENTS_FIELD.to_string(), file_name(path)));
                         }
                         extra.extend(args.control.png_fields());
+                        extra.extend(args.ip_adapter.png_fields());
                         extra.extend(closing_fields(&loras));
                         let parameters = GenerationParameters {
                             prompt: prompt_with_tags(&prompt, &loras),
