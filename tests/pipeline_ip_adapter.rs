@@ -1,6 +1,7 @@
 //! IP-Adapter against diffusers (tools/golden/make_ip_adapter.py): the CLIP image processor and
-//! image encoder, the image projection (with the zero-embedding negative), and whole tiny SD 1.x
-//! (text to image and image to image) and SDXL runs within 2 PNG levels; scale 0 gives the plain pipeline's image and a non-zero
+//! image encoder, the image projection (with the zero-embedding negative), IP-Adapter Plus's
+//! resampler on the penultimate hidden states, and whole tiny SD 1.x (text to image, image to
+//! image, Plus) and SDXL runs within 2 PNG levels; scale 0 gives the plain pipeline's image and a non-zero
 //! scale another; bad weight files are refused with errors naming the file and the fix.
 
 mod common;
@@ -134,6 +135,47 @@ fn sd1_with_ip_adapter_matches_diffusers_and_scale_zero_is_the_plain_image() {
     assert_eq!(
         png_level_diff(&plain, &sd1_png(&mut pipe, &request(None))),
         0
+    );
+}
+
+#[test]
+fn ip_adapter_plus_resampler_and_pipeline_match_diffusers() {
+    let golden = Golden::load("ip-adapter");
+    let mut pipe = sd1();
+    let plain = sd1_png(&mut pipe, &request(None));
+    pipe.load_ip_adapter(&adapter_dir().join("ip-adapter-plus_sd1.safetensors"), None)
+        .unwrap();
+    let adapter = pipe.ip_adapter.as_ref().unwrap();
+    // The encoder's `hidden_states[-2]`, then the resampler (negative: an all-zero image).
+    let (pixels, _) = golden.host("pixel_values");
+    let input =
+        Tensor::<B, 4>::from_data(TensorData::new(pixels, [1, 3, 64, 64]), &Default::default());
+    let hidden = adapter
+        .image_encoder
+        .penultimate_hidden_state(input)
+        .unwrap();
+    let (expected, shape) = golden.host("plus.hidden_states");
+    assert_eq!(hidden.dims().to_vec(), shape);
+    let diff = max_abs_diff(&host(hidden), &expected);
+    eprintln!("penultimate hidden states: max difference {diff:e}");
+    assert!(diff <= TOL, "hidden states differ by {diff}");
+    let tokens = adapter.image_tokens(&input_image(), 1, true).unwrap();
+    assert_eq!(tokens.dims(), [2, 6, 32]);
+    let (uncond, _) = golden.host("plus.uncond_tokens");
+    let (cond, _) = golden.host("plus.image_tokens");
+    let ours = host(tokens);
+    let diff = max_abs_diff(&ours[..uncond.len()], &uncond)
+        .max(max_abs_diff(&ours[uncond.len()..], &cond));
+    eprintln!("Plus image tokens: max difference {diff:e}");
+    assert!(diff <= TOL, "Plus image tokens differ by {diff}");
+
+    pipe.set_ip_adapter_scale(0.8).unwrap();
+    let ours = sd1_png(&mut pipe, &request(Some(input_image())));
+    assert_png_close(&ours, "ip-adapter-plus-sd1.png", 2);
+    let changed = png_level_diff(&plain, &ours);
+    assert!(
+        changed > 10,
+        "the image prompt changed the image by only {changed} levels"
     );
 }
 

@@ -223,8 +223,8 @@ impl<B: Backend> ClipVisionModelWithProjection<B> {
         self.visual_projection.dims()[1]
     }
 
-    /// Encodes preprocessed pixels `[batch, channels, image_size, image_size]`.
-    pub fn forward(&self, pixel_values: Tensor<B, 4>) -> Result<ClipVisionOutput<B>> {
+    /// The embedded patches after `pre_layrnorm`, in the weights' dtype (see `crate::dtype`).
+    fn embed(&self, pixel_values: Tensor<B, 4>) -> Result<Tensor<B, 3>> {
         let [_, _, h, w] = pixel_values.dims();
         if h != self.image_size || w != self.image_size {
             return Err(ModelError::Input(format!(
@@ -232,12 +232,16 @@ impl<B: Backend> ClipVisionModelWithProjection<B> {
                 self.image_size
             )));
         }
-        // Computed in the weights' dtype (see `crate::dtype`).
         let dtype = crate::dtype::dtype_of(&self.embeddings.patch_embedding.weight.val());
         let pixel_values = crate::dtype::cast_to(pixel_values, dtype);
-        let mut x = self
+        Ok(self
             .pre_layrnorm
-            .forward(self.embeddings.forward(pixel_values));
+            .forward(self.embeddings.forward(pixel_values)))
+    }
+
+    /// Encodes preprocessed pixels `[batch, channels, image_size, image_size]`.
+    pub fn forward(&self, pixel_values: Tensor<B, 4>) -> Result<ClipVisionOutput<B>> {
+        let mut x = self.embed(pixel_values)?;
         for layer in &self.layers {
             x = layer.forward(x);
         }
@@ -249,5 +253,21 @@ impl<B: Backend> ClipVisionModelWithProjection<B> {
             image_embeds: self.visual_projection.forward(pooled),
             last_hidden_state: x,
         })
+    }
+
+    /// transformers' `hidden_states[-2]`: the output of the last layer but one (the embedded
+    /// patches for a one-layer encoder), `[batch, patches + 1, hidden]`; what IP-Adapter Plus
+    /// reads.
+    pub fn penultimate_hidden_state(&self, pixel_values: Tensor<B, 4>) -> Result<Tensor<B, 3>> {
+        let mut x = self.embed(pixel_values)?;
+        for layer in self.layers.iter().take(self.layers.len().saturating_sub(1)) {
+            x = layer.forward(x);
+        }
+        Ok(x)
+    }
+
+    /// Width of the hidden states (`hidden_size`).
+    pub fn hidden_size(&self) -> usize {
+        self.post_layernorm.weight.dims()[0]
     }
 }

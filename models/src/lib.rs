@@ -56,7 +56,7 @@ pub use controlnet_sd3::{SD3ControlNetConfig, SD3ControlNetModel};
 pub use device::ToDevice;
 pub use dtype::ToDType;
 pub use error::{ModelError, Result};
-pub use ip_adapter::ImageProjection;
+pub use ip_adapter::{ImageProjection, IpAdapterPlusImageProjection, IpImageProjection};
 pub use oxidiff_parallel::{TensorParallel, TensorParallelPlan};
 pub use parallel::{sharded_params, ShardedParam};
 pub use pixart_transformer_2d::{PixArtTransformer2DConfig, PixArtTransformer2DModel};

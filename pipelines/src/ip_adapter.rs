@@ -12,7 +12,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff_models::ip_adapter::{load_ip_adapter, unload_ip_adapter};
 use oxidiff_models::{
-    ClipVisionModelWithProjection, ImageProjection, ModelError, ToDevice, UNet2DConditionModel,
+    ClipVisionModelWithProjection, IpImageProjection, ModelError, ToDevice, UNet2DConditionModel,
 };
 use serde::Deserialize;
 
@@ -206,7 +206,7 @@ impl ClipImageProcessor {
 #[derive(Debug)]
 pub struct IpAdapter<B: Backend> {
     pub image_encoder: ClipVisionModelWithProjection<B>,
-    pub image_proj: ImageProjection<B>,
+    pub image_proj: IpImageProjection<B>,
     pub processor: ClipImageProcessor,
     /// The weight file, for messages and metadata.
     pub file: PathBuf,
@@ -232,17 +232,23 @@ impl<B: Backend> IpAdapter<B> {
             None => ClipImageProcessor::for_image_size(encoder.image_size),
         };
         let image_proj = load_ip_adapter(file, unet, 1.0, dtype)?;
-        if image_proj.image_embed_dim() != encoder.projection_dim() {
+        let (what, gives) = match &image_proj {
+            IpImageProjection::Plain(_) => ("image embeddings", "projection_dim"),
+            IpImageProjection::Plus(_) => ("hidden states", "hidden_size"),
+        };
+        let width = match &image_proj {
+            IpImageProjection::Plain(_) => encoder.projection_dim(),
+            IpImageProjection::Plus(_) => encoder.hidden_size(),
+        };
+        if image_proj.input_width() != width {
             unload_ip_adapter(unet);
             return Err(ModelError::IpAdapter {
                 path: file.to_path_buf(),
                 reason: format!(
-                    "its image projection takes {}-wide image embeddings, but the image encoder \
-                     in {} gives {} (projection_dim): use the image encoder the adapter was \
-                     trained with",
-                    image_proj.image_embed_dim(),
+                    "its image projection takes {}-wide {what}, but the image encoder in {} \
+                     gives {width} ({gives}): use the image encoder the adapter was trained with",
+                    image_proj.input_width(),
                     image_encoder.display(),
-                    encoder.projection_dim()
                 ),
             }
             .into());
@@ -256,9 +262,10 @@ impl<B: Backend> IpAdapter<B> {
         })
     }
 
-    /// The image tokens for a batch of `batch` images: `[batch, 4, cross_attention_dim]`, and
-    /// with guidance the projection of zero embeddings first (`[2 * batch, ..]`), as diffusers'
-    /// `encode_image` and `prepare_ip_adapter_image_embeds` make them.
+    /// The image tokens for a batch of `batch` images: `[batch, tokens, cross_attention_dim]`,
+    /// and with guidance the negative first (`[2 * batch, ..]`), as diffusers' `encode_image`
+    /// and `prepare_ip_adapter_image_embeds` make them: the projection of a zero image
+    /// embedding (plain), or of the encoder's hidden states for an all-zero image (Plus).
     pub fn image_tokens(
         &self,
         image: &image::DynamicImage,
@@ -267,15 +274,31 @@ impl<B: Backend> IpAdapter<B> {
     ) -> Result<Tensor<B, 3>> {
         let device = self.image_encoder.visual_projection.weight.device();
         let pixels = self.processor.preprocess::<B>(image, &device)?;
-        let embeds = self.image_encoder.forward(pixels)?.image_embeds;
-        let tokens = self.image_proj.forward(embeds.clone());
+        let encoder = &self.image_encoder;
+        let (tokens, uncond) = match &self.image_proj {
+            IpImageProjection::Plain(proj) => {
+                let embeds = encoder.forward(pixels)?.image_embeds;
+                let uncond = guidance.then(|| proj.forward(embeds.zeros_like()));
+                (proj.forward(embeds), uncond)
+            }
+            IpImageProjection::Plus(proj) => {
+                let uncond = match guidance {
+                    true => {
+                        Some(proj.forward(encoder.penultimate_hidden_state(pixels.zeros_like())?))
+                    }
+                    false => None,
+                };
+                (
+                    proj.forward(encoder.penultimate_hidden_state(pixels)?),
+                    uncond,
+                )
+            }
+        };
         let tokens = Tensor::cat(vec![tokens; batch], 0);
-        if !guidance {
-            return Ok(tokens);
-        }
-        let uncond = self.image_proj.forward(embeds.zeros_like());
-        let uncond = Tensor::cat(vec![uncond; batch], 0);
-        Ok(Tensor::cat(vec![uncond, tokens], 0))
+        Ok(match uncond {
+            Some(uncond) => Tensor::cat(vec![Tensor::cat(vec![uncond; batch], 0), tokens], 0),
+            None => tokens,
+        })
     }
 
     /// Moves the encoder and the projection to `device`.

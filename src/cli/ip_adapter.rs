@@ -12,8 +12,9 @@ pub const IP_ADAPTER_FIELD: &str = "IP-Adapter";
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct IpAdapterArgs {
     /// An IP-Adapter weight file (SD 1.x/2.x and SDXL; the original h94 layout as diffusers'
-    /// `load_ip_adapter` reads it, safetensors only, e.g. ip-adapter_sd15.safetensors): the
-    /// image of --ip-adapter-image then steers the image as a prompt does.
+    /// `load_ip_adapter` reads it, safetensors only, e.g. ip-adapter_sd15.safetensors or
+    /// ip-adapter-plus_sd15.safetensors): the image of --ip-adapter-image then steers the image
+    /// as a prompt does.
     #[arg(long, value_name = "FILE")]
     pub ip_adapter: Option<PathBuf>,
     /// The image prompt for --ip-adapter (PNG, JPEG or WebP), resized and cropped as CLIP's

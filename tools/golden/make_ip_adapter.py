@@ -28,6 +28,11 @@ Writes:
   SD 1.x, 5.0 with Euler for SDXL) at `set_ip_adapter_scale(0.8)`.
 - tests/fixtures/golden/ip-adapter-sd1-img2img.png: `StableDiffusionImg2ImgPipeline.from_pipe`
   of the SD 1.x run on golden/img2img-input.png at strength 0.75, otherwise the same.
+- tests/fixtures/ip-adapter/ip-adapter-plus_sd1.safetensors: IP-Adapter Plus for tiny-sd1 in
+  the h94 layout (resampler: 6 queries of width 16, 4 blocks, one 64-wide head), and
+  golden/ip-adapter-plus-sd1.png its SD 1.x run as above; ip-adapter.safetensors also holds
+  `plus.hidden_states` (the encoder's `hidden_states[-2]`) and `plus.image_tokens` /
+  `plus.uncond_tokens` (the resampler on the image's and on an all-zero image's states).
 - tests/fixtures/golden/ip-adapter.json: the settings and the attention processor names in
   order.
 Reruns give identical bytes.
@@ -101,6 +106,37 @@ def make_weights(unet, seed, path, clip_dim=24, tokens=4):
     return [n for n, _ in names]
 
 
+def make_plus_weights(unet, seed, path, embed=32, hidden=16, queries=6, depth=4):
+    """IP-Adapter Plus in the h94 layout: the `Resampler` (`image_proj.latents`, `proj_in`,
+    `layers.i.0` perceiver attention with 64-wide heads, `layers.i.1` feed-forward, `proj_out`,
+    `norm_out`) and the same `ip_adapter.N` pairs."""
+    gen = torch.Generator().manual_seed(seed)
+    cross = unet.config.cross_attention_dim
+    randn = lambda *shape, std=0.3: torch.randn(*shape, generator=gen) * std  # noqa: E731
+    norm = lambda n: (1.0 + randn(n, std=0.1), randn(n, std=0.1))  # noqa: E731
+    tensors = {
+        "image_proj.latents": randn(1, queries, hidden, std=1.0),
+        "image_proj.proj_in.weight": randn(hidden, embed),
+        "image_proj.proj_in.bias": randn(hidden, std=0.1),
+        "image_proj.proj_out.weight": randn(cross, hidden, std=0.2),
+        "image_proj.proj_out.bias": randn(cross, std=0.1),
+    }
+    tensors["image_proj.norm_out.weight"], tensors["image_proj.norm_out.bias"] = norm(cross)
+    for i in range(depth):
+        p = f"image_proj.layers.{i}"
+        for n in ("0.norm1", "0.norm2", "1.0"):
+            tensors[f"{p}.{n}.weight"], tensors[f"{p}.{n}.bias"] = norm(hidden)
+        tensors[f"{p}.0.to_q.weight"] = randn(64, hidden, std=0.2)
+        tensors[f"{p}.0.to_kv.weight"] = randn(128, hidden, std=0.2)
+        tensors[f"{p}.0.to_out.weight"] = randn(hidden, 64, std=0.2)
+        tensors[f"{p}.1.1.weight"] = randn(4 * hidden, hidden, std=0.2)
+        tensors[f"{p}.1.3.weight"] = randn(hidden, 4 * hidden, std=0.1)
+    for i, (_, width) in enumerate(attn2_processors(unet)):
+        tensors[f"ip_adapter.{2 * i + 1}.to_k_ip.weight"] = randn(width, cross)
+        tensors[f"ip_adapter.{2 * i + 1}.to_v_ip.weight"] = randn(width, cross)
+    save_canonical(path, {k: v.contiguous() for k, v in tensors.items()})
+
+
 def input_image():
     rng = np.random.default_rng(8)
     y, x = np.mgrid[0:56, 0:80]
@@ -155,6 +191,23 @@ def main():
                        generator=torch.Generator().manual_seed(42)).images[0]
             out.save(os.path.join(sd.GOLDEN, "ip-adapter-sd1-img2img.png"))
             info["img2img_strength"] = 0.75
+    # IP-Adapter Plus on tiny-sd1: the resampler over the encoder's penultimate hidden states.
+    pipe = StableDiffusionPipeline.from_pretrained(os.path.join(sd.FIXTURES, "tiny-sd1"),
+                                                   local_files_only=True, safety_checker=None)
+    pipe.set_progress_bar_config(disable=True)
+    make_plus_weights(pipe.unet, 43, os.path.join(OUT, "ip-adapter-plus_sd1.safetensors"))
+    pipe.load_ip_adapter(OUT, subfolder="", weight_name="ip-adapter-plus_sd1.safetensors",
+                         image_encoder_folder="image_encoder", local_files_only=True)
+    pipe.set_ip_adapter_scale(SCALE)
+    with torch.no_grad():
+        hidden, uncond = pipe.encode_image(image, "cpu", 1, output_hidden_states=True)
+        proj = pipe.unet.encoder_hid_proj.image_projection_layers[0]
+        tensors["plus.hidden_states"] = hidden
+        tensors["plus.image_tokens"] = proj(hidden)
+        tensors["plus.uncond_tokens"] = proj(uncond)
+    out = pipe(PROMPT, negative_prompt="blurry", ip_adapter_image=image, num_inference_steps=4,
+               guidance_scale=7.5, generator=torch.Generator().manual_seed(42)).images[0]
+    out.save(os.path.join(sd.GOLDEN, "ip-adapter-plus-sd1.png"))
     save_canonical(os.path.join(sd.GOLDEN, "ip-adapter.safetensors"), tensors)
     save_json(os.path.join(sd.GOLDEN, "ip-adapter.json"), info)
 
