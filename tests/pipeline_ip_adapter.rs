@@ -224,7 +224,7 @@ fn sdxl_with_ip_adapter_matches_diffusers() {
 }
 
 #[test]
-fn requests_without_image_or_without_adapter_are_refused() {
+fn requests_without_image_without_adapter_or_with_controlnet_are_refused() {
     let mut pipe = sd1();
     let err = pipe
         .generate(&request(Some(input_image())))
@@ -235,6 +235,25 @@ fn requests_without_image_or_without_adapter_are_refused() {
         .unwrap();
     let err = pipe.generate(&request(None)).unwrap_err().to_string();
     assert!(err.contains("needs an `ip_adapter_image`"), "{err}");
+
+    // With ControlNet (whose ControlNets would read the image tokens as text): refused.
+    use oxidiff::pipelines::{Control, ControlRequest, StableDiffusionControlNetPipeline};
+    let net = oxidiff::models::ControlNetModel::<B>::from_dir(
+        &model_dir("tiny-controlnet-sd1"),
+        None,
+        &Default::default(),
+    )
+    .unwrap();
+    let mut controlled = StableDiffusionControlNetPipeline::new(pipe, vec![net]).unwrap();
+    let control = ControlRequest {
+        controls: vec![Control::new(input_image())],
+        guess_mode: false,
+    };
+    let err = controlled
+        .generate(&request(Some(input_image())), &control)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("together with ControlNet"), "{err}");
 }
 
 /// Writes `tensors` (name, shape) of zeros as a safetensors file.
@@ -333,4 +352,35 @@ fn bad_ip_adapter_files_are_refused_naming_file_and_fix() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("nowhere"), "{err}");
+}
+
+#[test]
+fn pipelines_without_ip_adapter_refuse_it() {
+    use oxidiff::pipelines::{AutoPipeline, FamilyOptions};
+    use oxidiff::schedulers::TorchCpuGenerator;
+    let mut pipe = AutoPipeline::<B>::from_dir(
+        &model_dir("tiny-sd3"),
+        &LoadOptions::default(),
+        &Default::default(),
+    )
+    .unwrap();
+    let err = pipe
+        .load_ip_adapter(&adapter_dir().join("ip-adapter_sd1.safetensors"), None, 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("IP-Adapter applies to Stable Diffusion"),
+        "{err}"
+    );
+    // An image prompt is refused, not ignored.
+    let req = GenerateRequest {
+        num_inference_steps: 1,
+        ..request(Some(input_image()))
+    };
+    let mut noise = TorchCpuGenerator::new(0);
+    let err = pipe
+        .generate_with(&req, &FamilyOptions::default(), &mut noise, |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("take no `ip_adapter_image`"), "{err}");
 }

@@ -301,6 +301,19 @@ impl<B: Backend> IpAdapter<B> {
         })
     }
 
+    /// The weights it holds besides the UNet's image branches (counted with the UNet):
+    /// `image_encoder` and `image_proj`.
+    pub fn memory(
+        &self,
+        place: crate::memory::PlaceName<'_, B::Device>,
+    ) -> Vec<crate::memory::ComponentMemory> {
+        use crate::memory::component_memory;
+        vec![
+            component_memory("image_encoder", &self.image_encoder, None, place),
+            component_memory("image_proj", &self.image_proj, None, place),
+        ]
+    }
+
     /// Moves the encoder and the projection to `device`.
     pub fn to_device(self, device: &B::Device) -> Self {
         Self {
@@ -460,6 +473,21 @@ pub(crate) fn refuse_with_controlnet<B: Backend>(
              run without ControlNet"
                 .into(),
         )),
+        false => Ok(()),
+    }
+}
+
+/// Pipelines without IP-Adapter (SD3, Flux, PixArt) refuse a request with an image prompt
+/// rather than ignore it.
+pub(crate) fn refuse_image_prompt<B: Backend>(
+    req: &crate::denoise::GenerateRequest<B>,
+    family: &str,
+) -> Result<()> {
+    match req.ip_adapter_image.is_some() {
+        true => Err(PipelineError::InvalidInput(format!(
+            "IP-Adapter applies to Stable Diffusion 1.x/2.x and SDXL; {family} pipelines take \
+             no `ip_adapter_image`"
+        ))),
         false => Ok(()),
     }
 }

@@ -109,11 +109,15 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     /// What each component's weights hold and where (`place` names a device): `txt2img
     /// --json`'s `memory`.
     pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
-        vec![
+        let mut all = vec![
             component_memory("text_encoder", &self.text_encoder, None, place),
             component_memory("unet", &self.unet, None, place),
             component_memory("vae", &self.vae, None, place),
-        ]
+        ];
+        if let Some(adapter) = &self.ip_adapter {
+            all.extend(adapter.memory(place));
+        }
+        all
     }
 
     /// Loads a diffusers-format folder, or a Hub id from the local cache (downloading it when

@@ -198,6 +198,9 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         ));
         all.push(component_memory("unet", &self.unet, None, place));
         all.push(component_memory("vae", &self.vae, None, place));
+        if let Some(adapter) = &self.ip_adapter {
+            all.extend(adapter.memory(place));
+        }
         all
     }
 
