@@ -790,7 +790,8 @@ fn compiled_sd3_and_flux_controlnets_match_diffusers() {
 /// IP-Adapter in compiled mode on XLA's CPU plugin: the UNet's image branches are part of the
 /// compiled step (the image tokens ride at the end of the context input), within 2 levels of
 /// diffusers' PNGs (tools/golden/make_ip_adapter.py) as the eager runs; changing the adapter
-/// after compiling is refused (the program holds the UNet it was traced with).
+/// after compiling is refused (the program holds the UNet it was traced with), and so is
+/// splitting it over devices.
 #[test]
 fn compiled_ip_adapter_steps_match_diffusers_for_sd_and_sdxl() {
     use common::assert_png_close;
@@ -832,6 +833,13 @@ fn compiled_ip_adapter_steps_match_diffusers_for_sd_and_sdxl() {
     assert_eq!(sd.compile_stats().unwrap().programs, 1);
     let err = sd.set_ip_adapter_scale(0.5).unwrap_err();
     assert!(matches!(err, PipelineError::Compile(_)), "{err}");
+    let err = sd
+        .enable_parallelism(oxidiff::pipelines::parallel::TensorParallelConfig::new(2))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("does not split over devices"),
+        "{err}"
+    );
 
     let mut xl = StableDiffusionXLPipeline::<Oxi>::from_dir(
         &model_dir("tiny-sdxl"),

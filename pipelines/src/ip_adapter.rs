@@ -491,3 +491,15 @@ pub(crate) fn refuse_image_prompt<B: Backend>(
         false => Ok(()),
     }
 }
+
+/// Tensor and data parallelism are not tested with an IP-Adapter's image branches: refused.
+pub(crate) fn refuse_parallel<B: Backend>(adapter: Option<&IpAdapter<B>>) -> Result<()> {
+    match adapter {
+        Some(adapter) => Err(PipelineError::Compile(format!(
+            "the IP-Adapter {} does not split over devices yet: compile on one device \
+             (`compile()`), or unload the adapter",
+            adapter.file.display()
+        ))),
+        None => Ok(()),
+    }
+}

@@ -487,6 +487,7 @@ impl StableDiffusionPipeline<Oxi> {
     /// heads and feed-forward width, more devices than the platform has, a UNet not on a PJRT
     /// device.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        crate::ip_adapter::refuse_parallel(self.ip_adapter.as_ref())?;
         let device = self.unet_device();
         let placement =
             crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;

@@ -868,6 +868,7 @@ impl StableDiffusionXLPipeline<Oxi> {
     /// parallelism splits the batch (both guidance halves, with their added conditions) over
     /// `dp_degree`, one `dp x tp` mesh from the UNet's device on.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        crate::ip_adapter::refuse_parallel(self.ip_adapter.as_ref())?;
         let device = self.unet.conv_in.weight.device();
         let placement =
             crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;
