@@ -148,9 +148,8 @@ impl ClipImageProcessor {
         image: &image::DynamicImage,
         device: &B::Device,
     ) -> Result<Tensor<B, 4>> {
-        let rgb = image.to_rgb8();
-        let (mut w, mut h) = (rgb.width() as usize, rgb.height() as usize);
-        let mut pixels = rgb.into_raw();
+        let (mut w, mut h) = (image.width() as usize, image.height() as usize);
+        let mut pixels = rgb_over_white(image);
         if w == 0 || h == 0 {
             return Err(PipelineError::InvalidInput(
                 "the IP-Adapter image is empty".into(),
@@ -199,6 +198,27 @@ impl ClipImageProcessor {
             device,
         ))
     }
+}
+
+/// transformers' `convert_to_rgb`: transparency composited onto white, as PIL's
+/// `alpha_composite` over an opaque white background rounds it.
+fn rgb_over_white(image: &image::DynamicImage) -> Vec<u8> {
+    if !image.color().has_alpha() {
+        return image.to_rgb8().into_raw();
+    }
+    let over_white = |c: u8, a: u8| {
+        let (c, a) = (u32::from(c), u32::from(a));
+        let tmp = (c * a + 255 * (255 - a)) * 128 + (0x80 << 7);
+        ((((tmp >> 8) + tmp) >> 8) >> 7) as u8
+    };
+    image
+        .to_rgba8()
+        .pixels()
+        .flat_map(|p| {
+            let [r, g, b, a] = p.0;
+            [over_white(r, a), over_white(g, a), over_white(b, a)]
+        })
+        .collect()
 }
 
 /// An IP-Adapter attached to a pipeline: the image encoder, the image projection and the
@@ -395,6 +415,11 @@ pub(crate) fn attach<B: Backend>(
     compiled: bool,
 ) -> Result<()> {
     refuse_when_compiled(compiled)?;
+    // A single-file checkpoint's folder stands for the model folder.
+    let model_dir = match model_dir.is_file() {
+        true => model_dir.parent().unwrap_or(Path::new(".")),
+        false => model_dir,
+    };
     let encoder_dir = match image_encoder {
         Some(dir) => dir.to_path_buf(),
         None => find_image_encoder(file, model_dir)?,
@@ -501,5 +526,36 @@ pub(crate) fn refuse_parallel<B: Backend>(adapter: Option<&IpAdapter<B>>) -> Res
             adapter.file.display()
         ))),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transparency_is_composited_onto_white_as_pil_rounds_it() {
+        // (value, alpha) and what PIL's `alpha_composite` over opaque white gives.
+        let cases = [
+            (200, 100, 233),
+            (0, 0, 255),
+            (255, 255, 255),
+            (17, 1, 254),
+            (100, 254, 101),
+            (0, 128, 127),
+            (255, 37, 255),
+        ];
+        for (value, alpha, expected) in cases {
+            let image = image::DynamicImage::ImageRgba8(image::RgbaImage::from_pixel(
+                1,
+                1,
+                image::Rgba([value, value, value, alpha]),
+            ));
+            assert_eq!(
+                rgb_over_white(&image),
+                vec![expected; 3],
+                "{value}, {alpha}"
+            );
+        }
     }
 }
