@@ -1,10 +1,11 @@
 //! IP-Adapter (image prompts) for Stable Diffusion 1.x/2.x and SDXL, as diffusers'
 //! `load_ip_adapter` / `set_ip_adapter_scale` / `ip_adapter_image`: the image goes through
-//! [`ClipImageProcessor`] and the CLIP image encoder, its embedding through the adapter's
-//! image projection to 4 tokens, which are appended to each row of the UNet's text context;
-//! each cross-attention's image branch reads them ([`oxidiff_models::ip_adapter`]). With
-//! guidance, the negative rows get the projection of a zero embedding, as diffusers'
-//! `encode_image` makes them.
+//! [`ClipImageProcessor`] and the CLIP image encoder, its embedding (Plus: the penultimate
+//! hidden states) through the adapter's image projection to image tokens, which are appended
+//! to each row of the UNet's text context; each cross-attention's image branch reads them
+//! ([`oxidiff_models::ip_adapter`]). With guidance, the negative rows get the projection of a
+//! zero embedding (Plus: of an all-zero image's states), as diffusers' `encode_image` makes
+//! them.
 
 use std::path::{Path, PathBuf};
 

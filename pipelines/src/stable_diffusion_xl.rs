@@ -461,7 +461,8 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
     }
 
     /// Attaches an IP-Adapter weight file (h94 layout, safetensors) as
-    /// [`StableDiffusionPipeline::load_ip_adapter`] does; SDXL needs the SDXL adapter.
+    /// [`load_ip_adapter`](crate::StableDiffusionPipeline::load_ip_adapter) does for SD 1.x;
+    /// SDXL needs the SDXL adapter.
     pub fn load_ip_adapter(&mut self, file: &Path, image_encoder: Option<&Path>) -> Result<()> {
         let compiled = self.compiled.is_some();
         crate::ip_adapter::attach(
