@@ -2,7 +2,8 @@
 //! `text_encoder_2` too): each run's PNG matches diffusers' (`tools/golden/make_inpaint.py`,
 //! `make_refiner.py`) within 2 levels, the pipeline is picked from
 //! `model_index.json`; a mask of another size, an unreadable mask and a bad strength are
-//! errors that write nothing.
+//! errors that write nothing; `--ip-adapter` steers image to image as diffusers' IP-Adapter
+//! (`make_ip_adapter.py`).
 
 mod common;
 
@@ -375,5 +376,30 @@ fn controlnet_flags_steer_image_to_image_and_inpainting_as_diffusers() {
     assert!(
         log.contains("StableDiffusionXLControlNetInpaintPipeline"),
         "{log}"
+    );
+}
+
+#[test]
+fn ip_adapter_flags_steer_image_to_image_as_diffusers() {
+    // tools/golden/make_ip_adapter.py: the SD 1.x adapter at scale 0.8, strength 0.75.
+    let adapter = fixtures()
+        .join("ip-adapter")
+        .join("ip-adapter_sd1.safetensors");
+    let image = golden("ip-adapter-input.png");
+    check(
+        &model_dir("tiny-sd1"),
+        &[
+            "--strength",
+            "0.75",
+            "--guidance",
+            "7.5",
+            "--ip-adapter",
+            adapter.to_str().unwrap(),
+            "--ip-adapter-image",
+            image.to_str().unwrap(),
+            "--ip-adapter-scale",
+            "0.8",
+        ],
+        "ip-adapter-sd1-img2img.png",
     );
 }

@@ -786,3 +786,78 @@ fn compiled_sd3_and_flux_controlnets_match_diffusers() {
     let stats = flux.compile_stats().unwrap();
     assert!(stats.programs >= 1, "{stats:?}");
 }
+
+/// IP-Adapter in compiled mode on XLA's CPU plugin: the UNet's image branches are part of the
+/// compiled step (the image tokens ride at the end of the context input), within 2 levels of
+/// diffusers' PNGs (tools/golden/make_ip_adapter.py) as the eager runs; changing the adapter
+/// after compiling is refused (the program holds the UNet it was traced with), and so is
+/// splitting it over devices.
+#[test]
+fn compiled_ip_adapter_steps_match_diffusers_for_sd_and_sdxl() {
+    use common::assert_png_close;
+    use oxidiff::pipelines::{PipelineError, StableDiffusionXLPipeline, XlRequest};
+    if skip() {
+        return;
+    }
+    let device = xla();
+    let fixtures = common::fixtures();
+    let image = image::open(fixtures.join("golden/ip-adapter-input.png")).unwrap();
+    let request = GenerateRequest::<Oxi> {
+        prompts: vec!["a photo of an astronaut riding a horse".into()],
+        negative_prompts: vec!["blurry".into()],
+        num_inference_steps: 4,
+        guidance_scale: 7.5,
+        seed: 42,
+        ip_adapter_image: Some(image),
+        ..Default::default()
+    };
+    let png =
+        |out: oxidiff::pipelines::PipelineOutput<Oxi>| out.images.unwrap().to_rgb8(0).unwrap();
+    let adapter = |name: &str| fixtures.join("ip-adapter").join(name);
+
+    let mut sd = StableDiffusionPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-sd1"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    sd.load_ip_adapter(&adapter("ip-adapter_sd1.safetensors"), None)
+        .unwrap();
+    sd.set_ip_adapter_scale(0.8).unwrap();
+    sd.compile().unwrap();
+    assert_png_close(
+        &png(sd.generate(&request).unwrap()),
+        "ip-adapter-sd1.png",
+        2,
+    );
+    assert_eq!(sd.compile_stats().unwrap().programs, 1);
+    let err = sd.set_ip_adapter_scale(0.5).unwrap_err();
+    assert!(matches!(err, PipelineError::Compile(_)), "{err}");
+    let err = sd
+        .enable_parallelism(oxidiff::pipelines::parallel::TensorParallelConfig::new(2))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("does not split over devices"),
+        "{err}"
+    );
+
+    let mut xl = StableDiffusionXLPipeline::<Oxi>::from_dir(
+        &model_dir("tiny-sdxl"),
+        &LoadOptions::default(),
+        &device,
+    )
+    .unwrap();
+    xl.load_ip_adapter(&adapter("ip-adapter_sdxl.safetensors"), None)
+        .unwrap();
+    xl.set_ip_adapter_scale(0.8).unwrap();
+    xl.compile().unwrap();
+    let xl_request = XlRequest::new(GenerateRequest {
+        guidance_scale: 5.0,
+        ..request
+    });
+    assert_png_close(
+        &png(xl.generate(&xl_request).unwrap()),
+        "ip-adapter-sdxl.png",
+        2,
+    );
+}

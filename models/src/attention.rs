@@ -155,6 +155,28 @@ impl<B: Backend> Attention<B> {
             .forward(attend(q, k, v, self.heads, false, bias))
     }
 
+    /// Cross-attention with an IP-Adapter, as diffusers' `IPAdapterAttnProcessor2_0`:
+    /// `to_out(attn(q, k, v) + scale * attn(q, to_k_ip(image), to_v_ip(image)))`, the image
+    /// branch skipped at scale 0 as diffusers does.
+    pub fn forward_with_image(
+        &self,
+        x: Tensor<B, 3>,
+        text: Tensor<B, 3>,
+        image: Tensor<B, 3>,
+        ip: &IpAdapterAttention<B>,
+    ) -> Tensor<B, 3> {
+        let q = self.to_q.forward(x);
+        let k = self.to_k.forward(text.clone());
+        let v = self.to_v.forward(text);
+        let mut out = attend(q.clone(), k, v, self.heads, false, None);
+        if ip.scale != 0.0 {
+            let k = ip.to_k_ip.forward(image.clone());
+            let v = ip.to_v_ip.forward(image);
+            out = out + attend(q, k, v, self.heads, false, None).mul_scalar(ip.scale);
+        }
+        self.to_out.forward(out)
+    }
+
     /// Spatial self-attention over `[batch, channels, h, w]` with group norm and residual, as the
     /// VAE's mid block uses it.
     pub fn forward_spatial(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
@@ -168,6 +190,20 @@ impl<B: Backend> Attention<B> {
         let out = self.forward(seq, None);
         swap_seq(out).reshape([b, c, h, w]) + residual
     }
+}
+
+/// The image branch an IP-Adapter adds to one cross-attention (diffusers'
+/// `IPAdapterAttnProcessor2_0` with one adapter): key and value projections of the image
+/// tokens, which the UNet receives appended to the text context (the last `num_tokens` rows).
+#[derive(Module, Debug)]
+pub struct IpAdapterAttention<B: Backend> {
+    pub to_k_ip: Linear<B>,
+    pub to_v_ip: Linear<B>,
+    #[module(skip)]
+    pub num_tokens: usize,
+    /// `set_ip_adapter_scale`'s weight of the image branch.
+    #[module(skip)]
+    pub scale: f64,
 }
 
 /// The activation of a [`FeedForward`] (`activation_fn` in diffusers' configs).
@@ -272,6 +308,8 @@ pub struct BasicTransformerBlock<B: Backend> {
     pub norm3: LayerNorm<B>,
     pub ff: FeedForward<B>,
     pub only_cross_attention: bool,
+    /// An attached IP-Adapter's branch of `attn2`: the context then ends with its image tokens.
+    pub ip_adapter: Option<IpAdapterAttention<B>>,
 }
 
 impl<B: Backend> BasicTransformerBlock<B> {
@@ -303,19 +341,31 @@ impl<B: Backend> BasicTransformerBlock<B> {
             norm3: LayerNorm::load(&vb.pp("norm3"), dim, 1e-5)?,
             ff: FeedForward::load(&vb.pp("ff"), dim, 4)?,
             only_cross_attention,
+            ip_adapter: None,
         })
     }
 
     pub fn forward(&self, x: Tensor<B, 3>, context: Tensor<B, 3>) -> Tensor<B, 3> {
+        // With an IP-Adapter, the context's last `num_tokens` rows are the image tokens.
+        let (context, image) = match &self.ip_adapter {
+            Some(ip) => {
+                let seq = context.dims()[1];
+                let text = seq.saturating_sub(ip.num_tokens);
+                let image = context.clone().narrow(1, text, seq - text);
+                (context.narrow(1, 0, text), Some((image, ip)))
+            }
+            None => (context, None),
+        };
         let self_context = self.only_cross_attention.then(|| context.clone());
         let x = self
             .attn1
             .forward(self.norm1.forward(x.clone()), self_context)
             + x;
-        let x = self
-            .attn2
-            .forward(self.norm2.forward(x.clone()), Some(context))
-            + x;
+        let h = self.norm2.forward(x.clone());
+        let x = match image {
+            Some((image, ip)) => self.attn2.forward_with_image(h, context, image, ip),
+            None => self.attn2.forward(h, Some(context)),
+        } + x;
         self.ff.forward(self.norm3.forward(x.clone())) + x
     }
 }

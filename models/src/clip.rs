@@ -100,7 +100,20 @@ impl ClipTextConfig {
     }
 }
 
-/// One pre-norm transformer layer.
+/// The shape of a [`ClipEncoderLayer`], shared by the text and vision encoders.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClipLayerSpec {
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub eps: f64,
+    pub act: Activation,
+    /// The text encoder masks future tokens; the vision encoder attends to every patch.
+    pub causal: bool,
+}
+
+/// One pre-norm transformer layer (transformers' `CLIPEncoderLayer`), of the text and the
+/// vision encoder alike.
 #[derive(Module, Debug)]
 pub struct ClipEncoderLayer<B: Backend> {
     pub q_proj: Linear<B>,
@@ -114,11 +127,13 @@ pub struct ClipEncoderLayer<B: Backend> {
     pub heads: usize,
     #[module(skip)]
     pub act: Activation,
+    #[module(skip)]
+    pub causal: bool,
 }
 
 impl<B: Backend> ClipEncoderLayer<B> {
-    fn load(vb: &VarBuilder<B>, cfg: &ClipTextConfig, act: Activation) -> Result<Self> {
-        let (d, ff) = (cfg.hidden_size, cfg.intermediate_size);
+    pub(crate) fn load(vb: &VarBuilder<B>, spec: ClipLayerSpec) -> Result<Self> {
+        let (d, ff, eps) = (spec.hidden, spec.intermediate, spec.eps);
         let attn = vb.pp("self_attn");
         let mlp = vb.pp("mlp");
         Ok(Self {
@@ -126,23 +141,24 @@ impl<B: Backend> ClipEncoderLayer<B> {
             k_proj: Linear::load(&attn.pp("k_proj"), d, d, true)?,
             v_proj: Linear::load(&attn.pp("v_proj"), d, d, true)?,
             out_proj: Linear::load(&attn.pp("out_proj"), d, d, true)?,
-            layer_norm1: LayerNorm::load(&vb.pp("layer_norm1"), d, cfg.layer_norm_eps)?,
+            layer_norm1: LayerNorm::load(&vb.pp("layer_norm1"), d, eps)?,
             fc1: Linear::load(&mlp.pp("fc1"), d, ff, true)?,
             fc2: Linear::load(&mlp.pp("fc2"), ff, d, true)?,
-            layer_norm2: LayerNorm::load(&vb.pp("layer_norm2"), d, cfg.layer_norm_eps)?,
-            heads: cfg.num_attention_heads,
-            act,
+            layer_norm2: LayerNorm::load(&vb.pp("layer_norm2"), d, eps)?,
+            heads: spec.heads,
+            act: spec.act,
+            causal: spec.causal,
         })
     }
 
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    pub(crate) fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = self.layer_norm1.forward(x.clone());
         let attn = multi_head_attention(
             self.q_proj.forward(h.clone()),
             self.k_proj.forward(h.clone()),
             self.v_proj.forward(h),
             self.heads,
-            true,
+            self.causal,
         );
         let x = x + self.out_proj.forward(attn);
         let h = self.layer_norm2.forward(x.clone());
@@ -218,8 +234,16 @@ impl<B: Backend> ClipTextModel<B> {
         };
         let d = cfg.hidden_size;
         let emb = text.pp("embeddings");
+        let spec = ClipLayerSpec {
+            hidden: d,
+            intermediate: cfg.intermediate_size,
+            heads: cfg.num_attention_heads,
+            eps: cfg.layer_norm_eps,
+            act,
+            causal: true,
+        };
         let layers = (0..cfg.num_hidden_layers)
-            .map(|i| ClipEncoderLayer::load(&text.pp("encoder.layers").pp(i), cfg, act))
+            .map(|i| ClipEncoderLayer::load(&text.pp("encoder.layers").pp(i), spec))
             .collect::<Result<Vec<_>>>()?;
         let text_projection = if with_projection {
             Some(Linear::load(

@@ -88,6 +88,8 @@ pub enum ModelError {
     Gguf { path: PathBuf, reason: String },
     #[error("LoRA {path}: {reason}")]
     Lora { path: PathBuf, reason: String },
+    #[error("IP-Adapter {path}: {reason}")]
+    IpAdapter { path: PathBuf, reason: String },
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

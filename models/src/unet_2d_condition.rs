@@ -9,7 +9,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 
-use crate::attention::Transformer2DModel;
+use crate::attention::{BasicTransformerBlock, Transformer2DModel};
 use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::{TimestepEmbedding, Timesteps};
 use crate::error::Result;
@@ -144,6 +144,20 @@ impl<B: Backend> UNet2DConditionModel<B> {
             act: layout.act,
             center_input_sample: cfg.center_input_sample,
         })
+    }
+
+    /// The transformer blocks in diffusers' `attn_processors` order: the down blocks, the up
+    /// blocks, then the mid block (diffusers registers them so); each block's `attn2` is one
+    /// IP-Adapter processor.
+    pub fn transformer_blocks_mut(&mut self) -> Vec<&mut BasicTransformerBlock<B>> {
+        let down = self.down_blocks.iter_mut().map(|b| b.attentions_mut());
+        let up = self.up_blocks.iter_mut().map(|b| b.attentions_mut());
+        let mid = self.mid_block.iter_mut().map(|b| b.attentions_mut());
+        down.chain(up)
+            .chain(mid)
+            .flat_map(|attentions| attentions.iter_mut())
+            .flat_map(|attention| attention.transformer_blocks.iter_mut())
+            .collect()
     }
 
     /// Whether the UNet needs [`AddedCondition`] (SDXL's `text_time`).

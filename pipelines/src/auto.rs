@@ -324,6 +324,32 @@ impl<B: Backend> AutoPipeline<B> {
         each!(self, pipe => pipe.load_lora(path.as_ref(), scale))
     }
 
+    /// Attaches an IP-Adapter at `scale` (Stable Diffusion 1.x/2.x and SDXL:
+    /// [`StableDiffusionPipeline::load_ip_adapter`]); requests then need an
+    /// `ip_adapter_image`. Before compiling.
+    pub fn load_ip_adapter(
+        &mut self,
+        file: &Path,
+        image_encoder: Option<&Path>,
+        scale: f64,
+    ) -> Result<()> {
+        match self {
+            Self::StableDiffusion(pipe) => {
+                pipe.load_ip_adapter(file, image_encoder)?;
+                pipe.set_ip_adapter_scale(scale)
+            }
+            Self::StableDiffusionXL(pipe) => {
+                pipe.load_ip_adapter(file, image_encoder)?;
+                pipe.set_ip_adapter_scale(scale)
+            }
+            _ => Err(PipelineError::InvalidInput(format!(
+                "IP-Adapter applies to Stable Diffusion 1.x/2.x and SDXL pipelines without \
+                 ControlNet, not to {:?} pipelines",
+                self.family()
+            ))),
+        }
+    }
+
     /// Generates with the given noise source and a callback after every step; `options` are
     /// the fields only some families take.
     pub fn generate_with(

@@ -297,6 +297,32 @@ macro_rules! editing_pipeline {
                     Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.load_lora(path, scale),
                 }
             }
+
+            /// Attaches an IP-Adapter at `scale` (the pipeline's `load_ip_adapter` and
+            /// `set_ip_adapter_scale`); requests then need an `ip_adapter_image`. Refused with
+            /// ControlNets. Before compiling.
+            pub fn load_ip_adapter(
+                &mut self,
+                file: &Path,
+                image_encoder: Option<&Path>,
+                scale: f64,
+            ) -> Result<()> {
+                match self {
+                    Self::StableDiffusion(pipe) => {
+                        pipe.pipe.load_ip_adapter(file, image_encoder)?;
+                        pipe.pipe.set_ip_adapter_scale(scale)
+                    }
+                    Self::StableDiffusionXL(pipe) => {
+                        pipe.pipe.load_ip_adapter(file, image_encoder)?;
+                        pipe.pipe.set_ip_adapter_scale(scale)
+                    }
+                    _ => Err(PipelineError::InvalidInput(
+                        "IP-Adapter together with ControlNet is not supported yet: drop one of \
+                         them"
+                            .into(),
+                    )),
+                }
+            }
         }
 
         impl $name<Oxi> {

@@ -47,6 +47,9 @@ pub struct GenerateRequest<B: Backend> {
     /// Checked after every step: once cancelled, the generation stops with
     /// [`PipelineError::Cancelled`].
     pub cancel: Option<CancelToken>,
+    /// The image prompt, for a pipeline with an IP-Adapter loaded (diffusers'
+    /// `ip_adapter_image`).
+    pub ip_adapter_image: Option<image::DynamicImage>,
 }
 
 impl<B: Backend> Default for GenerateRequest<B> {
@@ -163,6 +166,7 @@ impl PipelineDefaults {
             eta: 0.0,
             output: OutputType::Images,
             cancel: None,
+            ip_adapter_image: None,
         }
     }
 }

@@ -391,6 +391,7 @@ impl<B: Backend> FluxPipeline<B> {
     pub fn check(&self, req: &FluxRequest<B>) -> Result<(usize, usize)> {
         let default = self.default_size();
         // Latents are packed in 2x2 patches: sizes divide by twice the VAE factor.
+        crate::ip_adapter::refuse_image_prompt(&req.common, "Flux")?;
         let size = check_request(&req.common, (default, default), 2 * self.vae_scale_factor)?;
         if req.max_sequence_length == 0 || req.max_sequence_length > FLUX_MAX_SEQUENCE_LENGTH {
             return Err(PipelineError::InvalidInput(format!(

@@ -316,6 +316,7 @@ impl<B: Backend> PixArtPipeline<B> {
         );
         // Latents are cut into patches: the size must divide by VAE factor times patch size.
         let factor = self.vae_scale_factor * self.transformer.patch_size;
+        crate::ip_adapter::refuse_image_prompt(common, "PixArt")?;
         if !req.resolution_binning {
             let size = check_request(common, (default, default), factor)?;
             return Ok((size, size));

@@ -435,6 +435,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             device: device.clone(),
             source: path.to_path_buf(),
             compiled: None,
+            ip_adapter: None,
         })
     }
 }
@@ -544,6 +545,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             device: device.clone(),
             source: path.to_path_buf(),
             compiled: None,
+            ip_adapter: None,
         })
     }
 }

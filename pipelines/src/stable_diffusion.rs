@@ -28,6 +28,7 @@ use crate::denoise::{
 };
 use crate::error::{PipelineError, Result};
 use crate::inpaint::{check_unet_input, InpaintCondition};
+use crate::ip_adapter::{append_image_tokens, IpAdapter};
 use crate::loading::LoadOptions;
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::truncation::warn_if_clip_cut;
@@ -93,6 +94,8 @@ pub struct StableDiffusionPipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](Self::compile) was called.
     pub compiled: Option<CompiledCall<B, GuidedStepInputs<B>>>,
+    /// The attached IP-Adapter ([`load_ip_adapter`](Self::load_ip_adapter)).
+    pub ip_adapter: Option<IpAdapter<B>>,
 }
 
 impl<B: Backend> StableDiffusionPipeline<B> {
@@ -106,11 +109,15 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     /// What each component's weights hold and where (`place` names a device): `txt2img
     /// --json`'s `memory`.
     pub fn memory(&self, place: PlaceName<'_, B::Device>) -> Vec<ComponentMemory> {
-        vec![
+        let mut all = vec![
             component_memory("text_encoder", &self.text_encoder, None, place),
             component_memory("unet", &self.unet, None, place),
             component_memory("vae", &self.vae, None, place),
-        ]
+        ];
+        if let Some(adapter) = &self.ip_adapter {
+            all.extend(adapter.memory(place));
+        }
+        all
     }
 
     /// Loads a diffusers-format folder, or a Hub id from the local cache (downloading it when
@@ -163,6 +170,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
+            ip_adapter: None,
         })
     }
 
@@ -194,6 +202,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self.unet = self.unet.to(unet);
         self.vae = self.vae.to(vae);
         self.device = unet.clone();
+        self.ip_adapter = self.ip_adapter.map(|a| a.to_device(unet));
         // A compiled denoiser holds the UNet of its device: compile again after moving.
         self.compiled = None;
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
@@ -269,15 +278,54 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     }
 
     /// The UNet's text context for a request: the prompts' embeddings, preceded (with
-    /// guidance) by the negative prompts' (an empty string when none is given).
+    /// guidance) by the negative prompts' (an empty string when none is given); with an
+    /// IP-Adapter, each row ends with the image tokens of `req.ip_adapter_image`.
     pub fn encode_context(&self, req: &GenerateRequest<B>) -> Result<Tensor<B, 3>> {
         let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
-        if !req.does_guidance() {
-            return Ok(prompt_embeds);
-        }
-        let negatives = negatives_for(req)?;
-        let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
-        Ok(Tensor::cat(vec![negative_embeds, prompt_embeds], 0))
+        let context = if req.does_guidance() {
+            let negatives = negatives_for(req)?;
+            let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
+            Tensor::cat(vec![negative_embeds, prompt_embeds], 0)
+        } else {
+            prompt_embeds
+        };
+        append_image_tokens(
+            self.ip_adapter.as_ref(),
+            req.ip_adapter_image.as_ref(),
+            context,
+            req.does_guidance(),
+        )
+    }
+
+    /// Attaches an IP-Adapter weight file (h94 layout, safetensors), as diffusers'
+    /// `load_ip_adapter`, at scale 1: its image branches go into the UNet's cross-attentions,
+    /// and each request then needs an `ip_adapter_image`. `image_encoder` is the
+    /// `CLIPVisionModelWithProjection` folder; without one, `image_encoder/` next to the file,
+    /// then in the model folder. A second call replaces the adapter. Before
+    /// [`compile`](Self::compile).
+    pub fn load_ip_adapter(&mut self, file: &Path, image_encoder: Option<&Path>) -> Result<()> {
+        let compiled = self.compiled.is_some();
+        crate::ip_adapter::attach(
+            &mut self.ip_adapter,
+            &mut self.unet,
+            &self.source,
+            file,
+            image_encoder,
+            compiled,
+        )
+    }
+
+    /// The weight of the image branches (diffusers' `set_ip_adapter_scale`; 0 turns the image
+    /// prompt off).
+    pub fn set_ip_adapter_scale(&mut self, scale: f64) -> Result<()> {
+        let compiled = self.compiled.is_some();
+        crate::ip_adapter::set_scale(&mut self.ip_adapter, &mut self.unet, scale, compiled)
+    }
+
+    /// Removes the IP-Adapter (diffusers' `unload_ip_adapter`).
+    pub fn unload_ip_adapter(&mut self) -> Result<()> {
+        let compiled = self.compiled.is_some();
+        crate::ip_adapter::detach(&mut self.ip_adapter, &mut self.unet, compiled)
     }
 
     fn validate(&self, req: &GenerateRequest<B>) -> Result<(usize, usize)> {
@@ -342,6 +390,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         check_unet_input(&self.unet, &latents, inpaint)?;
+        crate::ip_adapter::refuse_with_controlnet(self.ip_adapter.as_ref(), control.is_some())?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let mut step = 0;
         let mut blended;
@@ -438,6 +487,7 @@ impl StableDiffusionPipeline<Oxi> {
     /// heads and feed-forward width, more devices than the platform has, a UNet not on a PJRT
     /// device.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        crate::ip_adapter::refuse_parallel(self.ip_adapter.as_ref())?;
         let device = self.unet_device();
         let placement =
             crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;

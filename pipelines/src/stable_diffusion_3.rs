@@ -493,6 +493,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         }
         let default = self.default_size();
         let p = self.transformer.patch_size;
+        crate::ip_adapter::refuse_image_prompt(common, "SD3")?;
         let (width, height) = check_request(common, (default, default), self.vae_scale_factor * p)?;
         let n = common.prompts.len();
         let prompts_2 = per_prompt(&req.prompts_2, &common.prompts, n, "second prompts")?;

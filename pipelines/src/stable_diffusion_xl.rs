@@ -36,6 +36,7 @@ use crate::denoise::{
 };
 use crate::error::{PipelineError, Result};
 use crate::inpaint::{check_unet_input, InpaintCondition};
+use crate::ip_adapter::{append_image_tokens, IpAdapter};
 use crate::loading::LoadOptions;
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
 use crate::truncation::warn_if_clip_cut;
@@ -170,6 +171,8 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](StableDiffusionXLPipeline::compile) was called.
     pub compiled: Option<CompiledCall<B, XlUNetInputs<B>>>,
+    /// The attached IP-Adapter ([`load_ip_adapter`](Self::load_ip_adapter)).
+    pub ip_adapter: Option<IpAdapter<B>>,
 }
 
 impl<B: Backend> StableDiffusionXLPipeline<B> {
@@ -195,6 +198,9 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         ));
         all.push(component_memory("unet", &self.unet, None, place));
         all.push(component_memory("vae", &self.vae, None, place));
+        if let Some(adapter) = &self.ip_adapter {
+            all.extend(adapter.memory(place));
+        }
         all
     }
 
@@ -364,6 +370,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
+            ip_adapter: None,
         })
     }
 
@@ -439,6 +446,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.text_encoder = self.text_encoder.map(|te| te.to(text_encoders));
         self.text_encoder_2 = self.text_encoder_2.to(text_encoders);
         self.unet = self.unet.to(unet);
+        self.ip_adapter = self.ip_adapter.map(|a| a.to_device(unet));
         self.vae = self.vae.to(vae);
         self.device = unet.clone();
         // A compiled denoiser holds the UNet of its device: compile again after moving.
@@ -450,6 +458,33 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             encoder.layers_program.clear();
         }
         self
+    }
+
+    /// Attaches an IP-Adapter weight file (h94 layout, safetensors) as
+    /// [`load_ip_adapter`](crate::StableDiffusionPipeline::load_ip_adapter) does for SD 1.x;
+    /// SDXL needs the SDXL adapter.
+    pub fn load_ip_adapter(&mut self, file: &Path, image_encoder: Option<&Path>) -> Result<()> {
+        let compiled = self.compiled.is_some();
+        crate::ip_adapter::attach(
+            &mut self.ip_adapter,
+            &mut self.unet,
+            &self.source,
+            file,
+            image_encoder,
+            compiled,
+        )
+    }
+
+    /// The weight of the image branches (diffusers' `set_ip_adapter_scale`).
+    pub fn set_ip_adapter_scale(&mut self, scale: f64) -> Result<()> {
+        let compiled = self.compiled.is_some();
+        crate::ip_adapter::set_scale(&mut self.ip_adapter, &mut self.unet, scale, compiled)
+    }
+
+    /// Removes the IP-Adapter (diffusers' `unload_ip_adapter`).
+    pub fn unload_ip_adapter(&mut self) -> Result<()> {
+        let compiled = self.compiled.is_some();
+        crate::ip_adapter::detach(&mut self.ip_adapter, &mut self.unet, compiled)
     }
 
     /// diffusers' `encode_prompt` for one side (positive or negative): each prompt through
@@ -688,6 +723,12 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         let width = positive_ids.len();
         let rows = ids.len() / width.max(1);
         let time_ids = Tensor::<B, 2>::from_data(TensorData::new(ids, [rows, width]), &self.device);
+        let context = append_image_tokens(
+            self.ip_adapter.as_ref(),
+            req.ip_adapter_image.as_ref(),
+            context,
+            cfg,
+        )?;
         Ok(XlConditioning {
             context: context.to_device(&self.device),
             added: AddedCondition {
@@ -725,6 +766,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         check_unet_input(&self.unet, &latents, inpaint)?;
+        crate::ip_adapter::refuse_with_controlnet(self.ip_adapter.as_ref(), control.is_some())?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let XlConditioning { context, added } = condition;
         let mut step = 0;
@@ -827,6 +869,7 @@ impl StableDiffusionXLPipeline<Oxi> {
     /// parallelism splits the batch (both guidance halves, with their added conditions) over
     /// `dp_degree`, one `dp x tp` mesh from the UNet's device on.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        crate::ip_adapter::refuse_parallel(self.ip_adapter.as_ref())?;
         let device = self.unet.conv_in.weight.device();
         let placement =
             crate::parallel::enable_parallelism(&mut self.unet, &device, config.into())?;

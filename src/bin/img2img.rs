@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
 use clap::Parser;
 use oxidiff::cli::control::ControlArgs;
+use oxidiff::cli::ip_adapter::IpAdapterArgs;
 use oxidiff::cli::model_lookup::png_model_hash;
 use oxidiff::cli::output::{check_writable, parent_dir, write_new, Existing, OutputError};
 use oxidiff::cli::usage::{self, DEFAULT_MAX_PIXELS};
@@ -117,6 +118,8 @@ struct Args {
     vae: VaeArgs,
     #[command(flatten)]
     control: ControlArgs,
+    #[command(flatten)]
+    ip_adapter: IpAdapterArgs,
 }
 
 /// Fuses each `--lora` with `load` (the pipeline's `load_lora`), before any compile.
@@ -189,6 +192,12 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     usage::steps("--steps", args.steps)?;
     usage::image_size("--width/--height", args.width, args.height, args.max_pixels)?;
     args.control.check(args.max_pixels)?;
+    args.ip_adapter.check()?;
+    if args.ip_adapter.active() && args.control.active() {
+        return Err(UsageError(
+            "--ip-adapter together with --controlnet is not supported yet: drop one of them".into(),
+        ));
+    }
     Ok(())
 }
 
@@ -310,6 +319,7 @@ fn run(args: Args) -> Result<()> {
     });
     let mut extra = vec![("Denoising strength".into(), strength.to_string())];
     extra.extend(args.control.png_fields());
+    extra.extend(args.ip_adapter.png_fields());
     extra.extend(closing_fields(&loras));
     let parameters = GenerationParameters {
         prompt: prompt_with_tags(&args.prompt, &loras),
@@ -447,6 +457,13 @@ fn edit<B: EditBackend>(
         &args.lora,
         |p, s| each!(&mut editor, pipe => pipe.load_lora(p, s)),
     )?;
+    let ip_adapter_image = args.ip_adapter.image()?;
+    if let Some(file) = &args.ip_adapter.ip_adapter {
+        let encoder = args.ip_adapter.ip_adapter_image_encoder.as_deref();
+        let scale = args.ip_adapter.scale();
+        each!(&mut editor, pipe => pipe.load_ip_adapter(file, encoder, scale))
+            .context("--ip-adapter")?;
+    }
     if args.compile {
         B::compile(&mut editor)?;
     }
@@ -487,6 +504,7 @@ fn edit<B: EditBackend>(
         width: args.width,
         height: args.height,
         seed: args.seed,
+        ip_adapter_image,
         ..Default::default()
     };
     let mut generator = TorchCpuGenerator::new(args.seed);

@@ -4,6 +4,7 @@
 //! binaries wrap them in `anyhow` and map a [`UsageError`] to exit status 2.
 
 pub mod control;
+pub mod ip_adapter;
 pub mod model_lookup;
 pub mod output;
 pub mod precision;

@@ -34,6 +34,10 @@ fn help_names_every_flag_and_usage_errors_exit_2_with_the_fix() {
         "--dtype",
         "--revision",
         "--version",
+        "--ip-adapter",
+        "--ip-adapter-image",
+        "--ip-adapter-scale",
+        "--ip-adapter-image-encoder",
     ] {
         assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
     }

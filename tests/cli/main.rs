@@ -10,6 +10,7 @@ mod control;
 mod damaged;
 mod flags;
 mod hub;
+mod ip_adapter;
 mod metadata;
 mod outputs;
 mod parity;

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use oxidiff::cli::control::ControlArgs;
+use oxidiff::cli::ip_adapter::IpAdapterArgs;
 use oxidiff::cli::usage::DEFAULT_MAX_PIXELS;
 use oxidiff::cli::vae::VaeArgs;
 use oxidiff::cli::Precision;
@@ -21,6 +22,8 @@ Examples:
   txt2img --model stabilityai/stable-diffusion-xl-base-1.0 --variant fp16 --dtype bf16 \\
           --device tpu --compile --num-images 8 --batch-size 4 -o out/ \"a castle at dusk\"
   txt2img --from-png out/00003.png --steps 30 -o again.png
+  txt2img --model runwayml/stable-diffusion-v1-5 --ip-adapter ip-adapter_sd15.safetensors \\
+          --ip-adapter-image cat.png --ip-adapter-scale 0.6 \"a cat in a hat\"
 
 Environment:
   HF_HOME, HF_HUB_CACHE   the Hugging Face Hub cache (default ~/.cache/huggingface/hub)
@@ -201,6 +204,8 @@ pub struct Args {
     pub vae: VaeArgs,
     #[command(flatten)]
     pub control: ControlArgs,
+    #[command(flatten)]
+    pub ip_adapter: IpAdapterArgs,
 }
 
 /// `--output-type`.

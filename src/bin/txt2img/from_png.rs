@@ -59,6 +59,8 @@ pub fn apply_from_png(args: &mut Args) -> Result<()> {
     }
     // Its ControlNets (A1111's `ControlNet k` fields), unless --controlnet was given.
     args.control.from_png_fields(&p.extra, path, &dirs)?;
+    // Its IP-Adapter: the files must be given again; the scale comes back.
+    args.ip_adapter.from_png_fields(&p.extra, path)?;
     args.prompt.get_or_insert(prompt);
     args.negative_prompt.get_or_insert(p.negative_prompt);
     args.steps.get_or_insert(p.steps);

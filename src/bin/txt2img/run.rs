@@ -93,6 +93,17 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     }
     usage::finite("--true-cfg-scale", args.true_cfg_scale)?;
     args.control.check(args.max_pixels)?;
+    args.ip_adapter.check()?;
+    if args.ip_adapter.active() && args.control.active() {
+        return Err(UsageError(
+            "--ip-adapter together with --controlnet is not supported yet: drop one of them".into(),
+        ));
+    }
+    if args.ip_adapter.active() && (args.tp != 1 || args.dp != 1) {
+        return Err(UsageError(
+            "--ip-adapter does not split over devices yet: drop --tp/--dp (--compile works)".into(),
+        ));
+    }
     if args.control.active() && args.dp != 1 {
         return Err(UsageError(
             "--controlnet does not split the batch over devices: drop --dp (--tp splits the UNet \
@@ -363,6 +374,15 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
             .context("loading --controlnet")?;
         pipe = pipe.with_controlnets(nets)?;
     }
+    let ip_adapter_image = args.ip_adapter.image()?;
+    if let Some(file) = &args.ip_adapter.ip_adapter {
+        pipe.load_ip_adapter(
+            file,
+            args.ip_adapter.ip_adapter_image_encoder.as_deref(),
+            args.ip_adapter.scale(),
+        )
+        .context("--ip-adapter")?;
+    }
     B::prepare(&mut pipe, execution)?;
     let factor = pipe.vae_scale_factor();
     args.vae.apply(pipe.vae_mut(), factor)?;
@@ -391,6 +411,7 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
             OutputType::Images
         },
         cancel: Some(cancel),
+        ip_adapter_image,
         ..Default::default()
     };
     let family_options = FamilyOptions {
@@ -467,6 +488,7 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
                             extra.push((LATENTS_FIELD.to_string(), file_name(path)));
                         }
                         extra.extend(args.control.png_fields());
+                        extra.extend(args.ip_adapter.png_fields());
                         extra.extend(closing_fields(&loras));
                         let parameters = GenerationParameters {
                             prompt: prompt_with_tags(&prompt, &loras),
