@@ -861,3 +861,180 @@ fn compiled_ip_adapter_steps_match_diffusers_for_sd_and_sdxl() {
         2,
     );
 }
+
+// --- the kernel hub (kernels/, tools/kernels/export_flash_attention.py) -----------------------
+
+fn kernel_hub_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kernels")
+}
+
+/// softmax(q k^T * scale) v on the CPU backend, for `[batch, heads, seq, dim]` inputs.
+fn plain_attention(q: &[f32], k: &[f32], v: &[f32], shape: [usize; 4], scale: f64) -> Vec<f32> {
+    type Cpu = common::B;
+    let device = Default::default();
+    let t = |x: &[f32]| Tensor::<Cpu, 4>::from_data(TensorData::new(x.to_vec(), shape), &device);
+    let scores = t(q).matmul(t(k).swap_dims(2, 3)).mul_scalar(scale);
+    to_vec(burn::tensor::activation::softmax(scores, 3).matmul(t(v)))
+}
+
+/// JAX's Pallas TPU flash attention, exported in interpret mode (plain StableHLO from the same
+/// source and parameters as the TPU artifact), runs on XLA's CPU plugin and gives the plain
+/// attention: 1e-5 relative in f32 (blockwise online softmax against one softmax); in bf16
+/// (inputs and output rounded to bf16, f32 accumulation in the kernel) 1e-2.
+#[test]
+fn interpreted_flash_attention_kernel_matches_the_plain_attention_on_xla_cpu() {
+    use oxidiff::backend::kernels::{KernelHub, KernelRequest, KernelTarget};
+    use oxidiff::backend::pjrt::CompileOptions;
+    use oxidiff::backend::platform::{shared_client, PjrtPlatform};
+    if skip() {
+        return;
+    }
+    let hub = KernelHub::open(&kernel_hub_dir());
+    let shape = [1usize, 2, 128, 64];
+    let n: usize = shape.iter().product();
+    // Uniform in [-2, 2) from a 64-bit LCG (Knuth's constants).
+    let mut state = 5u64;
+    let mut random = || -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect()
+    };
+    let (q, k, v) = (random(), random(), random());
+    let client = shared_client(&PjrtPlatform::XlaCpu).unwrap_or_else(|e| panic!("{e}"));
+    let device = client.device(0).unwrap();
+    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+    for (dtype, tolerance) in [("float32", 1e-5f32), ("bfloat16", 1e-2)] {
+        let kernel = hub
+            .find(&KernelRequest {
+                name: "flash_attention",
+                shape: &shape,
+                dtype,
+                target: KernelTarget::Interpret,
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            !kernel.mlir.contains("custom_call"),
+            "{dtype}: not plain StableHLO"
+        );
+        let exe = client
+            .compile(&kernel.mlir, &CompileOptions::default())
+            .unwrap_or_else(|e| panic!("{dtype}: {e}"));
+        let (out, inputs) = if dtype == "float32" {
+            let b = |x: &[f32]| client.buffer_from_slice(x, &dims, &device).unwrap();
+            let args = [b(&q), b(&k), b(&v)];
+            let out = exe.execute(&args.iter().collect::<Vec<_>>()).unwrap();
+            (
+                out[0].to_vec::<f32>().unwrap(),
+                [q.clone(), k.clone(), v.clone()],
+            )
+        } else {
+            let half = |x: &[f32]| {
+                x.iter()
+                    .map(|&f| half::bf16::from_f32(f))
+                    .collect::<Vec<_>>()
+            };
+            let widen = |x: &[half::bf16]| x.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
+            let (hq, hk, hv) = (half(&q), half(&k), half(&v));
+            let b = |x: &[half::bf16]| client.buffer_from_slice(x, &dims, &device).unwrap();
+            let args = [b(&hq), b(&hk), b(&hv)];
+            let out = exe.execute(&args.iter().collect::<Vec<_>>()).unwrap();
+            let out: Vec<half::bf16> = out[0].to_vec().unwrap();
+            (widen(&out), [widen(&hq), widen(&hk), widen(&hv)])
+        };
+        let expected = plain_attention(&inputs[0], &inputs[1], &inputs[2], shape, kernel.sm_scale);
+        let err = relative_error(&out, &expected);
+        eprintln!("flash attention ({dtype}, interpret mode) vs plain: relative error {err:e}");
+        assert!(err <= tolerance, "{dtype}: {err:e}");
+    }
+}
+
+/// What the hub cannot serve is one line saying why (so the plain lowering is used): another
+/// shape, another TPU generation, a damaged artifact or manifest, another jax version, an
+/// unknown kernel.
+#[test]
+fn the_kernel_hub_refuses_what_does_not_match_with_a_one_line_reason() {
+    use oxidiff::backend::kernels::{KernelHub, KernelRequest, KernelTarget};
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = tmp.path().join("flash_attention");
+    std::fs::create_dir(&copy).unwrap();
+    for entry in std::fs::read_dir(kernel_hub_dir().join("flash_attention")).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, copy.join(path.file_name().unwrap())).unwrap();
+    }
+    let request = |shape: &'static [usize], target: KernelTarget| KernelRequest {
+        name: "flash_attention",
+        shape,
+        dtype: "bfloat16",
+        target,
+    };
+    let v5e = || KernelTarget::Tpu("v5e".into());
+    let miss = |hub: &KernelHub, r: KernelRequest<'_>| {
+        let text = hub
+            .find(&r)
+            .map(|k| k.file.display().to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(!text.contains('\n'), "{text}");
+        text
+    };
+    let hub = KernelHub::open(tmp.path());
+    assert!(hub.find(&request(&[2, 8, 4096, 40], v5e())).is_ok());
+    let text = miss(&hub, request(&[2, 8, 1024, 40], v5e()));
+    assert!(
+        text.contains("no artifact for [2, 8, 1024, 40]")
+            && text.contains("[2, 8, 4096, 40] bfloat16"),
+        "{text}"
+    );
+    let text = miss(
+        &hub,
+        request(&[2, 8, 4096, 40], KernelTarget::Tpu("v4".into())),
+    );
+    assert!(
+        text.contains("not exported for TPU v4") && text.contains("v5e, v6e"),
+        "{text}"
+    );
+    let text = miss(
+        &hub,
+        KernelRequest {
+            name: "ring_attention",
+            ..request(&[1], v5e())
+        },
+    );
+    assert!(text.contains("no kernel `ring_attention`"), "{text}");
+
+    // A flipped byte in the artifact.
+    let file = copy.join("tpu-bfloat16-2x8x4096x40.mlir");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&file, bytes).unwrap();
+    let text = miss(&hub, request(&[2, 8, 4096, 40], v5e()));
+    assert!(
+        text.contains("is damaged (sha256") && text.contains("tpu-bfloat16-2x8x4096x40.mlir"),
+        "{text}"
+    );
+
+    // Another jax version, then a manifest that is not JSON.
+    let manifest = copy.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    std::fs::write(
+        &manifest,
+        text.replace("\"jax\": \"0.10.2\"", "\"jax\": \"0.9.0\""),
+    )
+    .unwrap();
+    let text = miss(
+        &KernelHub::open(tmp.path()),
+        request(&[1, 2, 128, 64], v5e()),
+    );
+    assert!(text.contains("exported with jax 0.9.0"), "{text}");
+    std::fs::write(&manifest, "{ not json").unwrap();
+    let text = miss(
+        &KernelHub::open(tmp.path()),
+        request(&[1, 2, 128, 64], v5e()),
+    );
+    assert!(text.contains("manifest.json is damaged"), "{text}");
+}

@@ -416,3 +416,45 @@ fn weight_arguments(function: &LoweredFunction, inputs: usize) -> (usize, usize)
         .sum();
     (weights.len(), bytes)
 }
+
+/// Traces attention as the models compute it (Burn's `attention` on `[batch, heads, seq,
+/// head_dim]` q, k and v, scale `1/sqrt(head_dim)`, no mask) in `dtype` and lowers it to one
+/// module `@main(q, k, v)`: the plain lowering a kernel from the
+/// [kernel hub](oxidiff_backend_tpu::kernels) replaces, to compare the two ahead of time.
+pub fn trace_attention(shape: [usize; 4], dtype: burn::tensor::FloatDType) -> Result<TracedPart> {
+    use burn::tensor::module::attention;
+    use burn::tensor::ops::AttentionModuleOptions;
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = OxiDevice::Cpu;
+    let _before = take_ops(&device);
+    let n: usize = shape.iter().product();
+    let input = || {
+        let data = match dtype {
+            burn::tensor::FloatDType::BF16 => {
+                TensorData::new(vec![burn::tensor::bf16::ZERO; n], shape)
+            }
+            burn::tensor::FloatDType::F16 => {
+                TensorData::new(vec![burn::tensor::f16::ZERO; n], shape)
+            }
+            _ => TensorData::new(vec![0f32; n], shape),
+        };
+        Tensor::<Traced, 4>::from_data(data, &device)
+    };
+    let (q, k, v) = (input(), input(), input());
+    let inputs = [float_ir(&q), float_ir(&k), float_ir(&v)];
+    let out = attention(
+        q,
+        k,
+        v,
+        None,
+        None,
+        AttentionModuleOptions {
+            scale: Some(1.0 / (shape[3] as f64).sqrt()),
+            softcap: None,
+            is_causal: false,
+        },
+    );
+    traced_part(&device, &inputs, float_ir(&out), "attention")
+}

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Exports JAX's Pallas TPU flash attention as StableHLO artifacts for oxidiff's kernel hub.
+
+Run by hand (never by tests or at run time), with jax 0.10.2 (CPU wheels are enough: a TPU
+kernel is exported, not run):
+
+    python3 -m venv /tmp/jax && /tmp/jax/bin/pip install jax==0.10.2
+    /tmp/jax/bin/python tools/kernels/export_flash_attention.py
+
+For each shape bucket and dtype below, two artifacts from the same source and parameters:
+- `tpu`: `jax.export` for the TPU platform: the kernel as a `stablehlo.custom_call
+  @tpu_custom_call` carrying its Mosaic body, which libtpu compiles for the chip it targets
+  (the export is the same for v5e and v6e);
+- `interpret`: the same `pallas_call` in Pallas' interpret mode (`interpret=True`), lowered for
+  the CPU: plain StableHLO (`while` loops over the blocks), so the kernel's logic runs on XLA's
+  CPU plugin and is tested there.
+Writes kernels/flash_attention/NAME.mlir and kernels/flash_attention/manifest.json (the
+kernel's name, source module, jax version, parameters, shapes, dtype, targets, and each
+artifact's sha256). Reruns give identical bytes.
+"""
+import hashlib
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas
+from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+OUT = os.path.join(ROOT, "kernels", "flash_attention")
+JAX_VERSION = "0.10.2"
+
+# (batch, heads, sequence, head dim): the tests' bucket, and SD 1.5's self-attention at 512x512
+# (CFG batch 2, 8 heads, 64x64 latents, 320 / 8 channels a head) in its first block.
+BUCKETS = [
+    (1, 2, 128, 64),
+    (2, 8, 4096, 40),
+]
+DTYPES = ["float32", "bfloat16"]
+
+
+class _Interpreting:
+    """`pallas` with `pallas_call` forced into interpret mode."""
+
+    def __getattr__(self, name):
+        return getattr(pallas, name)
+
+    @staticmethod
+    def pallas_call(*args, **kwargs):
+        kwargs["interpret"] = True
+        return pallas.pallas_call(*args, **kwargs)
+
+
+def export(shape, dtype, interpret):
+    scale = shape[3] ** -0.5
+
+    def f(q, k, v):
+        return fa.flash_attention(q, k, v, sm_scale=scale)
+
+    x = jnp.zeros(shape, dtype)
+    # The op's inner functions are jitted: their traces are cached, with or without
+    # interpret mode, so each export starts from empty caches.
+    jax.clear_caches()
+    saved = fa.pl
+    if interpret:
+        fa.pl = _Interpreting()
+    try:
+        exported = jax.export.export(jax.jit(f), platforms=["cpu" if interpret else "tpu"])(x, x, x)
+    finally:
+        fa.pl = saved
+    # Debug locations name jax's source files relative to site-packages, not this machine.
+    text = re.sub(r'"[^"]*site-packages/', '"', exported.mlir_module())
+    text = text.replace(f'"{os.path.abspath(__file__)}"', '"tools/kernels/export_flash_attention.py"')
+    return text, scale
+
+
+def main():
+    assert jax.__version__ == JAX_VERSION, f"export with jax {JAX_VERSION}, not {jax.__version__}"
+    os.makedirs(OUT, exist_ok=True)
+    artifacts = []
+    for shape in BUCKETS:
+        for dtype in DTYPES:
+            for target in ("tpu", "interpret"):
+                text, scale = export(shape, jnp.dtype(dtype), target == "interpret")
+                name = f"{target}-{dtype}-{'x'.join(map(str, shape))}.mlir"
+                data = text.encode()
+                with open(os.path.join(OUT, name), "wb") as f:
+                    f.write(data)
+                artifacts.append({
+                    "file": name,
+                    "target": target,
+                    "tpu_generations": ["v5e", "v6e"] if target == "tpu" else [],
+                    "shape": list(shape),
+                    "dtype": dtype,
+                    "sm_scale": scale,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                })
+                print(f"{name}: {len(data)} bytes")
+    manifest = {
+        "kernel": "flash_attention",
+        "source": "jax.experimental.pallas.ops.tpu.flash_attention.flash_attention",
+        "jax": JAX_VERSION,
+        "layout": "q, k, v and the output [batch, heads, sequence, head_dim]; softmax(q k^T * sm_scale) v",
+        "parameters": {"causal": False, "block_sizes": "the op's defaults"},
+        "artifacts": artifacts,
+    }
+    with open(os.path.join(OUT, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
