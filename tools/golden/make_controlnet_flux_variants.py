@@ -23,6 +23,14 @@ Writes:
   union net alone in a `FluxMultiControlNetModel` with two conditions (the image and its left-
   right mirror, modes 0 and 3, scales 0.8 and 0.6, windows [0, 0.75] and [0.25, 1]); the XLabs
   net at scale 0.9 (no VAE encode: the pixel image goes in, the latents are the first draw).
+- tests/fixtures/tiny-flux-transformer-3/: a smaller random `FluxTransformer2DModel` (1 head of
+  8, `axes_dims_rope` (2, 2, 4), 3 double and 1 single blocks, 16 latent channels, seed 45),
+  where repeating two ControlNet samples over three double blocks (XLabs'
+  `controlnet_blocks_repeat`: 0, 1, 0) differs from spreading them (0, 0, 1); tiny-flux-dev
+  has two double blocks, where both agree.
+- tests/fixtures/golden/controlnet-flux-variants.safetensors: one call of that transformer
+  (`repeat.*` inputs, two double and one single random sample) with
+  `controlnet_blocks_repeat` True and False (`repeat.out_repeat`, `repeat.out_spread`).
 - tests/fixtures/golden/controlnet-flux-variants.json: the settings.
 Reruns give identical bytes.
 """
@@ -33,7 +41,7 @@ import sys
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_tiny_sd as sd  # noqa: E402  (threads, determinism, offline mode)
-from common import save_json  # noqa: E402
+from common import save_canonical, save_json  # noqa: E402
 from make_tiny_flux import DEV_RUN  # noqa: E402
 
 import PIL.Image  # noqa: E402
@@ -86,6 +94,48 @@ def make_controlnet(transformer, seed, extra, folder):
     return FluxControlNetModel.from_pretrained(folder)
 
 
+def make_repeat_golden():
+    folder = os.path.join(sd.FIXTURES, "tiny-flux-transformer-3")
+    torch.manual_seed(45)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=3, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=1, joint_attention_dim=8, pooled_projection_dim=8, guidance_embeds=True,
+        axes_dims_rope=(2, 2, 4)).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    sd.canonicalize_safetensors(folder)
+    gen = torch.Generator().manual_seed(46)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    h, w, text = 2, 3, 4
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    img_ids = img_ids.reshape(h * w, 3)
+    inputs = {
+        "repeat.hidden_states": rand(1, h * w, 16),
+        "repeat.encoder_hidden_states": rand(1, text, 8),
+        "repeat.pooled_projections": rand(1, 8),
+        "repeat.timestep": torch.tensor([0.7]),
+        "repeat.guidance": torch.tensor([3.5]),
+        "repeat.img_ids": img_ids,
+        "repeat.block_0": rand(1, h * w, 8),
+        "repeat.block_1": rand(1, h * w, 8),
+        "repeat.single_0": rand(1, h * w, 8),
+    }
+    out = dict(inputs)
+    for name, repeat in [("repeat", True), ("spread", False)]:
+        with torch.no_grad():
+            out[f"repeat.out_{name}"] = model(
+                hidden_states=inputs["repeat.hidden_states"],
+                encoder_hidden_states=inputs["repeat.encoder_hidden_states"],
+                pooled_projections=inputs["repeat.pooled_projections"],
+                timestep=inputs["repeat.timestep"], guidance=inputs["repeat.guidance"],
+                img_ids=img_ids, txt_ids=torch.zeros(text, 3),
+                controlnet_block_samples=[inputs["repeat.block_0"], inputs["repeat.block_1"]],
+                controlnet_single_block_samples=[inputs["repeat.single_0"]],
+                controlnet_blocks_repeat=repeat, return_dict=False)[0]
+    save_canonical(os.path.join(sd.GOLDEN, "controlnet-flux-variants.safetensors"), out)
+
+
 def main():
     base = os.path.join(sd.FIXTURES, "tiny-flux-dev")
     transformer = FluxTransformer2DModel.from_pretrained(os.path.join(base, "transformer"))
@@ -116,6 +166,8 @@ def main():
                    generator=torch.Generator().manual_seed(42), **settings, **kwargs).images[0]
         out.save(os.path.join(sd.GOLDEN, f"controlnet-flux-{name}.png"))
         info["runs"][name] = run
+    make_repeat_golden()
+    info["repeat"] = "tiny-flux-transformer-3, 3 double blocks, 2 samples, timestep 0.7, guidance 3.5"
     save_json(os.path.join(sd.GOLDEN, "controlnet-flux-variants.json"), info)
 
 
