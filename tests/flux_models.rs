@@ -244,3 +244,33 @@ fn repeated_and_spread_control_samples_match_diffusers() {
     assert_close(&golden, "repeat.out_repeat", repeated, TOL);
     assert_close(&golden, "repeat.out_spread", spread, TOL);
 }
+
+/// Flux ControlNet configs that cannot work are refused naming the field: an XLabs
+/// conditioning embedding whose patches do not fill `in_channels`, a Union without modes.
+#[test]
+fn flux_controlnet_configs_with_bad_variant_fields_are_rejected() {
+    use oxidiff::models::FluxControlNetModel;
+    let refused = |net: &str, field: &str, value: serde_json::Value| {
+        let dir = tempfile::tempdir().unwrap();
+        let text = std::fs::read_to_string(model_dir(net).join("config.json")).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        config[field] = value;
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        FluxControlNetModel::<B>::from_dir(dir.path(), None, &Default::default())
+            .err()
+            .unwrap_or_else(|| panic!("{net} with {field} loaded"))
+            .to_string()
+    };
+    let err = refused(
+        "tiny-controlnet-flux-xlabs",
+        "conditioning_embedding_channels",
+        serde_json::json!(8),
+    );
+    assert!(err.contains("`conditioning_embedding_channels` 8"), "{err}");
+    let err = refused(
+        "tiny-controlnet-flux-union",
+        "num_mode",
+        serde_json::json!(0),
+    );
+    assert!(err.contains("`num_mode`"), "{err}");
+}

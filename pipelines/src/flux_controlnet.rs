@@ -437,8 +437,8 @@ impl<'a, B: Backend> FluxControl<'a, B> {
                 Tensor::cat(modes.clone(), 0),
             )
         });
-        let modes = (request.controls.iter().zip(modes).enumerate())
-            .map(|(k, (_, m))| net_for(nets, k).num_mode().map(|_| m))
+        let modes = (modes.into_iter().enumerate())
+            .map(|(k, m)| net_for(nets, k).num_mode().map(|_| m))
             .collect();
         Ok(FluxControlStep {
             nets,
