@@ -787,6 +787,93 @@ fn compiled_sd3_and_flux_controlnets_match_diffusers() {
     assert!(stats.programs >= 1, "{stats:?}");
 }
 
+/// Flux ControlNet-Union and XLabs ControlNets compiled on XLA's CPU plugin against
+/// diffusers' PNGs (tools/golden/make_controlnet_flux_variants.py), within 2 levels as their
+/// eager runs: the control mode is a runtime input (another mode reuses the program and
+/// changes the image), one Union serves two images, XLabs' conditioning is embedded once.
+#[test]
+fn compiled_flux_union_and_xlabs_controlnets_match_diffusers() {
+    use common::{assert_png_close, png_level_diff};
+    use oxidiff::pipelines::{Control, ControlRequest, FluxControlNetPipeline, FluxRequest};
+    if skip() {
+        return;
+    }
+    let device = xla();
+    let image = image::open(common::fixtures().join("golden/controlnet-input.png")).unwrap();
+    let control = |image: &image::DynamicImage, scale, mode, window: (f64, f64)| Control {
+        scale,
+        control_mode: mode,
+        guidance_start: window.0,
+        guidance_end: window.1,
+        ..Control::new(image.clone())
+    };
+    let request = |controls| ControlRequest {
+        controls,
+        guess_mode: false,
+    };
+    let png =
+        |out: oxidiff::pipelines::PipelineOutput<Oxi>| out.images.unwrap().to_rgb8(0).unwrap();
+    let flux = FluxRequest {
+        common: GenerateRequest {
+            prompts: vec!["A photo of an astronaut riding a horse on the moon".into()],
+            num_inference_steps: 4,
+            guidance_scale: 3.5,
+            width: Some(96),
+            height: Some(64),
+            seed: 42,
+            ..Default::default()
+        },
+        max_sequence_length: 24,
+        ..Default::default()
+    };
+    let pipe = |net: &str| {
+        let mut pipe = FluxControlNetPipeline::<Oxi>::from_dir(
+            &model_dir("tiny-flux-dev"),
+            &[model_dir(net).as_path()],
+            &LoadOptions::default(),
+            &device,
+        )
+        .unwrap();
+        pipe.compile().unwrap();
+        pipe
+    };
+
+    let mut union = pipe("tiny-controlnet-flux-union");
+    let two = png(union
+        .generate(
+            &flux,
+            &request(vec![control(&image, 0.9, Some(2), (0.0, 1.0))]),
+        )
+        .unwrap());
+    assert_png_close(&two, "controlnet-flux-union.png", 2);
+    let programs = union.compile_stats().unwrap().programs;
+    let zero = png(union
+        .generate(
+            &flux,
+            &request(vec![control(&image, 0.9, Some(0), (0.0, 1.0))]),
+        )
+        .unwrap());
+    assert_eq!(union.compile_stats().unwrap().programs, programs);
+    assert!(png_level_diff(&two, &zero) > 2);
+    let multi = request(vec![
+        control(&image, 0.8, Some(0), (0.0, 0.75)),
+        control(&image.fliph(), 0.6, Some(3), (0.25, 1.0)),
+    ]);
+    assert_png_close(
+        &png(union.generate(&flux, &multi).unwrap()),
+        "controlnet-flux-union-multi.png",
+        2,
+    );
+
+    let mut xlabs = pipe("tiny-controlnet-flux-xlabs");
+    let one = request(vec![control(&image, 0.9, None, (0.0, 1.0))]);
+    assert_png_close(
+        &png(xlabs.generate(&flux, &one).unwrap()),
+        "controlnet-flux-xlabs.png",
+        2,
+    );
+}
+
 /// IP-Adapter in compiled mode on XLA's CPU plugin: the UNet's image branches are part of the
 /// compiled step (the image tokens ride at the end of the context input), within 2 levels of
 /// diffusers' PNGs (tools/golden/make_ip_adapter.py) as the eager runs; changing the adapter

@@ -203,3 +203,74 @@ fn sharded_widths_name_every_split_attention_and_mlp_for_validation() {
         "{err}"
     );
 }
+
+/// XLabs' `controlnet_blocks_repeat` against diffusers (tools/golden/
+/// make_controlnet_flux_variants.py): two ControlNet samples over three double blocks go 0, 1, 0
+/// when repeated and 0, 0, 1 when spread, on a transformer where the two differ.
+#[test]
+fn repeated_and_spread_control_samples_match_diffusers() {
+    use oxidiff::models::transformer_flux::FluxControlSamples;
+    let golden = Golden::load("controlnet-flux-variants");
+    let device = Default::default();
+    let dir = model_dir("tiny-flux-transformer-3");
+    let model = FluxTransformer2DModel::<B>::from_dir(&dir, None, &device).unwrap();
+    let txt_ids = vec![vec![0.0; 3]; 4];
+    let rope = model.rotary_embedding(&txt_ids, &id_rows(&golden, "repeat.img_ids"), &device);
+    let call = |repeat| {
+        let samples = FluxControlSamples {
+            blocks: vec![
+                golden.tensor("repeat.block_0"),
+                golden.tensor("repeat.block_1"),
+            ],
+            single_blocks: vec![golden.tensor("repeat.single_0")],
+            repeat,
+        };
+        model.forward_controlled(
+            golden.tensor("repeat.hidden_states"),
+            golden.tensor("repeat.encoder_hidden_states"),
+            golden.tensor("repeat.pooled_projections"),
+            golden.tensor("repeat.timestep"),
+            Some(golden.tensor("repeat.guidance")),
+            &rope,
+            Some(&samples),
+        )
+    };
+    let (repeated, spread) = (call(true), call(false));
+    let apart = (repeated.clone() - spread.clone())
+        .abs()
+        .max()
+        .into_scalar();
+    assert!(apart > 1e-2, "{apart}");
+    assert_close(&golden, "repeat.out_repeat", repeated, TOL);
+    assert_close(&golden, "repeat.out_spread", spread, TOL);
+}
+
+/// Flux ControlNet configs that cannot work are refused naming the field: an XLabs
+/// conditioning embedding whose patches do not fill `in_channels`, a Union without modes.
+#[test]
+fn flux_controlnet_configs_with_bad_variant_fields_are_rejected() {
+    use oxidiff::models::FluxControlNetModel;
+    let refused = |net: &str, field: &str, value: serde_json::Value| {
+        let dir = tempfile::tempdir().unwrap();
+        let text = std::fs::read_to_string(model_dir(net).join("config.json")).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+        config[field] = value;
+        std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+        FluxControlNetModel::<B>::from_dir(dir.path(), None, &Default::default())
+            .err()
+            .unwrap_or_else(|| panic!("{net} with {field} loaded"))
+            .to_string()
+    };
+    let err = refused(
+        "tiny-controlnet-flux-xlabs",
+        "conditioning_embedding_channels",
+        serde_json::json!(8),
+    );
+    assert!(err.contains("`conditioning_embedding_channels` 8"), "{err}");
+    let err = refused(
+        "tiny-controlnet-flux-union",
+        "num_mode",
+        serde_json::json!(0),
+    );
+    assert!(err.contains("`num_mode`"), "{err}");
+}

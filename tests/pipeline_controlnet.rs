@@ -423,19 +423,22 @@ fn sd3_controlnets_match_diffusers() {
     assert!(png_level_diff(&single, &b) > 10);
 }
 
-/// `FluxControlNetPipeline` on tiny-flux-dev with the ControlNets of
-/// tools/golden/make_controlnet_flux.py (tiny-flux-dev's settings, seed 42).
-fn flux_run(nets: &[&str], control: &ControlRequest) -> image::RgbImage {
+/// `FluxControlNetPipeline` on tiny-flux-dev with the ControlNets `nets` of
+/// tools/golden/make_controlnet_flux.py and make_controlnet_flux_variants.py.
+fn flux_pipe(nets: &[&str]) -> oxidiff::pipelines::Result<FluxControlNetPipeline<B>> {
     let dirs: Vec<_> = nets.iter().map(|n| model_dir(n)).collect();
     let refs: Vec<&std::path::Path> = dirs.iter().map(|d| d.as_path()).collect();
-    let mut pipe = FluxControlNetPipeline::<B>::from_dir(
+    FluxControlNetPipeline::<B>::from_dir(
         &model_dir("tiny-flux-dev"),
         &refs,
         &LoadOptions::default(),
         &Default::default(),
     )
-    .unwrap();
-    let request = FluxRequest {
+}
+
+/// The golden scripts' request: tiny-flux-dev's settings, seed 42.
+fn flux_request() -> FluxRequest<B> {
+    FluxRequest {
         common: GenerateRequest {
             prompts: vec!["A photo of an astronaut riding a horse on the moon".into()],
             num_inference_steps: 4,
@@ -447,8 +450,12 @@ fn flux_run(nets: &[&str], control: &ControlRequest) -> image::RgbImage {
         },
         max_sequence_length: 24,
         ..Default::default()
-    };
-    let out = pipe.generate(&request, control).unwrap();
+    }
+}
+
+fn flux_run(nets: &[&str], control: &ControlRequest) -> image::RgbImage {
+    let mut pipe = flux_pipe(nets).unwrap();
+    let out = pipe.generate(&flux_request(), control).unwrap();
     out.images.unwrap().to_rgb8(0).unwrap()
 }
 
@@ -474,4 +481,118 @@ fn flux_controlnets_match_diffusers() {
     let two = flux_run(&["tiny-controlnet-flux", "tiny-controlnet-flux-b"], &multi);
     assert_png_close(&two, "controlnet-flux-multi.png", 2);
     assert!(png_level_diff(&one, &two) > 10);
+}
+
+/// A control of `image` at `scale` with `mode`, over the window [`start`, `end`].
+fn moded(
+    image: &image::DynamicImage,
+    scale: f64,
+    mode: Option<usize>,
+    window: (f64, f64),
+) -> Control {
+    Control {
+        scale,
+        control_mode: mode,
+        guidance_start: window.0,
+        guidance_end: window.1,
+        ..Control::new(image.clone())
+    }
+}
+
+fn controls(controls: Vec<Control>) -> ControlRequest {
+    ControlRequest {
+        controls,
+        guess_mode: false,
+    }
+}
+
+/// InstantX's ControlNet-Union (tools/golden/make_controlnet_flux_variants.py): one mode, and
+/// one Union serving two images with their own modes and windows (diffusers'
+/// `FluxMultiControlNetModel` with one net), each within 2 PNG levels of diffusers; another
+/// mode gives another image.
+#[test]
+fn flux_union_controlnet_matches_diffusers() {
+    let image = control_image();
+    let union = ["tiny-controlnet-flux-union"];
+    let two = flux_run(
+        &union,
+        &controls(vec![moded(&image, 0.9, Some(2), (0.0, 1.0))]),
+    );
+    assert_png_close(&two, "controlnet-flux-union.png", 2);
+    let multi = controls(vec![
+        moded(&image, 0.8, Some(0), (0.0, 0.75)),
+        moded(&image.fliph(), 0.6, Some(3), (0.25, 1.0)),
+    ]);
+    assert_png_close(
+        &flux_run(&union, &multi),
+        "controlnet-flux-union-multi.png",
+        2,
+    );
+    // One mode token among 25 text tokens steers the tiny model gently: diffusers measures 4
+    // levels between modes 2 and 0, more than the 2 levels the goldens allow.
+    let zero = flux_run(
+        &union,
+        &controls(vec![moded(&image, 0.9, Some(0), (0.0, 1.0))]),
+    );
+    let moved = png_level_diff(&two, &zero);
+    eprintln!("mode 2 against mode 0: {moved} levels");
+    assert!(moved > 2, "{moved}");
+}
+
+/// An XLabs-style Flux ControlNet (conditioning embedding on the pixel image, samples repeated
+/// over the double blocks) within 2 PNG levels of diffusers; the control changes the image.
+#[test]
+fn flux_xlabs_controlnet_matches_diffusers() {
+    let image = control_image();
+    let xlabs = flux_run(
+        &["tiny-controlnet-flux-xlabs"],
+        &controls(vec![moded(&image, 0.9, None, (0.0, 1.0))]),
+    );
+    assert_png_close(&xlabs, "controlnet-flux-xlabs.png", 2);
+    let off = flux_run(
+        &["tiny-controlnet-flux-xlabs"],
+        &controls(vec![moded(&image, 0.0, None, (0.0, 1.0))]),
+    );
+    let moved = png_level_diff(&xlabs, &off);
+    eprintln!("XLabs at scale 0.9 against 0: {moved} levels");
+    assert!(moved > 10, "{moved}");
+}
+
+/// Control modes are checked before anything runs: required for a Union, below its
+/// `num_mode`, refused for other ControlNets and other pipelines; XLabs and InstantX
+/// ControlNets are not mixed.
+#[test]
+fn flux_control_modes_are_checked() {
+    let image = control_image();
+    let request = flux_request();
+    let message = |nets: &[&str], mode: Option<usize>| {
+        let mut pipe = flux_pipe(nets).unwrap();
+        let control = controls(vec![moded(&image, 1.0, mode, (0.0, 1.0))]);
+        match pipe.generate(&request, &control) {
+            Ok(_) => panic!("{nets:?} with mode {mode:?} ran"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let missing = message(&["tiny-controlnet-flux-union"], None);
+    assert!(missing.contains("needs a control mode"), "{missing}");
+    let range = message(&["tiny-controlnet-flux-union"], Some(4));
+    assert!(
+        range.contains("out of range") && range.contains("4 modes"),
+        "{range}"
+    );
+    let plain = message(&["tiny-controlnet-flux"], Some(0));
+    assert!(plain.contains("without modes"), "{plain}");
+    let xlabs = message(&["tiny-controlnet-flux-xlabs"], Some(1));
+    assert!(xlabs.contains("without modes"), "{xlabs}");
+    let other = controls(vec![moded(&image, 1.0, Some(0), (0.0, 1.0))]).check(1);
+    assert!(other
+        .unwrap_err()
+        .to_string()
+        .contains("only Flux ControlNet-Unions"));
+    let mixed = flux_pipe(&["tiny-controlnet-flux", "tiny-controlnet-flux-xlabs"]);
+    assert!(mixed
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("cannot be combined"));
 }

@@ -143,10 +143,25 @@ pub struct ControlNetConditioningEmbedding<B: Backend> {
 
 impl<B: Backend> ControlNetConditioningEmbedding<B> {
     fn load(vb: &VarBuilder<B>, cfg: &ControlNetConfig, embedding_channels: usize) -> Result<Self> {
-        let ch = &cfg.conditioning_embedding_out_channels;
+        Self::load_with(
+            vb,
+            cfg.conditioning_channels,
+            &cfg.conditioning_embedding_out_channels,
+            embedding_channels,
+        )
+    }
+
+    /// The embedding of `conditioning_channels` image channels through `ch` (at least one
+    /// width; each step after the first halves the size) to `embedding_channels`.
+    pub(crate) fn load_with(
+        vb: &VarBuilder<B>,
+        conditioning_channels: usize,
+        ch: &[usize],
+        embedding_channels: usize,
+    ) -> Result<Self> {
         let conv_in = Conv2d::load(
             &vb.pp("conv_in"),
-            ConvSpec::same(cfg.conditioning_channels, ch[0], 3),
+            ConvSpec::same(conditioning_channels, ch[0], 3),
         )?;
         let mut blocks = Vec::with_capacity(2 * (ch.len() - 1));
         for (i, pair) in ch.windows(2).enumerate() {
@@ -174,7 +189,7 @@ impl<B: Backend> ControlNetConditioningEmbedding<B> {
         })
     }
 
-    fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    pub(crate) fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
         let mut x = burn::tensor::activation::silu(self.conv_in.forward(x));
         for block in &self.blocks {
             x = burn::tensor::activation::silu(block.forward(x));

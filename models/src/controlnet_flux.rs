@@ -1,26 +1,29 @@
 //! `FluxControlNetModel`: a copy of the first double and single blocks of a Flux transformer
-//! that turns the packed VAE latents of a conditioning image into samples added to the
-//! transformer's image tokens, as diffusers' `models/controlnets/controlnet_flux.py` in
-//! InstantX's layout (the latents through `controlnet_x_embedder`).
+//! that turns a conditioning image into samples added to the transformer's image tokens, as
+//! diffusers' `models/controlnets/controlnet_flux.py`, in its three layouts: InstantX's (the
+//! packed VAE latents of the image through `controlnet_x_embedder`), InstantX's ControlNet-Union
+//! (`num_mode`: a control mode's embedding, `controlnet_mode_embedder`, prepended to the text
+//! tokens) and XLabs' (`conditioning_embedding_channels`: the pixel image through
+//! `input_hint_block`, patchified like the latents; the transformer repeats its samples).
 //!
 //! Fields are named as the checkpoint keys (`controlnet_blocks.0`,
 //! `controlnet_single_blocks.0`, `controlnet_x_embedder`); the embeddings and blocks are the
-//! transformer's ([`crate::transformer_flux`]). XLabs' ControlNets (a conditioning embedding
-//! on the image, `conditioning_embedding_channels`) and the Union ControlNets (`num_mode`) are
-//! refused when loading, naming the field.
+//! transformer's ([`crate::transformer_flux`]), the conditioning embedding the UNet
+//! ControlNet's ([`crate::controlnet::ControlNetConditioningEmbedding`]).
 
 use std::path::Path;
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{FloatDType, Int, Tensor};
 use serde::Deserialize;
 
 use crate::config::load_json;
+use crate::controlnet::ControlNetConditioningEmbedding;
 use crate::dtype::{cast_to, dtype_of};
 use crate::embeddings::RotaryEmbedding;
 use crate::error::{ModelError, Result};
-use crate::nn::Linear;
+use crate::nn::{Embedding, Linear};
 use crate::transformer_flux::{
     FluxControlSamples, FluxSingleTransformerBlock, FluxTimeTextEmbed, FluxTransformer2DConfig,
     FluxTransformer2DModel, FluxTransformerBlock,
@@ -35,7 +38,11 @@ struct ControlFields {
     conditioning_embedding_channels: Option<usize>,
 }
 
-/// A Flux ControlNet (diffusers' `FluxControlNetModel`, InstantX's layout).
+/// The widths of XLabs' conditioning embedding (diffusers fixes them; the image comes out 8
+/// times smaller).
+const HINT_CHANNELS: [usize; 4] = [16, 16, 16, 16];
+
+/// A Flux ControlNet (diffusers' `FluxControlNetModel`).
 #[derive(Module, Debug)]
 pub struct FluxControlNetModel<B: Backend> {
     pub time_text_embed: FluxTimeTextEmbed<B>,
@@ -45,8 +52,14 @@ pub struct FluxControlNetModel<B: Backend> {
     pub single_transformer_blocks: Vec<FluxSingleTransformerBlock<B>>,
     pub controlnet_blocks: Vec<Linear<B>>,
     pub controlnet_single_blocks: Vec<Linear<B>>,
-    /// The packed conditioning latents' embedding.
+    /// The packed conditioning latents' (or patchified conditioning embedding's) embedding.
     pub controlnet_x_embedder: Linear<B>,
+    /// ControlNet-Union: one embedding per control mode (`num_mode` of them).
+    pub controlnet_mode_embedder: Option<Embedding<B>>,
+    /// XLabs: the pixel image's conditioning embedding (`conditioning_embedding_channels`).
+    pub input_hint_block: Option<ControlNetConditioningEmbedding<B>>,
+    /// The patch size of the conditioning embedding (config `patch_size`).
+    pub patch_size: usize,
     pub guidance_embeds: bool,
 }
 
@@ -64,24 +77,25 @@ impl<B: Backend> FluxControlNetModel<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let path = dir.join("config.json");
-        let config = FluxTransformer2DConfig::from_file(&path)?;
+        let config = FluxTransformer2DConfig::from_file_any_patch(&path)?;
         let fields: ControlFields = load_json(&path)?;
-        let unsupported = |reason: &str| ModelError::Unsupported {
+        let bad = |reason: String| ModelError::Config {
             path: path.clone(),
-            reason: reason.to_string(),
+            reason,
         };
-        if fields.num_mode.is_some() {
-            return Err(unsupported(
-                "Flux ControlNet-Union (`num_mode`, a control mode per image) is not \
-                 implemented yet",
-            ));
+        if fields.num_mode == Some(0) {
+            return Err(bad("`num_mode` must be at least 1".into()));
         }
-        if fields.conditioning_embedding_channels.is_some() {
-            return Err(unsupported(
-                "XLabs-style Flux ControlNets (`conditioning_embedding_channels`: the image \
-                 through a conditioning embedding, samples repeated over the blocks) are not \
-                 implemented yet",
-            ));
+        if let Some(channels) = fields.conditioning_embedding_channels {
+            let p = config.patch_size;
+            if p == 0 || channels * p * p != config.in_channels {
+                return Err(bad(format!(
+                    "`conditioning_embedding_channels` {channels} times `patch_size` {p} squared \
+                     must equal `in_channels` {} (the patchified embedding goes through \
+                     `controlnet_x_embedder`)",
+                    config.in_channels
+                )));
+            }
         }
         load_component(
             dir,
@@ -89,11 +103,15 @@ impl<B: Backend> FluxControlNetModel<B> {
             variant,
             dtype,
             device,
-            |vb| Self::load(&config, vb),
+            |vb| Self::load(&config, &fields, vb),
         )
     }
 
-    pub fn load(cfg: &FluxTransformer2DConfig, vb: VarBuilder<B>) -> Result<Self> {
+    fn load(
+        cfg: &FluxTransformer2DConfig,
+        fields: &ControlFields,
+        vb: VarBuilder<B>,
+    ) -> Result<Self> {
         let dim = cfg.inner_dim();
         let linears = |name: &str, n: usize| {
             (0..n)
@@ -125,8 +143,91 @@ impl<B: Backend> FluxControlNetModel<B> {
                 dim,
                 true,
             )?,
+            controlnet_mode_embedder: fields
+                .num_mode
+                .map(|n| Embedding::load(&vb.pp("controlnet_mode_embedder"), n, dim))
+                .transpose()?,
+            input_hint_block: fields
+                .conditioning_embedding_channels
+                .map(|c| {
+                    ControlNetConditioningEmbedding::load_with(
+                        &vb.pp("input_hint_block"),
+                        3,
+                        &HINT_CHANNELS,
+                        c,
+                    )
+                })
+                .transpose()?,
+            patch_size: cfg.patch_size,
             guidance_embeds: cfg.guidance_embeds,
         })
+    }
+
+    /// How many control modes a ControlNet-Union has (`None` for other ControlNets).
+    pub fn num_mode(&self) -> Option<usize> {
+        self.controlnet_mode_embedder
+            .as_ref()
+            .map(|e| e.weight.dims()[0])
+    }
+
+    /// Whether this is an XLabs ControlNet: it takes the pixel image (through
+    /// [`embed_pixels`](Self::embed_pixels)), not VAE latents, and the transformer repeats its
+    /// samples over the double blocks.
+    pub fn takes_pixels(&self) -> bool {
+        self.input_hint_block.is_some()
+    }
+
+    /// Checks a control mode for this ControlNet: required below `num_mode` for a
+    /// ControlNet-Union, refused for others.
+    pub fn check_mode(&self, mode: Option<usize>) -> Result<()> {
+        match (self.num_mode(), mode) {
+            (Some(_), None) => Err(ModelError::Input(
+                "a ControlNet-Union needs a control mode (`controlnet_mode` in diffusers); \
+                 give one"
+                    .into(),
+            )),
+            (Some(n), Some(m)) if m >= n => Err(ModelError::Input(format!(
+                "control mode {m} is out of range: this ControlNet-Union has {n} modes (0 to {})",
+                n - 1
+            ))),
+            (None, Some(m)) => Err(ModelError::Input(format!(
+                "control mode {m} given to a ControlNet without modes (not a ControlNet-Union); \
+                 leave the mode unset"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// XLabs: the conditioning of `image` (`[batch, 3, height, width]`, in [-1, 1]) as the
+    /// forward takes it: `input_hint_block` (8 times smaller), then `patch_size` patches
+    /// packed like the latents, `[batch, tokens, in_channels]`. It does not change over the
+    /// steps, so a pipeline makes it once.
+    pub fn embed_pixels(&self, image: Tensor<B, 4>) -> Result<Tensor<B, 3>> {
+        let Some(hint) = &self.input_hint_block else {
+            return Err(ModelError::Input(
+                "this Flux ControlNet takes VAE latents, not the pixel image (it has no \
+                 `input_hint_block`)"
+                    .into(),
+            ));
+        };
+        let [b, _, h, w] = image.dims();
+        let (p, down) = (self.patch_size, 1 << (HINT_CHANNELS.len() - 1));
+        if h % (down * p) != 0 || w % (down * p) != 0 {
+            return Err(ModelError::Input(format!(
+                "the control image is {w}x{h}; this ControlNet needs both sides multiples of {}",
+                down * p
+            )));
+        }
+        let caller = dtype_of(&image);
+        let dtype = dtype_of(&self.controlnet_x_embedder.weight.val());
+        let cond = hint.forward(cast_to(image, dtype));
+        let [_, c, h, w] = cond.dims();
+        let (h, w) = (h / p, w / p);
+        let packed = cond
+            .reshape([b, c, h, p, w, p])
+            .permute([0, 2, 4, 1, 3, 5])
+            .reshape([b, h * w, c * p * p]);
+        Ok(cast_to(packed, caller))
     }
 
     /// Checks that this ControlNet fits `transformer` (width, latent channels, text widths,
@@ -160,25 +261,48 @@ impl<B: Backend> FluxControlNetModel<B> {
     }
 
     /// The samples (each `[batch, image tokens, dim]`, times `scale`, a `[1]` tensor) for the
-    /// packed latents `hidden_states` and packed conditioning latents `cond` (both `[batch,
-    /// image tokens, in_channels]`), with the transformer's other inputs as it takes them
-    /// (`timestep` in the pipeline's `t / 1000` scale, `guidance` for guidance-embedding
-    /// ControlNets). Inputs as the transformer's `check_inputs` accepts them, `cond` the
-    /// latents' shape.
+    /// packed latents `hidden_states` and the packed conditioning `cond` (both `[batch, image
+    /// tokens, in_channels]`: VAE latents packed as the latents, or XLabs'
+    /// [`embed_pixels`](Self::embed_pixels)), with the transformer's other inputs as it takes
+    /// them (`timestep` in the pipeline's `t / 1000` scale, `guidance` for guidance-embedding
+    /// ControlNets). A ControlNet-Union takes `mode` (`[batch]` indices, see
+    /// [`check_mode`](Self::check_mode)): its embedding goes before the text tokens, with the
+    /// first text token's rotary position; other ControlNets take none.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         hidden_states: Tensor<B, 3>,
         cond: Tensor<B, 3>,
+        mode: Option<Tensor<B, 1, Int>>,
         encoder_hidden_states: Tensor<B, 3>,
         pooled_projections: Tensor<B, 2>,
         timestep: Tensor<B, 1>,
         guidance: Option<Tensor<B, 1>>,
         rope: &RotaryEmbedding<B>,
         scale: Tensor<B, 1>,
-    ) -> FluxControlSamples<B> {
+    ) -> Result<FluxControlSamples<B>> {
         let caller = dtype_of(&hidden_states);
         let dtype = dtype_of(&self.x_embedder.weight.val());
+        let mode =
+            match (&self.controlnet_mode_embedder, mode) {
+                (Some(embedder), Some(mode)) => {
+                    let [b] = mode.dims();
+                    Some((embedder, mode.reshape([b, 1])))
+                }
+                (None, None) => None,
+                (Some(_), None) => return Err(ModelError::Input(
+                    "a ControlNet-Union needs a control mode (`controlnet_mode` in diffusers); \
+                     give one"
+                        .into(),
+                )),
+                (None, Some(_)) => {
+                    return Err(ModelError::Input(
+                        "a control mode given to a ControlNet without modes (not a \
+                     ControlNet-Union); leave the mode unset"
+                            .into(),
+                    ))
+                }
+            };
         let image = self.x_embedder.forward(cast_to(hidden_states, dtype))
             + self.controlnet_x_embedder.forward(cast_to(cond, dtype));
         let timestep = cast_to(timestep, dtype).mul_scalar(1000.0);
@@ -191,6 +315,21 @@ impl<B: Backend> FluxControlNetModel<B> {
         let mut text = self
             .context_embedder
             .forward(cast_to(encoder_hidden_states, dtype));
+        // diffusers: the mode's embedding before the text, `txt_ids[:1]` before the text ids.
+        let union_rope;
+        let rope = match mode {
+            Some((embedder, mode)) => {
+                text = Tensor::cat(vec![cast_to(embedder.forward(mode), dtype), text], 1);
+                let first =
+                    |t: &Tensor<B, 2>| Tensor::cat(vec![t.clone().narrow(0, 0, 1), t.clone()], 0);
+                union_rope = RotaryEmbedding {
+                    cos: first(&rope.cos),
+                    sin: first(&rope.sin),
+                };
+                &union_rope
+            }
+            None => rope,
+        };
         let scale = cast_to(scale, caller).reshape([1, 1, 1]);
         let out =
             |zero: &Linear<B>, x: Tensor<B, 3>| cast_to(zero.forward(x), caller) * scale.clone();
@@ -211,9 +350,10 @@ impl<B: Backend> FluxControlNetModel<B> {
             joined = block.forward(joined, temb.clone(), rope);
             single_blocks.push(out(zero, joined.clone().narrow(1, text_len, image_len)));
         }
-        FluxControlSamples {
+        Ok(FluxControlSamples {
             blocks,
             single_blocks,
-        }
+            repeat: self.takes_pixels(),
+        })
     }
 }

@@ -70,6 +70,24 @@ impl Default for FluxTransformer2DConfig {
 
 impl FluxTransformer2DConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
+        let config = Self::from_file_any_patch(path)?;
+        if config.patch_size != 1 {
+            // The pipelines pack 2x2 latent patches themselves; diffusers' model only scales
+            // its output width by patch_size^2 and nothing un-patches it.
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "`patch_size: {}` (Flux packs latents in the pipeline; the model uses 1)",
+                    config.patch_size
+                ),
+            });
+        }
+        Ok(config)
+    }
+
+    /// The config with any `patch_size` (a Flux ControlNet's patches its conditioning
+    /// embedding with it; the transformer needs 1).
+    pub(crate) fn from_file_any_patch(path: &Path) -> Result<Self> {
         let config: Self = load_json(path)?;
         crate::config::check_transformer_sizes(
             path,
@@ -92,17 +110,6 @@ impl FluxTransformer2DConfig {
             path: path.to_path_buf(),
             reason,
         };
-        if config.patch_size != 1 {
-            // The pipelines pack 2x2 latent patches themselves; diffusers' model only scales
-            // its output width by patch_size^2 and nothing un-patches it.
-            return Err(ModelError::Unsupported {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "`patch_size: {}` (Flux packs latents in the pipeline; the model uses 1)",
-                    config.patch_size
-                ),
-            });
-        }
         if config.num_attention_heads == 0 || config.attention_head_dim == 0 {
             return Err(bad(
                 "`num_attention_heads` and `attention_head_dim` must be positive".into(),
@@ -427,11 +434,15 @@ impl<B: Backend> FluxTimeTextEmbed<B> {
 pub struct FluxControlSamples<B: Backend> {
     pub blocks: Vec<Tensor<B, 3>>,
     pub single_blocks: Vec<Tensor<B, 3>>,
+    /// diffusers' `controlnet_blocks_repeat` (XLabs' ControlNets): double block `i` takes
+    /// sample `i % samples` instead of `i // ceil(blocks / samples)`.
+    pub repeat: bool,
 }
 
 impl<B: Backend> FluxControlSamples<B> {
     /// The element-wise sum of two ControlNets' samples, as diffusers' multi-ControlNet sums
-    /// them (as many as the shorter list has).
+    /// them (as many as the shorter list has; the first one's `repeat`, as diffusers takes the
+    /// first ControlNet's).
     pub fn sum(self, other: Self) -> Self {
         let add = |a: Vec<Tensor<B, 3>>, b: Vec<Tensor<B, 3>>| {
             a.into_iter().zip(b).map(|(a, b)| a + b).collect()
@@ -439,6 +450,7 @@ impl<B: Backend> FluxControlSamples<B> {
         Self {
             blocks: add(self.blocks, other.blocks),
             single_blocks: add(self.single_blocks, other.single_blocks),
+            repeat: self.repeat,
         }
     }
 }
@@ -719,19 +731,21 @@ impl<B: Backend> FluxTransformer2DModel<B> {
             .time_text_embed
             .forward(timestep, guidance, pooled_projections);
         let mut text = self.context_embedder.forward(encoder_hidden_states);
-        // diffusers: block `i` takes sample `i // ceil(blocks / samples)`.
-        let sample = |samples: &[Tensor<B, 3>], i: usize, blocks: usize| {
-            let interval = blocks.div_ceil(samples.len()).max(1);
-            cast_to(
-                samples[(i / interval).min(samples.len() - 1)].clone(),
-                dtype,
-            )
+        // diffusers: block `i` takes sample `i // ceil(blocks / samples)`, or `i % samples`
+        // for double blocks when the samples repeat.
+        let sample = |samples: &[Tensor<B, 3>], i: usize, blocks: usize, repeat: bool| {
+            let index = if repeat {
+                i % samples.len()
+            } else {
+                i / blocks.div_ceil(samples.len()).max(1)
+            };
+            cast_to(samples[index.min(samples.len() - 1)].clone(), dtype)
         };
         let blocks = self.transformer_blocks.len();
         for (i, block) in self.transformer_blocks.iter().enumerate() {
             (text, image) = block.forward(image, text, temb.clone(), image_rotary_emb);
             if let Some(control) = control.filter(|c| !c.blocks.is_empty()) {
-                image = image + sample(&control.blocks, i, blocks);
+                image = image + sample(&control.blocks, i, blocks, control.repeat);
             }
         }
         // diffusers joins and splits the streams in every single block; joining once is the
@@ -745,7 +759,7 @@ impl<B: Backend> FluxTransformer2DModel<B> {
             if let Some(control) = control.filter(|c| !c.single_blocks.is_empty()) {
                 let text = joined.clone().narrow(1, 0, text_len);
                 let image = joined.narrow(1, text_len, image_len)
-                    + sample(&control.single_blocks, i, singles);
+                    + sample(&control.single_blocks, i, singles, false);
                 joined = Tensor::cat(vec![text, image], 1);
             }
         }

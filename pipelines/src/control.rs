@@ -35,6 +35,9 @@ pub struct Control {
     /// (`control_guidance_start` / `control_guidance_end`; default the whole schedule).
     pub guidance_start: f64,
     pub guidance_end: f64,
+    /// A Flux ControlNet-Union's control mode (diffusers' `control_mode`): required for one,
+    /// refused for other ControlNets.
+    pub control_mode: Option<usize>,
 }
 
 impl Control {
@@ -45,6 +48,7 @@ impl Control {
             scale: 1.0,
             guidance_start: 0.0,
             guidance_end: 1.0,
+            control_mode: None,
         }
     }
 
@@ -68,7 +72,21 @@ pub struct ControlRequest {
 impl ControlRequest {
     /// Checks the request against `nets` ControlNets: one control each, scales finite, each
     /// window inside [0, 1] with its start before its end (diffusers' `check_inputs`).
+    /// Control modes are refused: only Flux ControlNet-Unions take one.
     pub fn check(&self, nets: usize) -> Result<()> {
+        if let Some((k, mode)) =
+            (self.controls.iter().enumerate()).find_map(|(k, c)| c.control_mode.map(|m| (k, m)))
+        {
+            return Err(PipelineError::InvalidInput(format!(
+                "ControlNet {k}: control mode {mode} given, but only Flux ControlNet-Unions take \
+                 a control mode; leave it unset"
+            )));
+        }
+        self.check_with_modes(nets)
+    }
+
+    /// [`check`](Self::check) with any control modes (their ControlNets check them).
+    pub(crate) fn check_with_modes(&self, nets: usize) -> Result<()> {
         if self.controls.len() != nets {
             return Err(PipelineError::InvalidInput(format!(
                 "{} control images for {nets} ControlNets: give one control image per \

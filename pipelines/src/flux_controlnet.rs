@@ -2,17 +2,23 @@
 //! diffusers' `pipeline_flux_controlnet.py` (several are its `FluxMultiControlNetModel`: their
 //! samples are summed block by block).
 //!
-//! Each control image is resized to the output size, scaled to [-1, 1], repeated for the
-//! batch, VAE-encoded and sampled (from the request's generator, before the latents, as
-//! diffusers does), shifted and scaled, and packed like the latents; the ControlNets see the
-//! packed latents and the transformer's inputs, and their samples go to the transformer's image
-//! tokens; compiled, the ControlNets and the transformer are one program. InstantX's layout
-//! (XLabs' and the Union ControlNets are refused when loading).
+//! Each control image is resized to the output size, scaled to [-1, 1] and repeated for the
+//! batch. For InstantX's ControlNets (and their Union) it is VAE-encoded and sampled (from the
+//! request's generator, before the latents, as diffusers does), shifted and scaled, and packed
+//! like the latents; XLabs' ControlNets take the pixel image through their conditioning
+//! embedding (no VAE, no draw) and the transformer repeats their samples over its double
+//! blocks. A ControlNet-Union takes a control mode per image ([`Control::control_mode`]); one
+//! Union alone serves several images, each with its mode, as diffusers'
+//! `FluxMultiControlNetModel` with one net does. The ControlNets see the packed conditioning
+//! and the transformer's inputs, and their samples go to the transformer's image tokens;
+//! compiled, the ControlNets and the transformer are one program.
+//!
+//! [`Control::control_mode`]: crate::control::Control::control_mode
 
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor};
 use oxidiff_backend_tpu::Oxi;
 use oxidiff_models::embeddings::RotaryEmbedding;
 use oxidiff_models::transformer_flux::FluxControlSamples;
@@ -90,7 +96,8 @@ impl FluxControlNetPipeline<Oxi> {
 
 /// The inputs of the compiled Flux controlled step: the transformer's (unpacked latents,
 /// timestep, guidance, T5 states, pooled CLIP), then the rotary tables (cos, sin), the packed
-/// control latents (one block of rows per ControlNet) and the scales (`[nets]`).
+/// conditioning (one block of `batch` rows per control image), the scales (`[images]`) and the
+/// control modes (`[images * batch]`, 0 for ControlNets without modes).
 pub type FluxControlInputs<B> = (
     (
         Tensor<B, 4>,
@@ -99,7 +106,12 @@ pub type FluxControlInputs<B> = (
         Tensor<B, 3>,
         Tensor<B, 2>,
     ),
-    ((Tensor<B, 2>, Tensor<B, 2>), Tensor<B, 3>, Tensor<B, 1>),
+    (
+        (Tensor<B, 2>, Tensor<B, 2>),
+        Tensor<B, 3>,
+        Tensor<B, 1>,
+        Tensor<B, 1, Int>,
+    ),
 );
 
 /// The compiled Flux controlled step: every ControlNet (scaled by 0 outside its window, as
@@ -117,17 +129,19 @@ impl FluxControlPrograms<Oxi> {
     ) -> Self {
         let (transformer, nets) = (transformer.clone(), nets.to_vec());
         let step = move |inputs: FluxControlInputs<Oxi>| {
-            let ((latents, t, g, prompt_embeds, pooled), ((cos, sin), conds, scales)) = inputs;
-            let rows = conds.dims()[0] / nets.len();
-            let steer: Vec<_> = nets
-                .iter()
-                .enumerate()
-                .map(|(k, net)| {
-                    (
+            let ((latents, t, g, prompt_embeds, pooled), ((cos, sin), conds, scales, modes)) =
+                inputs;
+            let images = scales.dims()[0];
+            let rows = conds.dims()[0] / images;
+            let steer: Vec<_> = (0..images)
+                .map(|k| {
+                    let net = net_for(&nets, k);
+                    Steer {
                         net,
-                        conds.clone().narrow(0, k * rows, rows),
-                        scales.clone().narrow(0, k, 1),
-                    )
+                        cond: conds.clone().narrow(0, k * rows, rows),
+                        mode: (net.num_mode()).map(|_| modes.clone().narrow(0, k * rows, rows)),
+                        scale: scales.clone().narrow(0, k, 1),
+                    }
                 })
                 .collect();
             let text = FluxPromptEmbeds {
@@ -136,12 +150,29 @@ impl FluxControlPrograms<Oxi> {
             };
             let rope = RotaryEmbedding { cos, sin };
             let fewest = fewest_blocks(&nets);
+            // The modes were checked against the ControlNets when the request was prepared.
             controlled_velocity(&transformer, &steer, latents, t, g, &text, &rope, fewest)
+                .expect("the control modes were checked before the compiled step")
         };
         Self {
             call: CompiledCall::new("flux-controlnets+transformer", step, None, Vec::new()),
         }
     }
+}
+
+/// The ControlNet of control image `k`: the only one (a Union serves every image) or the
+/// `k`-th.
+fn net_for<B: Backend>(nets: &[FluxControlNetModel<B>], k: usize) -> &FluxControlNetModel<B> {
+    &nets[if nets.len() == 1 { 0 } else { k }]
+}
+
+/// One ControlNet run of a step: the net, its packed conditioning, its mode indices (`[batch]`,
+/// Union only) and its `[1]` scale.
+struct Steer<'a, B: Backend> {
+    net: &'a FluxControlNetModel<B>,
+    cond: Tensor<B, 3>,
+    mode: Option<Tensor<B, 1, Int>>,
+    scale: Tensor<B, 1>,
 }
 
 /// The fewest double and single blocks among `nets`: how many samples diffusers' pairwise
@@ -156,36 +187,43 @@ fn fewest_blocks<B: Backend>(nets: &[FluxControlNetModel<B>]) -> (usize, usize) 
 }
 
 /// The transformer's velocity for `latents` (`[b, c, h, w]`, unpacked) with the summed samples
-/// of `steer` (ControlNet, packed control latents, `[1]` scale), kept to `fewest` (double,
-/// single) as diffusers' pairwise sum keeps them; the eager step and the compiled program both
-/// run it. `timestep` and `guidance` are the loop's `[1]` tensors.
+/// of `steer`, kept to `fewest` (double, single) as diffusers' pairwise sum keeps them; the
+/// eager step and the compiled program both run it. `timestep` and `guidance` are the loop's
+/// `[1]` tensors.
 #[allow(clippy::too_many_arguments)]
 fn controlled_velocity<B: Backend>(
     transformer: &FluxTransformer2DModel<B>,
-    steer: &[(&FluxControlNetModel<B>, Tensor<B, 3>, Tensor<B, 1>)],
+    steer: &[Steer<'_, B>],
     latents: Tensor<B, 4>,
     timestep: Tensor<B, 1>,
     guidance: Tensor<B, 1>,
     text: &FluxPromptEmbeds<B>,
     rope: &RotaryEmbedding<B>,
     (blocks, singles): (usize, usize),
-) -> Tensor<B, 4> {
+) -> oxidiff_models::Result<Tensor<B, 4>> {
     let [b, _, h, w] = latents.dims();
     let packed = pack_latents(latents);
     let timestep = timestep.div_scalar(1000.0).expand([b]);
     let guidance = guidance.expand([b]);
     let mut sum: Option<FluxControlSamples<B>> = None;
-    for (net, cond, scale) in steer {
+    for Steer {
+        net,
+        cond,
+        mode,
+        scale,
+    } in steer
+    {
         let samples = net.forward(
             packed.clone(),
             cond.clone(),
+            mode.clone(),
             text.prompt_embeds.clone(),
             text.pooled_prompt_embeds.clone(),
             timestep.clone(),
             Some(guidance.clone()),
             rope,
             scale.clone(),
-        );
+        )?;
         sum = Some(match sum {
             None => samples,
             Some(sum) => sum.sum(samples),
@@ -206,7 +244,7 @@ fn controlled_velocity<B: Backend>(
         rope,
         sum.as_ref(),
     );
-    unpack_latents(out, h, w)
+    Ok(unpack_latents(out, h, w))
 }
 
 impl<B: Backend> FluxControlNetPipeline<B> {
@@ -229,6 +267,20 @@ impl<B: Backend> FluxControlNetPipeline<B> {
         let controlnets = attach(controlnets, &device, |net| {
             net.check_fits(&pipe.transformer).map_err(model_input)
         })?;
+        if let [first, rest @ ..] = controlnets.as_slice() {
+            if rest
+                .iter()
+                .any(|n| n.takes_pixels() != first.takes_pixels())
+            {
+                return Err(PipelineError::InvalidInput(
+                    "XLabs Flux ControlNets (conditioning embedding on the pixel image) and \
+                     InstantX ones (VAE latents) cannot be combined, as in diffusers (the \
+                     first one decides how every control image is prepared); use ControlNets \
+                     of one kind"
+                        .into(),
+                ));
+            }
+        }
         Ok(Self {
             pipe,
             controlnets,
@@ -297,19 +349,23 @@ pub(crate) struct FluxControl<'a, B: Backend> {
     programs: Option<&'a FluxControlPrograms<B>>,
 }
 
-/// The Flux ControlNets of one call with their packed control latents.
+/// The Flux ControlNets of one call with their packed conditioning.
 pub(crate) struct FluxControlStep<'a, B: Backend> {
     nets: &'a [FluxControlNetModel<B>],
     request: &'a ControlRequest,
     latents: Vec<Tensor<B, 3>>,
-    /// The latents as the compiled step takes them (one block of rows per ControlNet), made
-    /// once per run when the pipeline was compiled.
-    stacked: Option<Tensor<B, 3>>,
+    /// Each image's control mode repeated for the batch (Unions only).
+    modes: Vec<Option<Tensor<B, 1, Int>>>,
+    /// The conditioning and modes as the compiled step takes them (one block of rows per
+    /// image; mode 0 for ControlNets without modes), made once per run when the pipeline was
+    /// compiled.
+    stacked: Option<(Tensor<B, 3>, Tensor<B, 1, Int>)>,
     programs: Option<&'a FluxControlPrograms<B>>,
 }
 
 impl<'a, B: Backend> FluxControl<'a, B> {
-    /// Encodes and packs the control images at `width x height` for `batch` images.
+    /// Encodes (or, for XLabs' ControlNets, embeds) and packs the control images at `width x
+    /// height` for `batch` images, after checking each image's control mode.
     pub(crate) fn prepare(
         self,
         vae: &AutoencoderKL<B>,
@@ -323,7 +379,24 @@ impl<'a, B: Backend> FluxControl<'a, B> {
             request,
             programs,
         } = self;
-        request.check(nets.len())?;
+        // diffusers' `FluxMultiControlNetModel` with one ControlNet runs it once per image.
+        let union_alone = matches!(nets, [net] if net.num_mode().is_some());
+        let images = if union_alone {
+            request.controls.len().max(1)
+        } else {
+            nets.len()
+        };
+        request.check_with_modes(images)?;
+        for (k, c) in request.controls.iter().enumerate() {
+            net_for(nets, k)
+                .check_mode(c.control_mode)
+                .map_err(|e| match e {
+                    oxidiff_models::ModelError::Input(message) => PipelineError::InvalidInput(
+                        format!("control image {k}: {message} (`Control::control_mode`)"),
+                    ),
+                    other => model_input(other),
+                })?;
+        }
         if request.guess_mode {
             return Err(PipelineError::InvalidInput(
                 "guess mode is not part of the Flux ControlNet pipeline (as in diffusers); \
@@ -332,23 +405,47 @@ impl<'a, B: Backend> FluxControl<'a, B> {
             ));
         }
         let vae_device = vae.decoder.conv_in.weight.device();
-        let mut latents = Vec::with_capacity(nets.len());
-        for c in &request.controls {
-            let image = preprocess::<B>(&c.image, Some(width), Some(height), 1, &vae_device)?
-                .repeat_dim(0, batch);
-            let dist = vae.encode(image);
-            let sample = noise.randn(dist.mean.dims(), &dist.mean.device())?;
-            let encoded = dist
-                .sample(sample)
-                .sub_scalar(vae.shift_factor)
-                .mul_scalar(vae.scaling_factor);
-            latents.push(pack_latents(encoded).to_device(device));
+        let mut latents = Vec::with_capacity(request.controls.len());
+        let mut modes = Vec::with_capacity(request.controls.len());
+        for (k, c) in request.controls.iter().enumerate() {
+            let net = net_for(nets, k);
+            if net.takes_pixels() {
+                // XLabs: the pixel image through the ControlNet's embedding; no VAE, no draw.
+                let image = preprocess::<B>(&c.image, Some(width), Some(height), 1, device)?
+                    .repeat_dim(0, batch);
+                latents.push(net.embed_pixels(image).map_err(model_input)?);
+            } else {
+                let image = preprocess::<B>(&c.image, Some(width), Some(height), 1, &vae_device)?
+                    .repeat_dim(0, batch);
+                let dist = vae.encode(image);
+                let sample = noise.randn(dist.mean.dims(), &dist.mean.device())?;
+                let encoded = dist
+                    .sample(sample)
+                    .sub_scalar(vae.shift_factor)
+                    .mul_scalar(vae.scaling_factor);
+                latents.push(pack_latents(encoded).to_device(device));
+            }
+            let mode = c.control_mode.unwrap_or(0) as i64;
+            modes.push(Tensor::<B, 1, Int>::from_data(
+                burn::tensor::TensorData::new(vec![mode; batch], [batch]),
+                device,
+            ));
         }
+        let stacked = programs.map(|_| {
+            (
+                Tensor::cat(latents.clone(), 0),
+                Tensor::cat(modes.clone(), 0),
+            )
+        });
+        let modes = (modes.into_iter().enumerate())
+            .map(|(k, m)| net_for(nets, k).num_mode().map(|_| m))
+            .collect();
         Ok(FluxControlStep {
             nets,
             request,
-            stacked: programs.map(|_| Tensor::cat(latents.clone(), 0)),
             latents,
+            modes,
+            stacked,
             programs,
         })
     }
@@ -373,7 +470,7 @@ impl<B: Backend> FluxControlStep<'_, B> {
         for cond in &self.latents {
             if cond.dims() != packed_dims {
                 return Err(PipelineError::InvalidInput(format!(
-                    "the control latents are {:?}; the packed latents {packed_dims:?}",
+                    "the packed conditioning is {:?}; the packed latents {packed_dims:?}",
                     cond.dims()
                 )));
             }
@@ -381,7 +478,7 @@ impl<B: Backend> FluxControlStep<'_, B> {
         let fewest = fewest_blocks(self.nets);
         transformer.check_control(fewest.0, fewest.1)?;
         let keeps = |c: &crate::control::Control| c.keeps(i, n);
-        if let (Some(programs), Some(conds)) = (self.programs, &self.stacked) {
+        if let (Some(programs), Some((conds, modes))) = (self.programs, &self.stacked) {
             // Every ControlNet runs, scaled by 0 outside its window, as diffusers runs them.
             let scales: Vec<f32> = (self.request.controls.iter())
                 .map(|c| if keeps(c) { c.scale as f32 } else { 0.0 })
@@ -395,20 +492,27 @@ impl<B: Backend> FluxControlStep<'_, B> {
                     text.prompt_embeds.clone(),
                     text.pooled_prompt_embeds.clone(),
                 ),
-                ((rope.cos.clone(), rope.sin.clone()), conds.clone(), scales),
+                (
+                    (rope.cos.clone(), rope.sin.clone()),
+                    conds.clone(),
+                    scales,
+                    modes.clone(),
+                ),
             ));
         }
         // Eagerly, a ControlNet outside its window is skipped: the same sum without its cost.
-        let steer: Vec<_> = (self.nets.iter())
-            .zip(&self.request.controls)
+        let steer: Vec<_> = (self.request.controls.iter().enumerate())
             .zip(&self.latents)
-            .filter(|((_, c), _)| keeps(c))
-            .map(|((net, c), cond)| {
-                let scale = Tensor::<B, 1>::from_floats([c.scale as f32], &latents.device());
-                (net, cond.clone(), scale)
+            .zip(&self.modes)
+            .filter(|(((_, c), _), _)| keeps(c))
+            .map(|(((k, c), cond), mode)| Steer {
+                net: net_for(self.nets, k),
+                cond: cond.clone(),
+                mode: mode.clone(),
+                scale: Tensor::<B, 1>::from_floats([c.scale as f32], &latents.device()),
             })
             .collect();
-        Ok(controlled_velocity(
+        controlled_velocity(
             transformer,
             &steer,
             latents,
@@ -417,6 +521,7 @@ impl<B: Backend> FluxControlStep<'_, B> {
             text,
             rope,
             fewest,
-        ))
+        )
+        .map_err(model_input)
     }
 }

@@ -160,8 +160,39 @@ impl ControlArgs {
         ControlNets::from_paths(&paths, None, dtype, device)
     }
 
+    /// The control mode of each loaded ControlNet, as the flags have none: unset, or 0 for a
+    /// Flux ControlNet-Union with a single mode; a Union with several modes is refused.
+    pub fn control_modes<B: Backend>(
+        &self,
+        nets: &ControlNets<B>,
+    ) -> Result<Vec<Option<usize>>, UsageError> {
+        let ControlNets::Flux(nets) = nets else {
+            return Ok(Vec::new());
+        };
+        (nets.iter().zip(&self.controlnet))
+            .map(|(net, spec)| match net.num_mode() {
+                None => Ok(None),
+                Some(1) => Ok(Some(0)),
+                Some(_) => Err(UsageError(format!(
+                    "--controlnet {}: a ControlNet-Union needs a control mode; use the \
+                     library's Control::control_mode",
+                    spec.path.display()
+                ))),
+            })
+            .collect()
+    }
+
     /// The control request (images decoded), or `None` without ControlNets.
     pub fn request(&self) -> Result<Option<ControlRequest>, PipelineError> {
+        self.request_with_modes(&[])
+    }
+
+    /// [`request`](Self::request) with control mode `modes[k]` for ControlNet `k` (from
+    /// [`control_modes`](Self::control_modes); unset past its end).
+    pub fn request_with_modes(
+        &self,
+        modes: &[Option<usize>],
+    ) -> Result<Option<ControlRequest>, PipelineError> {
         if !self.active() {
             return Ok(None);
         }
@@ -169,11 +200,13 @@ impl ControlArgs {
             .controlnet
             .iter()
             .zip(&self.control_image)
-            .map(|(spec, path)| {
+            .enumerate()
+            .map(|(k, (spec, path))| {
                 Ok(Control {
                     scale: f64::from(spec.scale),
                     guidance_start: self.control_guidance_start,
                     guidance_end: self.control_guidance_end,
+                    control_mode: modes.get(k).copied().flatten(),
                     ..Control::new(load_image_as(path, "control image")?)
                 })
             })

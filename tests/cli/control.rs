@@ -405,39 +405,43 @@ fn an_sd3_folder_takes_sd3_controlnets_by_their_class() {
     assert!(!refused.exists());
 }
 
+/// txt2img on tiny-flux-dev with the golden Flux settings, each of `nets` on the control
+/// image, into `out`; returns stderr and the exit code.
+fn run_flux(nets: &[&str], out: &Path) -> (String, Option<i32>) {
+    let (_, _, image) = paths();
+    let model = model_dir("tiny-flux-dev");
+    let mut args = vec!["--model", model.to_str().unwrap()];
+    for net in nets {
+        args.extend(["--controlnet", net, "--control-image", &image]);
+    }
+    args.extend([
+        "--steps",
+        "4",
+        "--seed",
+        "42",
+        "--guidance",
+        "3.5",
+        "--width",
+        "96",
+        "--height",
+        "64",
+        "--max-sequence-length",
+        "24",
+        "--quiet",
+        "-o",
+        out.to_str().unwrap(),
+        "A photo of an astronaut riding a horse on the moon",
+    ]);
+    let result = txt2img(&args);
+    (stderr(&result), result.status.code())
+}
+
 #[test]
 fn a_flux_folder_takes_flux_controlnets_and_refuses_a_mix_of_kinds() {
     let tmp = tempfile::tempdir().unwrap();
-    let (_, _, image) = paths();
-    let model = model_dir("tiny-flux-dev");
     let net = format!("{}:0.9", model_dir("tiny-controlnet-flux").display());
     let sd3_net = model_dir("tiny-controlnet-sd3").display().to_string();
-    let run = |nets: &[&str], out: &Path| {
-        let mut args = vec!["--model", model.to_str().unwrap()];
-        for net in nets {
-            args.extend(["--controlnet", net, "--control-image", &image]);
-        }
-        args.extend([
-            "--steps",
-            "4",
-            "--seed",
-            "42",
-            "--guidance",
-            "3.5",
-            "--width",
-            "96",
-            "--height",
-            "64",
-            "--max-sequence-length",
-            "24",
-            "--quiet",
-            "-o",
-            out.to_str().unwrap(),
-            "A photo of an astronaut riding a horse on the moon",
-        ]);
-        let result = txt2img(&args);
-        (stderr(&result), result.status.code())
-    };
+    let run = run_flux;
     let out = tmp.path().join("flux.png");
     let (log, code) = run(&[&net], &out);
     assert_eq!(code, Some(0), "{log}");
@@ -451,6 +455,36 @@ fn a_flux_folder_takes_flux_controlnets_and_refuses_a_mix_of_kinds() {
     assert_ne!(code, Some(0));
     assert!(log.contains("another kind of ControlNet"), "{log}");
     assert!(!mixed.exists());
+}
+
+/// An XLabs Flux ControlNet works from txt2img (diffusers' image within 2 levels); a
+/// ControlNet-Union with several modes is a one-line error, as the flags have no control mode.
+#[test]
+fn txt2img_takes_xlabs_flux_controlnets_and_asks_unions_for_a_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let xlabs = format!("{}:0.9", model_dir("tiny-controlnet-flux-xlabs").display());
+    let out = tmp.path().join("xlabs.png");
+    let (log, code) = run_flux(&[&xlabs], &out);
+    assert_eq!(code, Some(0), "{log}");
+    assert_png_close(
+        &image::open(&out).unwrap().to_rgb8(),
+        "controlnet-flux-xlabs.png",
+        2,
+    );
+    let union = model_dir("tiny-controlnet-flux-union")
+        .display()
+        .to_string();
+    let refused = tmp.path().join("union.png");
+    let (log, code) = run_flux(&[&union], &refused);
+    assert_ne!(code, Some(0));
+    assert!(
+        log.contains(
+            "a ControlNet-Union needs a control mode; use the library's Control::control_mode"
+        ),
+        "{log}"
+    );
+    assert_eq!(log.trim().lines().count(), 1, "{log}");
+    assert!(!refused.exists());
 }
 
 /// A ControlNet as one file in lllyasviel's layout (A1111's `control_*.safetensors`; the tiny

@@ -367,11 +367,13 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
         }
         loras.push(report);
     }
+    let mut control_modes = Vec::new();
     if args.control.active() {
         let nets = args
             .control
             .load::<B>(options.dtype.unwrap_or(FloatDType::F32), device)
             .context("loading --controlnet")?;
+        control_modes = args.control.control_modes(&nets)?;
         pipe = pipe.with_controlnets(nets)?;
     }
     let ip_adapter_image = args.ip_adapter.image()?;
@@ -418,7 +420,7 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
         max_sequence_length: args.max_sequence_length,
         resolution_binning: !args.no_resolution_binning,
         true_cfg_scale: args.true_cfg_scale,
-        control: args.control.request()?,
+        control: args.control.request_with_modes(&control_modes)?,
     };
     let scheduler = pipe.scheduler().kind();
     let sampler = sampler_field(args.scheduler.as_deref(), scheduler);
