@@ -1125,3 +1125,62 @@ fn the_kernel_hub_refuses_what_does_not_match_with_a_one_line_reason() {
     );
     assert!(text.contains("manifest.json is damaged"), "{text}");
 }
+
+/// With the kernel hub enabled (`OXIDIFF_KERNELS`, interpret-mode artifacts on XLA's CPU
+/// plugin), the compiled UNet step calls the flash attention kernel for each of tiny-sd1's 16
+/// self-attentions (the cross-attentions, whose keys are the 77 text tokens, and the VAE's
+/// single-head attention have no bucket and stay plain), and the image is the one without
+/// kernels within 1 PNG level (f32: blockwise online softmax against one softmax).
+#[test]
+fn a_pipeline_with_hub_kernels_spliced_in_gives_the_same_image() {
+    use oxidiff::backend::kernels::{KERNELS_ENV, KERNEL_TARGET_ENV};
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, kernels: bool| {
+        let out = tmp.path().join(format!("{name}.png"));
+        let mut command = Command::new(env!("CARGO_BIN_EXE_txt2img"));
+        command
+            .arg("--model")
+            .arg(model_dir("tiny-sd1"))
+            .args([
+                "--steps", "4", "--seed", "7", "--width", "64", "--height", "64",
+            ])
+            .args(["--device", "xla:cpu", "--compile", "--quiet", "-o"])
+            .arg(&out)
+            .arg("a photo of an astronaut riding a horse")
+            .env(
+                "OXIDIFF_COMPILE_CACHE",
+                tmp.path().join(format!("cache-{name}")),
+            )
+            .env("OXIDIFF_LOG_COMPILES", "1")
+            .env_remove(KERNELS_ENV)
+            .env_remove(KERNEL_TARGET_ENV);
+        if kernels {
+            command
+                .env(KERNELS_ENV, kernel_hub_dir())
+                .env(KERNEL_TARGET_ENV, "interpret");
+        }
+        let result = command.output().expect("txt2img runs");
+        let log = String::from_utf8_lossy(&result.stderr).into_owned();
+        assert!(result.status.success(), "{name}: {log}");
+        (image::open(&out).unwrap().to_rgb8(), log)
+    };
+    let (plain, log) = run("plain", false);
+    assert!(!log.contains("kernel hub calls"), "{log}");
+    let (spliced, log) = run("kernels", true);
+    assert!(
+        log.contains("16 attentions as kernel hub calls"),
+        "the UNet step's self-attentions were not spliced: {log}"
+    );
+    let worst = plain
+        .as_raw()
+        .iter()
+        .zip(spliced.as_raw())
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    eprintln!("tiny-sd1 with hub flash attention: {worst} PNG levels off the plain lowering");
+    assert!(worst <= 1, "{worst} PNG levels");
+}

@@ -32,11 +32,18 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 OUT = os.path.join(ROOT, "kernels", "flash_attention")
 JAX_VERSION = "0.10.2"
 
-# (batch, heads, sequence, head dim): the tests' bucket, and SD 1.5's self-attention at 512x512
-# (CFG batch 2, 8 heads, 64x64 latents, 320 / 8 channels a head) in its first block.
+# (batch, heads, sequence, head dim) and the targets exported for it: the tests' bucket; SD 1.5's
+# self-attention at 512x512 in its first block (CFG batch 2, 8 heads, 64x64 latents, 320 / 8
+# channels a head); and tiny-sd1's self-attentions at 64x64 with CFG (8x8, 4x4, 2x2 and 1x1
+# latents; 2 and 4 channels a head), in interpret mode only (too small for a TPU's tiles), for
+# the test that a pipeline gives the same image with kernels spliced in.
 BUCKETS = [
-    (1, 2, 128, 64),
-    (2, 8, 4096, 40),
+    ((1, 2, 128, 64), ("tpu", "interpret")),
+    ((2, 8, 4096, 40), ("tpu", "interpret")),
+    ((2, 8, 64, 2), ("interpret",)),
+    ((2, 8, 16, 2), ("interpret",)),
+    ((2, 8, 4, 4), ("interpret",)),
+    ((2, 8, 1, 4), ("interpret",)),
 ]
 DTYPES = ["float32", "bfloat16"]
 
@@ -56,8 +63,16 @@ class _Interpreting:
 def export(shape, dtype, interpret):
     scale = shape[3] ** -0.5
 
+    # The op's default blocks (128) where the sequence allows, else one block.
+    block = min(128, shape[2])
+    blocks = fa.BlockSizes(
+        block_q=block, block_k_major=block, block_k=block, block_b=1,
+        block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block,
+        block_k_major_dq=block, block_k_dq=block, block_q_dq=block,
+    )
+
     def f(q, k, v):
-        return fa.flash_attention(q, k, v, sm_scale=scale)
+        return fa.flash_attention(q, k, v, sm_scale=scale, block_sizes=blocks)
 
     x = jnp.zeros(shape, dtype)
     # The op's inner functions are jitted: their traces are cached, with or without
@@ -80,9 +95,9 @@ def main():
     assert jax.__version__ == JAX_VERSION, f"export with jax {JAX_VERSION}, not {jax.__version__}"
     os.makedirs(OUT, exist_ok=True)
     artifacts = []
-    for shape in BUCKETS:
+    for shape, targets in BUCKETS:
         for dtype in DTYPES:
-            for target in ("tpu", "interpret"):
+            for target in targets:
                 text, scale = export(shape, jnp.dtype(dtype), target == "interpret")
                 name = f"{target}-{dtype}-{'x'.join(map(str, shape))}.mlir"
                 data = text.encode()
@@ -103,7 +118,7 @@ def main():
         "source": "jax.experimental.pallas.ops.tpu.flash_attention.flash_attention",
         "jax": JAX_VERSION,
         "layout": "q, k, v and the output [batch, heads, sequence, head_dim]; softmax(q k^T * sm_scale) v",
-        "parameters": {"causal": False, "block_sizes": "the op's defaults"},
+        "parameters": {"causal": False, "block_sizes": "min(128, sequence) for every block, block_b 1"},
         "artifacts": artifacts,
     }
     with open(os.path.join(OUT, "manifest.json"), "w") as f:

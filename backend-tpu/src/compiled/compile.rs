@@ -29,6 +29,8 @@ pub struct CompileInfo {
     pub random: usize,
     /// Inputs donated to outputs (`tf.aliasing_output`).
     pub donated: usize,
+    /// Attention ops lowered to the kernel hub's kernels.
+    pub kernel_calls: usize,
     /// Whether the executable came from the on-disk cache instead of a
     /// compile.
     pub from_disk: bool,
@@ -66,6 +68,9 @@ impl std::fmt::Display for CompileInfo {
             },
             self.compile
         )?;
+        if self.kernel_calls > 0 {
+            write!(f, "; {} attentions as kernel hub calls", self.kernel_calls)?;
+        }
         if let Some(rejected) = &self.rejected_cache_entry {
             write!(f, " (the disk cache entry {rejected})")?;
         }

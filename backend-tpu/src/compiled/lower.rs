@@ -5,25 +5,34 @@ use burn_ir::{OperationIr, TensorId, TensorIr};
 
 use super::tensors::Tensors;
 use super::{kernels_last, CompileError, CompiledFn};
+use crate::kernels::AttentionKernels;
 use crate::lowering::{LowerError, LoweredFunction, Lowerer};
 
 impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     /// Lowers a trace: inputs first, then the ops; an output nothing
     /// computed (a captured tensor returned as is) becomes an argument too.
+    /// Attention goes to the kernel hub's kernels for a device of `device_kind` where
+    /// [`AttentionKernels::from_env`] enables them (not in partitioned programs).
     pub(super) fn lower(
         &self,
         inputs: &[TensorIr],
         ops: &[OperationIr],
         outputs: &[TensorIr],
+        device_kind: &str,
     ) -> Result<LoweredFunction, CompileError> {
         // Kernels in the convolutions' layout, permuted once when the sources
         // are gathered; a partitioned program keeps Burn's layout, which its
         // shardings name.
-        let lowerer = if self.spmd.is_none() && kernels_last() {
+        let mut lowerer = if self.spmd.is_none() && kernels_last() {
             Lowerer::with_kernels_last()
         } else {
             Lowerer::new()
         };
+        if self.spmd.is_none() {
+            if let Some(kernels) = AttentionKernels::from_env(device_kind) {
+                lowerer = lowerer.with_kernels(kernels);
+            }
+        }
         lower_recorded_with(lowerer, inputs, ops, outputs).map_err(|source| CompileError::Lower {
             name: self.name.clone(),
             source,

@@ -433,11 +433,11 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         let out_irs: Vec<TensorIr> = traced.outputs.iter().map(ir_of).collect();
         let ops = traced.recording.ops.len();
 
+        let (pjrt_client, pjrt_device) = client.target().map_err(run_error)?;
         let started = Instant::now();
-        let mut function = self.lower(irs, &traced.recording.ops, &out_irs)?;
+        let mut function = self.lower(irs, &traced.recording.ops, &out_irs, pjrt_device.kind())?;
         let lower = started.elapsed();
 
-        let (pjrt_client, pjrt_device) = client.target().map_err(run_error)?;
         let arguments = self
             .sources(client, &function, irs, &traced.released)
             .map_err(run_error)?;
@@ -468,6 +468,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             scalars: arguments.scalars,
             random: arguments.random,
             donated: donated.len(),
+            kernel_calls: function.kernel_calls,
             from_disk: built.from_disk,
             rejected_cache_entry: built.rejected,
             trace: traced.took,

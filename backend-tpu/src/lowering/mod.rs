@@ -163,6 +163,8 @@ pub struct LoweredFunction {
     pub arguments: Vec<(Argument, TensorType)>,
     /// The results, in order.
     pub results: Vec<(TensorId, TensorType)>,
+    /// Attention ops lowered to a hub kernel ([`Lowerer::with_kernels`]).
+    pub kernel_calls: usize,
 }
 
 impl LoweredFunction {
@@ -222,6 +224,12 @@ pub struct Lowerer {
     kernels_last: bool,
     /// The [`Argument::Permuted`] values declared so far, by tensor.
     permuted: HashMap<TensorId, Value>,
+    /// Hub kernels attention may be lowered to ([`Lowerer::with_kernels`]).
+    kernels: Option<std::sync::Arc<crate::kernels::AttentionKernels>>,
+    /// The kernels spliced in: each artifact's functions once (by file), and its entry.
+    spliced: Vec<(std::path::PathBuf, String, String)>,
+    /// Attention ops lowered to a hub kernel.
+    kernel_calls: usize,
 }
 
 /// Lowers one op into a function of its own (eager mode).
@@ -266,6 +274,17 @@ impl Lowerer {
             kernels_last: true,
             ..Self::default()
         }
+    }
+
+    /// This lowerer with attention lowered to the hub's kernels where one matches (the
+    /// kernel's functions appended to the module, a `func.call` in place of the attention),
+    /// the plain lowering elsewhere.
+    pub fn with_kernels(
+        mut self,
+        kernels: std::sync::Arc<crate::kernels::AttentionKernels>,
+    ) -> Self {
+        self.kernels = Some(kernels);
+        self
     }
 
     /// Lowers `op`, binding its outputs.
@@ -336,11 +355,16 @@ impl Lowerer {
             "    \"func.return\"({}) : ({result_types}) -> ()",
             names.join(", ")
         );
-        module.push_str("  }\n}\n");
+        module.push_str("  }\n");
+        for (_, _, functions) in &self.spliced {
+            module.push_str(functions);
+        }
+        module.push_str("}\n");
         Ok(LoweredFunction {
             module,
             arguments: self.arguments,
             results,
+            kernel_calls: self.kernel_calls,
         })
     }
 

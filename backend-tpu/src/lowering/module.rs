@@ -459,6 +459,9 @@ impl Lowerer {
         if q.ty.rank() != 4 || k.ty.rank() != 4 || v.ty.rank() != 4 {
             return self.unsupported("attention on tensors that are not [batch, heads, seq, dim]");
         }
+        if let Some(y) = self.kernel_attention(d, &q, &k, &v)? {
+            return self.bind(&d.out, y);
+        }
         let (b, h, lq, dk) = (q.ty.dims[0], q.ty.dims[1], q.ty.dims[2], q.ty.dims[3]);
         let lk = k.ty.dims[2];
         let dv = v.ty.dims[3];
@@ -522,5 +525,74 @@ impl Lowerer {
         let p = self.convert(&p, v.ty.elem);
         let y = self.dot_general(&p, &v, (&[0, 1], &[0, 1]), (&[3], &[2]), vec![b, h, lq, dv]);
         self.bind(&d.out, y)
+    }
+
+    /// Attention as a call of the hub's flash attention kernel ([`Lowerer::with_kernels`]):
+    /// only plain softmax attention (no mask, bias, softcap or causality) whose q, k and v
+    /// share one shape and dtype, f32 or bf16, and whose scale is the kernel's; `None` (the
+    /// plain lowering) otherwise or when the hub has no such kernel.
+    fn kernel_attention(
+        &mut self,
+        d: &AttentionOpIr,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+    ) -> Result<Option<Value>> {
+        let Some(kernels) = self.kernels.clone() else {
+            return Ok(None);
+        };
+        let plain = d.mask.is_none()
+            && d.attn_bias.is_none()
+            && d.options.softcap.is_none()
+            && !d.options.is_causal;
+        let dtype = match q.ty.elem {
+            ElementType::F32 => "float32",
+            ElementType::BF16 => "bfloat16",
+            _ => return Ok(None),
+        };
+        if !plain || q.ty != k.ty || q.ty != v.ty || q.ty.rank() != 4 {
+            return Ok(None);
+        }
+        let scale = match d.options.scale {
+            Some(ScalarIr::Float(scale)) => scale,
+            Some(_) => return Ok(None),
+            None => 1.0 / (q.ty.dims[3] as f64).sqrt(),
+        };
+        let Some(kernel) = kernels.flash_attention(&q.ty.dims, dtype, scale) else {
+            return Ok(None);
+        };
+        let entry = match self
+            .spliced
+            .iter()
+            .find(|(file, _, _)| *file == kernel.file)
+        {
+            Some((_, entry, _)) => entry.clone(),
+            None => {
+                let prefix = format!("oxidiff_kernel{}_", self.spliced.len());
+                let (functions, entry) =
+                    match crate::kernels::inline_functions(&kernel.mlir, &prefix) {
+                        Ok(inlined) => inlined,
+                        Err(reason) => {
+                            kernels.log_once(&format!(
+                                "kernel artifact {} is damaged ({reason}): export it again \
+                                 with tools/kernels/",
+                                kernel.file.display()
+                            ));
+                            return Ok(None);
+                        }
+                    };
+                self.spliced
+                    .push((kernel.file.clone(), entry.clone(), functions));
+                entry
+            }
+        };
+        self.kernel_calls += 1;
+        let ty = q.ty.clone();
+        Ok(Some(self.emit(
+            "func.call",
+            &[q, k, v],
+            &format!("callee = @{entry}"),
+            ty,
+        )))
     }
 }
