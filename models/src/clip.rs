@@ -57,47 +57,65 @@ impl Default for ClipTextConfig {
 
 impl ClipTextConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        #[derive(Deserialize)]
-        struct Wrapped {
-            text_config: Option<serde_json::Value>,
-        }
-        // A full `CLIPConfig` nests the text part under `text_config`.
-        let wrapped: Wrapped = load_json(path)?;
-        let config: Self = match wrapped.text_config {
-            Some(text) => crate::config::parse_json(&text.to_string(), path)?,
-            None => load_json(path)?,
-        };
-        if Activation::from_name(&config.hidden_act).is_none() {
-            return Err(ModelError::Unsupported {
-                path: path.to_path_buf(),
-                reason: format!("`hidden_act: {}`", config.hidden_act),
-            });
-        }
-        use crate::config::{check_at_most, MAX_DIMENSION};
-        let sizes = [
-            ("vocab_size", config.vocab_size),
-            ("hidden_size", config.hidden_size),
-            ("intermediate_size", config.intermediate_size),
-            ("projection_dim", config.projection_dim),
-            ("num_attention_heads", config.num_attention_heads),
-            ("max_position_embeddings", config.max_position_embeddings),
-        ];
-        for (field, value) in sizes {
-            check_at_most(field, value, MAX_DIMENSION, path)?;
-        }
-        check_at_most("num_hidden_layers", config.num_hidden_layers, 1024, path)?;
-        if config.num_attention_heads == 0
-            || !config
-                .hidden_size
-                .is_multiple_of(config.num_attention_heads)
-        {
-            return Err(ModelError::Config {
-                path: path.to_path_buf(),
-                reason: "`hidden_size` must be a multiple of `num_attention_heads`".into(),
-            });
-        }
+        let config: Self = load_clip_part(path, "text_config")?;
+        check_encoder(
+            path,
+            &config.hidden_act,
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_hidden_layers,
+            &[
+                ("vocab_size", config.vocab_size),
+                ("intermediate_size", config.intermediate_size),
+                ("projection_dim", config.projection_dim),
+                ("max_position_embeddings", config.max_position_embeddings),
+            ],
+        )?;
         Ok(config)
     }
+}
+
+/// One part of a CLIP config (`text_config`, `vision_config`) in `path`: nested in a full
+/// `CLIPConfig`, or the file itself.
+pub(crate) fn load_clip_part<T: serde::de::DeserializeOwned>(path: &Path, part: &str) -> Result<T> {
+    let value: serde_json::Value = load_json(path)?;
+    match value.get(part) {
+        Some(nested) => crate::config::parse_json(&nested.to_string(), path),
+        None => crate::config::parse_json(&value.to_string(), path),
+    }
+}
+
+/// The checks the text and vision encoders' configs share: a known activation, sizes within
+/// bounds (`sizes` besides the hidden width and heads), heads dividing the hidden width.
+pub(crate) fn check_encoder(
+    path: &Path,
+    hidden_act: &str,
+    hidden: usize,
+    heads: usize,
+    layers: usize,
+    sizes: &[(&str, usize)],
+) -> Result<()> {
+    use crate::config::{check_at_most, MAX_DIMENSION};
+    if Activation::from_name(hidden_act).is_none() {
+        return Err(ModelError::Unsupported {
+            path: path.to_path_buf(),
+            reason: format!("`hidden_act: {hidden_act}`"),
+        });
+    }
+    for &(field, value) in [("hidden_size", hidden), ("num_attention_heads", heads)]
+        .iter()
+        .chain(sizes)
+    {
+        check_at_most(field, value, MAX_DIMENSION, path)?;
+    }
+    check_at_most("num_hidden_layers", layers, 1024, path)?;
+    if heads == 0 || !hidden.is_multiple_of(heads) {
+        return Err(ModelError::Config {
+            path: path.to_path_buf(),
+            reason: "`hidden_size` must be a multiple of `num_attention_heads`".into(),
+        });
+    }
+    Ok(())
 }
 
 /// The shape of a [`ClipEncoderLayer`], shared by the text and vision encoders.

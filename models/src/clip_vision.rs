@@ -13,7 +13,6 @@ use burn::tensor::{FloatDType, Tensor};
 use serde::Deserialize;
 
 use crate::clip::{ClipEncoderLayer, ClipLayerSpec};
-use crate::config::load_json;
 use crate::error::{ModelError, Result};
 use crate::nn::{Activation, Conv2d, Embedding, LayerNorm, Linear};
 use crate::var_builder::{load_component, VarBuilder};
@@ -54,48 +53,24 @@ impl Default for ClipVisionConfig {
 
 impl ClipVisionConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        #[derive(Deserialize)]
-        struct Wrapped {
-            vision_config: Option<serde_json::Value>,
-        }
-        // A full `CLIPConfig` nests the vision part under `vision_config`.
-        let wrapped: Wrapped = load_json(path)?;
-        let config: Self = match wrapped.vision_config {
-            Some(vision) => crate::config::parse_json(&vision.to_string(), path)?,
-            None => load_json(path)?,
-        };
-        if Activation::from_name(&config.hidden_act).is_none() {
-            return Err(ModelError::Unsupported {
-                path: path.to_path_buf(),
-                reason: format!("`hidden_act: {}`", config.hidden_act),
-            });
-        }
-        use crate::config::{check_at_most, MAX_DIMENSION};
-        let sizes = [
-            ("hidden_size", config.hidden_size),
-            ("intermediate_size", config.intermediate_size),
-            ("projection_dim", config.projection_dim),
-            ("num_attention_heads", config.num_attention_heads),
-            ("image_size", config.image_size),
-            ("num_channels", config.num_channels),
-        ];
-        for (field, value) in sizes {
-            check_at_most(field, value, MAX_DIMENSION, path)?;
-        }
-        check_at_most("num_hidden_layers", config.num_hidden_layers, 1024, path)?;
+        let config: Self = crate::clip::load_clip_part(path, "vision_config")?;
+        crate::clip::check_encoder(
+            path,
+            &config.hidden_act,
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_hidden_layers,
+            &[
+                ("intermediate_size", config.intermediate_size),
+                ("projection_dim", config.projection_dim),
+                ("image_size", config.image_size),
+                ("num_channels", config.num_channels),
+            ],
+        )?;
         let bad = |reason: &str| ModelError::Config {
             path: path.to_path_buf(),
             reason: reason.into(),
         };
-        if config.num_attention_heads == 0
-            || !config
-                .hidden_size
-                .is_multiple_of(config.num_attention_heads)
-        {
-            return Err(bad(
-                "`hidden_size` must be a multiple of `num_attention_heads`",
-            ));
-        }
         if config.patch_size == 0 || !config.image_size.is_multiple_of(config.patch_size) {
             return Err(bad("`image_size` must be a multiple of `patch_size`"));
         }

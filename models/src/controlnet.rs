@@ -538,18 +538,12 @@ impl<B: Backend> TensorParallel for ControlNetModel<B> {
     }
 
     fn set_tensor_parallel_degree(&mut self, tp: usize) {
-        let mut feed_forwards = Vec::new();
         let attentions = self
             .down_blocks
             .iter_mut()
             .flat_map(|b| b.attentions_mut().iter_mut())
             .chain(self.mid_block.attentions_mut().iter_mut());
-        for transformer in attentions {
-            for block in &mut transformer.transformer_blocks {
-                feed_forwards.push(&mut block.ff);
-            }
-        }
-        crate::parallel::set_geglu_groups(&mut feed_forwards, tp);
+        crate::unet_2d_condition::set_transformer_geglu_groups(attentions, tp);
     }
 
     fn sharded_widths(&self) -> Vec<ShardedWidth> {

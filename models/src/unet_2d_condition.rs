@@ -368,7 +368,6 @@ impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
     }
 
     fn set_tensor_parallel_degree(&mut self, tp: usize) {
-        let mut feed_forwards = Vec::new();
         let attentions = self
             .down_blocks
             .iter_mut()
@@ -383,12 +382,7 @@ impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
                     .iter_mut()
                     .flat_map(|b| b.attentions_mut().iter_mut()),
             );
-        for transformer in attentions {
-            for block in &mut transformer.transformer_blocks {
-                feed_forwards.push(&mut block.ff);
-            }
-        }
-        set_geglu_groups(&mut feed_forwards, tp);
+        set_transformer_geglu_groups(attentions, tp);
     }
 
     fn sharded_widths(&self) -> Vec<ShardedWidth> {
@@ -410,6 +404,18 @@ impl<B: Backend> TensorParallel for UNet2DConditionModel<B> {
         }
         widths
     }
+}
+
+/// Groups the GEGLU columns of every feed-forward in `attentions` for `tp` devices
+/// ([`set_geglu_groups`]).
+pub(crate) fn set_transformer_geglu_groups<'a, B: Backend + 'a>(
+    attentions: impl Iterator<Item = &'a mut Transformer2DModel<B>>,
+    tp: usize,
+) {
+    let mut feed_forwards: Vec<_> = attentions
+        .flat_map(|t| t.transformer_blocks.iter_mut().map(|block| &mut block.ff))
+        .collect();
+    set_geglu_groups(&mut feed_forwards, tp);
 }
 
 /// The widths of the sharded layers of a block's transformers (`{prefix}.attentions.{a}`).
