@@ -329,13 +329,14 @@ fn tiny_controlnet_step_compiles_ahead_of_time_for_tpu_v5e_and_v6e() {
 /// The kernel hub's Pallas flash attention (tools/kernels/export_flash_attention.py: a Mosaic
 /// `tpu_custom_call`) compiles ahead of time for TPU v5e and v6e through oxidiff's own
 /// topology path, at SD 1.5's 512x512 self-attention size (2 x 8 heads x 4096 tokens x 40), in
-/// f32 and bf16; XLA's cost analysis of it and of oxidiff's plain lowering of the same
-/// attention (which materialises the 4096 x 4096 scores) are printed side by side, and the
-/// kernel reads and writes fewer bytes.
+/// f32 and bf16, alone and spliced into oxidiff's own lowering of the attention (the module
+/// compiled mode builds on a TPU); XLA's cost analysis of those and of the plain lowering of
+/// the same attention (which materialises the 4096 x 4096 scores) are printed side by side,
+/// and the kernel reads and writes fewer bytes.
 #[test]
 fn hub_flash_attention_compiles_for_tpu_v5e_and_v6e_and_accesses_fewer_bytes() {
     use burn::tensor::FloatDType;
-    use oxidiff::backend::kernels::{KernelHub, KernelRequest, KernelTarget};
+    use oxidiff::backend::kernels::{AttentionKernels, KernelHub, KernelRequest, KernelTarget};
     use oxidiff::pipelines::aot::trace_attention;
     let Some(plugin) = libtpu() else {
         return;
@@ -344,7 +345,7 @@ fn hub_flash_attention_compiles_for_tpu_v5e_and_v6e_and_accesses_fewer_bytes() {
         KernelHub::open(&std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kernels"));
     let shape = [2usize, 8, 4096, 40];
     for (dtype, burn_dtype) in [("float32", FloatDType::F32), ("bfloat16", FloatDType::BF16)] {
-        let plain = trace_attention(shape, burn_dtype).unwrap_or_else(|e| panic!("{e}"));
+        let plain = trace_attention(shape, burn_dtype, None).unwrap_or_else(|e| panic!("{e}"));
         for (topology_name, generation) in [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")] {
             let kernel = hub
                 .find(&KernelRequest {
@@ -376,6 +377,18 @@ fn hub_flash_attention_compiles_for_tpu_v5e_and_v6e_and_accesses_fewer_bytes() {
             assert!(
                 kernel_bytes > 0.0 && kernel_bytes < plain_bytes,
                 "{topology_name} {dtype}: kernel {kernel_bytes} bytes, plain {plain_bytes}"
+            );
+            let kernels = AttentionKernels::new(hub.clone(), KernelTarget::Tpu(generation.into()));
+            let spliced = trace_attention(shape, burn_dtype, Some(std::sync::Arc::new(kernels)))
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(spliced.module.contains("tpu_custom_call"), "not spliced");
+            let spliced_bytes = cost(
+                "oxidiff's lowering with the kernel spliced in",
+                &spliced.module,
+            );
+            assert!(
+                spliced_bytes < plain_bytes,
+                "{topology_name} {dtype}: spliced {spliced_bytes} bytes, plain {plain_bytes}"
             );
         }
     }

@@ -419,9 +419,13 @@ fn weight_arguments(function: &LoweredFunction, inputs: usize) -> (usize, usize)
 
 /// Traces attention as the models compute it (Burn's `attention` on `[batch, heads, seq,
 /// head_dim]` q, k and v, scale `1/sqrt(head_dim)`, no mask) in `dtype` and lowers it to one
-/// module `@main(q, k, v)`: the plain lowering a kernel from the
-/// [kernel hub](oxidiff_backend_tpu::kernels) replaces, to compare the two ahead of time.
-pub fn trace_attention(shape: [usize; 4], dtype: burn::tensor::FloatDType) -> Result<TracedPart> {
+/// module `@main(q, k, v)`: plainly, or with `kernels` as compiled mode splices the
+/// [kernel hub](oxidiff_backend_tpu::kernels)'s kernels in, to compare the two ahead of time.
+pub fn trace_attention(
+    shape: [usize; 4],
+    dtype: burn::tensor::FloatDType,
+    kernels: Option<std::sync::Arc<oxidiff_backend_tpu::kernels::AttentionKernels>>,
+) -> Result<TracedPart> {
     use burn::tensor::module::attention;
     use burn::tensor::ops::AttentionModuleOptions;
     let _one_at_a_time = TRACING
@@ -430,19 +434,13 @@ pub fn trace_attention(shape: [usize; 4], dtype: burn::tensor::FloatDType) -> Re
     let device = OxiDevice::Cpu;
     let _before = take_ops(&device);
     let n: usize = shape.iter().product();
+    // Made in f32 and cast: the trace's ops start after the casts, so the module takes q, k
+    // and v in `dtype`.
     let input = || {
-        let data = match dtype {
-            burn::tensor::FloatDType::BF16 => {
-                TensorData::new(vec![burn::tensor::bf16::ZERO; n], shape)
-            }
-            burn::tensor::FloatDType::F16 => {
-                TensorData::new(vec![burn::tensor::f16::ZERO; n], shape)
-            }
-            _ => TensorData::new(vec![0f32; n], shape),
-        };
-        Tensor::<Traced, 4>::from_data(data, &device)
+        Tensor::<Traced, 4>::from_data(TensorData::new(vec![0f32; n], shape), &device).cast(dtype)
     };
     let (q, k, v) = (input(), input(), input());
+    let _casts = take_ops(&device);
     let inputs = [float_ir(&q), float_ir(&k), float_ir(&v)];
     let out = attention(
         q,
@@ -456,5 +454,23 @@ pub fn trace_attention(shape: [usize; 4], dtype: burn::tensor::FloatDType) -> Re
             is_causal: false,
         },
     );
-    traced_part(&device, &inputs, float_ir(&out), "attention")
+    let ops = take_ops(&device);
+    let mut lowerer = oxidiff_backend_tpu::lowering::Lowerer::new();
+    if let Some(kernels) = kernels {
+        lowerer = lowerer.with_kernels(kernels);
+    }
+    let function = oxidiff_backend_tpu::compiled::lower_recorded_with(
+        lowerer,
+        &inputs,
+        &ops,
+        &[float_ir(&out)],
+    )
+    .map_err(|e| PipelineError::Compile(format!("lowering the traced attention: {e}")))?;
+    let (weights, weight_bytes) = weight_arguments(&function, inputs.len());
+    Ok(TracedPart {
+        ops: ops.len(),
+        weights,
+        weight_bytes,
+        module: function.module,
+    })
 }
