@@ -160,6 +160,20 @@ impl<B: Backend> UNet2DConditionModel<B> {
             .collect()
     }
 
+    /// How many image tokens an attached IP-Adapter takes at the end of the context (0
+    /// without one): the rows a ControlNet, which attends to the text alone, leaves out.
+    pub fn ip_adapter_tokens(&self) -> usize {
+        let down = self.down_blocks.iter().map(|b| b.attentions());
+        let up = self.up_blocks.iter().map(|b| b.attentions());
+        let mid = self.mid_block.iter().map(|b| b.attentions());
+        down.chain(up)
+            .chain(mid)
+            .flatten()
+            .flat_map(|attention| &attention.transformer_blocks)
+            .find_map(|block| block.ip_adapter.as_ref().map(|ip| ip.num_tokens))
+            .unwrap_or(0)
+    }
+
     /// Whether the UNet needs [`AddedCondition`] (SDXL's `text_time`).
     pub fn needs_added_condition(&self) -> bool {
         self.add_embedding.is_some()

@@ -342,9 +342,17 @@ impl<B: Backend> AutoPipeline<B> {
                 pipe.load_ip_adapter(file, image_encoder)?;
                 pipe.set_ip_adapter_scale(scale)
             }
+            Self::StableDiffusionControlNet(pipe) => {
+                pipe.pipe.load_ip_adapter(file, image_encoder)?;
+                pipe.pipe.set_ip_adapter_scale(scale)
+            }
+            Self::StableDiffusionXLControlNet(pipe) => {
+                pipe.pipe.load_ip_adapter(file, image_encoder)?;
+                pipe.pipe.set_ip_adapter_scale(scale)
+            }
             _ => Err(PipelineError::InvalidInput(format!(
-                "IP-Adapter applies to Stable Diffusion 1.x/2.x and SDXL pipelines without \
-                 ControlNet, not to {:?} pipelines",
+                "IP-Adapter applies to Stable Diffusion 1.x/2.x and SDXL pipelines, not to {:?} \
+                 pipelines",
                 self.family()
             ))),
         }

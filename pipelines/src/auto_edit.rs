@@ -312,15 +312,18 @@ macro_rules! editing_pipeline {
                         pipe.pipe.load_ip_adapter(file, image_encoder)?;
                         pipe.pipe.set_ip_adapter_scale(scale)
                     }
+                    Self::StableDiffusionControlNet(pipe) => {
+                        pipe.pipe.pipe.load_ip_adapter(file, image_encoder)?;
+                        pipe.pipe.pipe.set_ip_adapter_scale(scale)
+                    }
                     Self::StableDiffusionXL(pipe) => {
                         pipe.pipe.load_ip_adapter(file, image_encoder)?;
                         pipe.pipe.set_ip_adapter_scale(scale)
                     }
-                    _ => Err(PipelineError::InvalidInput(
-                        "IP-Adapter together with ControlNet is not supported yet: drop one of \
-                         them"
-                            .into(),
-                    )),
+                    Self::StableDiffusionXLControlNet(pipe) => {
+                        pipe.pipe.pipe.load_ip_adapter(file, image_encoder)?;
+                        pipe.pipe.pipe.set_ip_adapter_scale(scale)
+                    }
                 }
             }
         }

@@ -451,16 +451,21 @@ pub(crate) fn controlled_prediction<B: Backend>(
         }
     };
     let conditional = guess && guided;
+    // With an IP-Adapter the context ends with its image tokens, which only the UNet attends
+    // to: the ControlNets get the text (diffusers passes them `prompt_embeds`).
+    let [rows, seq, _] = context.dims();
+    let text = context
+        .clone()
+        .narrow(1, 0, seq.saturating_sub(unet.ip_adapter_tokens()));
     let (net_sample, net_context, net_added) = if conditional {
-        let rows = context.dims()[0];
-        let positive = context.clone().narrow(0, rows - batch, batch);
+        let positive = text.narrow(0, rows - batch, batch);
         (
             sample.clone(),
             positive,
             added.map(|a| positive_rows(a, batch)),
         )
     } else {
-        (twice(sample.clone()), context.clone(), added.cloned())
+        (twice(sample.clone()), text, added.cloned())
     };
     let mut sum: Option<ControlResiduals<B>> = None;
     for (net, image, scale) in steer {

@@ -487,22 +487,6 @@ fn refuse_when_compiled(compiled: bool) -> Result<()> {
     }
 }
 
-/// The ControlNet pipelines pass the text context to their ControlNets too, which have no
-/// image branch: IP-Adapter together with ControlNet is refused.
-pub(crate) fn refuse_with_controlnet<B: Backend>(
-    adapter: Option<&IpAdapter<B>>,
-    controlled: bool,
-) -> Result<()> {
-    match adapter.is_some() && controlled {
-        true => Err(PipelineError::InvalidInput(
-            "IP-Adapter together with ControlNet is not supported yet: unload the IP-Adapter or \
-             run without ControlNet"
-                .into(),
-        )),
-        false => Ok(()),
-    }
-}
-
 /// Pipelines without IP-Adapter (SD3, Flux, PixArt) refuse a request with an image prompt
 /// rather than ignore it.
 pub(crate) fn refuse_image_prompt<B: Backend>(

@@ -390,7 +390,6 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         callback: &mut impl FnMut(StepInfo<'_, B>),
     ) -> Result<PipelineOutput<B>> {
         check_unet_input(&self.unet, &latents, inpaint)?;
-        crate::ip_adapter::refuse_with_controlnet(self.ip_adapter.as_ref(), control.is_some())?;
         let (unet, compiled) = (&self.unet, &self.compiled);
         let mut step = 0;
         let mut blended;

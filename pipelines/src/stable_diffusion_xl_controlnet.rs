@@ -69,6 +69,7 @@ impl StableDiffusionXLControlNetPipeline<Oxi> {
     /// program partitioned by XLA. Data parallelism is refused (`--dp`), as is anything the
     /// base pipeline refuses, before anything moves.
     pub fn enable_parallelism(&mut self, config: impl Into<ParallelConfig>) -> Result<()> {
+        crate::ip_adapter::refuse_parallel(self.pipe.ip_adapter.as_ref())?;
         let placement =
             control_parallelism(&mut self.pipe.unet, &mut self.controlnets, config.into())?;
         self.pipe.compile_on(Some(placement.clone()))?;

@@ -193,11 +193,6 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     usage::image_size("--width/--height", args.width, args.height, args.max_pixels)?;
     args.control.check(args.max_pixels)?;
     args.ip_adapter.check()?;
-    if args.ip_adapter.active() && args.control.active() {
-        return Err(UsageError(
-            "--ip-adapter together with --controlnet is not supported yet: drop one of them".into(),
-        ));
-    }
     Ok(())
 }
 

@@ -28,6 +28,8 @@ Writes:
   SD 1.x, 5.0 with Euler for SDXL) at `set_ip_adapter_scale(0.8)`.
 - tests/fixtures/golden/ip-adapter-sd1-img2img.png: `StableDiffusionImg2ImgPipeline.from_pipe`
   of the SD 1.x run on golden/img2img-input.png at strength 0.75, otherwise the same.
+- tests/fixtures/golden/ip-adapter-sd1-controlnet.png: `StableDiffusionControlNetPipeline.from_pipe`
+  of the SD 1.x run with tiny-controlnet-sd1 on golden/controlnet-input.png, otherwise the same.
 - tests/fixtures/ip-adapter/ip-adapter-plus_sd1.safetensors: IP-Adapter Plus for tiny-sd1 in
   the h94 layout (resampler: 6 queries of width 16, 4 blocks, one 64-wide head), and
   golden/ip-adapter-plus-sd1.png its SD 1.x run as above; ip-adapter.safetensors also holds
@@ -191,6 +193,17 @@ def main():
                        generator=torch.Generator().manual_seed(42)).images[0]
             out.save(os.path.join(sd.GOLDEN, "ip-adapter-sd1-img2img.png"))
             info["img2img_strength"] = 0.75
+            # With a ControlNet (diffusers' from_pipe keeps the IP-Adapter): the ControlNet
+            # attends to the text alone, the UNet to text and image tokens.
+            from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+            net = ControlNetModel.from_pretrained(os.path.join(sd.FIXTURES, "tiny-controlnet-sd1"))
+            controlled = StableDiffusionControlNetPipeline.from_pipe(pipe, controlnet=net)
+            controlled.set_progress_bar_config(disable=True)
+            control = PIL.Image.open(os.path.join(sd.GOLDEN, "controlnet-input.png")).convert("RGB")
+            out = controlled(PROMPT, image=control, negative_prompt="blurry",
+                             ip_adapter_image=image, num_inference_steps=4, guidance_scale=guidance,
+                             generator=torch.Generator().manual_seed(42)).images[0]
+            out.save(os.path.join(sd.GOLDEN, "ip-adapter-sd1-controlnet.png"))
     # IP-Adapter Plus on tiny-sd1: the resampler over the encoder's penultimate hidden states.
     pipe = StableDiffusionPipeline.from_pretrained(os.path.join(sd.FIXTURES, "tiny-sd1"),
                                                    local_files_only=True, safety_checker=None)

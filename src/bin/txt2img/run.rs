@@ -94,11 +94,6 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
     usage::finite("--true-cfg-scale", args.true_cfg_scale)?;
     args.control.check(args.max_pixels)?;
     args.ip_adapter.check()?;
-    if args.ip_adapter.active() && args.control.active() {
-        return Err(UsageError(
-            "--ip-adapter together with --controlnet is not supported yet: drop one of them".into(),
-        ));
-    }
     if args.ip_adapter.active() && (args.tp != 1 || args.dp != 1) {
         return Err(UsageError(
             "--ip-adapter does not split over devices yet: drop --tp/--dp (--compile works)".into(),
