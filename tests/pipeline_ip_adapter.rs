@@ -225,7 +225,7 @@ fn sdxl_with_ip_adapter_matches_diffusers() {
 
 /// Requests without an image prompt while an adapter is loaded, or with one while none is, are
 /// refused; with a ControlNet (which attends to the text alone, the UNet to text and image
-/// tokens, as diffusers passes them) the image is diffusers' within 2 levels.
+/// tokens, as diffusers passes them) the image is diffusers' within 1 level.
 #[test]
 fn requests_without_image_or_adapter_are_refused_and_controlnet_matches_diffusers() {
     let mut pipe = sd1();
@@ -257,10 +257,12 @@ fn requests_without_image_or_adapter_are_refused_and_controlnet_matches_diffuser
     let out = controlled
         .generate(&request(Some(input_image())), &control)
         .unwrap_or_else(|e| panic!("{e}"));
+    // 1 level, not the usual 2: it matches exactly here, and a ControlNet that also attends to
+    // the image tokens lands 2 levels off (the tiny ControlNet's text attention is weak).
     assert_png_close(
         &out.images.unwrap().to_rgb8(0).unwrap(),
         "ip-adapter-sd1-controlnet.png",
-        2,
+        1,
     );
 }
 
