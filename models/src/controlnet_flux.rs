@@ -180,20 +180,29 @@ impl<B: Backend> FluxControlNetModel<B> {
     /// Checks a control mode for this ControlNet: required below `num_mode` for a
     /// ControlNet-Union, refused for others.
     pub fn check_mode(&self, mode: Option<usize>) -> Result<()> {
+        self.check_mode_given(mode.is_some())?;
         match (self.num_mode(), mode) {
-            (Some(_), None) => Err(ModelError::Input(
-                "a ControlNet-Union needs a control mode (`controlnet_mode` in diffusers); \
-                 give one"
-                    .into(),
-            )),
             (Some(n), Some(m)) if m >= n => Err(ModelError::Input(format!(
                 "control mode {m} is out of range: this ControlNet-Union has {n} modes (0 to {})",
                 n - 1
             ))),
-            (None, Some(m)) => Err(ModelError::Input(format!(
-                "control mode {m} given to a ControlNet without modes (not a ControlNet-Union); \
-                 leave the mode unset"
-            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// A mode is given exactly when this is a ControlNet-Union.
+    fn check_mode_given(&self, given: bool) -> Result<()> {
+        match (self.num_mode().is_some(), given) {
+            (true, false) => Err(ModelError::Input(
+                "a ControlNet-Union needs a control mode (`controlnet_mode` in diffusers); \
+                 give one"
+                    .into(),
+            )),
+            (false, true) => Err(ModelError::Input(
+                "a control mode was given to a ControlNet without modes (not a \
+                 ControlNet-Union); leave the mode unset"
+                    .into(),
+            )),
             _ => Ok(()),
         }
     }
@@ -283,26 +292,15 @@ impl<B: Backend> FluxControlNetModel<B> {
     ) -> Result<FluxControlSamples<B>> {
         let caller = dtype_of(&hidden_states);
         let dtype = dtype_of(&self.x_embedder.weight.val());
-        let mode =
-            match (&self.controlnet_mode_embedder, mode) {
-                (Some(embedder), Some(mode)) => {
-                    let [b] = mode.dims();
-                    Some((embedder, mode.reshape([b, 1])))
-                }
-                (None, None) => None,
-                (Some(_), None) => return Err(ModelError::Input(
-                    "a ControlNet-Union needs a control mode (`controlnet_mode` in diffusers); \
-                     give one"
-                        .into(),
-                )),
-                (None, Some(_)) => {
-                    return Err(ModelError::Input(
-                        "a control mode given to a ControlNet without modes (not a \
-                     ControlNet-Union); leave the mode unset"
-                            .into(),
-                    ))
-                }
-            };
+        self.check_mode_given(mode.is_some())?;
+        let mode = self
+            .controlnet_mode_embedder
+            .as_ref()
+            .zip(mode)
+            .map(|(embedder, mode)| {
+                let [b] = mode.dims();
+                (embedder, mode.reshape([b, 1]))
+            });
         let image = self.x_embedder.forward(cast_to(hidden_states, dtype))
             + self.controlnet_x_embedder.forward(cast_to(cond, dtype));
         let timestep = cast_to(timestep, dtype).mul_scalar(1000.0);

@@ -531,6 +531,17 @@ impl Weights {
         unused
     }
 
+    /// [`unused_keys`](Self::unused_keys) for a message: `None` when every tensor was used,
+    /// else their count and the first five, quoted (`` `a`, `b` ``).
+    pub fn unused_summary(&self) -> Option<(usize, String)> {
+        let unused = self.unused_keys();
+        if unused.is_empty() {
+            return None;
+        }
+        let shown: Vec<String> = unused.iter().take(5).map(|k| format!("`{k}`")).collect();
+        Some((unused.len(), shown.join(", ")))
+    }
+
     /// Reads a tensor as f32 values with its shape, converting F16/BF16/F64.
     pub fn read_f32(&self, key: &str) -> Result<(Vec<f32>, Vec<usize>)> {
         if let Some(matrix) = self.quantized_any(key)? {

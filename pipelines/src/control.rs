@@ -454,9 +454,10 @@ pub(crate) fn controlled_prediction<B: Backend>(
     // With an IP-Adapter the context ends with its image tokens, which only the UNet attends
     // to: the ControlNets get the text (diffusers passes them `prompt_embeds`).
     let [rows, seq, _] = context.dims();
-    let text = context
-        .clone()
-        .narrow(1, 0, seq.saturating_sub(unet.ip_adapter_tokens()));
+    let text = match unet.ip_adapter_tokens() {
+        0 => context.clone(),
+        tokens => context.clone().narrow(1, 0, seq.saturating_sub(tokens)),
+    };
     let (net_sample, net_context, net_added) = if conditional {
         let positive = text.narrow(0, rows - batch, batch);
         (

@@ -257,21 +257,13 @@ impl Sources {
                 (_, e) => e.into(),
             }
         })?;
-        let unused = weights.unused_keys();
-        if !unused.is_empty() {
+        if let Some((count, names)) = weights.unused_summary() {
             return Err(PipelineError::SingleFile {
                 path: self.file.path.clone(),
                 reason: format!(
-                    "the {component} built from its config does not use {} of the file's \
-                     {component} tensors (diffusers names: {}); the config does not match \
+                    "the {component} built from its config does not use {count} of the file's \
+                     {component} tensors (diffusers names: {names}); the config does not match \
                      the checkpoint: pass the matching diffusers folder as `config`",
-                    unused.len(),
-                    unused
-                        .iter()
-                        .take(5)
-                        .map(|k| format!("`{k}`"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
                 ),
             });
         }

@@ -333,22 +333,14 @@ impl<B: Backend> ControlNetModel<B> {
         let weights = Arc::new(file.weights()?);
         let vb = VarBuilder::new(weights.clone(), device).with_dtype(dtype);
         let model = Self::load(&config, &config_path, vb)?.to_dtype(dtype);
-        let unused = weights.unused_keys();
-        if !unused.is_empty() {
+        if let Some((count, names)) = weights.unused_summary() {
             return Err(ModelError::Config {
                 path: config_path,
                 reason: format!(
-                    "the ControlNet built from it does not use {} tensors of {} (diffusers \
-                     names: {}): the config does not fit the file; pass the ControlNet's \
+                    "the ControlNet built from it does not use {count} tensors of {} (diffusers \
+                     names: {names}): the config does not fit the file; pass the ControlNet's \
                      diffusers config",
-                    unused.len(),
                     path.display(),
-                    unused
-                        .iter()
-                        .take(5)
-                        .map(|k| format!("`{k}`"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
                 ),
             });
         }
