@@ -22,7 +22,7 @@ use crate::pjrt::{self, Buffer};
 
 /// A `dp x tp` mesh of consecutive devices of one PJRT client: partition `p` is batch slice
 /// `p / tp` and tensor slice `p % tp`, and runs on device `first + p`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Mesh {
     pub dp: usize,
     pub tp: usize,

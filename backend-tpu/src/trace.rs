@@ -12,9 +12,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, Shape, TensorData};
+/// A recorded op ([`take_ops`]).
+pub use burn_ir::OperationIr;
 /// The IR of a traced tensor ([`float_ir`]), as the lowering takes it.
 pub use burn_ir::TensorIr;
-use burn_ir::{OperationIr, TensorId};
+use burn_ir::{ModuleOperationIr, TensorId};
 use burn_router::{get_client, BackendRouter, RouterTensor, RunnerChannel, RunnerClient};
 
 use crate::channel::HostBridge;
@@ -58,6 +60,13 @@ pub fn float_ir<const D: usize>(tensor: &burn_tensor::Tensor<Traced, D>) -> Tens
 /// Takes the ops recorded on `device` so far.
 pub fn take_ops(device: &OxiDevice) -> Vec<OperationIr> {
     get_client::<TraceChannel>(device).take_ops()
+}
+
+/// How many of `ops` are attention (Burn's `attention` module op).
+pub fn attention_ops(ops: &[OperationIr]) -> usize {
+    ops.iter()
+        .filter(|op| matches!(op, OperationIr::Module(ModuleOperationIr::Attention(_))))
+        .count()
 }
 
 impl RunnerClient for TraceClient {

@@ -17,6 +17,12 @@ pub enum ModelError {
     )]
     Safetensors { path: PathBuf, reason: String },
     #[error(
+        "{path} is not a valid weights header ({reason}): it holds a safetensors header as JSON \
+         (each tensor's dtype, shape and data_offsets), as tools/kernels/make_weight_headers.py \
+         writes it"
+    )]
+    WeightsHeader { path: PathBuf, reason: String },
+    #[error(
         "{path} links to {target}, outside the model folder {model}; oxidiff reads weights only \
          from inside the model folder (or its Hub cache blobs): copy the file into the folder if \
          you trust it"

@@ -160,7 +160,7 @@ pub(crate) fn load_component<B: Backend, M: burn::module::Module<B>>(
 
 /// A model built by `build` from `weights` held in `dtype`, then what it computed at load cast
 /// into `dtype` (the second half of [`load_component`], for weights from elsewhere: a GGUF file).
-pub(crate) fn build_component<B: Backend, M: burn::module::Module<B>>(
+pub fn build_component<B: Backend, M: burn::module::Module<B>>(
     weights: Weights,
     dtype: FloatDType,
     device: &B::Device,

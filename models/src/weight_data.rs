@@ -55,6 +55,14 @@ impl Stored {
     }
 }
 
+/// A tensor of zeros held in `dtype` (see [`held_dtype`]): zeroed pages from the allocator,
+/// untouched until read.
+pub(crate) fn zeros(shape: Vec<usize>, dtype: FloatDType) -> TensorData {
+    let dtype = held_dtype(dtype);
+    let bytes = shape.iter().product::<usize>() * dtype.size();
+    TensorData::from_bytes_vec(vec![0u8; bytes], shape, dtype)
+}
+
 /// The dtype weights are held in: f32, f16 or bf16 (Burn's `Flex32` is held as f32; f64 too,
 /// since no model here computes in it).
 fn held_dtype(dtype: FloatDType) -> DType {

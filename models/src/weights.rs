@@ -20,11 +20,17 @@ use crate::error::{ModelError, Result};
 use crate::gguf::{GgmlType, GgufFile, QuantizedMatrix};
 use crate::weight_data::{self, Stored};
 
+/// The largest [`Weights::from_header`] file: safetensors' own limit on a header.
+const MAX_HEADER_FILE: u64 = 100_000_000;
+
 /// One memory-mapped safetensors file with its parsed and validated header.
 struct WeightFile {
     path: PathBuf,
     mmap: Mmap,
     data_start: usize,
+    /// A header without its data ([`Weights::from_header`]): every value is zero, and a tensor
+    /// read is made zero in the dtype asked for, nothing converted.
+    zeros: bool,
 }
 
 /// Where one tensor lives.
@@ -252,6 +258,7 @@ impl Weights {
                 path: gguf.path,
                 mmap: gguf.mmap,
                 data_start: 0,
+                zeros: false,
             })],
             entries,
             used: Mutex::new(BTreeSet::new()),
@@ -314,6 +321,7 @@ impl Weights {
                 path: path.clone(),
                 mmap,
                 data_start: 8 + header_len,
+                zeros: false,
             }));
         }
         Ok(Self {
@@ -451,14 +459,76 @@ impl Weights {
                 path: label.to_path_buf(),
                 source,
             })?;
-        let entries = shapes
+        let tensors = shapes.into_iter().map(|(name, shape)| {
+            let info = TensorInfo {
+                dtype: Dtype::F32,
+                shape,
+                data_offsets: (0, 0),
+            };
+            (name, info)
+        });
+        Ok(Self::unmapped(label, mmap, false, tensors, BTreeMap::new()))
+    }
+
+    /// A checkpoint's tensors from its safetensors header alone (a JSON file: each tensor's
+    /// dtype, shape and `data_offsets`, as the header of a `.safetensors` file holds them), with
+    /// every value zero: for tracing a model's programs (ahead-of-time compiles), which need
+    /// names, shapes and dtypes but never the values, without the checkpoint's bytes. A tensor
+    /// read is zeros made in the dtype asked for (the allocator's zeroed pages, nothing
+    /// converted or read from disk); behind the offsets is an unbacked zero mapping.
+    pub fn from_header(path: &Path) -> Result<Self> {
+        let invalid = |reason: String| ModelError::WeightsHeader {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let io = |source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let size = std::fs::metadata(path).map_err(io)?.len();
+        if size > MAX_HEADER_FILE {
+            return Err(invalid(format!(
+                "{size} bytes, more than a header's {MAX_HEADER_FILE}"
+            )));
+        }
+        let text = std::fs::read_to_string(path).map_err(io)?;
+        let header: safetensors::tensor::Metadata =
+            serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let tensors = header.tensors();
+        let data_len = tensors
+            .values()
+            .map(|info| info.data_offsets.1)
+            .max()
+            .unwrap_or(0);
+        // MAP_NORESERVE: the mapping is as large as the checkpoint's data (24 GB for FLUX.1-dev
+        // in bf16), but at most read, so it stays the kernel's shared zero page.
+        let mmap = memmap2::MmapOptions::new()
+            .len(data_len.max(1))
+            .no_reserve_swap()
+            .map_anon()
+            .and_then(|m| m.make_read_only())
+            .map_err(io)?;
+        let metadata = header
+            .metadata()
+            .clone()
+            .unwrap_or_default()
             .into_iter()
-            .map(|(name, shape)| {
-                let info = TensorInfo {
-                    dtype: Dtype::F32,
-                    shape,
-                    data_offsets: (0, 0),
-                };
+            .collect();
+        let tensors = tensors.into_iter().map(|(name, info)| (name, info.clone()));
+        Ok(Self::unmapped(path, mmap, true, tensors, metadata))
+    }
+
+    /// Weights of one anonymous mapping (no file's bytes) named `path` in messages, its values
+    /// `zeros` ([`WeightFile::zeros`]) or not to be read.
+    fn unmapped(
+        path: &Path,
+        mmap: Mmap,
+        zeros: bool,
+        tensors: impl Iterator<Item = (String, TensorInfo)>,
+        metadata: BTreeMap<String, String>,
+    ) -> Self {
+        let entries = tensors
+            .map(|(name, info)| {
                 let entry = Entry {
                     file: 0,
                     info,
@@ -469,16 +539,17 @@ impl Weights {
                 (name, entry)
             })
             .collect();
-        Ok(Self {
+        Self {
             files: vec![Arc::new(WeightFile {
-                path: label.to_path_buf(),
+                path: path.to_path_buf(),
                 mmap,
                 data_start: 0,
+                zeros,
             })],
             entries,
             used: Mutex::new(BTreeSet::new()),
-            metadata: BTreeMap::new(),
-        })
+            metadata,
+        }
     }
 
     /// The files' `__metadata__` entries (string to string), merged across shards.
@@ -565,6 +636,9 @@ impl Weights {
         }
         let (entry, file, bytes, stored) = self.locate(key)?;
         let shape = entry.info.shape.clone();
+        if file.zeros {
+            return Ok(weight_data::zeros(shape, dtype));
+        }
         if entry.transposed {
             let values = f32_values(entry, file, bytes, stored);
             return Ok(weight_data::from_f32(values, shape, dtype));

@@ -404,3 +404,77 @@ fn hub_cache_links_into_the_repositorys_blobs_load() {
     let weights = Weights::from_component_dir(&unet, &["diffusion_pytorch_model"], None).unwrap();
     assert_eq!(weights.read_f32("w").unwrap(), (vec![2.5], vec![1]));
 }
+
+/// Opens `text` as a weights header ([`Weights::from_header`]) and returns the error message,
+/// which must name the file.
+fn header_error(text: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "model.header.json", text.as_bytes());
+    let err = Weights::from_header(&path)
+        .expect_err("a bad header must not open")
+        .to_string();
+    assert!(
+        err.contains(&path.display().to_string()),
+        "error does not name the file: {err}"
+    );
+    err
+}
+
+#[test]
+fn a_weights_header_gives_the_checkpoints_tensors_as_zeros() {
+    use burn::tensor::FloatDType;
+    // A real checkpoint's header, cut out of the file, opens as the checkpoint's tensors.
+    let checkpoint = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/tiny-sd1/unet/diffusion_pytorch_model.safetensors");
+    let bytes = std::fs::read(&checkpoint).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "unet.header.json", &bytes[8..8 + n]);
+    let header = Weights::from_header(&path).unwrap();
+    let full = Weights::from_files(&[checkpoint]).unwrap();
+    let mut keys: Vec<&str> = header.keys().collect();
+    let mut expected: Vec<&str> = full.keys().collect();
+    keys.sort_unstable();
+    expected.sort_unstable();
+    assert_eq!(keys, expected);
+    for key in &keys {
+        assert_eq!(header.shape(key), full.shape(key), "{key}");
+        let data = header.read(key, FloatDType::BF16).unwrap();
+        assert_eq!(data.shape.to_vec(), full.shape(key).unwrap().to_vec());
+        assert!(data
+            .as_slice::<half::bf16>()
+            .unwrap()
+            .iter()
+            .all(|v| v.to_f32() == 0.0));
+    }
+}
+
+#[test]
+fn damaged_weights_headers_are_refused() {
+    let entry = |dtype: &str, shape: &str, offsets: &str| {
+        format!(r#"{{"w": {{"dtype": "{dtype}", "shape": {shape}, "data_offsets": {offsets}}}}}"#)
+    };
+    for (text, fault) in [
+        ("not json".to_string(), "expected"),
+        (entry("F32", "[2, 2]", "[0, 12]"), "w"),
+        (entry("Q9", "[2]", "[0, 8]"), "Q9"),
+        (entry("F16", "[2]", "[4, 8]"), "w"),
+        (
+            r#"{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}"#
+                .to_string(),
+            "invalid offset for tensor",
+        ),
+    ] {
+        let err = header_error(&text);
+        assert_mentions(&err, &["not a valid weights header", fault]);
+    }
+    // Larger than any header (a sparse file): refused before it is read.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("huge.header.json");
+    std::fs::File::create(&path)
+        .and_then(|f| f.set_len(100_000_001))
+        .unwrap();
+    let err = Weights::from_header(&path).unwrap_err().to_string();
+    assert_mentions(&err, &[&path.display().to_string(), "more than a header's"]);
+}

@@ -4,21 +4,34 @@
 //! (shapes without values, weights without loading them onto a device) and lowered by the same
 //! [`lower_recorded`] as compiled mode, into one StableHLO module that a TPU topology can
 //! compile ahead of time (`Topology::compile`, libtpu without a TPU); the VAE's encoder and
-//! decoder likewise ([`trace_vae`]).
+//! decoder likewise ([`trace_vae`]). [`trace_denoiser`] traces any pipeline's denoiser program
+//! (SD 1.x/2.x, SDXL, Flux) in the dtype and with the kernel hub's kernels compiled mode would
+//! use, also from a checkpoint's safetensors header alone ([`Weights::from_header`]), so the
+//! released models' programs are compiled ahead of time without their weights.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff_backend_tpu::compiled::lower_recorded;
+use oxidiff_backend_tpu::kernels::AttentionKernels;
 use oxidiff_backend_tpu::lowering::{Argument, LoweredFunction};
-use oxidiff_backend_tpu::trace::{float_ir, take_ops, TensorIr, Traced};
+use oxidiff_backend_tpu::trace::{
+    attention_ops, float_ir, take_ops, OperationIr, TensorIr, Traced,
+};
 use oxidiff_backend_tpu::OxiDevice;
 use oxidiff_models::config::PerBlock;
+use oxidiff_models::embeddings::RotaryEmbedding;
+use oxidiff_models::transformer_flux::{FluxTransformer2DConfig, FluxTransformer2DModel};
+use oxidiff_models::unet_conditioning::AddedCondition;
+use oxidiff_models::var_builder::build_component;
+use oxidiff_models::weights::Weights;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, T5EncoderModel, UNet2DConditionConfig, UNet2DConditionModel,
 };
 
 use crate::error::{PipelineError, Result};
+use crate::flux::{flux_velocity, latent_image_ids, FluxPromptEmbeds};
 use crate::parallel::{split_weights, ParallelConfig, ParallelTarget};
 use crate::stable_diffusion::guided_noise;
 use oxidiff_backend_tpu::spmd::{Layout, Mesh};
@@ -35,7 +48,9 @@ static TRACING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// One traced denoising step as a StableHLO module.
 #[derive(Debug, Clone)]
 pub struct TracedStep {
-    /// The module text: `@main(sample, timestep, context, guidance, weights...)`.
+    /// The module text: `@main(inputs..., weights...)`; the inputs are `sample, timestep,
+    /// context, guidance` for SD, `sample, timestep, context, text_embeds, time_ids` for SDXL,
+    /// `latents, timestep, guidance, prompt_embeds, pooled_prompt_embeds, cos, sin` for Flux.
     pub module: String,
     /// Ops recorded.
     pub ops: usize,
@@ -45,11 +60,75 @@ pub struct TracedStep {
     pub weight_bytes: usize,
     /// The latents' shape `[batch, channels, height/8, width/8]`.
     pub latents: [usize; 4],
-    /// Whether classifier-free guidance is in the step (the UNet then sees batch `2 * batch`).
+    /// Whether the UNet sees classifier-free guidance's doubled batch (`2 * batch` rows; SD's
+    /// program also combines the halves, SDXL's pipeline does that outside the program).
     pub guidance: bool,
     /// Devices the module is partitioned over (`mhlo.num_partitions`; 1 unless traced by
     /// [`trace_parallel_step`]).
     pub partitions: usize,
+    /// Attention ops in the program.
+    pub attentions: usize,
+    /// Of those, the ones lowered to a kernel hub call ([`TraceSettings::kernels`]).
+    pub kernel_calls: usize,
+}
+
+/// How [`trace_denoiser`] traces: the dtype the weights are held in (as `--dtype` loads them;
+/// f32 by default) and the kernel hub's attention kernels to splice in, as compiled mode does
+/// with `OXIDIFF_KERNELS` (none by default).
+#[derive(Clone)]
+pub struct TraceSettings {
+    pub dtype: FloatDType,
+    pub kernels: Option<Arc<AttentionKernels>>,
+    /// Partitioned as the pipeline's `enable_parallelism` partitions it (one module for all
+    /// devices); `None` for one device.
+    pub parallel: Option<TraceParallel>,
+}
+
+impl Default for TraceSettings {
+    fn default() -> Self {
+        Self {
+            dtype: FloatDType::F32,
+            kernels: None,
+            parallel: None,
+        }
+    }
+}
+
+/// A partitioned trace: `config` over the first `config.devices()` of the `devices` devices a
+/// topology has. The model's split weights and the batch inputs carry their `mhlo.sharding`
+/// (for `CompileOptions::spmd`), and kernels run per device
+/// ([`Lowerer::with_kernels_over`](oxidiff_backend_tpu::lowering::Lowerer::with_kernels_over)).
+/// The config is checked as on a real mesh.
+#[derive(Debug, Clone)]
+pub struct TraceParallel {
+    pub config: ParallelConfig,
+    pub devices: usize,
+}
+
+/// The inputs a denoiser program is traced for: `batch` images of latents `latent_height` x
+/// `latent_width` (the image's size over the VAE's factor of 8), with classifier-free guidance
+/// (the UNet then sees `2 * batch` rows; Flux's program never holds it), and `text_tokens`
+/// rows of text (CLIP's 77; Flux's T5 `max_sequence_length`, 512 for dev).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenoiserInputs {
+    pub batch: usize,
+    pub latent_height: usize,
+    pub latent_width: usize,
+    pub guidance: bool,
+    pub text_tokens: usize,
+}
+
+impl DenoiserInputs {
+    /// One `height` x `width` image with guidance and CLIP's 77 tokens (an SD or SDXL run).
+    pub fn image(height: usize, width: usize) -> Self {
+        Self {
+            batch: 1,
+            latent_height: height / 8,
+            latent_width: width / 8,
+            guidance: true,
+            text_tokens: CONTEXT_LEN,
+        }
+    }
 }
 
 /// Traces [`guided_noise`] for the UNet in `unet_dir` (a diffusers `unet/` folder) on latents
@@ -63,13 +142,14 @@ pub fn trace_guided_step(
     latent_width: usize,
     guidance: bool,
 ) -> Result<TracedStep> {
-    trace_step(
-        unet_dir,
-        variant,
-        [batch, latent_height, latent_width],
+    let inputs = DenoiserInputs {
+        batch,
+        latent_height,
+        latent_width,
         guidance,
-        None,
-    )
+        text_tokens: CONTEXT_LEN,
+    };
+    trace_unet_step(unet_dir, variant, inputs, &TraceSettings::default())
 }
 
 /// [`trace_guided_step`] partitioned as
@@ -80,52 +160,137 @@ pub fn trace_guided_step(
 pub fn trace_parallel_step(
     unet_dir: &Path,
     variant: Option<&str>,
-    latents: [usize; 3],
+    [batch, latent_height, latent_width]: [usize; 3],
     guidance: bool,
     config: &ParallelConfig,
     devices: usize,
 ) -> Result<TracedStep> {
-    trace_step(
-        unet_dir,
-        variant,
-        latents,
+    let inputs = DenoiserInputs {
+        batch,
+        latent_height,
+        latent_width,
         guidance,
-        Some((config, devices)),
-    )
+        text_tokens: CONTEXT_LEN,
+    };
+    let settings = TraceSettings {
+        parallel: Some(TraceParallel {
+            config: *config,
+            devices,
+        }),
+        ..TraceSettings::default()
+    };
+    trace_unet_step(unet_dir, variant, inputs, &settings)
 }
 
-fn trace_step(
+/// Traces the denoiser program that `pipe.compile()` runs for the model in `dir` (a diffusers
+/// `unet/` or `transformer/` folder, by its config's `_class_name`) and lowers it to one
+/// module, with `settings`' dtype and kernels:
+/// - an SD 1.x/2.x UNet: the UNet and classifier-free guidance ([`trace_guided_step`]);
+/// - an SDXL UNet: the UNet on the doubled batch with its added condition (text embeddings and
+///   time ids), as [`StableDiffusionXLPipeline::compile`](crate::StableDiffusionXLPipeline::compile)
+///   compiles it (guidance is combined outside the program);
+/// - a Flux transformer: [`flux_velocity`] (packing, the transformer, unpacking) with the
+///   timestep, guidance, text and rotary tables as inputs, as
+///   [`FluxPipeline::compile`](crate::FluxPipeline::compile) compiles it.
+///
+/// The weights come from `dir`'s safetensors files, or, where `dir` holds
+/// `diffusion_pytorch_model.header.json`, from that header alone ([`Weights::from_header`]).
+pub fn trace_denoiser(
+    dir: &Path,
+    variant: Option<&str>,
+    inputs: DenoiserInputs,
+    settings: &TraceSettings,
+) -> Result<TracedStep> {
+    let config_path = dir.join("config.json");
+    let class = config_class(&config_path)?;
+    match class.as_str() {
+        "UNet2DConditionModel" => trace_unet_step(dir, variant, inputs, settings),
+        "FluxTransformer2DModel" => trace_flux_step(dir, variant, inputs, settings),
+        other => Err(PipelineError::Compile(format!(
+            "{}: `_class_name: {other}` has no denoiser program to trace (UNet2DConditionModel \
+             and FluxTransformer2DModel do)",
+            config_path.display()
+        ))),
+    }
+}
+
+/// The weights a traced model is built from (see [`trace_denoiser`]).
+fn trace_weights(dir: &Path, variant: Option<&str>) -> Result<Weights> {
+    let header = dir.join(HEADER_FILE);
+    Ok(if header.is_file() {
+        Weights::from_header(&header)?
+    } else {
+        Weights::from_component_dir(dir, &["diffusion_pytorch_model"], variant)?
+    })
+}
+
+/// A component folder's weights header ([`trace_denoiser`]).
+const HEADER_FILE: &str = "diffusion_pytorch_model.header.json";
+
+/// A config's `_class_name`.
+fn config_class(path: &PathBuf) -> Result<String> {
+    #[derive(serde::Deserialize)]
+    struct Class {
+        #[serde(rename = "_class_name")]
+        class: Option<String>,
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| PipelineError::Compile(format!("{}: {e}", path.display())))?;
+    let class: Class = serde_json::from_str(&text)
+        .map_err(|e| PipelineError::Compile(format!("{}: {e}", path.display())))?;
+    class
+        .class
+        .ok_or_else(|| PipelineError::Compile(format!("{}: no `_class_name`", path.display())))
+}
+
+/// The lowering of a traced program, with `kernels` spliced in where given (per device on a
+/// partitioned program's `mesh`).
+fn lower(
+    inputs: &[TensorIr],
+    ops: &[OperationIr],
+    outputs: &[TensorIr],
+    kernels: Option<&Arc<AttentionKernels>>,
+    mesh: Option<Mesh>,
+    what: &str,
+) -> Result<LoweredFunction> {
+    let mut lowerer = oxidiff_backend_tpu::lowering::Lowerer::new();
+    if let Some(kernels) = kernels {
+        lowerer = match mesh {
+            None => lowerer.with_kernels(kernels.clone()),
+            Some(mesh) => lowerer.with_kernels_over(kernels.clone(), mesh),
+        };
+    }
+    oxidiff_backend_tpu::compiled::lower_recorded_with(lowerer, inputs, ops, outputs)
+        .map_err(|e| PipelineError::Compile(format!("lowering the traced {what}: {e}")))
+}
+
+fn trace_unet_step(
     unet_dir: &Path,
     variant: Option<&str>,
-    [batch, latent_height, latent_width]: [usize; 3],
-    guidance: bool,
-    parallel: Option<(&ParallelConfig, usize)>,
+    shape: DenoiserInputs,
+    settings: &TraceSettings,
 ) -> Result<TracedStep> {
-    let context_dim = context_width(unet_dir)?;
+    let config_path = unet_dir.join("config.json");
+    let config = UNet2DConditionConfig::from_file(&config_path)?;
+    let context_dim = context_width(&config);
+    let weights = trace_weights(unet_dir, variant)?;
     let _one_at_a_time = TRACING
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let device = OxiDevice::Cpu;
-    let mut unet = UNet2DConditionModel::<Traced>::from_dir(unet_dir, variant, &device)?;
+    let mut unet = build_component(weights, settings.dtype, &device, |vb| {
+        UNet2DConditionModel::<Traced>::load(&config, &config_path, vb)
+    })?;
     let _loading = take_ops(&device);
-    let split: HashMap<_, _> = match parallel {
-        Some((config, devices)) => {
-            let widths = unet.sharded_widths();
-            config.validate(&ParallelTarget {
-                model: "UNet2DConditionModel",
-                widths: &widths,
-                device: "the topology",
-                devices_available: devices,
-                compiled_pjrt: true,
-            })?;
-            unet.set_tensor_parallel_degree(config.tp());
-            split_weights::<Traced, _>(&unet, config)
-                .into_iter()
-                .collect()
-        }
-        None => HashMap::new(),
-    };
+    let split = split_traced(&mut unet, "UNet2DConditionModel", settings)?;
 
+    let DenoiserInputs {
+        batch,
+        latent_height,
+        latent_width,
+        guidance,
+        text_tokens,
+    } = shape;
     let latents = [
         batch,
         unet.conv_in.weight.dims()[1],
@@ -134,39 +299,130 @@ fn trace_step(
     ];
     let rows = if guidance { 2 * batch } else { batch };
     let zeros = |shape: Vec<usize>| TensorData::new(vec![0f32; shape.iter().product()], shape);
-    let sample = Tensor::<Traced, 4>::from_data(zeros(latents.to_vec()), &device);
     let timestep = Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
     let context =
-        Tensor::<Traced, 3>::from_data(zeros(vec![rows, CONTEXT_LEN, context_dim]), &device);
-    let scale = Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
-    let inputs = vec![
-        float_ir(&sample),
-        float_ir(&timestep),
-        float_ir(&context),
-        float_ir(&scale),
-    ];
-    let noise = guided_noise(&unet, sample, timestep, context, scale);
-    let outputs = vec![float_ir(&noise)];
-    let ops = take_ops(&device);
-    let function = lower_recorded(&inputs, &ops, &outputs)
-        .map_err(|e| PipelineError::Compile(format!("lowering the traced UNet step: {e}")))?;
-    let (module, partitions) = match parallel {
-        Some((config, _)) => {
-            let mesh = Mesh::new(config.dp(), config.tp());
-            // As the pipeline's step: latents and context split by batch when it divides.
-            let input_layouts = [
+        Tensor::<Traced, 3>::from_data(zeros(vec![rows, text_tokens, context_dim]), &device);
+    // Each with its inputs' layouts as the pipeline's step lays them out when partitioned.
+    let (inputs, noise, layouts) = match added_text_width(&config) {
+        // SDXL: the UNet on all rows with its added condition, as the pipeline compiles it;
+        // every input split by batch where it divides.
+        Some(text_width) => {
+            let sample = Tensor::<Traced, 4>::from_data(
+                zeros(vec![rows, latents[1], latent_height, latent_width]),
+                &device,
+            );
+            let added = AddedCondition {
+                text_embeds: Tensor::from_data(zeros(vec![rows, text_width]), &device),
+                time_ids: Tensor::from_data(zeros(vec![rows, 6]), &device),
+            };
+            unet.check_added_condition(rows, Some(&added))?;
+            let inputs = vec![
+                float_ir(&sample),
+                float_ir(&timestep),
+                float_ir(&context),
+                float_ir(&added.text_embeds),
+                float_ir(&added.time_ids),
+            ];
+            let noise =
+                unet.forward_controlled_checked(sample, timestep, context, Some(&added), None);
+            let layouts = vec![Layout::BatchSplit(0); inputs.len()];
+            (inputs, noise, layouts)
+        }
+        None => {
+            let sample = Tensor::<Traced, 4>::from_data(zeros(latents.to_vec()), &device);
+            let scale = Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
+            let inputs = vec![
+                float_ir(&sample),
+                float_ir(&timestep),
+                float_ir(&context),
+                float_ir(&scale),
+            ];
+            // SD: latents and context split by batch where it divides.
+            let layouts = vec![
                 Layout::BatchSplit(0),
                 Layout::Replicated,
                 Layout::BatchSplit(0),
                 Layout::Replicated,
             ];
+            let noise = guided_noise(&unet, sample, timestep, context, scale);
+            (inputs, noise, layouts)
+        }
+    };
+    finish_step(
+        &device,
+        &inputs,
+        float_ir(&noise),
+        settings,
+        &split,
+        &layouts,
+        (latents, guidance),
+        "UNet step",
+    )
+}
+
+/// A traced model split as `settings.parallel` asks (its weights' layouts by tensor), checked
+/// as on a real mesh; empty for one device.
+fn split_traced<M>(
+    model: &mut M,
+    name: &str,
+    settings: &TraceSettings,
+) -> Result<HashMap<oxidiff_backend_tpu::spmd::TensorId, Layout>>
+where
+    M: burn::module::Module<Traced> + TensorParallel,
+{
+    let Some(TraceParallel { config, devices }) = &settings.parallel else {
+        return Ok(HashMap::new());
+    };
+    let widths = model.sharded_widths();
+    config.validate(&ParallelTarget {
+        model: name,
+        widths: &widths,
+        device: "the topology",
+        devices_available: *devices,
+        compiled_pjrt: true,
+    })?;
+    model.set_tensor_parallel_degree(config.tp());
+    Ok(split_weights::<Traced, _>(model, config)
+        .into_iter()
+        .collect())
+}
+
+/// The ops recorded since the model's inputs were made, lowered from `inputs` to `output`
+/// (with `settings`' kernels) and partitioned as `settings.parallel` asks: the inputs laid out
+/// as `layouts`, the weights as `split`; the result whole on every device.
+#[allow(clippy::too_many_arguments)]
+fn finish_step(
+    device: &OxiDevice,
+    inputs: &[TensorIr],
+    output: TensorIr,
+    settings: &TraceSettings,
+    split: &HashMap<oxidiff_backend_tpu::spmd::TensorId, Layout>,
+    layouts: &[Layout],
+    (latents, guidance): ([usize; 4], bool),
+    what: &str,
+) -> Result<TracedStep> {
+    let ops = take_ops(device);
+    let mesh = settings
+        .parallel
+        .as_ref()
+        .map(|p| Mesh::new(p.config.dp(), p.config.tp()));
+    let function = lower(
+        inputs,
+        &ops,
+        &[output],
+        settings.kernels.as_ref(),
+        mesh,
+        what,
+    )?;
+    let (module, partitions) = match mesh {
+        Some(mesh) => {
             let shardings: Vec<String> = function
                 .arguments
                 .iter()
                 .enumerate()
                 .map(|(i, (argument, ty))| {
                     let layout = match argument {
-                        _ if i < input_layouts.len() => input_layouts[i],
+                        _ if i < layouts.len() => layouts[i],
                         Argument::Tensor(id) => {
                             split.get(id).copied().unwrap_or(Layout::Replicated)
                         }
@@ -197,7 +453,97 @@ fn trace_step(
         latents,
         guidance,
         partitions,
+        attentions: attention_ops(&ops),
+        kernel_calls: function.kernel_calls,
     })
+}
+
+/// The width of SDXL's added text embeddings (`None` without `addition_embed_type: text_time`).
+fn added_text_width(config: &UNet2DConditionConfig) -> Option<usize> {
+    if config.addition_embed_type.as_deref() != Some("text_time") {
+        return None;
+    }
+    let total = config.projection_class_embeddings_input_dim?;
+    let time = config.addition_time_embed_dim?;
+    total.checked_sub(6 * time)
+}
+
+fn trace_flux_step(
+    dir: &Path,
+    variant: Option<&str>,
+    shape: DenoiserInputs,
+    settings: &TraceSettings,
+) -> Result<TracedStep> {
+    let config = FluxTransformer2DConfig::from_file(&dir.join("config.json"))?;
+    let weights = trace_weights(dir, variant)?;
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = OxiDevice::Cpu;
+    let mut transformer = build_component(weights, settings.dtype, &device, |vb| {
+        FluxTransformer2DModel::<Traced>::load(&config, vb)
+    })?;
+    let _loading = take_ops(&device);
+    let split = split_traced(&mut transformer, "FluxTransformer2DModel", settings)?;
+    let DenoiserInputs {
+        batch,
+        latent_height,
+        latent_width,
+        text_tokens,
+        ..
+    } = shape;
+    let channels = config.in_channels / 4;
+    let latents = [batch, channels, latent_height, latent_width];
+    let zeros = |shape: Vec<usize>| TensorData::new(vec![0f32; shape.iter().product()], shape);
+    let sample = Tensor::<Traced, 4>::from_data(zeros(latents.to_vec()), &device);
+    let timestep = Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
+    let guidance = Tensor::<Traced, 1>::from_data(zeros(vec![1]), &device);
+    let text = FluxPromptEmbeds {
+        prompt_embeds: Tensor::from_data(
+            zeros(vec![batch, text_tokens, config.joint_attention_dim]),
+            &device,
+        ),
+        pooled_prompt_embeds: Tensor::from_data(
+            zeros(vec![batch, config.pooled_projection_dim]),
+            &device,
+        ),
+    };
+    let img_ids = latent_image_ids(latent_height / 2, latent_width / 2);
+    let txt_ids = vec![vec![0.0; 3]; text_tokens];
+    let RotaryEmbedding { cos, sin } = transformer.rotary_embedding(&txt_ids, &img_ids, &device);
+    // The tables are inputs of the compiled step, not ops of it.
+    let _tables = take_ops(&device);
+    let inputs = vec![
+        float_ir(&sample),
+        float_ir(&timestep),
+        float_ir(&guidance),
+        float_ir(&text.prompt_embeds),
+        float_ir(&text.pooled_prompt_embeds),
+        float_ir(&cos),
+        float_ir(&sin),
+    ];
+    let velocity = flux_velocity(
+        &transformer,
+        sample,
+        timestep,
+        guidance,
+        &text,
+        &RotaryEmbedding { cos, sin },
+    );
+    // As the pipeline's step: latents, timestep, guidance and text split by batch where it
+    // divides; the rotary tables whole on every device.
+    let mut layouts = vec![Layout::BatchSplit(0); 5];
+    layouts.extend([Layout::Replicated, Layout::Replicated]);
+    finish_step(
+        &device,
+        &inputs,
+        float_ir(&velocity),
+        settings,
+        &split,
+        &layouts,
+        (latents, false),
+        "Flux transformer call",
+    )
 }
 
 /// One traced part of a pipeline run as its own program in compiled mode (a half of the VAE, a
@@ -281,7 +627,9 @@ pub fn trace_controlled_step(
 
     use crate::control::{controlled_prediction, StepTensors};
 
-    let width = context_width(unet_dir)?;
+    let width = context_width(&UNet2DConditionConfig::from_file(
+        &unet_dir.join("config.json"),
+    )?);
     let _one_at_a_time = TRACING
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -392,13 +740,12 @@ fn traced_part(
     })
 }
 
-/// The text width the UNet in `unet_dir` attends to (its config's first `cross_attention_dim`).
-fn context_width(unet_dir: &Path) -> Result<usize> {
-    let config = UNet2DConditionConfig::from_file(&unet_dir.join("config.json"))?;
-    Ok(match &config.cross_attention_dim {
+/// The text width a UNet attends to (its config's first `cross_attention_dim`).
+fn context_width(config: &UNet2DConditionConfig) -> usize {
+    match &config.cross_attention_dim {
         PerBlock::One(d) => *d,
         PerBlock::Each(dims) => dims.first().copied().unwrap_or(768),
-    })
+    }
 }
 
 /// The count and bytes of the tensor arguments of `function` after its first `inputs` (the
@@ -423,8 +770,8 @@ fn weight_arguments(function: &LoweredFunction, inputs: usize) -> (usize, usize)
 /// [kernel hub](oxidiff_backend_tpu::kernels)'s kernels in, to compare the two ahead of time.
 pub fn trace_attention(
     shape: [usize; 4],
-    dtype: burn::tensor::FloatDType,
-    kernels: Option<std::sync::Arc<oxidiff_backend_tpu::kernels::AttentionKernels>>,
+    dtype: FloatDType,
+    kernels: Option<Arc<AttentionKernels>>,
 ) -> Result<TracedPart> {
     use burn::tensor::module::attention;
     use burn::tensor::ops::AttentionModuleOptions;
@@ -455,17 +802,14 @@ pub fn trace_attention(
         },
     );
     let ops = take_ops(&device);
-    let mut lowerer = oxidiff_backend_tpu::lowering::Lowerer::new();
-    if let Some(kernels) = kernels {
-        lowerer = lowerer.with_kernels(kernels);
-    }
-    let function = oxidiff_backend_tpu::compiled::lower_recorded_with(
-        lowerer,
+    let function = lower(
         &inputs,
         &ops,
         &[float_ir(&out)],
-    )
-    .map_err(|e| PipelineError::Compile(format!("lowering the traced attention: {e}")))?;
+        kernels.as_ref(),
+        None,
+        "attention",
+    )?;
     let (weights, weight_bytes) = weight_arguments(&function, inputs.len());
     Ok(TracedPart {
         ops: ops.len(),

@@ -32,20 +32,37 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 OUT = os.path.join(ROOT, "kernels", "flash_attention")
 JAX_VERSION = "0.10.2"
 
-# (batch, heads, sequence, head dim) and the targets exported for it: the tests' bucket; SD 1.5's
-# self-attention at 512x512 in its first block (CFG batch 2, 8 heads, 64x64 latents, 320 / 8
-# channels a head); and tiny-sd1's self-attentions at 64x64 with CFG (8x8, 4x4, 2x2 and 1x1
-# latents; 2 and 4 channels a head), in interpret mode only (too small for a TPU's tiles), for
-# the test that a pipeline gives the same image with kernels spliced in.
+# (batch, heads, sequence, head dim), the targets and the dtypes exported for it: the tests'
+# bucket; tiny-sd1's self-attentions at 64x64 with CFG (8x8, 4x4, 2x2 and 1x1 latents; 2 and 4
+# channels a head), in interpret mode only (too small for a TPU's tiles), for the test that a
+# pipeline gives the same image with kernels spliced in; and the self-attentions of the released
+# models' denoiser programs (tests/fixtures/aot), in bf16 (f32 too for SD 1.5's first block):
+# SD 1.5 at 512x512 with CFG (batch 2, 8 heads; 64x64 and 32x32 latents, 40 and 80 channels a
+# head; its 160-channel heads at 16x16 and 8x8 have no kernel: the op takes head dimensions up to
+# 128 or multiples of 128, so they keep the plain lowering), SDXL at 1024x1024 with CFG (10 and 20 heads of 64 at 64x64 and 32x32),
+# FLUX.1-dev at 1024x1024 (24 heads of 128 over 512 text and 4096 image tokens).
+BOTH = ("float32", "bfloat16")
+BF16 = ("bfloat16",)
 BUCKETS = [
-    ((1, 2, 128, 64), ("tpu", "interpret")),
-    ((2, 8, 4096, 40), ("tpu", "interpret")),
-    ((2, 8, 64, 2), ("interpret",)),
-    ((2, 8, 16, 2), ("interpret",)),
-    ((2, 8, 4, 4), ("interpret",)),
-    ((2, 8, 1, 4), ("interpret",)),
+    ((1, 2, 128, 64), ("tpu", "interpret"), BOTH),
+    ((2, 8, 64, 2), ("interpret",), BOTH),
+    ((2, 8, 16, 2), ("interpret",), BOTH),
+    ((2, 8, 4, 4), ("interpret",), BOTH),
+    ((2, 8, 1, 4), ("interpret",), BOTH),
+    ((2, 8, 4096, 40), ("tpu", "interpret"), BOTH),
+    ((2, 8, 1024, 80), ("tpu", "interpret"), BF16),
+    ((2, 10, 4096, 64), ("tpu", "interpret"), BF16),
+    ((2, 20, 1024, 64), ("tpu", "interpret"), BF16),
+    ((1, 24, 4608, 128), ("tpu", "interpret"), BF16),
+    # Per device under tensor parallelism (a kernel call runs on each device's own heads):
+    # FLUX.1-dev over TPU v5e's 2x2 chips (tp 4: 6 heads a chip), tiny-sd1 over two xla:cpu
+    # devices (tp 2: 4 heads each) for the test of a partitioned pipeline.
+    ((1, 6, 4608, 128), ("tpu", "interpret"), BF16),
+    ((2, 4, 64, 2), ("interpret",), ("float32",)),
+    ((2, 4, 16, 2), ("interpret",), ("float32",)),
+    ((2, 4, 4, 4), ("interpret",), ("float32",)),
+    ((2, 4, 1, 4), ("interpret",), ("float32",)),
 ]
-DTYPES = ["float32", "bfloat16"]
 
 
 class _Interpreting:
@@ -87,7 +104,9 @@ def export(shape, dtype, interpret):
         fa.pl = saved
     # Debug locations name jax's source files relative to site-packages, not this machine.
     text = re.sub(r'"[^"]*site-packages/', '"', exported.mlir_module())
-    text = text.replace(f'"{os.path.abspath(__file__)}"', '"tools/kernels/export_flash_attention.py"')
+    # This script's own locations without line numbers, so editing it changes no artifact.
+    text = re.sub(re.escape(f'"{os.path.abspath(__file__)}"') + r':\d+:\d+( to (\d+)?:\d+)?',
+                  '"tools/kernels/export_flash_attention.py":0:0', text)
     return text, scale
 
 
@@ -95,8 +114,8 @@ def main():
     assert jax.__version__ == JAX_VERSION, f"export with jax {JAX_VERSION}, not {jax.__version__}"
     os.makedirs(OUT, exist_ok=True)
     artifacts = []
-    for shape, targets in BUCKETS:
-        for dtype in DTYPES:
+    for shape, targets, dtypes in BUCKETS:
+        for dtype in dtypes:
             for target in targets:
                 text, scale = export(shape, jnp.dtype(dtype), target == "interpret")
                 name = f"{target}-{dtype}-{'x'.join(map(str, shape))}.mlir"

@@ -12,7 +12,8 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     /// Lowers a trace: inputs first, then the ops; an output nothing
     /// computed (a captured tensor returned as is) becomes an argument too.
     /// Attention goes to the kernel hub's kernels for a device of `device_kind` where
-    /// [`AttentionKernels::from_env`] enables them (not in partitioned programs).
+    /// [`AttentionKernels::from_env`] enables them (in a partitioned program, each device's
+    /// own rows and heads: [`Lowerer::with_kernels_over`]).
     pub(super) fn lower(
         &self,
         inputs: &[TensorIr],
@@ -28,10 +29,11 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         } else {
             Lowerer::new()
         };
-        if self.spmd.is_none() {
-            if let Some(kernels) = AttentionKernels::from_env(device_kind) {
-                lowerer = lowerer.with_kernels(kernels);
-            }
+        if let Some(kernels) = AttentionKernels::from_env(device_kind) {
+            lowerer = match &self.spmd {
+                None => lowerer.with_kernels(kernels),
+                Some(spmd) => lowerer.with_kernels_over(kernels, *spmd.placement.mesh()),
+            };
         }
         lower_recorded_with(lowerer, inputs, ops, outputs).map_err(|source| CompileError::Lower {
             name: self.name.clone(),

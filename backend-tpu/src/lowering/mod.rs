@@ -230,6 +230,9 @@ pub struct Lowerer {
     spliced: Vec<(std::path::PathBuf, String, String)>,
     /// Attention ops lowered to a hub kernel.
     kernel_calls: usize,
+    /// The mesh of a partitioned program whose kernel calls run per device
+    /// ([`Lowerer::with_kernels_over`]).
+    kernel_mesh: Option<crate::spmd::Mesh>,
 }
 
 /// Lowers one op into a function of its own (eager mode).
@@ -284,6 +287,23 @@ impl Lowerer {
         kernels: std::sync::Arc<crate::kernels::AttentionKernels>,
     ) -> Self {
         self.kernels = Some(kernels);
+        self
+    }
+
+    /// [`with_kernels`](Self::with_kernels) for a program partitioned over `mesh` (GSPMD),
+    /// whose attention runs with the batch split over the data-parallel axis and the heads over
+    /// the tensor-parallel axis (as the models' plans split q, k and v): each kernel call runs
+    /// on every device's own rows and heads, inside a manual-sharding region (XLA's
+    /// `SPMDFullToShardShape` and `SPMDShardToFullShape`, as JAX lowers `shard_map`), so the
+    /// kernel is the hub's for the per-device shape. Attention whose batch or heads the mesh
+    /// does not divide keeps the plain lowering.
+    pub fn with_kernels_over(
+        mut self,
+        kernels: std::sync::Arc<crate::kernels::AttentionKernels>,
+        mesh: crate::spmd::Mesh,
+    ) -> Self {
+        self.kernels = Some(kernels);
+        self.kernel_mesh = (mesh.partitions() > 1).then_some(mesh);
         self
     }
 

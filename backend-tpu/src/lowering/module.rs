@@ -558,7 +558,16 @@ impl Lowerer {
             Some(_) => return Ok(None),
             None => 1.0 / (q.ty.dims[3] as f64).sqrt(),
         };
-        let Some(kernel) = kernels.flash_attention(&q.ty.dims, dtype, scale) else {
+        // Per device: the batch over the data-parallel axis, the heads over the tensor-parallel one.
+        let mut local = q.ty.clone();
+        if let Some(mesh) = self.kernel_mesh {
+            if !local.dims[0].is_multiple_of(mesh.dp) || !local.dims[1].is_multiple_of(mesh.tp) {
+                return Ok(None);
+            }
+            local.dims[0] /= mesh.dp;
+            local.dims[1] /= mesh.tp;
+        }
+        let Some(kernel) = kernels.flash_attention(&local.dims, dtype, scale) else {
             return Ok(None);
         };
         let entry = match self
@@ -587,12 +596,64 @@ impl Lowerer {
             }
         };
         self.kernel_calls += 1;
-        let ty = q.ty.clone();
+        let callee = format!("callee = @{entry}");
+        let Some(mesh) = self.kernel_mesh else {
+            return Ok(Some(self.emit(
+                "func.call",
+                &[q, k, v],
+                &callee,
+                q.ty.clone(),
+            )));
+        };
+        // Tiles [dp, tp, 1, 1] over the partitions in order (partition p is data-parallel
+        // block p / tp and tensor-parallel block p % tp, as `spmd::Layout` numbers them).
+        let devices: Vec<String> = (0..mesh.partitions()).map(|p| p.to_string()).collect();
+        let tiled = format!(
+            "{{devices=[{},{},1,1]{}}}",
+            mesh.dp,
+            mesh.tp,
+            devices.join(",")
+        );
+        let sharding = |sharding: &str| format!("mhlo.sharding = \"{sharding}\"");
+        let custom_call = |target: &str, sharding_attr: &str| {
+            format!("call_target_name = \"{target}\", {sharding_attr}")
+        };
+        let to_local = |lowerer: &mut Self, x: &Value| {
+            let full = lowerer.emit(
+                "stablehlo.custom_call",
+                &[x],
+                &custom_call("Sharding", &sharding(&tiled)),
+                x.ty.clone(),
+            );
+            lowerer.emit(
+                "stablehlo.custom_call",
+                &[&full],
+                &custom_call("SPMDFullToShardShape", &sharding("{manual}")),
+                local.clone(),
+            )
+        };
+        let (q, k, v) = (to_local(self, q), to_local(self, k), to_local(self, v));
+        let y = self.emit("func.call", &[&q, &k, &v], &callee, local.clone());
+        let y = self.emit(
+            "stablehlo.custom_call",
+            &[&y],
+            &custom_call("Sharding", &sharding("{manual}")),
+            local.clone(),
+        );
         Ok(Some(self.emit(
-            "func.call",
-            &[q, k, v],
-            &format!("callee = @{entry}"),
-            ty,
+            "stablehlo.custom_call",
+            &[&y],
+            &custom_call("SPMDShardToFullShape", &sharding(&tiled)),
+            whole_block(&local, mesh),
         )))
     }
+}
+
+/// The whole tensor of a per-device attention block `local` on `mesh` (batch times the
+/// data-parallel degree, heads times the tensor-parallel one).
+fn whole_block(local: &TensorType, mesh: crate::spmd::Mesh) -> TensorType {
+    let mut full = local.clone();
+    full.dims[0] *= mesh.dp;
+    full.dims[1] *= mesh.tp;
+    full
 }
