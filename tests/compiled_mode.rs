@@ -1181,13 +1181,7 @@ fn a_pipeline_with_hub_kernels_spliced_in_gives_the_same_image() {
             log.contains("16 attentions as kernel hub calls"),
             "{name}: the UNet step's self-attentions were not spliced: {log}"
         );
-        let worst = plain
-            .as_raw()
-            .iter()
-            .zip(spliced.as_raw())
-            .map(|(a, b)| a.abs_diff(*b))
-            .max()
-            .unwrap();
+        let worst = common::png_level_diff(&plain, &spliced);
         eprintln!("tiny-sd1 {extra:?} with hub flash attention: {worst} PNG levels off the plain lowering");
         assert!(worst <= 1, "{name}: {worst} PNG levels");
     }
