@@ -402,15 +402,21 @@ fn hub_flash_attention_compiles_for_tpu_v5e_and_v6e_and_accesses_fewer_bytes() {
 /// The released SD 1.5 (512x512), SDXL base (1024x1024) and FLUX.1-dev (1024x1024) denoiser
 /// programs, as `pipe.compile()` traces them in bf16, with the kernel hub's Pallas flash
 /// attention spliced into every self-attention it has a bucket for, compile ahead of time for
-/// TPU v5e and v6e. Flux-dev's 22.7 GB of weights fit one v6e chip but not one v5e chip (XLA
-/// refuses it for want of HBM): on v5e it is split with `--tp 4` over a 2x2 slice, each
-/// device's kernel calls on its own 6 of the 24 heads. The weights are headers only
-/// (tests/fixtures/aot, from tools/kernels/make_weight_headers.py): tracing needs names, shapes
-/// and dtypes, not the 3.4, 5.1 and 23.8 GB of values. The byte counts against the plain
-/// lowering are docs/benchmarks.md's table (`tpu_roofline`); each compile takes one to two
-/// minutes here, so this test compiles the spliced programs only.
-#[test]
-fn released_denoisers_with_hub_kernels_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
+/// TPU v5e and v6e (one test each, so two compile at once). Flux-dev's 22.7 GB of weights fit one
+/// v6e chip but not one v5e chip (XLA refuses it for want of HBM): on v5e it is split with
+/// `--tp 4` over a 2x2 slice, each device's kernel calls on its own 6 of the 24 heads. The
+/// weights are headers only (tests/fixtures/aot, from tools/kernels/make_weight_headers.py):
+/// tracing needs names, shapes and dtypes, not the 3.4, 5.1 and 23.8 GB of values. The byte
+/// counts against the plain lowering are docs/benchmarks.md's table (`tpu_roofline`); each
+/// compile takes one to several minutes here, so these tests compile the spliced programs only.
+/// `attentions` of the program, `spliced` of them kernel calls; `tokens` of text.
+fn released_denoiser_compiles_for_tpu_v5e_and_v6e(
+    name: &str,
+    size: usize,
+    tokens: usize,
+    attentions: usize,
+    spliced: usize,
+) {
     use burn::tensor::FloatDType;
     use oxidiff::backend::kernels::{AttentionKernels, KernelHub, KernelTarget};
     use oxidiff::pipelines::aot::{trace_denoiser, DenoiserInputs, TraceParallel, TraceSettings};
@@ -420,81 +426,89 @@ fn released_denoisers_with_hub_kernels_compile_ahead_of_time_for_tpu_v5e_and_v6e
     };
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let hub = KernelHub::open(&root.join("kernels"));
-    // (folder, image size, text tokens, attentions, of which spliced): SD 1.5's 16
-    // self-attentions have kernels at 64x64 and 32x32 (10) but not for the 160-channel heads
-    // below (the Pallas kernel takes head dimensions up to 128 or multiples of it); its 16
-    // cross-attentions (77 keys) keep the plain lowering, as do SDXL's 70; Flux's 57 joint
-    // attentions are all self-attention over 512 text and 4096 image tokens.
-    let models = [
-        ("sd15-unet", 512, 77, 32, 10),
-        ("sdxl-unet", 1024, 77, 140, 70),
-        ("flux-dev-transformer", 1024, 512, 57, 57),
-    ];
-    for (name, size, tokens, attentions, spliced) in models {
-        let dir = root.join("tests/fixtures/aot").join(name);
-        let inputs = DenoiserInputs {
-            text_tokens: tokens,
-            ..DenoiserInputs::image(size, size)
+    let dir = root.join("tests/fixtures/aot").join(name);
+    let inputs = DenoiserInputs {
+        text_tokens: tokens,
+        ..DenoiserInputs::image(size, size)
+    };
+    for (topology_name, generation) in [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")] {
+        let topology = plugin
+            .topology(topology_name, &[])
+            .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
+        let kernels = AttentionKernels::new(hub.clone(), KernelTarget::Tpu(generation.into()));
+        let mut settings = TraceSettings {
+            dtype: FloatDType::BF16,
+            kernels: Some(std::sync::Arc::new(kernels)),
+            parallel: None,
         };
-        for (topology_name, generation) in [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")] {
-            let topology = plugin
-                .topology(topology_name, &[])
-                .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
-            let kernels = AttentionKernels::new(hub.clone(), KernelTarget::Tpu(generation.into()));
-            let mut settings = TraceSettings {
-                dtype: FloatDType::BF16,
-                kernels: Some(std::sync::Arc::new(kernels)),
-                parallel: None,
-            };
-            let trace = |settings: &TraceSettings| {
-                let step = trace_denoiser(&dir, None, inputs, settings)
-                    .unwrap_or_else(|e| panic!("{name}: {e}"));
-                assert_eq!(
-                    (step.attentions, step.kernel_calls),
-                    (attentions, spliced),
-                    "{name}: attentions and kernel calls"
-                );
-                assert!(
-                    step.module.contains("tpu_custom_call"),
-                    "{name}: not spliced"
-                );
-                step
-            };
-            let mut step = trace(&settings);
-            let mut options = CompileOptions::default();
-            if name.starts_with("flux") && generation == "v5e" {
-                let err = topology
-                    .compile(&step.module, &options)
-                    .err()
-                    .expect("Flux-dev fits no single v5e chip")
-                    .to_string();
-                assert!(err.contains("HBM"), "{err}");
-                let ids = device_ids(&topology);
-                settings.parallel = Some(TraceParallel {
-                    config: ParallelConfig::new(1, ids.len()),
-                    devices: ids.len(),
-                });
-                step = trace(&settings);
-                assert!(step.module.contains("SPMDFullToShardShape"), "{name}");
-                options = CompileOptions::spmd(&ids);
-            }
-            let exe = topology
-                .compile(&step.module, &options)
-                .unwrap_or_else(|e| panic!("{topology_name} {name}: {e}"));
-            assert_eq!(exe.num_outputs().ok(), Some(1));
-            let cost = exe.cost_analysis().unwrap_or_else(|e| panic!("{e}"));
-            let flops = cost.flops().expect("XLA reports flops");
-            let bytes = cost.bytes_accessed().expect("XLA reports bytes accessed");
-            eprintln!(
-                "{topology_name} {name} {size}x{size} bf16 on {} devices, {spliced} kernel \
-                 calls: {flops:.4e} flops, {bytes:.4e} bytes accessed (per device)",
-                step.partitions
+        let trace = |settings: &TraceSettings| {
+            let step = trace_denoiser(&dir, None, inputs, settings)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(
+                (step.attentions, step.kernel_calls),
+                (attentions, spliced),
+                "{name}: attentions and kernel calls"
             );
-            // Every weight (each device's part of it) is read at least once and takes part in
-            // at least one multiply-add (2 flops for its 2 bytes in bf16).
-            let weight_bytes = step.weight_bytes as f64 / step.partitions as f64;
-            assert!(bytes >= weight_bytes, "{name}: {bytes} bytes accessed");
-            assert!(flops >= weight_bytes, "{name}: {flops} flops");
+            assert!(
+                step.module.contains("tpu_custom_call"),
+                "{name}: not spliced"
+            );
+            step
+        };
+        let mut step = trace(&settings);
+        let mut options = CompileOptions::default();
+        if name.starts_with("flux") && generation == "v5e" {
+            let err = topology
+                .compile(&step.module, &options)
+                .err()
+                .expect("Flux-dev fits no single v5e chip")
+                .to_string();
+            assert!(err.contains("HBM"), "{err}");
+            let ids = device_ids(&topology);
+            settings.parallel = Some(TraceParallel {
+                config: ParallelConfig::new(1, ids.len()),
+                devices: ids.len(),
+            });
+            step = trace(&settings);
+            assert!(step.module.contains("SPMDFullToShardShape"), "{name}");
+            options = CompileOptions::spmd(&ids);
         }
+        let exe = topology
+            .compile(&step.module, &options)
+            .unwrap_or_else(|e| panic!("{topology_name} {name}: {e}"));
+        assert_eq!(exe.num_outputs().ok(), Some(1));
+        let cost = exe.cost_analysis().unwrap_or_else(|e| panic!("{e}"));
+        let flops = cost.flops().expect("XLA reports flops");
+        let bytes = cost.bytes_accessed().expect("XLA reports bytes accessed");
+        eprintln!(
+            "{topology_name} {name} {size}x{size} bf16 on {} devices, {spliced} kernel \
+                 calls: {flops:.4e} flops, {bytes:.4e} bytes accessed (per device)",
+            step.partitions
+        );
+        // Every weight (each device's part of it) is read at least once and takes part in
+        // at least one multiply-add (2 flops for its 2 bytes in bf16).
+        let weight_bytes = step.weight_bytes as f64 / step.partitions as f64;
+        assert!(bytes >= weight_bytes, "{name}: {bytes} bytes accessed");
+        assert!(flops >= weight_bytes, "{name}: {flops} flops");
     }
+}
+
+/// SD 1.5's 16 self-attentions have kernels at 64x64 and 32x32 (10) but not for the 160-channel
+/// heads below (the Pallas kernel takes head dimensions up to 128 or multiples of it); its 16
+/// cross-attentions (77 keys) keep the plain lowering.
+#[test]
+fn released_sd15_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
+    released_denoiser_compiles_for_tpu_v5e_and_v6e("sd15-unet", 512, 77, 32, 10);
+}
+
+/// SDXL's 70 self-attentions are spliced; its 70 cross-attentions keep the plain lowering.
+#[test]
+fn released_sdxl_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
+    released_denoiser_compiles_for_tpu_v5e_and_v6e("sdxl-unet", 1024, 77, 140, 70);
+}
+
+/// Flux's 57 joint attentions are all self-attention over 512 text and 4096 image tokens.
+#[test]
+fn released_flux_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
+    released_denoiser_compiles_for_tpu_v5e_and_v6e("flux-dev-transformer", 1024, 512, 57, 57);
 }
