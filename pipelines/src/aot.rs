@@ -24,7 +24,7 @@ use oxidiff_models::config::PerBlock;
 use oxidiff_models::embeddings::RotaryEmbedding;
 use oxidiff_models::transformer_flux::{FluxTransformer2DConfig, FluxTransformer2DModel};
 use oxidiff_models::unet_conditioning::AddedCondition;
-use oxidiff_models::var_builder::build_component;
+use oxidiff_models::var_builder::{build_component, VarBuilder};
 use oxidiff_models::weights::Weights;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, T5EncoderModel, UNet2DConditionConfig, UNet2DConditionModel,
@@ -273,16 +273,13 @@ fn trace_unet_step(
     let config_path = unet_dir.join("config.json");
     let config = UNet2DConditionConfig::from_file(&config_path)?;
     let context_dim = context_width(&config);
-    let weights = trace_weights(unet_dir, variant)?;
     let _one_at_a_time = TRACING
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let device = OxiDevice::Cpu;
-    let mut unet = build_component(weights, settings.dtype, &device, |vb| {
-        UNet2DConditionModel::<Traced>::load(&config, &config_path, vb)
+    let (unet, split) = traced_model(unet_dir, variant, settings, "UNet2DConditionModel", |vb| {
+        UNet2DConditionModel::load(&config, &config_path, vb)
     })?;
-    let _loading = take_ops(&device);
-    let split = split_traced(&mut unet, "UNet2DConditionModel", settings)?;
 
     let DenoiserInputs {
         batch,
@@ -360,18 +357,26 @@ fn trace_unet_step(
     )
 }
 
-/// A traced model split as `settings.parallel` asks (its weights' layouts by tensor), checked
-/// as on a real mesh; empty for one device.
-fn split_traced<M>(
-    model: &mut M,
-    name: &str,
+/// The model `name` in `dir` built by `build` on the traced backend (call with [`TRACING`]
+/// held), its weights in `settings.dtype` ([`trace_weights`]), the ops of its loading dropped,
+/// and split as `settings.parallel` asks: its weights' layouts by tensor, checked as on a real
+/// mesh (empty for one device).
+fn traced_model<M>(
+    dir: &Path,
+    variant: Option<&str>,
     settings: &TraceSettings,
-) -> Result<HashMap<oxidiff_backend_tpu::spmd::TensorId, Layout>>
+    name: &str,
+    build: impl FnOnce(VarBuilder<Traced>) -> oxidiff_models::error::Result<M>,
+) -> Result<(M, HashMap<oxidiff_backend_tpu::spmd::TensorId, Layout>)>
 where
     M: burn::module::Module<Traced> + TensorParallel,
 {
+    let device = OxiDevice::Cpu;
+    let weights = trace_weights(dir, variant)?;
+    let mut model = build_component(weights, settings.dtype, &device, build)?;
+    let _loading = take_ops(&device);
     let Some(TraceParallel { config, devices }) = &settings.parallel else {
-        return Ok(HashMap::new());
+        return Ok((model, HashMap::new()));
     };
     let widths = model.sharded_widths();
     config.validate(&ParallelTarget {
@@ -382,9 +387,10 @@ where
         compiled_pjrt: true,
     })?;
     model.set_tensor_parallel_degree(config.tp());
-    Ok(split_weights::<Traced, _>(model, config)
+    let split = split_weights::<Traced, _>(&model, config)
         .into_iter()
-        .collect())
+        .collect();
+    Ok((model, split))
 }
 
 /// The ops recorded since the model's inputs were made, lowered from `inputs` to `output`
@@ -475,16 +481,14 @@ fn trace_flux_step(
     settings: &TraceSettings,
 ) -> Result<TracedStep> {
     let config = FluxTransformer2DConfig::from_file(&dir.join("config.json"))?;
-    let weights = trace_weights(dir, variant)?;
     let _one_at_a_time = TRACING
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let device = OxiDevice::Cpu;
-    let mut transformer = build_component(weights, settings.dtype, &device, |vb| {
-        FluxTransformer2DModel::<Traced>::load(&config, vb)
-    })?;
-    let _loading = take_ops(&device);
-    let split = split_traced(&mut transformer, "FluxTransformer2DModel", settings)?;
+    let (transformer, split) =
+        traced_model(dir, variant, settings, "FluxTransformer2DModel", |vb| {
+            FluxTransformer2DModel::load(&config, vb)
+        })?;
     let DenoiserInputs {
         batch,
         latent_height,
