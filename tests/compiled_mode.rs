@@ -967,7 +967,10 @@ fn plain_attention(q: &[f32], k: &[f32], v: &[f32], shape: [usize; 4], scale: f6
 /// JAX's Pallas TPU flash attention, exported in interpret mode (plain StableHLO from the same
 /// source and parameters as the TPU artifact), runs on XLA's CPU plugin and gives the plain
 /// attention: 1e-5 relative in f32 (blockwise online softmax against one softmax); in bf16
-/// (inputs and output rounded to bf16, f32 accumulation in the kernel) 1e-2.
+/// (inputs and output rounded to bf16, f32 accumulation in the kernel) 1e-2. Three buckets, one
+/// for each way the export covers a shape: a sequence of 128-blocks; an odd sequence (144) as
+/// one block; an odd sequence over one block's limit (1100, padded to 1152 with the padding
+/// masked by segment ids) with a head dim over 128 (160, padded with zeros to 256).
 #[test]
 fn interpreted_flash_attention_kernel_matches_the_plain_attention_on_xla_cpu() {
     use oxidiff::backend::kernels::{KernelHub, KernelRequest, KernelTarget};
@@ -977,66 +980,71 @@ fn interpreted_flash_attention_kernel_matches_the_plain_attention_on_xla_cpu() {
         return;
     }
     let hub = KernelHub::open(&kernel_hub_dir());
-    let shape = [1usize, 2, 128, 64];
-    let n: usize = shape.iter().product();
-    // Uniform in [-2, 2) from a 64-bit LCG (Knuth's constants).
-    let mut state = 5u64;
-    let mut random = || -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-            })
-            .collect()
-    };
-    let (q, k, v) = (random(), random(), random());
     let client = shared_client(&PjrtPlatform::XlaCpu).unwrap_or_else(|e| panic!("{e}"));
     let device = client.device(0).unwrap();
-    let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-    for (dtype, tolerance) in [("float32", 1e-5f32), ("bfloat16", 1e-2)] {
-        let kernel = hub
-            .find(&KernelRequest {
-                name: "flash_attention",
-                shape: &shape,
-                dtype,
-                target: KernelTarget::Interpret,
-            })
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(
-            !kernel.mlir.contains("custom_call"),
-            "{dtype}: not plain StableHLO"
-        );
-        let exe = client
-            .compile(&kernel.mlir, &CompileOptions::default())
-            .unwrap_or_else(|e| panic!("{dtype}: {e}"));
-        let (out, inputs) = if dtype == "float32" {
-            let b = |x: &[f32]| client.buffer_from_slice(x, &dims, &device).unwrap();
-            let args = [b(&q), b(&k), b(&v)];
-            let out = exe.execute(&args.iter().collect::<Vec<_>>()).unwrap();
-            (
-                out[0].to_vec::<f32>().unwrap(),
-                [q.clone(), k.clone(), v.clone()],
-            )
-        } else {
-            let half = |x: &[f32]| {
-                x.iter()
-                    .map(|&f| half::bf16::from_f32(f))
-                    .collect::<Vec<_>>()
-            };
-            let widen = |x: &[half::bf16]| x.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
-            let (hq, hk, hv) = (half(&q), half(&k), half(&v));
-            let b = |x: &[half::bf16]| client.buffer_from_slice(x, &dims, &device).unwrap();
-            let args = [b(&hq), b(&hk), b(&hv)];
-            let out = exe.execute(&args.iter().collect::<Vec<_>>()).unwrap();
-            let out: Vec<half::bf16> = out[0].to_vec().unwrap();
-            (widen(&out), [widen(&hq), widen(&hk), widen(&hv)])
+    // Uniform in [-2, 2) from a 64-bit LCG (Knuth's constants).
+    let mut state = 5u64;
+    for shape in [[1usize, 2, 128, 64], [1, 2, 144, 64], [1, 2, 1100, 160]] {
+        let n: usize = shape.iter().product();
+        let mut random = || -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+                })
+                .collect()
         };
-        let expected = plain_attention(&inputs[0], &inputs[1], &inputs[2], shape, kernel.sm_scale);
-        let err = relative_error(&out, &expected);
-        eprintln!("flash attention ({dtype}, interpret mode) vs plain: relative error {err:e}");
-        assert!(err <= tolerance, "{dtype}: {err:e}");
+        let (q, k, v) = (random(), random(), random());
+        let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        for (dtype, tolerance) in [("float32", 1e-5f32), ("bfloat16", 1e-2)] {
+            let kernel = hub
+                .find(&KernelRequest {
+                    name: "flash_attention",
+                    shape: &shape,
+                    dtype,
+                    target: KernelTarget::Interpret,
+                })
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                !kernel.mlir.contains("custom_call"),
+                "{dtype}: not plain StableHLO"
+            );
+            let exe = client
+                .compile(&kernel.mlir, &CompileOptions::default())
+                .unwrap_or_else(|e| panic!("{shape:?} {dtype}: {e}"));
+            let (out, inputs) = if dtype == "float32" {
+                let b = |x: &[f32]| client.buffer_from_slice(x, &dims, &device).unwrap();
+                let args = [b(&q), b(&k), b(&v)];
+                let out = exe.execute(&args.iter().collect::<Vec<_>>()).unwrap();
+                (
+                    out[0].to_vec::<f32>().unwrap(),
+                    [q.clone(), k.clone(), v.clone()],
+                )
+            } else {
+                let half = |x: &[f32]| {
+                    x.iter()
+                        .map(|&f| half::bf16::from_f32(f))
+                        .collect::<Vec<_>>()
+                };
+                let widen = |x: &[half::bf16]| x.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
+                let (hq, hk, hv) = (half(&q), half(&k), half(&v));
+                let b = |x: &[half::bf16]| client.buffer_from_slice(x, &dims, &device).unwrap();
+                let args = [b(&hq), b(&hk), b(&hv)];
+                let out = exe.execute(&args.iter().collect::<Vec<_>>()).unwrap();
+                let out: Vec<half::bf16> = out[0].to_vec().unwrap();
+                (widen(&out), [widen(&hq), widen(&hk), widen(&hv)])
+            };
+            assert_eq!(out.len(), n, "{shape:?} {dtype}: output size");
+            let expected =
+                plain_attention(&inputs[0], &inputs[1], &inputs[2], shape, kernel.sm_scale);
+            let err = relative_error(&out, &expected);
+            eprintln!(
+                "flash attention {shape:?} ({dtype}, interpret mode) vs plain: relative error {err:e}"
+            );
+            assert!(err <= tolerance, "{shape:?} {dtype}: {err:e}");
+        }
     }
 }
 

@@ -493,12 +493,12 @@ fn released_denoiser_compiles_for_tpu_v5e_and_v6e(
     }
 }
 
-/// SD 1.5's 16 self-attentions have kernels at 64x64 and 32x32 (10) but not for the 160-channel
-/// heads below (the Pallas kernel takes head dimensions up to 128 or multiples of it); its 16
-/// cross-attentions (77 keys) keep the plain lowering.
+/// SD 1.5's 16 self-attentions are spliced (the 160-channel heads of its 16x16 and 8x8 levels
+/// with kernels padded to 256 channels); its 16 cross-attentions (77 keys) keep the plain
+/// lowering.
 #[test]
 fn released_sd15_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
-    released_denoiser_compiles_for_tpu_v5e_and_v6e("sd15-unet", 512, 77, 32, 10);
+    released_denoiser_compiles_for_tpu_v5e_and_v6e("sd15-unet", 512, 77, 32, 16);
 }
 
 /// SDXL's 70 self-attentions are spliced; its 70 cross-attentions keep the plain lowering.
@@ -511,4 +511,106 @@ fn released_sdxl_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
 #[test]
 fn released_flux_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
     released_denoiser_compiles_for_tpu_v5e_and_v6e("flux-dev-transformer", 1024, 512, 57, 57);
+}
+
+/// Every TPU artifact of the kernel hub (each bucket of every model, also those whose sequence
+/// is one odd-sized block, or padded to 128s with the padding masked, or whose head dim is
+/// padded to 256) compiles with libtpu for every generation its manifest names, as the custom
+/// call a spliced program carries; and its interpret twin exists, from the same export.
+#[test]
+fn every_hub_tpu_kernel_compiles_for_its_tpu_generations() {
+    let Some(plugin) = libtpu() else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("kernels/flash_attention");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
+    let artifacts = manifest["artifacts"].as_array().unwrap();
+    let files: std::collections::HashSet<&str> = artifacts
+        .iter()
+        .map(|a| a["file"].as_str().unwrap())
+        .collect();
+    let mut compiled = 0;
+    for (topology_name, generation) in [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")] {
+        let topology = plugin
+            .topology(topology_name, &[])
+            .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
+        for artifact in artifacts.iter().filter(|a| a["target"] == "tpu") {
+            let file = artifact["file"].as_str().unwrap();
+            assert!(
+                files.contains(file.replacen("tpu-", "interpret-", 1).as_str()),
+                "{file}: no interpret twin"
+            );
+            let generations = artifact["tpu_generations"].as_array().unwrap();
+            if !generations.iter().any(|g| g == generation) {
+                continue;
+            }
+            let mlir = std::fs::read_to_string(dir.join(file)).unwrap();
+            assert!(mlir.contains("tpu_custom_call"), "{file}");
+            let exe = topology
+                .compile(&mlir, &CompileOptions::default())
+                .unwrap_or_else(|e| panic!("{topology_name} {file}: {e}"));
+            assert_eq!(exe.num_outputs().ok(), Some(1), "{file}");
+            compiled += 1;
+        }
+    }
+    eprintln!("{compiled} kernel compiles");
+    assert!(compiled >= 40, "{compiled} kernel compiles");
+}
+
+/// The released SD 2.1 (768x768, and 512x512 as SD 2 base runs), SD3 Medium, SD3.5 Medium and
+/// SD3.5 Large (1024x1024) denoiser programs, traced in bf16 from their weights headers as
+/// `pipe.compile()` traces them, splice the hub's TPU flash attention into every
+/// self-attention: SD 2.x's 16 (the 576- and 144-token levels at 768 as one block each; its 16
+/// cross-attentions keep the plain lowering), SD3's joint attentions over 4096 image and 333
+/// text tokens (padded to 4480 and masked), and SD3.5 Medium's 13 image-only second attentions.
+/// Tracing only: whole-program TPU compiles of these take minutes each on this machine (the
+/// SD 1.5, SDXL and Flux tests above compile theirs), and every kernel they call is compiled
+/// by `every_hub_tpu_kernel_compiles_for_its_tpu_generations`.
+#[test]
+fn released_sd2_and_sd3_denoisers_splice_a_hub_kernel_into_every_self_attention() {
+    use burn::tensor::FloatDType;
+    use oxidiff::backend::kernels::{AttentionKernels, KernelHub, KernelTarget};
+    use oxidiff::pipelines::aot::{trace_denoiser, DenoiserInputs, TraceSettings};
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let hub = KernelHub::open(&root.join("kernels"));
+    let cases = [
+        ("sd21-unet", 768, 77, 32, 16),
+        ("sd21-unet", 512, 77, 32, 16),
+        ("sd3-medium-transformer", 1024, 333, 24, 24),
+        ("sd35-medium-transformer", 1024, 333, 37, 37),
+        ("sd35-large-transformer", 1024, 333, 38, 38),
+    ];
+    for (name, size, tokens, attentions, spliced) in cases {
+        let kernels = AttentionKernels::new(hub.clone(), KernelTarget::Tpu("v6e".into()));
+        let settings = TraceSettings {
+            dtype: FloatDType::BF16,
+            kernels: Some(std::sync::Arc::new(kernels)),
+            parallel: None,
+        };
+        let inputs = DenoiserInputs {
+            text_tokens: tokens,
+            ..DenoiserInputs::image(size, size)
+        };
+        let step = trace_denoiser(
+            &root.join("tests/fixtures/aot").join(name),
+            None,
+            inputs,
+            &settings,
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        eprintln!(
+            "{name} {size}x{size}: {} ops, {} attentions, {} kernel calls",
+            step.ops, step.attentions, step.kernel_calls
+        );
+        assert_eq!(
+            (step.attentions, step.kernel_calls),
+            (attentions, spliced),
+            "{name} at {size}: attentions and kernel calls"
+        );
+        assert!(
+            step.module.contains("tpu_custom_call"),
+            "{name}: not spliced"
+        );
+    }
 }

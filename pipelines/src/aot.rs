@@ -5,7 +5,7 @@
 //! [`lower_recorded`] as compiled mode, into one StableHLO module that a TPU topology can
 //! compile ahead of time (`Topology::compile`, libtpu without a TPU); the VAE's encoder and
 //! decoder likewise ([`trace_vae`]). [`trace_denoiser`] traces any pipeline's denoiser program
-//! (SD 1.x/2.x, SDXL, Flux) in the dtype and with the kernel hub's kernels compiled mode would
+//! (SD 1.x/2.x, SDXL, SD3/SD3.5, Flux) in the dtype and with the kernel hub's kernels compiled mode would
 //! use, also from a checkpoint's safetensors header alone ([`Weights::from_header`]), so the
 //! released models' programs are compiled ahead of time without their weights.
 
@@ -23,6 +23,7 @@ use oxidiff_backend_tpu::OxiDevice;
 use oxidiff_models::config::PerBlock;
 use oxidiff_models::embeddings::RotaryEmbedding;
 use oxidiff_models::transformer_flux::{FluxTransformer2DConfig, FluxTransformer2DModel};
+use oxidiff_models::transformer_sd3::{SD3Transformer2DConfig, SD3Transformer2DModel};
 use oxidiff_models::unet_conditioning::AddedCondition;
 use oxidiff_models::var_builder::{build_component, VarBuilder};
 use oxidiff_models::weights::Weights;
@@ -50,7 +51,8 @@ static TRACING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 pub struct TracedStep {
     /// The module text: `@main(inputs..., weights...)`; the inputs are `sample, timestep,
     /// context, guidance` for SD, `sample, timestep, context, text_embeds, time_ids` for SDXL,
-    /// `latents, timestep, guidance, prompt_embeds, pooled_prompt_embeds, cos, sin` for Flux.
+    /// `sample, timesteps, prompt_embeds, pooled_prompt_embeds` for SD3, `latents, timestep,
+    /// guidance, prompt_embeds, pooled_prompt_embeds, cos, sin` for Flux.
     pub module: String,
     /// Ops recorded.
     pub ops: usize,
@@ -189,6 +191,11 @@ pub fn trace_parallel_step(
 /// - an SDXL UNet: the UNet on the doubled batch with its added condition (text embeddings and
 ///   time ids), as [`StableDiffusionXLPipeline::compile`](crate::StableDiffusionXLPipeline::compile)
 ///   compiles it (guidance is combined outside the program);
+/// - an SD3/SD3.5 transformer: its call on the doubled batch, with the timesteps, text and
+///   pooled embeddings as inputs, as
+///   [`StableDiffusion3Pipeline::compile`](crate::StableDiffusion3Pipeline::compile) compiles
+///   it (guidance is combined outside the program; `text_tokens` is CLIP's 77 plus T5's
+///   `max_sequence_length`, 333 by default);
 /// - a Flux transformer: [`flux_velocity`] (packing, the transformer, unpacking) with the
 ///   timestep, guidance, text and rotary tables as inputs, as
 ///   [`FluxPipeline::compile`](crate::FluxPipeline::compile) compiles it.
@@ -206,9 +213,10 @@ pub fn trace_denoiser(
     match class.as_str() {
         "UNet2DConditionModel" => trace_unet_step(dir, variant, inputs, settings),
         "FluxTransformer2DModel" => trace_flux_step(dir, variant, inputs, settings),
+        "SD3Transformer2DModel" => trace_sd3_step(dir, variant, inputs, settings),
         other => Err(PipelineError::Compile(format!(
-            "{}: `_class_name: {other}` has no denoiser program to trace (UNet2DConditionModel \
-             and FluxTransformer2DModel do)",
+            "{}: `_class_name: {other}` has no denoiser program to trace (UNet2DConditionModel, \
+             SD3Transformer2DModel and FluxTransformer2DModel do)",
             config_path.display()
         ))),
     }
@@ -547,6 +555,64 @@ fn trace_flux_step(
         &layouts,
         (latents, false),
         "Flux transformer call",
+    )
+}
+
+fn trace_sd3_step(
+    dir: &Path,
+    variant: Option<&str>,
+    shape: DenoiserInputs,
+    settings: &TraceSettings,
+) -> Result<TracedStep> {
+    let config = SD3Transformer2DConfig::from_file(&dir.join("config.json"))?;
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = OxiDevice::Cpu;
+    let (transformer, split) =
+        traced_model(dir, variant, settings, "SD3Transformer2DModel", |vb| {
+            SD3Transformer2DModel::load(&config, vb)
+        })?;
+    let DenoiserInputs {
+        batch,
+        latent_height,
+        latent_width,
+        guidance,
+        text_tokens,
+    } = shape;
+    let rows = if guidance { 2 * batch } else { batch };
+    let latents = [batch, config.in_channels, latent_height, latent_width];
+    let zeros = |shape: Vec<usize>| TensorData::new(vec![0f32; shape.iter().product()], shape);
+    let sample = Tensor::<Traced, 4>::from_data(
+        zeros(vec![rows, config.in_channels, latent_height, latent_width]),
+        &device,
+    );
+    let timestep = Tensor::<Traced, 1>::from_data(zeros(vec![rows]), &device);
+    let context = Tensor::<Traced, 3>::from_data(
+        zeros(vec![rows, text_tokens, config.joint_attention_dim]),
+        &device,
+    );
+    let pooled =
+        Tensor::<Traced, 2>::from_data(zeros(vec![rows, config.pooled_projection_dim]), &device);
+    transformer.check_inputs(sample.dims(), rows, context.dims(), pooled.dims())?;
+    let inputs = vec![
+        float_ir(&sample),
+        float_ir(&timestep),
+        float_ir(&context),
+        float_ir(&pooled),
+    ];
+    let velocity = transformer.forward_checked(sample, timestep, context, pooled);
+    // As the pipeline's step: every input split by batch where it divides.
+    let layouts = vec![Layout::BatchSplit(0); inputs.len()];
+    finish_step(
+        &device,
+        &inputs,
+        float_ir(&velocity),
+        settings,
+        &split,
+        &layouts,
+        (latents, guidance),
+        "SD3 transformer call",
     )
 }
 

@@ -1,5 +1,5 @@
 //! Ahead-of-time compile of the compiled denoising step (the program `pipe.compile()` runs:
-//! an SD UNet with classifier-free guidance, an SDXL UNet, a Flux transformer) for TPU
+//! an SD UNet with classifier-free guidance, an SDXL UNet, an SD3 or a Flux transformer) for TPU
 //! topologies with libtpu, on a machine without a TPU, and a roofline estimate of the TPU step
 //! time from XLA's cost analysis.
 //!
@@ -10,7 +10,7 @@
 //! `--kernels` splices the kernel hub's attention kernels in for each topology's generation, as
 //! compiled mode does with `OXIDIFF_KERNELS`; `--tp` splits the model over the topology's
 //! first N devices as `enable_parallelism` does, and the figures are per device; `--tokens` is
-//! the text length, 512 for Flux.)
+//! the text length, 512 for Flux, 333 for SD3.)
 //!
 //! The estimate is `max(flops / peak flop/s, bytes accessed / HBM bandwidth)` for one chip, with
 //! the published per-chip peaks below (bf16 matrix units; the program is f32, which XLA's TPU
