@@ -211,6 +211,7 @@ impl PjrtClient {
         let (buffer, bytes) = staged
             .upload(client, device, None)
             .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))?;
+        staged.release_mapped_pages();
         state.stats.uploaded_bytes += bytes as u64;
         state.buffers.insert(id, buffer);
         Ok(())
@@ -583,6 +584,9 @@ impl PjrtClient {
                 .upload(client, device, None)
                 .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))
         });
+        if copied.is_ok() {
+            staged.release_mapped_pages();
+        }
         let mut state = self.state();
         match copied {
             Ok((buffer, bytes)) => {

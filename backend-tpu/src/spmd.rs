@@ -312,6 +312,7 @@ impl SpmdPlacement {
                         .map_err(|e| format!("placing a shard of weight {id}: {e}"))?;
                     parts.push(Some(buffer));
                 }
+                staged.release_mapped_pages();
                 weights.insert(id, (layout, parts));
                 continue;
             }

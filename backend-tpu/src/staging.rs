@@ -10,11 +10,16 @@
 //! or one gathered shard where a part is not a view), so each device receives only its shard
 //! and the host holds at most one shard beside the mapped file. A staged tensor anything else
 //! uses is uploaded then, once.
+//!
+//! Once a tensor read from a memory-mapped file is on its device, its pages are handed back to
+//! the kernel ([`StagedTensor::release_mapped_pages`]), so moving a model to a device never
+//! holds the model twice in the process's memory (the device copy and the file's pages; on
+//! XLA's CPU plugin both are host memory).
 
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use burn_backend::TensorData;
+use burn_backend::{AllocationProperty, TensorData};
 
 use crate::host::host_layout;
 use crate::pjrt::{self, Buffer, Client, Device, ElementType};
@@ -48,6 +53,18 @@ impl StagedTensor {
             (element, Cow::Borrowed(_)) => (element, None),
         };
         Ok(Self::new(converted.unwrap_or(data), element))
+    }
+
+    /// Hands the pages of a memory-mapped tensor's bytes back to the kernel
+    /// (`madvise(MADV_DONTNEED)` on the whole pages the bytes cover), once its device holds a
+    /// copy: the process's resident memory no longer counts them. Nothing is lost: the mapping
+    /// stays valid and a later read faults the pages back in from the file (the page cache).
+    /// Bytes of any other allocation (owned host memory, freed with the tensor) are left alone.
+    pub(crate) fn release_mapped_pages(&self) {
+        if !matches!(self.data.bytes.property(), AllocationProperty::File) {
+            return;
+        }
+        release_pages(self.data.as_bytes());
     }
 
     /// The logical dimensions (the stored ones, permuted).
@@ -310,5 +327,99 @@ mod tests {
                 floats(&Layout::BatchSplit(0).part_of(&mesh, p, &bytes, &[6, 4], 4))
             );
         }
+    }
+}
+
+/// `madvise(MADV_DONTNEED)` on the whole pages inside `bytes` (a part of a read-only file
+/// mapping); the partial pages at either end are kept, as they may hold a neighbour's bytes that
+/// are still in use. Advice only: a failure changes nothing and is ignored.
+#[cfg(unix)]
+fn release_pages(bytes: &[u8]) {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let Ok(page) = usize::try_from(page) else {
+        return;
+    };
+    if page == 0 {
+        return;
+    }
+    let start = (bytes.as_ptr() as usize).next_multiple_of(page);
+    let end = (bytes.as_ptr() as usize + bytes.len()) / page * page;
+    if end <= start {
+        return;
+    }
+    // SAFETY: [start, end) lies within `bytes`, memory of a live file mapping; MADV_DONTNEED
+    // on a read-only file mapping drops the resident pages only, and later reads fault them
+    // back in with the file's contents, so no reference into it sees other data.
+    unsafe {
+        libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+    }
+}
+
+#[cfg(not(unix))]
+fn release_pages(_bytes: &[u8]) {}
+
+#[cfg(all(test, target_os = "linux"))]
+mod release_tests {
+    use super::release_pages;
+
+    /// The `Rss:` of the mapping that starts at `addr`, in kB, from /proc/self/smaps.
+    fn mapping_rss_kb(addr: usize) -> usize {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut lines = smaps.lines();
+        while let Some(line) = lines.next() {
+            let Some(range) = line.split_whitespace().next() else {
+                continue;
+            };
+            let Some((start, _)) = range.split_once('-') else {
+                continue;
+            };
+            if usize::from_str_radix(start, 16).ok() != Some(addr) {
+                continue;
+            }
+            for field in lines.by_ref() {
+                if let Some(kb) = field.strip_prefix("Rss:") {
+                    return kb.trim().trim_end_matches("kB").trim().parse().unwrap();
+                }
+            }
+        }
+        panic!("no mapping at {addr:#x}");
+    }
+
+    /// A read file mapping's pages leave the process's resident memory when released, and
+    /// reading again gives the same bytes.
+    #[test]
+    fn released_file_pages_leave_resident_memory_and_read_back_unchanged() {
+        use std::io::Write;
+        let len = 8 << 20;
+        let mut file = tempfile::tempfile().unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        file.write_all(&data).unwrap();
+        file.flush().unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh read-only private mapping of the whole file, unmapped below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        // SAFETY: the mapping is `len` readable bytes and lives until munmap below.
+        let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+        assert_eq!(bytes, &data[..]);
+        let touched = mapping_rss_kb(ptr as usize);
+        assert!(touched >= 7 << 10, "{touched} kB resident after reading");
+        // A tensor starting mid-page: the first and last partial pages stay.
+        release_pages(&bytes[100..len - 100]);
+        let released = mapping_rss_kb(ptr as usize);
+        assert!(released <= 8, "{released} kB resident after releasing");
+        assert_eq!(bytes, &data[..], "the bytes read back after releasing");
+        // SAFETY: mapped above; `bytes` is not used after this.
+        unsafe { libc::munmap(ptr, len) };
     }
 }
