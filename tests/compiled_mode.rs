@@ -139,6 +139,39 @@ fn compiled_guided_step_matches_eager_xla_and_the_cpu_backend() {
         &diffusers("pipe.ddim.image"),
         1e-4,
     );
+
+    // The programs take the UNet's convolution kernels permuted, uploaded from the mapped
+    // checkpoint in place of their device copies in Burn's layout. Back in eager mode those
+    // are uploaded again on first use (once), and the UNet gives the eager result (the text
+    // encoder and VAE stay compiled, hence 1e-5).
+    let client = oxidiff::backend::pjrt_client(&xla()).expect("the xla:cpu client");
+    let uploaded_by = |pipe: &mut StableDiffusionPipeline<Oxi>| {
+        let before = client.stats().uploaded_bytes;
+        let out = run(pipe, &request(&golden, 7.5));
+        (out, client.stats().uploaded_bytes - before)
+    };
+    let (_, compiled_uploads) = uploaded_by(&mut pipe);
+    pipe.compiled = None;
+    let (eager_again, first_eager_uploads) = uploaded_by(&mut pipe);
+    let (_, second_eager_uploads) = uploaded_by(&mut pipe);
+    eprintln!(
+        "bytes uploaded per run: compiled {compiled_uploads}, eager again {first_eager_uploads}, \
+         then {second_eager_uploads}"
+    );
+    assert!(
+        first_eager_uploads > compiled_uploads + 100_000,
+        "the kernels given up for their permuted copies were not uploaded again"
+    );
+    assert!(
+        second_eager_uploads < first_eager_uploads,
+        "the kernels were uploaded again on every run"
+    );
+    assert_within(
+        "eager after compiled vs eager xla latents",
+        &eager_again.0,
+        &eager.0,
+        1e-5,
+    );
 }
 
 /// The compiled text encoder and VAE (`compile` builds them with the UNet's program): CLIP's

@@ -58,6 +58,10 @@ struct State {
     buffers: HashMap<TensorId, Buffer>,
     /// Tensors kept on the host until first needed ([`PjrtClient::stage_uploads`]).
     staged: HashMap<TensorId, StagedTensor>,
+    /// The stored bytes of uploaded tensors that came from a memory-mapped file (the
+    /// checkpoint's own bytes, no copy), so a tensor whose device copy was given up
+    /// ([`PjrtClient::upload_permuted`]) is uploaded again when something needs it.
+    mapped: HashMap<TensorId, StagedTensor>,
     /// Open [`StagingGuard`]s: while any is, new tensors are staged instead of uploaded.
     staging: usize,
     /// Rank-0 buffers of scalar arguments, by element type and bytes.
@@ -214,6 +218,66 @@ impl PjrtClient {
         staged.release_mapped_pages();
         state.stats.uploaded_bytes += bytes as u64;
         state.buffers.insert(id, buffer);
+        if staged.is_mapped() {
+            state.mapped.insert(id, staged);
+        }
+        Ok(())
+    }
+
+    /// Tensor `id` permuted by `permutation` (`stablehlo.transpose`'s), uploaded straight from
+    /// its stored bytes when they are a mapped file's, its device copy in its own layout given
+    /// up first, so the device never holds both (it is uploaded again, [`restore`](Self::restore),
+    /// when something needs it in its own layout: eager ops and reads do so on their own);
+    /// `None` when the tensor has no such bytes.
+    pub(crate) fn upload_permuted(
+        &self,
+        id: TensorId,
+        permutation: &[usize],
+    ) -> Option<Result<Buffer, String>> {
+        let mut state = self.state();
+        let stored = state.mapped.get(&id)?.permuted(permutation)?;
+        state.buffers.remove(&id);
+        let uploaded = self.target().and_then(|(client, device)| {
+            stored
+                .upload(client, device, None)
+                .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))
+        });
+        Some(uploaded.map(|(buffer, bytes)| {
+            stored.release_mapped_pages();
+            state.stats.uploaded_bytes += bytes as u64;
+            buffer
+        }))
+    }
+
+    /// Uploads again those of `ids` whose device copy was given up
+    /// ([`upload_permuted`](Self::upload_permuted)); a failed upload is recorded as a failed
+    /// op's error is.
+    pub(crate) fn restore(&self, ids: impl IntoIterator<Item = TensorId>) {
+        let mut state = self.state();
+        if state.mapped.is_empty() {
+            return;
+        }
+        for id in ids {
+            let restored = self.restore_one(&mut state, id);
+            state.keep_first_error(restored);
+        }
+    }
+
+    /// [`restore`](Self::restore) for one tensor, under the state's lock.
+    fn restore_one(&self, state: &mut State, id: TensorId) -> Result<(), String> {
+        if state.buffers.contains_key(&id) {
+            return Ok(());
+        }
+        let Some(stored) = state.mapped.get(&id) else {
+            return Ok(());
+        };
+        let (client, device) = self.target()?;
+        let (buffer, bytes) = stored
+            .upload(client, device, None)
+            .map_err(|e| format!("copying a tensor to {} again failed: {e}", self.device()))?;
+        stored.release_mapped_pages();
+        state.stats.uploaded_bytes += bytes as u64;
+        state.buffers.insert(id, buffer);
         Ok(())
     }
 
@@ -225,7 +289,11 @@ impl PjrtClient {
     /// Device buffer `id`, removed from this client (placed elsewhere by the caller); staged
     /// tensors stay staged.
     pub(crate) fn take_buffer(&self, id: TensorId) -> Option<Buffer> {
-        self.state().buffers.remove(&id)
+        let mut state = self.state();
+        let restored = self.restore_one(&mut state, id);
+        state.keep_first_error(restored);
+        state.mapped.remove(&id);
+        state.buffers.remove(&id)
     }
 
     /// Test hook for error handling: the `after`-th op executed from now on this device fails
@@ -275,6 +343,7 @@ impl PjrtClient {
             OperationIr::Drop(tensor) => {
                 state.buffers.remove(&tensor.id);
                 state.staged.remove(&tensor.id);
+                state.mapped.remove(&tensor.id);
             }
             _ => {
                 if !state.staged.is_empty() {
@@ -283,12 +352,19 @@ impl PjrtClient {
                         state.keep_first_error(uploaded);
                     }
                 }
+                if !state.mapped.is_empty() {
+                    for input in op.inputs() {
+                        let restored = self.restore_one(&mut state, input.id);
+                        state.keep_first_error(restored);
+                    }
+                }
                 let executed = self.execute(&mut state, &op);
                 state.keep_first_error(executed);
                 // Inputs consumed by the op (no `Drop` will come for them).
                 for input in op.inputs() {
                     if input.status == TensorStatus::ReadWrite {
                         state.buffers.remove(&input.id);
+                        state.mapped.remove(&input.id);
                     }
                 }
             }
@@ -592,6 +668,9 @@ impl PjrtClient {
             Ok((buffer, bytes)) => {
                 state.stats.uploaded_bytes += bytes as u64;
                 state.buffers.insert(ir.id, buffer);
+                if staged.is_mapped() {
+                    state.mapped.insert(ir.id, staged);
+                }
             }
             Err(e) => state.keep_first_error(Err(e)),
         }
@@ -613,6 +692,8 @@ impl PjrtClient {
         let mut state = self.state();
         let uploaded = self.upload_staged_one(&mut state, tensor.id);
         state.keep_first_error(uploaded);
+        let restored = self.restore_one(&mut state, tensor.id);
+        state.keep_first_error(restored);
         if let Some(reason) = state.error.take() {
             return Err(ExecutionError::WithContext { reason });
         }
@@ -636,6 +717,7 @@ impl PjrtClient {
         };
         if tensor.status == TensorStatus::ReadWrite {
             state.buffers.remove(&tensor.id);
+            state.mapped.remove(&tensor.id);
         }
         Ok(data)
     }

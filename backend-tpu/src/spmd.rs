@@ -395,6 +395,8 @@ impl SpmdPlacement {
         f: impl FnOnce(WeightView<'_>) -> R,
     ) -> Result<R, String> {
         let mut weights = lock(&self.weights);
+        self.client
+            .restore(ids.iter().copied().filter(|id| !weights.contains_key(id)));
         for &id in ids {
             if weights.contains_key(&id) {
                 continue;

@@ -55,13 +55,19 @@ impl StagedTensor {
         Ok(Self::new(converted.unwrap_or(data), element))
     }
 
+    /// Whether the stored bytes are a memory-mapped file's (so they can be uploaded again
+    /// later without holding host memory meanwhile).
+    pub(crate) fn is_mapped(&self) -> bool {
+        matches!(self.data.bytes.property(), AllocationProperty::File)
+    }
+
     /// Hands the pages of a memory-mapped tensor's bytes back to the kernel
     /// (`madvise(MADV_DONTNEED)` on the whole pages the bytes cover), once its device holds a
     /// copy: the process's resident memory no longer counts them. Nothing is lost: the mapping
     /// stays valid and a later read faults the pages back in from the file (the page cache).
     /// Bytes of any other allocation (owned host memory, freed with the tensor) are left alone.
     pub(crate) fn release_mapped_pages(&self) {
-        if !matches!(self.data.bytes.property(), AllocationProperty::File) {
+        if !self.is_mapped() {
             return;
         }
         release_pages(self.data.as_bytes());

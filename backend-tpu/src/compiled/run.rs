@@ -42,6 +42,12 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                 rng_states.extend(states);
             }
         }
+        // Weights whose device copy was given up for a permuted one, where this program takes
+        // them as they are (another program's permuted kernel).
+        client.restore(program.sources.iter().filter_map(|source| match source {
+            Source::Captured(id) => Some(*id),
+            _ => None,
+        }));
         let results = client.with_buffers(|buffers| {
             let mut rng_states = rng_states.iter();
             let mut args = Vec::with_capacity(program.sources.len());

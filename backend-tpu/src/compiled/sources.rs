@@ -1,6 +1,8 @@
 //! The sources phase: where each argument of the lowered function comes from
 //! on every call (an input, a captured weight, a buffer the program owns, a
-//! random state); captured convolution kernels are permuted here, once.
+//! random state); captured convolution kernels are permuted here, once: from a mapped
+//! checkpoint's bytes in place of their device copy in Burn's layout
+//! ([`PjrtClient::upload_permuted`]), else on the device by a small program.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -60,6 +62,15 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             .collect();
         let mut sources = Vec::with_capacity(function.arguments.len());
         let (mut captured, mut scalars, mut random) = (0, 0, 0);
+        // Weights the program also takes as they are: their device copies stay.
+        let unpermuted: HashSet<TensorId> = function
+            .arguments
+            .iter()
+            .filter_map(|(argument, _)| match argument {
+                Argument::Tensor(id) => Some(*id),
+                _ => None,
+            })
+            .collect();
         for (argument, ty) in &function.arguments {
             let source = match argument {
                 Argument::Permuted { id, permutation } => {
@@ -76,6 +87,22 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                         None => {
                             // A constant of the trace is the program's alone.
                             let owned = released.contains(id);
+                            // A kernel the programs take permuted only, from a mapped
+                            // checkpoint: uploaded permuted from its bytes in place of its
+                            // device copy in Burn's layout, so the device never holds both (it
+                            // is uploaded again in that layout if anything else needs it).
+                            let from_host = if owned || unpermuted.contains(id) {
+                                None
+                            } else {
+                                client.upload_permuted(*id, permutation).transpose()?
+                            };
+                            if let Some(buffer) = from_host {
+                                let buffer = Arc::new(buffer);
+                                lock(&self.kernels).insert(key, buffer.clone());
+                                sources.push(Source::Shared(buffer));
+                                continue;
+                            }
+                            client.restore([*id]);
                             let permuted = client.with_buffers(|buffers| {
                                 let buffer = if owned { buffers.remove(id) } else { None };
                                 match buffer.as_ref().or_else(|| buffers.get(id)) {
