@@ -559,7 +559,7 @@ fn every_hub_tpu_kernel_compiles_for_its_tpu_generations() {
 }
 
 /// The released SD 2.1 (768x768, and 512x512 as SD 2 base runs), SD3 Medium, SD3.5 Medium and
-/// SD3.5 Large (1024x1024) denoiser programs, traced in bf16 from their weights headers as
+/// SD3.5 Large (1024x1024) denoiser programs, and Flux at FLUX.1-schnell's 256 text tokens, traced in bf16 from their weights headers as
 /// `pipe.compile()` traces them, splice the hub's TPU flash attention into every
 /// self-attention: SD 2.x's 16 (the 576- and 144-token levels at 768 as one block each; its 16
 /// cross-attentions keep the plain lowering), SD3's joint attentions over 4096 image and 333
@@ -568,7 +568,7 @@ fn every_hub_tpu_kernel_compiles_for_its_tpu_generations() {
 /// SD 1.5, SDXL and Flux tests above compile theirs), and every kernel they call is compiled
 /// by `every_hub_tpu_kernel_compiles_for_its_tpu_generations`.
 #[test]
-fn released_sd2_and_sd3_denoisers_splice_a_hub_kernel_into_every_self_attention() {
+fn released_sd2_sd3_and_schnell_denoisers_splice_a_hub_kernel_into_every_self_attention() {
     use burn::tensor::FloatDType;
     use oxidiff::backend::kernels::{AttentionKernels, KernelHub, KernelTarget};
     use oxidiff::pipelines::aot::{trace_denoiser, DenoiserInputs, TraceSettings};
@@ -580,6 +580,9 @@ fn released_sd2_and_sd3_denoisers_splice_a_hub_kernel_into_every_self_attention(
         ("sd3-medium-transformer", 1024, 333, 24, 24),
         ("sd35-medium-transformer", 1024, 333, 37, 37),
         ("sd35-large-transformer", 1024, 333, 38, 38),
+        // FLUX.1-schnell's attention shapes: FLUX.1-dev's transformer over schnell's 256 text
+        // tokens (the two differ in the guidance embedding, not in attention).
+        ("flux-dev-transformer", 1024, 256, 57, 57),
     ];
     for (name, size, tokens, attentions, spliced) in cases {
         let kernels = AttentionKernels::new(hub.clone(), KernelTarget::Tpu("v6e".into()));

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use oxidiff_backend_tpu::compiled::Tensors;
+use oxidiff_backend_tpu::compiled::{CompileInfo, Tensors};
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi};
 use oxidiff_models::{AutoencoderKL, ClipTextModel, ProgramSlot, T5EncoderModel, TensorProgram};
@@ -57,6 +57,7 @@ trait Call<B: Backend, I>: Send + Sync {
     fn stats(&self) -> CompileStats;
     fn spmd_placement(&self) -> Option<&Arc<SpmdPlacement>>;
     fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>>;
+    fn compile_log(&self) -> Vec<CompileInfo>;
 }
 
 type StepFn<I> = Box<dyn Fn(I) -> Tensor<Oxi, 4> + Send + Sync>;
@@ -85,6 +86,10 @@ impl<I: Tensors> Call<Oxi, I> for CompiledFn<I, Tensor<Oxi, 4>, StepFn<I>> {
     fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>> {
         CompiledFn::optimized_opcode_counts(self).map_err(compile_error)
     }
+
+    fn compile_log(&self) -> Vec<CompileInfo> {
+        CompiledFn::compile_log(self)
+    }
 }
 
 /// A component's call with inputs `I` (a tensor or a tuple of them) run as compiled programs.
@@ -112,6 +117,13 @@ impl<B: Backend, I> CompiledCall<B, I> {
     /// partitioned one among them); empty when not compiled by XLA here.
     pub fn optimized_opcode_counts(&self) -> Result<Vec<BTreeMap<String, usize>>> {
         self.inner.optimized_opcode_counts()
+    }
+
+    /// Each program built so far, in order: why, its size, and whether it was compiled or
+    /// loaded from the disk cache (kernel transposes are not programs: they are only counted,
+    /// in [`compile_stats`](Self::compile_stats)).
+    pub fn compile_log(&self) -> Vec<CompileInfo> {
+        self.inner.compile_log()
     }
 }
 

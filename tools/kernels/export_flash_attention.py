@@ -47,7 +47,8 @@ JAX_VERSION = "0.10.2"
 # - SD3 Medium and SD3.5 Medium at 1024x1024: 24 heads of 64 over 4096 image and 333 text
 #   tokens (CLIP's 77 and T5's 256), and SD3.5 Medium's image-only second attention over the
 #   4096; SD3.5 Large: 38 heads;
-# - FLUX.1-dev at 1024x1024: 24 heads of 128 over 512 text and 4096 image tokens.
+# - FLUX.1-dev at 1024x1024: 24 heads of 128 over 512 text and 4096 image tokens; FLUX.1-schnell
+#   over 256 text tokens (its `max_sequence_length`).
 BOTH = ("float32", "bfloat16")
 BF16 = ("bfloat16",)
 BUCKETS = [
@@ -76,6 +77,7 @@ BUCKETS = [
     ((2, 24, 4096, 64), ("tpu", "interpret"), BF16),
     ((2, 38, 4429, 64), ("tpu", "interpret"), BF16),
     ((1, 24, 4608, 128), ("tpu", "interpret"), BF16),
+    ((1, 24, 4352, 128), ("tpu", "interpret"), BF16),
     # Per device under tensor parallelism (a kernel call runs on each device's own heads):
     # FLUX.1-dev over TPU v5e's 2x2 chips (tp 4: 6 heads a chip), tiny-sd1 over two xla:cpu
     # devices (tp 2: 4 heads each) for the test of a partitioned pipeline.
