@@ -211,11 +211,7 @@ impl PjrtClient {
         let Some(staged) = state.staged.remove(&id) else {
             return Ok(());
         };
-        let (client, device) = self.target()?;
-        let (buffer, bytes) = staged
-            .upload(client, device, None)
-            .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))?;
-        staged.release_mapped_pages();
+        let (buffer, bytes) = self.copy_to_device(&staged)?;
         state.stats.uploaded_bytes += bytes as u64;
         state.buffers.insert(id, buffer);
         if staged.is_mapped() {
@@ -237,13 +233,7 @@ impl PjrtClient {
         let mut state = self.state();
         let stored = state.mapped.get(&id)?.permuted(permutation)?;
         state.buffers.remove(&id);
-        let uploaded = self.target().and_then(|(client, device)| {
-            stored
-                .upload(client, device, None)
-                .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))
-        });
-        Some(uploaded.map(|(buffer, bytes)| {
-            stored.release_mapped_pages();
+        Some(self.copy_to_device(&stored).map(|(buffer, bytes)| {
             state.stats.uploaded_bytes += bytes as u64;
             buffer
         }))
@@ -271,14 +261,21 @@ impl PjrtClient {
         let Some(stored) = state.mapped.get(&id) else {
             return Ok(());
         };
-        let (client, device) = self.target()?;
-        let (buffer, bytes) = stored
-            .upload(client, device, None)
-            .map_err(|e| format!("copying a tensor to {} again failed: {e}", self.device()))?;
-        stored.release_mapped_pages();
+        let (buffer, bytes) = self.copy_to_device(stored)?;
         state.stats.uploaded_bytes += bytes as u64;
         state.buffers.insert(id, buffer);
         Ok(())
+    }
+
+    /// Copies `stored` (dense, or the strided view it records) to this client's device and
+    /// hands its mapped pages back once there; returns the buffer and the bytes copied.
+    fn copy_to_device(&self, stored: &StagedTensor) -> Result<(Buffer, usize), String> {
+        let (client, device) = self.target()?;
+        let copied = stored
+            .upload(client, device, None)
+            .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))?;
+        stored.release_mapped_pages();
+        Ok(copied)
     }
 
     /// Staged tensor `id`, removed from this client (placed elsewhere by the caller).
@@ -655,14 +652,7 @@ impl PjrtClient {
             return ir;
         }
         // Copied outside the state's lock.
-        let copied = self.target().and_then(|(client, device)| {
-            staged
-                .upload(client, device, None)
-                .map_err(|e| format!("copying a tensor to {} failed: {e}", self.device()))
-        });
-        if copied.is_ok() {
-            staged.release_mapped_pages();
-        }
+        let copied = self.copy_to_device(&staged);
         let mut state = self.state();
         match copied {
             Ok((buffer, bytes)) => {
