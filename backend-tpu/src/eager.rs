@@ -15,7 +15,7 @@
 //! it, naming the op). Nothing panics inside `register_op`, which also runs
 //! from `Drop`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -62,6 +62,9 @@ struct State {
     /// checkpoint's own bytes, no copy), so a tensor whose device copy was given up
     /// ([`PjrtClient::upload_permuted`]) is uploaded again when something needs it.
     mapped: HashMap<TensorId, StagedTensor>,
+    /// Those of `mapped` whose device copy was given up: an op or read that needs one uploads
+    /// it again first (nothing to check while this is empty, as in eager mode).
+    released: HashSet<TensorId>,
     /// Open [`StagingGuard`]s: while any is, new tensors are staged instead of uploaded.
     staging: usize,
     /// Rank-0 buffers of scalar arguments, by element type and bytes.
@@ -233,6 +236,7 @@ impl PjrtClient {
         let mut state = self.state();
         let stored = state.mapped.get(&id)?.permuted(permutation)?;
         state.buffers.remove(&id);
+        state.released.insert(id);
         Some(self.copy_to_device(&stored).map(|(buffer, bytes)| {
             state.stats.uploaded_bytes += bytes as u64;
             buffer
@@ -244,7 +248,7 @@ impl PjrtClient {
     /// op's error is.
     pub(crate) fn restore(&self, ids: impl IntoIterator<Item = TensorId>) {
         let mut state = self.state();
-        if state.mapped.is_empty() {
+        if state.released.is_empty() {
             return;
         }
         for id in ids {
@@ -255,7 +259,7 @@ impl PjrtClient {
 
     /// [`restore`](Self::restore) for one tensor, under the state's lock.
     fn restore_one(&self, state: &mut State, id: TensorId) -> Result<(), String> {
-        if state.buffers.contains_key(&id) {
+        if !state.released.contains(&id) {
             return Ok(());
         }
         let Some(stored) = state.mapped.get(&id) else {
@@ -264,6 +268,7 @@ impl PjrtClient {
         let (buffer, bytes) = self.copy_to_device(stored)?;
         state.stats.uploaded_bytes += bytes as u64;
         state.buffers.insert(id, buffer);
+        state.released.remove(&id);
         Ok(())
     }
 
@@ -290,6 +295,7 @@ impl PjrtClient {
         let restored = self.restore_one(&mut state, id);
         state.keep_first_error(restored);
         state.mapped.remove(&id);
+        state.released.remove(&id);
         state.buffers.remove(&id)
     }
 
@@ -341,6 +347,7 @@ impl PjrtClient {
                 state.buffers.remove(&tensor.id);
                 state.staged.remove(&tensor.id);
                 state.mapped.remove(&tensor.id);
+                state.released.remove(&tensor.id);
             }
             _ => {
                 if !state.staged.is_empty() {
@@ -349,7 +356,7 @@ impl PjrtClient {
                         state.keep_first_error(uploaded);
                     }
                 }
-                if !state.mapped.is_empty() {
+                if !state.released.is_empty() {
                     for input in op.inputs() {
                         let restored = self.restore_one(&mut state, input.id);
                         state.keep_first_error(restored);
@@ -362,6 +369,7 @@ impl PjrtClient {
                     if input.status == TensorStatus::ReadWrite {
                         state.buffers.remove(&input.id);
                         state.mapped.remove(&input.id);
+                        state.released.remove(&input.id);
                     }
                 }
             }
@@ -708,6 +716,7 @@ impl PjrtClient {
         if tensor.status == TensorStatus::ReadWrite {
             state.buffers.remove(&tensor.id);
             state.mapped.remove(&tensor.id);
+            state.released.remove(&tensor.id);
         }
         Ok(data)
     }
