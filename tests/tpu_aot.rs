@@ -399,6 +399,69 @@ fn hub_flash_attention_compiles_for_tpu_v5e_and_v6e_and_accesses_fewer_bytes() {
     }
 }
 
+/// A released denoiser of `tests/fixtures/aot` traced at `size` x `size` with `tokens` of text:
+/// `attentions` attention ops, `spliced` of them kernel calls.
+struct Released<'a> {
+    name: &'a str,
+    size: usize,
+    tokens: usize,
+    attentions: usize,
+    spliced: usize,
+}
+
+impl Released<'_> {
+    /// The denoiser program as `pipe.compile()` traces it, in bf16 from the weights header,
+    /// with the kernel hub's TPU kernels for `generation` spliced in (partitioned as `parallel`
+    /// asks); checks its attention and kernel-call counts and that a kernel is in it.
+    fn trace(
+        &self,
+        generation: &str,
+        parallel: Option<oxidiff::pipelines::aot::TraceParallel>,
+    ) -> oxidiff::pipelines::aot::TracedStep {
+        use burn::tensor::FloatDType;
+        use oxidiff::backend::kernels::{AttentionKernels, KernelHub, KernelTarget};
+        use oxidiff::pipelines::aot::{trace_denoiser, DenoiserInputs, TraceSettings};
+        let Self {
+            name,
+            size,
+            tokens,
+            attentions,
+            spliced,
+        } = *self;
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let kernels = AttentionKernels::new(
+            KernelHub::open(&root.join("kernels")),
+            KernelTarget::Tpu(generation.into()),
+        );
+        let settings = TraceSettings {
+            dtype: FloatDType::BF16,
+            kernels: Some(std::sync::Arc::new(kernels)),
+            parallel,
+        };
+        let inputs = DenoiserInputs {
+            text_tokens: tokens,
+            ..DenoiserInputs::image(size, size)
+        };
+        let dir = root.join("tests/fixtures/aot").join(name);
+        let step =
+            trace_denoiser(&dir, None, inputs, &settings).unwrap_or_else(|e| panic!("{name}: {e}"));
+        eprintln!(
+            "{name} {size}x{size}: {} ops, {} attentions, {} kernel calls",
+            step.ops, step.attentions, step.kernel_calls
+        );
+        assert_eq!(
+            (step.attentions, step.kernel_calls),
+            (attentions, spliced),
+            "{name} at {size}: attentions and kernel calls"
+        );
+        assert!(
+            step.module.contains("tpu_custom_call"),
+            "{name}: not spliced"
+        );
+        step
+    }
+}
+
 /// The released SD 1.5 (512x512), SDXL base (1024x1024) and FLUX.1-dev (1024x1024) denoiser
 /// programs, as `pipe.compile()` traces them in bf16, with the kernel hub's Pallas flash
 /// attention spliced into every self-attention it has a bucket for, compile ahead of time for
@@ -417,45 +480,23 @@ fn released_denoiser_compiles_for_tpu_v5e_and_v6e(
     attentions: usize,
     spliced: usize,
 ) {
-    use burn::tensor::FloatDType;
-    use oxidiff::backend::kernels::{AttentionKernels, KernelHub, KernelTarget};
-    use oxidiff::pipelines::aot::{trace_denoiser, DenoiserInputs, TraceParallel, TraceSettings};
+    use oxidiff::pipelines::aot::TraceParallel;
     use oxidiff::pipelines::parallel::ParallelConfig;
     let Some(plugin) = libtpu() else {
         return;
     };
-    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let hub = KernelHub::open(&root.join("kernels"));
-    let dir = root.join("tests/fixtures/aot").join(name);
-    let inputs = DenoiserInputs {
-        text_tokens: tokens,
-        ..DenoiserInputs::image(size, size)
+    let case = Released {
+        name,
+        size,
+        tokens,
+        attentions,
+        spliced,
     };
     for (topology_name, generation) in [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")] {
         let topology = plugin
             .topology(topology_name, &[])
             .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
-        let kernels = AttentionKernels::new(hub.clone(), KernelTarget::Tpu(generation.into()));
-        let mut settings = TraceSettings {
-            dtype: FloatDType::BF16,
-            kernels: Some(std::sync::Arc::new(kernels)),
-            parallel: None,
-        };
-        let trace = |settings: &TraceSettings| {
-            let step = trace_denoiser(&dir, None, inputs, settings)
-                .unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(
-                (step.attentions, step.kernel_calls),
-                (attentions, spliced),
-                "{name}: attentions and kernel calls"
-            );
-            assert!(
-                step.module.contains("tpu_custom_call"),
-                "{name}: not spliced"
-            );
-            step
-        };
-        let mut step = trace(&settings);
+        let mut step = case.trace(generation, None);
         let mut options = CompileOptions::default();
         if name.starts_with("flux") && generation == "v5e" {
             let err = topology
@@ -465,11 +506,13 @@ fn released_denoiser_compiles_for_tpu_v5e_and_v6e(
                 .to_string();
             assert!(err.contains("HBM"), "{err}");
             let ids = device_ids(&topology);
-            settings.parallel = Some(TraceParallel {
-                config: ParallelConfig::new(1, ids.len()),
-                devices: ids.len(),
-            });
-            step = trace(&settings);
+            step = case.trace(
+                generation,
+                Some(TraceParallel {
+                    config: ParallelConfig::new(1, ids.len()),
+                    devices: ids.len(),
+                }),
+            );
             assert!(step.module.contains("SPMDFullToShardShape"), "{name}");
             options = CompileOptions::spmd(&ids);
         }
@@ -569,11 +612,6 @@ fn every_hub_tpu_kernel_compiles_for_its_tpu_generations() {
 /// by `every_hub_tpu_kernel_compiles_for_its_tpu_generations`.
 #[test]
 fn released_sd2_sd3_and_schnell_denoisers_splice_a_hub_kernel_into_every_self_attention() {
-    use burn::tensor::FloatDType;
-    use oxidiff::backend::kernels::{AttentionKernels, KernelHub, KernelTarget};
-    use oxidiff::pipelines::aot::{trace_denoiser, DenoiserInputs, TraceSettings};
-    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let hub = KernelHub::open(&root.join("kernels"));
     let cases = [
         ("sd21-unet", 768, 77, 32, 16),
         ("sd21-unet", 512, 77, 32, 16),
@@ -585,35 +623,13 @@ fn released_sd2_sd3_and_schnell_denoisers_splice_a_hub_kernel_into_every_self_at
         ("flux-dev-transformer", 1024, 256, 57, 57),
     ];
     for (name, size, tokens, attentions, spliced) in cases {
-        let kernels = AttentionKernels::new(hub.clone(), KernelTarget::Tpu("v6e".into()));
-        let settings = TraceSettings {
-            dtype: FloatDType::BF16,
-            kernels: Some(std::sync::Arc::new(kernels)),
-            parallel: None,
+        let case = Released {
+            name,
+            size,
+            tokens,
+            attentions,
+            spliced,
         };
-        let inputs = DenoiserInputs {
-            text_tokens: tokens,
-            ..DenoiserInputs::image(size, size)
-        };
-        let step = trace_denoiser(
-            &root.join("tests/fixtures/aot").join(name),
-            None,
-            inputs,
-            &settings,
-        )
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-        eprintln!(
-            "{name} {size}x{size}: {} ops, {} attentions, {} kernel calls",
-            step.ops, step.attentions, step.kernel_calls
-        );
-        assert_eq!(
-            (step.attentions, step.kernel_calls),
-            (attentions, spliced),
-            "{name} at {size}: attentions and kernel calls"
-        );
-        assert!(
-            step.module.contains("tpu_custom_call"),
-            "{name}: not spliced"
-        );
+        case.trace("v6e", None);
     }
 }
