@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 
 use crate::cpu::attention as cpu_attention;
 use crate::error::Result;
-use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
+use crate::nn::{residual_add, Activation, Conv2d, ConvSpec, GroupNorm, LayerNorm, Linear};
 use crate::var_builder::VarBuilder;
 
 /// Multi-head scaled dot-product attention over `[batch, seq, heads * head_dim]` inputs.
@@ -188,7 +188,7 @@ impl<B: Backend> Attention<B> {
         };
         let seq = swap_seq(normed.reshape([b, c, h * w]));
         let out = self.forward(seq, None);
-        swap_seq(out).reshape([b, c, h, w]) + residual
+        residual_add(swap_seq(out).reshape([b, c, h, w]), residual)
     }
 }
 
@@ -357,16 +357,18 @@ impl<B: Backend> BasicTransformerBlock<B> {
             None => (context, None),
         };
         let self_context = self.only_cross_attention.then(|| context.clone());
-        let x = self
-            .attn1
-            .forward(self.norm1.forward(x.clone()), self_context)
-            + x;
+        let x = residual_add(
+            self.attn1
+                .forward(self.norm1.forward(x.clone()), self_context),
+            x,
+        );
         let h = self.norm2.forward(x.clone());
-        let x = match image {
+        let attended = match image {
             Some((image, ip)) => self.attn2.forward_with_image(h, context, image, ip),
             None => self.attn2.forward(h, Some(context)),
-        } + x;
-        self.ff.forward(self.norm3.forward(x.clone())) + x
+        };
+        let x = residual_add(attended, x);
+        residual_add(self.ff.forward(self.norm3.forward(x.clone())), x)
     }
 }
 
@@ -450,7 +452,7 @@ impl<B: Backend> Transformer2DModel<B> {
             Projection::Conv(conv) => conv.forward(from_seq(seq)),
             Projection::Linear(lin) => from_seq(lin.forward(seq)),
         };
-        out + residual
+        residual_add(out, residual)
     }
 }
 

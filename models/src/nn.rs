@@ -465,3 +465,22 @@ pub fn layer_norm<B: Backend, const D: usize>(x: Tensor<B, D>, eps: f64) -> Tens
     let (var, mean) = x.clone().var_mean_bias(D - 1);
     x.sub(mean).div(var.add_scalar(eps).sqrt())
 }
+
+/// `a + b` for tensors of one shape (a residual connection): on burn-flex one parallel pass
+/// written in place ([`cpu_elementwise::add`]), elsewhere Burn's add. Same bits either way.
+pub fn residual_add<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
+    match cpu_elementwise::add(a, b) {
+        Ok(sum) => sum,
+        Err((a, b)) => a + b,
+    }
+}
+
+/// `x + t` for `x` `[n, c, ...]` and `t` `[n, c]` broadcast over the rest (a ResNet block's time
+/// embedding): on burn-flex one pass in place ([`cpu_elementwise::add_per_channel`]),
+/// elsewhere Burn's broadcasting add.
+pub fn add_per_channel<B: Backend>(x: Tensor<B, 4>, t: Tensor<B, 2>) -> Tensor<B, 4> {
+    match cpu_elementwise::add_per_channel(x, t) {
+        Ok(sum) => sum,
+        Err((x, t)) => x + t.unsqueeze_dim::<3>(2).unsqueeze_dim(3),
+    }
+}

@@ -7,7 +7,7 @@ use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
 use burn::tensor::Tensor;
 
 use crate::error::Result;
-use crate::nn::{Activation, Conv2d, ConvSpec, GroupNorm, Linear};
+use crate::nn::{add_per_channel, residual_add, Activation, Conv2d, ConvSpec, GroupNorm, Linear};
 use crate::var_builder::VarBuilder;
 
 /// Shape of a [`ResnetBlock2D`].
@@ -67,7 +67,7 @@ impl<B: Backend> ResnetBlock2D<B> {
         let h = match (&self.time_emb_proj, temb) {
             (Some(proj), Some(temb)) => {
                 let t = proj.forward(self.act.forward(temb.clone()));
-                h + t.unsqueeze_dim::<3>(2).unsqueeze_dim(3)
+                add_per_channel(h, t)
             }
             _ => h,
         };
@@ -76,7 +76,7 @@ impl<B: Backend> ResnetBlock2D<B> {
             Some(conv) => conv.forward(x),
             None => x,
         };
-        shortcut + h
+        residual_add(shortcut, h)
     }
 }
 

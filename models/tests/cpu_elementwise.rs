@@ -9,7 +9,12 @@
 
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
-use oxidiff_models::cpu::elementwise::{erf, geglu, gelu, group_norm, layer_norm, silu, transpose};
+use oxidiff_models::cpu::common::exp_nonpositive;
+use oxidiff_models::cpu::elementwise::{
+    add, add_per_channel, erf, geglu, gelu, gelu_tanh, group_norm, layer_norm, quick_gelu, silu,
+    tanh, transpose,
+};
+use oxidiff_models::cpu::simd::{self, VectorWidth};
 
 type B = Flex;
 
@@ -251,6 +256,123 @@ fn scalar_functions_match_libm() {
     assert!(worst[0] < 1e-6, "erf off by {:e}", worst[0]);
     assert!(worst[1] < 1e-6, "silu off by {:e} relative", worst[1]);
     assert!(worst[2] < 1e-6, "gelu off by {:e}", worst[2]);
+}
+
+/// The scalar functions the kernels vectorize give the same bits at every vector width this
+/// CPU runs (`simd::vectorized_for`), on values across their ranges and at the edges
+/// (`exp_nonpositive` below -87 and at 0, huge inputs, infinities, NaN).
+#[test]
+fn every_vector_width_gives_the_same_bits() {
+    let mut xs = values(100_003, 9, 30.0, 0.0);
+    xs.extend([
+        0.0,
+        -0.0,
+        -87.0,
+        -87.5,
+        -100.0,
+        1e30,
+        -1e30,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ]);
+    let run = |width: VectorWidth| {
+        simd::vectorized_for(
+            width,
+            #[inline(always)]
+            || {
+                xs.iter()
+                    .map(|&x| {
+                        [
+                            exp_nonpositive(-x.abs()),
+                            silu(x),
+                            gelu(x),
+                            erf(x),
+                            tanh(x),
+                            gelu_tanh(x),
+                            quick_gelu(x),
+                        ]
+                        .map(f32::to_bits)
+                    })
+                    .collect::<Vec<_>>()
+            },
+        )
+    };
+    let baseline = run(VectorWidth::Baseline);
+    eprintln!("widths up to {:?}", simd::width());
+    for width in [VectorWidth::Avx2, VectorWidth::Avx512] {
+        if width <= simd::width() {
+            let got = run(width);
+            let differ = got.iter().zip(&baseline).position(|(a, b)| a != b);
+            assert!(
+                differ.is_none(),
+                "{width:?} differs from the baseline at x = {}",
+                xs[differ.unwrap()]
+            );
+        }
+    }
+}
+
+/// `exp_nonpositive` builds `2^n` from the rounding constant's bits: the same value as from
+/// `n` converted to an integer, over the whole input range.
+#[test]
+fn exp_nonpositive_scale_equals_the_integer_construction() {
+    for i in 0..=870_000 {
+        let x = -(i as f32) * 1e-4;
+        let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+        let by_int = f32::from_bits(((n as i32 + 127) as u32) << 23);
+        let by_bits = f32::from_bits(
+            (x * std::f32::consts::LOG2_E + 12_582_912.0)
+                .to_bits()
+                .wrapping_add(127)
+                << 23,
+        );
+        assert_eq!(by_int.to_bits(), by_bits.to_bits(), "2^n at x = {x}");
+    }
+}
+
+/// `add` and `add_per_channel` give Burn's sums bit for bit in f32, bf16 and f16, whether
+/// their inputs are shared (left unchanged) or not; other shapes are handed back.
+#[test]
+fn adds_equal_burns_bit_for_bit() {
+    for dtype in [FloatDType::F32, FloatDType::BF16, FloatDType::F16] {
+        let a = tensor([2, 3, 7, 5], 11, 3.0, 0.5).cast(dtype);
+        let b = tensor([2, 3, 7, 5], 12, 3.0, -0.5).cast(dtype);
+        let t = tensor([2, 3], 13, 2.0, 0.0).cast(dtype);
+        let expected = bits(a.clone() + b.clone());
+        let (a_before, b_before) = (bits(a.clone()), bits(b.clone()));
+        // Both shared: a new buffer, neither input changed.
+        let shared = add(a.clone(), b.clone()).ok().unwrap();
+        assert_eq!(bits(shared), expected, "{dtype:?} add of shared inputs");
+        assert_eq!(
+            bits(a.clone()),
+            a_before,
+            "{dtype:?}: a shared input changed"
+        );
+        assert_eq!(
+            bits(b.clone()),
+            b_before,
+            "{dtype:?}: a shared input changed"
+        );
+        // Only the second one unique: written into it.
+        let owned = add(a.clone(), b.clone() * 1.0).ok().unwrap();
+        assert_eq!(bits(owned), expected, "{dtype:?} add into the second input");
+        let per_channel = add_per_channel(a.clone(), t.clone()).ok().unwrap();
+        let burn = a.clone() + t.clone().unsqueeze_dim::<3>(2).unsqueeze_dim(3);
+        assert_eq!(bits(per_channel), bits(burn), "{dtype:?} add_per_channel");
+        assert!(add(a.clone(), b.narrow(3, 0, 4)).is_err());
+        assert!(add_per_channel(a, t.narrow(1, 0, 2)).is_err());
+    }
+}
+
+fn bits<const D: usize>(t: Tensor<B, D>) -> Vec<u32> {
+    t.cast(FloatDType::F32)
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }
 
 #[test]

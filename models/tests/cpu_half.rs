@@ -605,6 +605,10 @@ fn check_bf16_products(expected: Option<HalfKernel>) {
     check_conv(FloatDType::BF16, [1, 37, 24, 30], 50, 1, 1, 0, tol);
     // Stride 2, 2 samples.
     check_conv(FloatDType::BF16, [2, 7, 21, 19], 33, 3, 2, 1, tol);
+    // Small planes: every sample's columns in one product, a block of columns spanning
+    // samples (3 x 35 positions), 3x3 and 1x1.
+    check_conv(FloatDType::BF16, [3, 9, 5, 7], 21, 3, 1, 1, tol);
+    check_conv(FloatDType::BF16, [2, 13, 4, 4], 40, 1, 1, 0, tol);
     for checkpoint_layout in [false, true] {
         check_linear(37, 77, 300, checkpoint_layout);
         check_linear(290, 45, 33, checkpoint_layout);
@@ -652,5 +656,65 @@ fn bf16_products_match_f64_on_the_widened_fallback() {
         ],
     ) {
         check_bf16_products(None);
+    }
+}
+
+/// A sample's bf16 convolution is bit for bit the same alone as in a batch of 2, 3 or 4, for
+/// planes small enough that the batch's columns go into one product and for larger ones.
+#[test]
+fn bf16_convolutions_give_a_sample_the_same_values_in_any_batch() {
+    // (channels in, out, side, kernel, stride, padding)
+    for (c_in, c_out, side, k, s, p) in [
+        (24, 40, 4, 3, 1, 1),
+        (24, 40, 8, 1, 1, 0),
+        (7, 9, 5, 3, 2, 1),
+        (8, 16, 24, 3, 1, 1),
+    ] {
+        let (x, _) = tensor(
+            [4, c_in, side, side],
+            40 + side as u64,
+            1.0,
+            FloatDType::BF16,
+        );
+        let (weight, _) = tensor([c_out, c_in, k, k], 41, 0.5, FloatDType::BF16);
+        let (bias, _) = tensor([c_out], 42, 1.0, FloatDType::BF16);
+        let geometry = ConvGeometry {
+            stride: s,
+            padding: p,
+        };
+        let run = |n: usize| {
+            let out = conv2d_with(
+                x.clone().narrow(0, 0, n),
+                weight.clone(),
+                Some(bias.clone()),
+                geometry,
+                ConvPath::Winograd,
+            )
+            .unwrap_or_else(|_| panic!("bf16 takes the CPU kernel"));
+            data(out.narrow(0, n - 1, 1))
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        for n in [2, 3, 4] {
+            // The batch's last sample, against that sample alone.
+            let alone = {
+                let out = conv2d_with(
+                    x.clone().narrow(0, n - 1, 1),
+                    weight.clone(),
+                    Some(bias.clone()),
+                    geometry,
+                    ConvPath::Winograd,
+                )
+                .unwrap_or_else(|_| panic!("bf16 takes the CPU kernel"));
+                data(out).iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            assert!(
+                run(n) == alone,
+                "{c_in}->{c_out} {k}x{k}/{s} on {side}x{side}: sample {} of a batch of {n} \
+                 differs from it alone",
+                n - 1
+            );
+        }
     }
 }

@@ -4,6 +4,7 @@
 //! share its shapes and widen into it where they have no kernel of their own.
 
 use super::common::{exp_nonpositive, OutPtr};
+use super::simd;
 
 /// Queries per block: the block's scores (`QUERY_BLOCK * seq_kv` floats, 1 MiB at 4096 keys)
 /// stay in the L2 cache between the two gemms.
@@ -147,11 +148,77 @@ impl Shape {
     }
 }
 
-/// Replaces `row` by `exp(row - max(row))` and returns its sum (softmax before the division).
+/// Replaces `row` by `exp(row - max(row))` and returns its sum (softmax before the division),
+/// at this CPU's vector width ([`simd::vectorized`]).
 pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // A row of -inf (everything masked) stays all zeros rather than NaN; none occur here.
-    let max = if max.is_finite() { max } else { 0.0 };
-    row.iter_mut().for_each(|x| *x = exp_nonpositive(*x - max));
-    row.iter().sum()
+    simd::vectorize!({
+        let max = row_max(row);
+        let mut sums = [0.0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (s, x) in sums.iter_mut().zip(c.iter_mut()) {
+                *x = exp_nonpositive(*x - max);
+                *s += *x;
+            }
+        }
+        let mut tail = 0.0f32;
+        for x in chunks.into_remainder() {
+            *x = exp_nonpositive(*x - max);
+            tail += *x;
+        }
+        sums.iter().sum::<f32>() + tail
+    })
+}
+
+/// [`exp_shifted`] written through `put` into `out` (as long as `row`) rather than in place,
+/// with the same sum: the half-precision attention's probabilities in one pass.
+#[inline(always)]
+pub(crate) fn exp_shifted_into<T>(row: &[f32], out: &mut [T], put: impl Fn(f32) -> T) -> f32 {
+    let max = row_max(row);
+    let out = &mut out[..row.len()];
+    let mut sums = [0.0f32; LANES];
+    let mut chunks = out.chunks_exact_mut(LANES);
+    let mut rows = row.chunks_exact(LANES);
+    for (o, x) in (&mut chunks).zip(&mut rows) {
+        for ((s, o), x) in sums.iter_mut().zip(o.iter_mut()).zip(x) {
+            let e = exp_nonpositive(*x - max);
+            *o = put(e);
+            *s += e;
+        }
+    }
+    let mut tail = 0.0f32;
+    for (o, x) in chunks.into_remainder().iter_mut().zip(rows.remainder()) {
+        let e = exp_nonpositive(*x - max);
+        *o = put(e);
+        tail += e;
+    }
+    sums.iter().sum::<f32>() + tail
+}
+
+/// Lanes of the softmax's reductions: enough independent chains to fill two AVX-512
+/// registers, so neither the maximum nor the sum waits on one long chain of additions.
+const LANES: usize = 32;
+
+/// `row`'s maximum, or 0 for a row of -inf (everything masked, which stays all zeros rather
+/// than NaN; none occur here) or an empty one.
+#[inline(always)]
+fn row_max(row: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l = l.max(x);
+        }
+    }
+    let max = chunks
+        .remainder()
+        .iter()
+        .chain(&lanes)
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    if max.is_finite() {
+        max
+    } else {
+        0.0
+    }
 }

@@ -12,9 +12,10 @@ use rayon::prelude::*;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
-use super::attention_f32::{exp_shifted, Shape};
+use super::attention_f32::{exp_shifted_into, Shape};
 use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::half_gemm::{self, PackedB};
+use super::simd;
 
 /// Queries per block: its f32 scores and bf16 probabilities (`6 * QUERY_BLOCK * seq_kv` bytes,
 /// 1.5 MiB at 4096 keys) stay in the L2 cache between the two products.
@@ -77,56 +78,71 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
             )
         },
         |(scores, probs), job| {
-            let (sample, head) = (job / heads, job % heads);
-            let kv0 = sample * s_kv * inner + head * d;
-            let keys = PackedB::from_transposed(&k[kv0..], inner, d, s_kv);
-            let values = PackedB::from_rows(&v[kv0..], inner, s_kv, d);
-            let mut row0 = 0;
-            while row0 < s_q {
-                let rows = QUERY_BLOCK.min(s_q - row0);
-                let q0 = (sample * s_q + row0) * inner + head * d;
-                let scores_ptr = OutPtr(scores.as_mut_ptr());
-                half_gemm::gemm_on_this_thread(&q[q0..], inner, rows, &keys, |block| {
-                    for i in 0..block.rows {
-                        let at = (block.row0 + i) * s_kv + block.col0;
-                        // SAFETY: blocks are disjoint parts of `scores` (`rows * s_kv`).
-                        let dst = unsafe {
-                            std::slice::from_raw_parts_mut(scores_ptr.add(at).0, block.cols)
-                        };
-                        for (d, s) in dst.iter_mut().zip(block.row(i)) {
-                            *d = s * scale;
-                        }
+            simd::vectorize!({
+                let (sample, head) = (job / heads, job % heads);
+                let kv0 = sample * s_kv * inner + head * d;
+                let keys = PackedB::from_transposed(&k[kv0..], inner, d, s_kv);
+                let values = PackedB::from_rows(&v[kv0..], inner, s_kv, d);
+                let mut row0 = 0;
+                while row0 < s_q {
+                    let rows = QUERY_BLOCK.min(s_q - row0);
+                    let q0 = (sample * s_q + row0) * inner + head * d;
+                    let scores_ptr = OutPtr(scores.as_mut_ptr());
+                    half_gemm::gemm_on_this_thread(
+                        &q[q0..],
+                        inner,
+                        rows,
+                        &keys,
+                        #[inline(always)]
+                        |block| {
+                            for i in 0..block.rows {
+                                let at = (block.row0 + i) * s_kv + block.col0;
+                                // SAFETY: blocks are disjoint parts of `scores` (`rows * s_kv`).
+                                let dst = unsafe {
+                                    std::slice::from_raw_parts_mut(scores_ptr.add(at).0, block.cols)
+                                };
+                                for (d, s) in dst.iter_mut().zip(block.row(i)) {
+                                    *d = s * scale;
+                                }
+                            }
+                        },
+                    );
+                    let mut sums = [0.0f32; QUERY_BLOCK];
+                    for (r, ((row, p), sum)) in scores[..rows * s_kv]
+                        .chunks_exact_mut(s_kv)
+                        .zip(probs.chunks_exact_mut(s_kv))
+                        .zip(sums.iter_mut())
+                        .enumerate()
+                    {
+                        let visible = masking.visible(row0 + r, s_kv);
+                        let (p_seen, p_masked) = p.split_at_mut(visible);
+                        *sum = exp_shifted_into(&row[..visible], p_seen, round_bf16);
+                        p_masked.fill(bf16::ZERO);
                     }
-                });
-                let mut sums = [0.0f32; QUERY_BLOCK];
-                for (r, ((row, p), sum)) in scores[..rows * s_kv]
-                    .chunks_exact_mut(s_kv)
-                    .zip(probs.chunks_exact_mut(s_kv))
-                    .zip(sums.iter_mut())
-                    .enumerate()
-                {
-                    let (seen, masked) = row.split_at_mut(masking.visible(row0 + r, s_kv));
-                    *sum = exp_shifted(seen);
-                    masked.fill(0.0);
-                    for (p, e) in p.iter_mut().zip(row.iter()) {
-                        *p = round_bf16(*e);
-                    }
+                    half_gemm::gemm_on_this_thread(
+                        probs,
+                        s_kv,
+                        rows,
+                        &values,
+                        #[inline(always)]
+                        |block| {
+                            for i in 0..block.rows {
+                                let r = block.row0 + i;
+                                let at = q0 + r * inner + block.col0;
+                                let inv = 1.0 / sums[r];
+                                // SAFETY: this job alone writes head `head` of these query rows.
+                                let dst = unsafe {
+                                    std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols)
+                                };
+                                for (d, s) in dst.iter_mut().zip(block.row(i)) {
+                                    *d = round_bf16(s * inv);
+                                }
+                            }
+                        },
+                    );
+                    row0 += rows;
                 }
-                half_gemm::gemm_on_this_thread(probs, s_kv, rows, &values, |block| {
-                    for i in 0..block.rows {
-                        let r = block.row0 + i;
-                        let at = q0 + r * inner + block.col0;
-                        let inv = 1.0 / sums[r];
-                        // SAFETY: this job alone writes head `head` of these query rows.
-                        let dst =
-                            unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
-                        for (d, s) in dst.iter_mut().zip(block.row(i)) {
-                            *d = round_bf16(s * inv);
-                        }
-                    }
-                });
-                row0 += rows;
-            }
+            })
         },
     );
 }

@@ -68,13 +68,17 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer in two adds.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 0.0);
-    let n = (x * LOG2_E + ROUND) - ROUND;
+    let shifted = x * LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `shifted`'s low mantissa bits hold `n` (as `2^22 + n`), so `(n + 127) << 23`, the bits
+    // of `2^n`, comes from them without a float-to-int conversion (whose saturating semantics
+    // keep `n as i32` from vectorizing).
+    let scale = f32::from_bits(shifted.to_bits().wrapping_add(127) << 23);
     p * scale
 }
 
@@ -125,9 +129,11 @@ pub(crate) fn convert<S: Sync + Copy, D: Send + Copy + Default>(
     out.par_chunks_mut(chunk)
         .zip(src.par_chunks(chunk))
         .for_each(|(d, s)| {
-            for (d, s) in d.iter_mut().zip(s) {
-                *d = f(*s);
-            }
+            super::simd::vectorize!({
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = f(*s);
+                }
+            })
         });
     out
 }

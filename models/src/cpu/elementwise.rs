@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use super::common::{
     burn_requested, exp_nonpositive, from_flex, into_flex, is_flex, is_half, round_bf16, widen,
 };
+use super::simd;
 
 /// Fewest elements worth a job of their own on rayon's pool.
 const MIN_JOB: usize = 16 * 1024;
@@ -231,7 +232,7 @@ fn map_typed<E: Elem>(mut t: FlexTensor, f: &(impl Fn(f32) -> f32 + Sync)) -> Fl
     if is_whole(&t) && t.is_unique() {
         t.storage_mut::<E>()
             .par_chunks_mut(chunk)
-            .for_each(|c| c.iter_mut().for_each(|v| *v = E::put(f(v.get()))));
+            .for_each(|c| simd::vectorize!(c.iter_mut().for_each(|v| *v = E::put(f(v.get())))));
         return t;
     }
     // Shared (or a view): read the source once into the new buffer, rather than copying it
@@ -242,9 +243,11 @@ fn map_typed<E: Elem>(mut t: FlexTensor, f: &(impl Fn(f32) -> f32 + Sync)) -> Fl
     out.par_chunks_mut(chunk)
         .zip(src.storage::<E>().par_chunks(chunk))
         .for_each(|(d, s)| {
-            for (d, s) in d.iter_mut().zip(s) {
-                *d = E::put(f(s.get()));
-            }
+            simd::vectorize!({
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = E::put(f(s.get()));
+                }
+            })
         });
     tensor_of(out, shape)
 }
@@ -315,24 +318,26 @@ fn group_norm_typed<E: Elem>(t: FlexTensor, norm: &GroupNormRows<'_>) -> FlexTen
             .par_chunks_mut(group_len)
             .enumerate()
             .for_each(|(job, data)| {
-                let g = job % groups;
-                let (mean, var) = mean_var(data);
-                let inv_std = 1.0 / (var + eps as f32).sqrt();
-                for (j, channel) in data.chunks_mut(rest.max(1)).enumerate() {
-                    let ch = g * per_group + j;
-                    // `(x - mean) * scale + bias`, not PyTorch's `x * scale + shift`: the same
-                    // cost, without the cancellation when the mean is large.
-                    let (scale, shift) = (weight[ch] * inv_std, bias[ch]);
-                    if silu_after {
-                        channel
-                            .iter_mut()
-                            .for_each(|v| *v = E::put(silu((v.get() - mean) * scale + shift)));
-                    } else {
-                        channel
-                            .iter_mut()
-                            .for_each(|v| *v = E::put((v.get() - mean) * scale + shift));
+                simd::vectorize!({
+                    let g = job % groups;
+                    let (mean, var) = mean_var(data);
+                    let inv_std = 1.0 / (var + eps as f32).sqrt();
+                    for (j, channel) in data.chunks_mut(rest.max(1)).enumerate() {
+                        let ch = g * per_group + j;
+                        // `(x - mean) * scale + bias`, not PyTorch's `x * scale + shift`: the same
+                        // cost, without the cancellation when the mean is large.
+                        let (scale, shift) = (weight[ch] * inv_std, bias[ch]);
+                        if silu_after {
+                            channel
+                                .iter_mut()
+                                .for_each(|v| *v = E::put(silu((v.get() - mean) * scale + shift)));
+                        } else {
+                            channel
+                                .iter_mut()
+                                .for_each(|v| *v = E::put((v.get() - mean) * scale + shift));
+                        }
                     }
-                }
+                })
             });
     }
     t
@@ -373,21 +378,31 @@ fn layer_norm_typed<E: Elem>(
     let rows = data.len() / width;
     let per_job = rows_per_job(rows, width);
     data.par_chunks_mut(per_job * width).for_each(|chunk| {
-        for row in chunk.chunks_mut(width) {
-            let (mean, var) = mean_var(row);
-            let inv_std = 1.0 / (var + eps as f32).sqrt();
-            match affine {
-                Some((w, b)) => row
-                    .iter_mut()
-                    .zip(w.iter().zip(b))
-                    .for_each(|(v, (w, b))| *v = E::put((v.get() - mean) * inv_std * w + b)),
-                None => row
-                    .iter_mut()
-                    .for_each(|v| *v = E::put((v.get() - mean) * inv_std)),
+        simd::vectorize!({
+            for row in chunk.chunks_mut(width) {
+                let (mean, var) = mean_var(row);
+                let inv_std = 1.0 / (var + eps as f32).sqrt();
+                match affine {
+                    Some((w, b)) => affine_row(row, mean, inv_std, w, b),
+                    None => row
+                        .iter_mut()
+                        .for_each(|v| *v = E::put((v.get() - mean) * inv_std)),
+                }
             }
-        }
+        })
     });
     t
+}
+
+/// `row[i] = (row[i] - mean) * inv_std * weight[i] + bias[i]`, indexed for the reason
+/// [`geglu_row`] is.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn affine_row<E: Elem>(row: &mut [E], mean: f32, inv_std: f32, weight: &[f32], bias: &[f32]) {
+    let (weight, bias) = (&weight[..row.len()], &bias[..row.len()]);
+    for i in 0..row.len() {
+        row[i] = E::put((row[i].get() - mean) * inv_std * weight[i] + bias[i]);
+    }
 }
 
 /// GEGLU over `projected` `[..., 2 * inner]`: `value * gelu(gate)` with the value the first
@@ -415,17 +430,29 @@ fn geglu_typed<E: Elem>(t: &FlexTensor, dims: Vec<usize>) -> FlexTensor {
     out.par_chunks_mut(per_job * inner)
         .zip(src.par_chunks(per_job * width))
         .for_each(|(out, src)| {
-            for (o, s) in out.chunks_mut(inner).zip(src.chunks(width)) {
-                let (value, gate) = s.split_at(inner);
-                o.iter_mut()
-                    .zip(value.iter().zip(gate))
-                    .for_each(|(o, (v, g))| *o = E::put(v.get() * gelu(g.get())));
-            }
+            simd::vectorize!({
+                for (o, s) in out.chunks_mut(inner).zip(src.chunks(width)) {
+                    let (value, gate) = s.split_at(inner);
+                    geglu_row(o, value, gate);
+                }
+            })
         });
     let mut shape = dims;
     let last = shape.len() - 1;
     shape[last] = inner;
     tensor_of(out, shape)
+}
+
+/// `out[i] = value[i] * gelu(gate[i])`, indexed over slices cut to one length: the iterator
+/// form (a zip of zips) is left to a fold the compiler does not inline, so it would not be
+/// vectorized at [`simd::vectorize!`]'s width.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn geglu_row<E: Elem>(out: &mut [E], value: &[E], gate: &[E]) {
+    let (value, gate) = (&value[..out.len()], &gate[..out.len()]);
+    for i in 0..out.len() {
+        out[i] = E::put(value[i].get() * gelu(gate[i].get()));
+    }
 }
 
 /// `x` `[b, m, n]` transposed to a contiguous `[b, n, m]`, copied in 32x32 tiles in parallel,
@@ -467,4 +494,81 @@ fn transpose_typed<E: Elem>(t: &FlexTensor, b: usize, m: usize, n: usize) -> Fle
             });
     }
     tensor_of(out, vec![b, n, m])
+}
+
+/// `a + b` for two tensors of one shape and dtype in one parallel pass, written into whichever
+/// of them no one else holds (a new buffer when both are shared), or both back where the
+/// kernels do not apply. Each sum is rounded once, as Burn's add rounds it, so the result is
+/// the same bits; burn-flex adds half precision one element at a time through a branching
+/// conversion.
+pub fn add<B: Backend, const D: usize>(
+    a: Tensor<B, D>,
+    b: Tensor<B, D>,
+) -> Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B, D>)> {
+    if a.dims() != b.dims() || !applies::<B>(&[a.dtype(), b.dtype()]) {
+        return Err((a, b));
+    }
+    let dtype = a.dtype();
+    let (a, b) = (into_flex(a), into_flex(b));
+    Ok(from_flex(by_dtype!(dtype, add_typed(a, b))))
+}
+
+fn add_typed<E: Elem>(a: FlexTensor, b: FlexTensor) -> FlexTensor {
+    let (mut into, other) = if is_whole(&b) && b.is_unique() && !(is_whole(&a) && a.is_unique()) {
+        (b, a.to_contiguous())
+    } else {
+        (writable::<E>(a), b.to_contiguous())
+    };
+    let src = other.storage::<E>();
+    let len = src.len();
+    let chunk = MIN_JOB.max(len.div_ceil(4 * rayon::current_num_threads().max(1)));
+    into.storage_mut::<E>()
+        .par_chunks_mut(chunk)
+        .zip(src.par_chunks(chunk))
+        .for_each(|(d, s)| simd::vectorize!(add_row(d, s)));
+    into
+}
+
+/// `into[i] += other[i]`, in f32, rounded once.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn add_row<E: Elem>(into: &mut [E], other: &[E]) {
+    let other = &other[..into.len()];
+    for i in 0..into.len() {
+        into[i] = E::put(into[i].get() + other[i].get());
+    }
+}
+
+/// `x + t` for `x` `[n, c, ...]` and `t` `[n, c]` broadcast over the rest (a ResNet block's
+/// time embedding), in one parallel pass, in place where `x` is unique; or both back.
+pub fn add_per_channel<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    t: Tensor<B, 2>,
+) -> Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B, 2>)> {
+    let dims = x.dims();
+    if D < 2 || t.dims() != [dims[0], dims[1]] || !applies::<B>(&[x.dtype(), t.dtype()]) {
+        return Err((x, t));
+    }
+    let rest = dims[2..].iter().product::<usize>();
+    let dtype = x.dtype();
+    let offsets = widen(&into_flex(t)).storage::<f32>().to_vec();
+    let x = into_flex(x);
+    Ok(from_flex(by_dtype!(
+        dtype,
+        add_per_channel_typed(x, &offsets, rest)
+    )))
+}
+
+fn add_per_channel_typed<E: Elem>(x: FlexTensor, offsets: &[f32], rest: usize) -> FlexTensor {
+    let mut x = writable::<E>(x);
+    if rest > 0 {
+        x.storage_mut::<E>()
+            .par_chunks_mut(rest)
+            .zip(offsets.par_iter())
+            .with_min_len(MIN_JOB.div_ceil(rest))
+            .for_each(|(plane, &offset)| {
+                simd::vectorize!(plane.iter_mut().for_each(|v| *v = E::put(v.get() + offset)))
+            });
+    }
+    x
 }

@@ -14,6 +14,7 @@ pub use super::amx::BLOCK;
 
 use super::amx::{self, TILE_K, TILE_ROWS};
 use super::avx512_bf16;
+use super::simd;
 
 /// The microkernel behind [`gemm`] on this CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,25 +67,30 @@ impl PackedB {
             k == 0 || n == 0 || b.len() >= (k - 1) * ldb + n,
             "B is shorter than its shape"
         );
-        Self::pairs(k, n, |j0, cols, panel| {
-            for (r, pairs) in panel.chunks_exact_mut(TILE_ROWS).enumerate() {
-                let kk = 2 * r;
-                if kk >= k {
-                    break;
-                }
-                let even = &b[kk * ldb + j0..kk * ldb + j0 + cols];
-                if kk + 1 < k {
-                    let odd = &b[(kk + 1) * ldb + j0..(kk + 1) * ldb + j0 + cols];
-                    for ((pair, e), o) in pairs.iter_mut().zip(even).zip(odd) {
-                        *pair = pair_of(*e, *o);
+        Self::pairs(
+            k,
+            n,
+            #[inline(always)]
+            |j0, cols, panel| {
+                for (r, pairs) in panel.chunks_exact_mut(TILE_ROWS).enumerate() {
+                    let kk = 2 * r;
+                    if kk >= k {
+                        break;
                     }
-                } else {
-                    for (pair, e) in pairs.iter_mut().zip(even) {
-                        *pair = pair_of(*e, bf16::ZERO);
+                    let even = &b[kk * ldb + j0..kk * ldb + j0 + cols];
+                    if kk + 1 < k {
+                        let odd = &b[(kk + 1) * ldb + j0..(kk + 1) * ldb + j0 + cols];
+                        for ((pair, e), o) in pairs.iter_mut().zip(even).zip(odd) {
+                            *pair = pair_of(*e, *o);
+                        }
+                    } else {
+                        for (pair, e) in pairs.iter_mut().zip(even) {
+                            *pair = pair_of(*e, bf16::ZERO);
+                        }
                     }
                 }
-            }
-        })
+            },
+        )
     }
 
     /// Packs `B[kk][j] = bt[j * ldbt + kk]`: the transpose of `bt`, `n` rows of `k` values (the
@@ -94,15 +100,20 @@ impl PackedB {
             k == 0 || n == 0 || bt.len() >= (n - 1) * ldbt + k,
             "B^T is shorter than its shape"
         );
-        Self::pairs(k, n, |j0, cols, panel| {
-            for j in 0..cols {
-                let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
-                for (r, two) in src.chunks(2).enumerate() {
-                    let odd = two.get(1).copied().unwrap_or(bf16::ZERO);
-                    panel[r * TILE_ROWS + j] = pair_of(two[0], odd);
+        Self::pairs(
+            k,
+            n,
+            #[inline(always)]
+            |j0, cols, panel| {
+                for j in 0..cols {
+                    let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
+                    for (r, two) in src.chunks(2).enumerate() {
+                        let odd = two.get(1).copied().unwrap_or(bf16::ZERO);
+                        panel[r * TILE_ROWS + j] = pair_of(two[0], odd);
+                    }
                 }
-            }
-        })
+            },
+        )
     }
 
     pub fn k(&self) -> usize {
@@ -127,7 +138,7 @@ impl PackedB {
                 let j0 = p * TILE_ROWS;
                 let cols = n.saturating_sub(j0).min(TILE_ROWS);
                 if cols > 0 {
-                    fill(j0, cols, panel);
+                    simd::vectorize!(fill(j0, cols, panel));
                 }
             });
         Self {
@@ -252,16 +263,19 @@ impl Tiles<'_> {
         match threads {
             Threads::Pool => (0..jobs)
                 .into_par_iter()
-                .for_each_init(init, |scratch, job| self.job(job, scratch, epilogue)),
+                .for_each_init(init, |scratch, job| {
+                    simd::vectorize!(self.job(job, scratch, epilogue))
+                }),
             Threads::Caller => {
                 let mut scratch = init();
-                (0..jobs).for_each(|job| self.job(job, &mut scratch, epilogue));
+                simd::vectorize!((0..jobs).for_each(|job| self.job(job, &mut scratch, epilogue)));
             }
         }
     }
 
     /// One job: `A`'s 32 rows made readable for the kernel once, then the blocks of its
-    /// columns.
+    /// columns. Inlined into [`simd::vectorized`]'s closure, with the epilogue.
+    #[inline(always)]
     fn job(&self, job: usize, scratch: &mut Scratch, epilogue: &(impl Fn(Block<'_>) + Sync)) {
         let (m, k, k_pad, n) = (self.m, self.k, self.k_pad, self.n);
         let row_blocks = m.div_ceil(BLOCK);

@@ -78,30 +78,44 @@ pub fn linear<B: Backend, const D: usize>(
         // a block of the product is `out[j][i]` for outputs `i` and rows `j` of `x`.
         let stored = &weight.storage::<bf16>()[weight.layout().start_offset()..];
         let packed_x = PackedB::from_transposed(x_rows, d_in, d_in, m);
-        half_gemm::gemm(stored, d_in, d_out, &packed_x, |block| {
-            let bias = &bias[block.row0..block.row0 + block.rows];
-            for j in 0..block.cols {
-                let at = (block.col0 + j) * d_out + block.row0;
-                // SAFETY: blocks are disjoint parts of `out`.
-                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.rows) };
-                for (i, (d, b)) in dst.iter_mut().zip(bias).enumerate() {
-                    *d = round_bf16(block.values[i * half_gemm::BLOCK + j] + b);
+        half_gemm::gemm(
+            stored,
+            d_in,
+            d_out,
+            &packed_x,
+            #[inline(always)]
+            |block| {
+                let bias = &bias[block.row0..block.row0 + block.rows];
+                for j in 0..block.cols {
+                    let at = (block.col0 + j) * d_out + block.row0;
+                    // SAFETY: blocks are disjoint parts of `out`.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.rows) };
+                    for (i, (d, b)) in dst.iter_mut().zip(bias).enumerate() {
+                        *d = round_bf16(block.values[i * half_gemm::BLOCK + j] + b);
+                    }
                 }
-            }
-        });
+            },
+        );
     } else {
         let packed = packed_weight(&weight);
-        half_gemm::gemm(x_rows, d_in, m, &packed, |block| {
-            for i in 0..block.rows {
-                let at = (block.row0 + i) * d_out + block.col0;
-                // SAFETY: blocks are disjoint parts of `out`.
-                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
-                let bias = &bias[block.col0..block.col0 + block.cols];
-                for ((d, v), b) in dst.iter_mut().zip(block.row(i)).zip(bias) {
-                    *d = round_bf16(v + b);
+        half_gemm::gemm(
+            x_rows,
+            d_in,
+            m,
+            &packed,
+            #[inline(always)]
+            |block| {
+                for i in 0..block.rows {
+                    let at = (block.row0 + i) * d_out + block.col0;
+                    // SAFETY: blocks are disjoint parts of `out`.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
+                    let bias = &bias[block.col0..block.col0 + block.cols];
+                    for ((d, v), b) in dst.iter_mut().zip(block.row(i)).zip(bias) {
+                        *d = round_bf16(v + b);
+                    }
                 }
-            }
-        });
+            },
+        );
     }
     shape[D - 1] = d_out;
     Ok(from_flex(FlexTensor::new(

@@ -17,3 +17,4 @@ pub mod elementwise;
 pub mod half_gemm;
 pub mod linear;
 pub mod quantized_linear;
+pub mod simd;
