@@ -150,6 +150,9 @@ fn half_gemm_matches_f64_on_odd_shapes() {
         (100, 70, 130),
         (7, 300, 33),
         (40, 600, 96),
+        // k over several of AMX's 512-value slices, the last one partial.
+        (35, 70, 1100),
+        (33, 290, 2880),
     ] {
         check_gemm(m, n, k, false);
         check_gemm(m, n, k, true);

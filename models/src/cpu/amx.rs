@@ -103,7 +103,8 @@ pub unsafe fn configure_thread() {
 }
 
 /// One 32x32 f32 block `out = A B` over `k_steps * 32` values of k, written row-major with a
-/// row stride of 32 floats into `out`.
+/// row stride of 32 floats into `out`; with `accumulate`, `out += A B` (the block's earlier
+/// sums loaded into the accumulators first), so a product can run over k in slices.
 ///
 /// - `a`: the first of 32 rows of bf16, `lda_bytes` apart, each holding `k_steps * 32` values.
 /// - `b`: two right-hand panels in the pair layout ([`super::half_gemm::PackedB`]), the second
@@ -119,16 +120,42 @@ pub unsafe fn block_2x2(
     panel_bytes: usize,
     k_steps: usize,
     out: &mut [f32; BLOCK * BLOCK],
+    accumulate: bool,
 ) {
     debug_assert!(k_steps > 0);
     let a_low = a.cast::<u8>().add(TILE_ROWS * lda_bytes);
     let b_right = b.cast::<u8>().add(panel_bytes);
     let out = out.as_mut_ptr().cast::<u8>();
+    let (c1, c2, c3) = (
+        out.add(64),
+        out.add(TILE_ROWS * BLOCK * 4),
+        out.add(TILE_ROWS * BLOCK * 4 + 64),
+    );
+    if accumulate {
+        std::arch::asm!(
+            "tileloadd tmm0, [{c} + {row}*1]",
+            "tileloadd tmm1, [{c1} + {row}*1]",
+            "tileloadd tmm2, [{c2} + {row}*1]",
+            "tileloadd tmm3, [{c3} + {row}*1]",
+            c = in(reg) out,
+            c1 = in(reg) c1,
+            c2 = in(reg) c2,
+            c3 = in(reg) c3,
+            row = in(reg) BLOCK * 4,
+            options(nostack, readonly),
+        );
+    } else {
+        std::arch::asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem),
+        );
+    }
+    // The accumulators stay in tmm0..tmm3 between the two statements: nothing else in this
+    // process uses the tile registers (see the module's note).
     std::arch::asm!(
-        "tilezero tmm0",
-        "tilezero tmm1",
-        "tilezero tmm2",
-        "tilezero tmm3",
         "2:",
         "tileloadd tmm4, [{a} + {lda}*1]",
         "tileloadd tmm6, [{b} + {pair_row}*1]",
@@ -157,9 +184,9 @@ pub unsafe fn block_2x2(
         pair_row = in(reg) 64usize,
         row = in(reg) BLOCK * 4,
         c = in(reg) out,
-        c1 = in(reg) out.add(64),
-        c2 = in(reg) out.add(TILE_ROWS * BLOCK * 4),
-        c3 = in(reg) out.add(TILE_ROWS * BLOCK * 4 + 64),
+        c1 = in(reg) c1,
+        c2 = in(reg) c2,
+        c3 = in(reg) c3,
         options(nostack),
     );
 }
@@ -183,6 +210,7 @@ pub unsafe fn block_2x2(
     _panel_bytes: usize,
     _k_steps: usize,
     _out: &mut [f32; BLOCK * BLOCK],
+    _accumulate: bool,
 ) {
     unreachable!("AMX exists only on x86_64")
 }

@@ -46,6 +46,10 @@ pub fn available() -> bool {
     kernel().is_some()
 }
 
+/// Values of k in one slice of an AMX product ([`Tiles::job`]): 32 rows of `A` over it are
+/// 32 KiB, which stay in the L1 cache.
+const K_SLICE: usize = 512;
+
 /// Columns of `B` whose packed panels one job reads: about 1 MiB of `B` at k = 1024, so the
 /// panels stay in the L2 cache while the job walks down the rows of `A`.
 const COLUMN_CHUNK: usize = 256;
@@ -243,7 +247,9 @@ struct Tiles<'a> {
 /// A job's buffers: `A`'s rows padded where needed, and one block of `C`.
 struct Scratch {
     rows: Vec<u16>,
-    out: Box<[f32; BLOCK * BLOCK]>,
+    /// One block of `C` per 32 columns of a job's chunk: the AMX kernel's sums between slices
+    /// of k (the AVX512-BF16 kernel uses the first alone).
+    out: Vec<[f32; BLOCK * BLOCK]>,
 }
 
 impl Tiles<'_> {
@@ -257,7 +263,7 @@ impl Tiles<'_> {
             }
             Scratch {
                 rows: vec![0u16; BLOCK * self.k_pad],
-                out: Box::new([0.0f32; BLOCK * BLOCK]),
+                out: vec![[0.0f32; BLOCK * BLOCK]; COLUMN_CHUNK / BLOCK],
             }
         };
         match threads {
@@ -285,43 +291,72 @@ impl Tiles<'_> {
         let rows = (m - row0).min(BLOCK);
         let (a, lda_bytes) = self.rows(row0, rows, scratch);
         let col_end = ((chunk + 1) * COLUMN_CHUNK).min(n);
-        let mut col0 = chunk * COLUMN_CHUNK;
-        while col0 < col_end {
-            let panel = col0 / TILE_ROWS;
-            let b = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
-            let cols = (n - col0).min(BLOCK);
-            // SAFETY: the 32 rows at `a` hold the values each kernel reads (see `rows`);
-            // panels `panel` and `panel + 1` exist because the panels cover n rounded up to 32
-            // columns, each `k_pad / 2` pairs long; the kernel is the one `kernel()` found.
-            unsafe {
-                match self.kernel {
-                    HalfKernel::Amx => amx::block_2x2(
-                        a,
-                        lda_bytes,
-                        b,
-                        panel_len * 4,
-                        k_pad / TILE_K,
-                        &mut scratch.out,
-                    ),
-                    HalfKernel::Avx512Bf16 => avx512_bf16::block(
-                        a,
-                        lda_bytes,
-                        b,
-                        panel_len * 4,
-                        k.div_ceil(2),
-                        cols,
-                        &mut scratch.out,
-                    ),
-                }
-            }
+        let col_start = chunk * COLUMN_CHUNK;
+        let finish = |col0: usize, values: &[f32; BLOCK * BLOCK]| {
             epilogue(Block {
                 row0,
                 col0,
                 rows,
-                cols,
-                values: &scratch.out,
-            });
-            col0 += BLOCK;
+                cols: (n - col0).min(BLOCK),
+                values,
+            })
+        };
+        match self.kernel {
+            HalfKernel::Amx => {
+                // k in slices of K_SLICE: the slice of A's 32 rows stays in the L1 cache while
+                // every block of the chunk's columns is multiplied with it, each block's sums
+                // kept in `out` between slices.
+                let steps = k_pad / TILE_K;
+                let mut step0 = 0;
+                while step0 < steps {
+                    let slice = (steps - step0).min(K_SLICE / TILE_K);
+                    for col0 in (col_start..col_end).step_by(BLOCK) {
+                        let panel = col0 / TILE_ROWS;
+                        // SAFETY: the 32 rows at `a` hold `k_pad` values each (see `rows`), of
+                        // which this slice reads `slice` steps from `step0`; panels `panel` and
+                        // `panel + 1` exist because the panels cover n rounded up to 32
+                        // columns, each `k_pad / 2` pairs (1 KiB per step of k) long; AMX is
+                        // what `kernel()` found.
+                        unsafe {
+                            let b = self.pairs[panel * panel_len + step0 * TILE_ROWS * TILE_ROWS..]
+                                .as_ptr()
+                                .cast::<u16>();
+                            amx::block_2x2(
+                                a.add(step0 * TILE_K),
+                                lda_bytes,
+                                b,
+                                panel_len * 4,
+                                slice,
+                                &mut scratch.out[(col0 - col_start) / BLOCK],
+                                step0 > 0,
+                            );
+                        }
+                    }
+                    step0 += slice;
+                }
+                for col0 in (col_start..col_end).step_by(BLOCK) {
+                    finish(col0, &scratch.out[(col0 - col_start) / BLOCK]);
+                }
+            }
+            HalfKernel::Avx512Bf16 => {
+                for col0 in (col_start..col_end).step_by(BLOCK) {
+                    let panel = col0 / TILE_ROWS;
+                    let b = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
+                    // SAFETY: as for AMX, over the whole of k in whole pairs (see `rows`).
+                    unsafe {
+                        avx512_bf16::block(
+                            a,
+                            lda_bytes,
+                            b,
+                            panel_len * 4,
+                            k.div_ceil(2),
+                            (n - col0).min(BLOCK),
+                            &mut scratch.out[0],
+                        )
+                    };
+                    finish(col0, &scratch.out[0]);
+                }
+            }
         }
     }
 
