@@ -80,7 +80,14 @@ fn conv2d_bf16_gemm(
     let rows_per_tile = (TILE_COLUMNS / w_out.max(1)).clamp(1, h_out.max(1));
     let x_all = x.storage::<bf16>();
     let w_all = weight.storage::<bf16>();
-    let ptr = OutPtr(out.as_mut_ptr());
+    let product = Product {
+        weight: w_all,
+        col_len,
+        c_out,
+        plane_out,
+        bias: &bias,
+        out: OutPtr(out.as_mut_ptr()),
+    };
     if n > 1 && n * plane_out <= TILE_COLUMNS {
         // Small planes (a UNet's 8x8 and 4x4 levels): every sample's columns in one product,
         // so the weight is read once rather than once per sample, and 16-position planes fill
@@ -102,34 +109,7 @@ fn conv2d_bf16_gemm(
             }
         }
         let packed = PackedB::from_rows(&col, cols, col_len, cols);
-        half_gemm::gemm(
-            w_all,
-            col_len,
-            c_out,
-            &packed,
-            #[inline(always)]
-            |block| {
-                for i in 0..block.rows {
-                    let channel = block.row0 + i;
-                    let bias = bias[channel];
-                    let values = block.row(i);
-                    let mut j = 0;
-                    while j < block.cols {
-                        let column = block.col0 + j;
-                        let (sample, position) = (column / plane_out, column % plane_out);
-                        let len = (plane_out - position).min(block.cols - j);
-                        let at = (sample * c_out + channel) * plane_out + position;
-                        // SAFETY: blocks are disjoint (channel, column) ranges of the output,
-                        // a column being one (sample, position), inside `out`.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, len) };
-                        for (d, v) in dst.iter_mut().zip(&values[j..j + len]) {
-                            *d = round_bf16(v + bias);
-                        }
-                        j += len;
-                    }
-                }
-            },
-        );
+        product.run(&packed, 0);
         return FlexTensor::new(
             Bytes::from_elems(out),
             Layout::contiguous(vec![n, c_out, h_out, w_out].into()),
@@ -150,28 +130,7 @@ fn conv2d_bf16_gemm(
                 geometry.gather(&mut col, x, row0, row1);
                 PackedB::from_rows(&col, cols, col_len, cols)
             };
-            let first = b * c_out * plane_out + row0 * w_out;
-            half_gemm::gemm(
-                w_all,
-                col_len,
-                c_out,
-                &packed,
-                #[inline(always)]
-                |block| {
-                    for i in 0..block.rows {
-                        let channel = block.row0 + i;
-                        let at = first + channel * plane_out + block.col0;
-                        let bias = bias[channel];
-                        // SAFETY: blocks are disjoint (channel, position) ranges of this tile's
-                        // output, inside `out`.
-                        let dst =
-                            unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
-                        for (d, v) in dst.iter_mut().zip(block.row(i)) {
-                            *d = round_bf16(v + bias);
-                        }
-                    }
-                },
-            );
+            product.run(&packed, b * plane_out + row0 * w_out);
             row0 = row1;
         }
     }
@@ -180,4 +139,58 @@ fn conv2d_bf16_gemm(
         Layout::contiguous(vec![n, c_out, h_out, w_out].into()),
         DType::BF16,
     )
+}
+
+/// The product of a convolution's weight `[c_out, col_len]` with packed columns, each column
+/// one output position, stored with the bias into the output `[n, c_out, plane_out]`.
+struct Product<'a> {
+    weight: &'a [bf16],
+    col_len: usize,
+    c_out: usize,
+    plane_out: usize,
+    bias: &'a [f32],
+    out: OutPtr<bf16>,
+}
+
+impl Product<'_> {
+    /// `weight x columns`, column `j` being output position `start + j` counted over the
+    /// samples' planes one after another (`sample * plane_out + position`): one sample's rows
+    /// or several samples' whole planes.
+    fn run(&self, columns: &PackedB, start: usize) {
+        let Self {
+            c_out,
+            plane_out,
+            bias,
+            out,
+            ..
+        } = *self;
+        half_gemm::gemm(
+            self.weight,
+            self.col_len,
+            c_out,
+            columns,
+            #[inline(always)]
+            |block| {
+                for i in 0..block.rows {
+                    let channel = block.row0 + i;
+                    let bias = bias[channel];
+                    let values = block.row(i);
+                    let mut j = 0;
+                    while j < block.cols {
+                        let column = start + block.col0 + j;
+                        let (sample, position) = (column / plane_out, column % plane_out);
+                        let len = (plane_out - position).min(block.cols - j);
+                        let at = (sample * c_out + channel) * plane_out + position;
+                        // SAFETY: blocks are disjoint (channel, column) ranges of the output,
+                        // a column being one (sample, position), inside `out`.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(out.add(at).0, len) };
+                        for (d, v) in dst.iter_mut().zip(&values[j..j + len]) {
+                            *d = round_bf16(v + bias);
+                        }
+                        j += len;
+                    }
+                }
+            },
+        );
+    }
 }
