@@ -514,19 +514,40 @@ pub fn add<B: Backend, const D: usize>(
 }
 
 fn add_typed<E: Elem>(a: FlexTensor, b: FlexTensor) -> FlexTensor {
-    let (mut into, other) = if is_whole(&b) && b.is_unique() && !(is_whole(&a) && a.is_unique()) {
-        (b, a.to_contiguous())
-    } else {
-        (writable::<E>(a), b.to_contiguous())
+    let owned = |t: &FlexTensor| is_whole(t) && t.is_unique();
+    let (mut into, other) = match (owned(&a), owned(&b)) {
+        (true, _) => (a, b.to_contiguous()),
+        (false, true) => (b, a.to_contiguous()),
+        (false, false) => {
+            // Both shared: the sums go straight into a new buffer, one pass.
+            let (a, b) = (a.to_contiguous(), b.to_contiguous());
+            let shape = a.layout().shape().to_vec();
+            let (a, b) = (a.storage::<E>(), b.storage::<E>());
+            let mut out = vec![E::default(); a.len()];
+            let chunk = MIN_JOB.max(a.len().div_ceil(4 * rayon::current_num_threads().max(1)));
+            out.par_chunks_mut(chunk)
+                .zip(a.par_chunks(chunk).zip(b.par_chunks(chunk)))
+                .for_each(|(d, (a, b))| simd::vectorize!(sum_row(d, a, b)));
+            return tensor_of(out, shape);
+        }
     };
     let src = other.storage::<E>();
-    let len = src.len();
-    let chunk = MIN_JOB.max(len.div_ceil(4 * rayon::current_num_threads().max(1)));
+    let chunk = MIN_JOB.max(src.len().div_ceil(4 * rayon::current_num_threads().max(1)));
     into.storage_mut::<E>()
         .par_chunks_mut(chunk)
         .zip(src.par_chunks(chunk))
         .for_each(|(d, s)| simd::vectorize!(add_row(d, s)));
     into
+}
+
+/// `out[i] = a[i] + b[i]`, in f32, rounded once.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn sum_row<E: Elem>(out: &mut [E], a: &[E], b: &[E]) {
+    let (a, b) = (&a[..out.len()], &b[..out.len()]);
+    for i in 0..out.len() {
+        out[i] = E::put(a[i].get() + b[i].get());
+    }
 }
 
 /// `into[i] += other[i]`, in f32, rounded once.

@@ -244,7 +244,7 @@ struct Tiles<'a> {
     pairs: &'a [u32],
 }
 
-/// A job's buffers: `A`'s rows padded where needed, and one block of `C`.
+/// A job's buffers: `A`'s rows padded where needed, and the blocks of `C` of its chunk.
 struct Scratch {
     rows: Vec<u16>,
     /// One block of `C` per 32 columns of a job's chunk: the AMX kernel's sums between slices
