@@ -409,7 +409,19 @@ struct Released<'a> {
     spliced: usize,
 }
 
-impl Released<'_> {
+impl<'a> Released<'a> {
+    /// The weights `name` at `size` pixels with `tokens` of text: `attentions` in the
+    /// program, `spliced` of them expected as kernel calls.
+    fn of(name: &'a str, size: usize, tokens: usize, attentions: usize, spliced: usize) -> Self {
+        Self {
+            name,
+            size,
+            tokens,
+            attentions,
+            spliced,
+        }
+    }
+
     /// The denoiser program as `pipe.compile()` traces it, in bf16 from the weights header,
     /// with the kernel hub's TPU kernels for `generation` spliced in (partitioned as `parallel`
     /// asks); checks its attention and kernel-call counts and that a kernel is in it.
@@ -472,25 +484,18 @@ impl Released<'_> {
 /// tracing needs names, shapes and dtypes, not the 3.4, 5.1 and 23.8 GB of values. The byte
 /// counts against the plain lowering are docs/benchmarks.md's table (`tpu_roofline`); each
 /// compile takes one to several minutes here, so these tests compile the spliced programs only.
-/// `attentions` of the program, `spliced` of them kernel calls; `tokens` of text.
-fn released_denoiser_compiles_for_tpu_v5e_and_v6e(
-    name: &str,
-    size: usize,
-    tokens: usize,
-    attentions: usize,
-    spliced: usize,
-) {
+/// `case` says which weights, at which size, and the attention and kernel-call counts expected.
+fn released_denoiser_compiles_for_tpu_v5e_and_v6e(case: Released<'_>) {
     use oxidiff::pipelines::aot::TraceParallel;
+    let Released {
+        name,
+        size,
+        spliced,
+        ..
+    } = case;
     use oxidiff::pipelines::parallel::ParallelConfig;
     let Some(plugin) = libtpu() else {
         return;
-    };
-    let case = Released {
-        name,
-        size,
-        tokens,
-        attentions,
-        spliced,
     };
     for (topology_name, generation) in [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")] {
         let topology = plugin
@@ -541,19 +546,25 @@ fn released_denoiser_compiles_for_tpu_v5e_and_v6e(
 /// lowering.
 #[test]
 fn released_sd15_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
-    released_denoiser_compiles_for_tpu_v5e_and_v6e("sd15-unet", 512, 77, 32, 16);
+    released_denoiser_compiles_for_tpu_v5e_and_v6e(Released::of("sd15-unet", 512, 77, 32, 16));
 }
 
 /// SDXL's 70 self-attentions are spliced; its 70 cross-attentions keep the plain lowering.
 #[test]
 fn released_sdxl_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
-    released_denoiser_compiles_for_tpu_v5e_and_v6e("sdxl-unet", 1024, 77, 140, 70);
+    released_denoiser_compiles_for_tpu_v5e_and_v6e(Released::of("sdxl-unet", 1024, 77, 140, 70));
 }
 
 /// Flux's 57 joint attentions are all self-attention over 512 text and 4096 image tokens.
 #[test]
 fn released_flux_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
-    released_denoiser_compiles_for_tpu_v5e_and_v6e("flux-dev-transformer", 1024, 512, 57, 57);
+    released_denoiser_compiles_for_tpu_v5e_and_v6e(Released::of(
+        "flux-dev-transformer",
+        1024,
+        512,
+        57,
+        57,
+    ));
 }
 
 /// Every TPU artifact of the kernel hub (each bucket of every model, also those whose sequence
@@ -613,23 +624,16 @@ fn every_hub_tpu_kernel_compiles_for_its_tpu_generations() {
 #[test]
 fn released_sd2_sd3_and_schnell_denoisers_splice_a_hub_kernel_into_every_self_attention() {
     let cases = [
-        ("sd21-unet", 768, 77, 32, 16),
-        ("sd21-unet", 512, 77, 32, 16),
-        ("sd3-medium-transformer", 1024, 333, 24, 24),
-        ("sd35-medium-transformer", 1024, 333, 37, 37),
-        ("sd35-large-transformer", 1024, 333, 38, 38),
+        Released::of("sd21-unet", 768, 77, 32, 16),
+        Released::of("sd21-unet", 512, 77, 32, 16),
+        Released::of("sd3-medium-transformer", 1024, 333, 24, 24),
+        Released::of("sd35-medium-transformer", 1024, 333, 37, 37),
+        Released::of("sd35-large-transformer", 1024, 333, 38, 38),
         // FLUX.1-schnell's attention shapes: FLUX.1-dev's transformer over schnell's 256 text
         // tokens (the two differ in the guidance embedding, not in attention).
-        ("flux-dev-transformer", 1024, 256, 57, 57),
+        Released::of("flux-dev-transformer", 1024, 256, 57, 57),
     ];
-    for (name, size, tokens, attentions, spliced) in cases {
-        let case = Released {
-            name,
-            size,
-            tokens,
-            attentions,
-            spliced,
-        };
+    for case in cases {
         case.trace("v6e", None);
     }
 }
