@@ -6,12 +6,15 @@
 //! copied or converted at load, the pages are read from the page cache when a layer first uses
 //! them, and a backend that writes into a weight gets its own copy first (copy on write). When
 //! the dtypes differ, the values are converted once, straight from the stored type into the
-//! target (no f32 detour for bf16 or f16 targets), in parallel for large tensors.
+//! target (no f32 detour for bf16 or f16 targets), in parallel for large tensors; a bf16 copy
+//! starts on a cache line, so the AMX product reads its rows in place as whole lines.
 
 use burn::tensor::{AllocationProperty, Bytes, DType, FloatDType, TensorData};
 use half::{bf16, f16};
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 
+use crate::cpu::aligned::Aligned;
 use crate::cpu::common::round_bf16;
 
 /// The float types oxidiff reads from a checkpoint, as stored (little-endian).
@@ -79,18 +82,21 @@ trait Target: bytemuck::Pod + Send + Sync {
 }
 
 impl Target for f32 {
+    #[inline(always)]
     fn from_f32(v: f32) -> Self {
         v
     }
 }
 
 impl Target for f16 {
+    #[inline(always)]
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
 }
 
 impl Target for bf16 {
+    #[inline(always)]
     fn from_f32(v: f32) -> Self {
         round_bf16(v)
     }
@@ -119,57 +125,77 @@ fn typed<S: bytemuck::Pod>(bytes: &[u8]) -> Cow<'_, [S]> {
 /// `bytes` (stored as `stored`) converted element by element into `T` in parallel, rounding
 /// to nearest even as PyTorch's `tensor.to(dtype)` does.
 fn convert<T: Target>(bytes: &[u8], stored: Stored) -> Vec<T> {
-    match stored {
-        Stored::F32 => map(&typed::<f32>(bytes), T::from_f32),
-        Stored::F16 => map_f16(&typed::<f16>(bytes)),
-        Stored::BF16 => map(&typed::<bf16>(bytes), |v| T::from_f32(v.to_f32())),
-        Stored::F64 => map(&typed::<f64>(bytes), |v| T::from_f32(v as f32)),
-    }
-}
-
-/// `src` mapped through `f` into a new vector, in parallel chunks, each element written once
-/// (no zeroing pass first: faulting in fresh pages is a large part of a conversion's cost).
-fn map<S: Sync + Copy, D: Send + Copy>(src: &[S], f: impl Fn(S) -> D + Sync) -> Vec<D> {
-    use rayon::prelude::*;
-    let mut out: Vec<D> = Vec::with_capacity(src.len());
-    let chunk = (16 * 1024).max(src.len().div_ceil(4 * rayon::current_num_threads().max(1)));
-    out.spare_capacity_mut()[..src.len()]
-        .par_chunks_mut(chunk)
-        .zip(src.par_chunks(chunk))
-        .for_each(|(d, s)| {
-            for (d, s) in d.iter_mut().zip(s) {
-                d.write(f(*s));
-            }
-        });
-    // SAFETY: every one of the first `src.len()` elements was written above.
-    unsafe { out.set_len(src.len()) };
+    let len = bytes.len() / stored.size();
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    convert_into(bytes, stored, &mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `convert_into` wrote every one of the first `len` elements.
+    unsafe { out.set_len(len) };
     out
 }
 
-/// f16 `src` converted into `T`: widened a block at a time with the slice conversion (F16C
-/// vector instructions where the CPU has them; `f16::to_f32` one value at a time asks the CPU
-/// for the feature on every call).
-fn map_f16<T: Target>(src: &[f16]) -> Vec<T> {
+/// [`convert`] into memory that starts on a cache line: bf16 weights that the AMX product
+/// reads in place (its tile rows then start on cache lines; see [`crate::cpu::aligned`]).
+fn convert_aligned<T: Target>(bytes: &[u8], stored: Stored) -> Aligned<T> {
+    let len = bytes.len() / stored.size();
+    // SAFETY: `convert_into` writes every one of the `len` values.
+    unsafe { Aligned::from_uninit(len, |out| convert_into(bytes, stored, out)) }
+}
+
+/// [`convert`] into `out`, which holds one element for each stored value; every element of
+/// `out` is written.
+fn convert_into<T: Target>(bytes: &[u8], stored: Stored, out: &mut [MaybeUninit<T>]) {
+    match stored {
+        Stored::F32 => map(&typed::<f32>(bytes), T::from_f32, out),
+        Stored::F16 => map_f16(&typed::<f16>(bytes), out),
+        Stored::BF16 => map(&typed::<bf16>(bytes), |v| T::from_f32(v.to_f32()), out),
+        Stored::F64 => map(&typed::<f64>(bytes), |v| T::from_f32(v as f32), out),
+    }
+}
+
+/// `src` mapped through `f` into `out` (as long as `src`), in parallel chunks, each element
+/// written once (no zeroing pass first: faulting in fresh pages is a large part of a
+/// conversion's cost).
+fn map<S: Sync + Copy, D: Send + Copy>(
+    src: &[S],
+    f: impl Fn(S) -> D + Sync,
+    out: &mut [MaybeUninit<D>],
+) {
+    use rayon::prelude::*;
+    assert_eq!(out.len(), src.len());
+    let chunk = (16 * 1024).max(src.len().div_ceil(4 * rayon::current_num_threads().max(1)));
+    out.par_chunks_mut(chunk)
+        .zip(src.par_chunks(chunk))
+        .for_each(|(d, s)| {
+            crate::cpu::simd::vectorize!({
+                for (d, s) in d.iter_mut().zip(s) {
+                    d.write(f(*s));
+                }
+            })
+        });
+}
+
+/// f16 `src` converted into `out` (as long as `src`): widened a block at a time with the
+/// slice conversion (F16C vector instructions where the CPU has them; `f16::to_f32` one value
+/// at a time asks the CPU for the feature on every call).
+fn map_f16<T: Target>(src: &[f16], out: &mut [MaybeUninit<T>]) {
     use half::slice::HalfFloatSliceExt;
     use rayon::prelude::*;
     const BLOCK: usize = 1024;
-    let mut out: Vec<T> = Vec::with_capacity(src.len());
-    out.spare_capacity_mut()[..src.len()]
-        .par_chunks_mut(64 * BLOCK)
+    assert_eq!(out.len(), src.len());
+    out.par_chunks_mut(64 * BLOCK)
         .zip(src.par_chunks(64 * BLOCK))
         .for_each(|(dst, src)| {
             let mut wide = [0f32; BLOCK];
             for (dst, src) in dst.chunks_mut(BLOCK).zip(src.chunks(BLOCK)) {
                 let wide = &mut wide[..src.len()];
                 src.convert_to_f32_slice(wide);
-                for (d, &v) in dst.iter_mut().zip(wide.iter()) {
-                    d.write(T::from_f32(v));
-                }
+                crate::cpu::simd::vectorize!({
+                    for (d, &v) in dst.iter_mut().zip(wide.iter()) {
+                        d.write(T::from_f32(v));
+                    }
+                })
             }
         });
-    // SAFETY: every one of the first `src.len()` elements was written above.
-    unsafe { out.set_len(src.len()) };
-    out
 }
 
 /// The values of `bytes` (stored as `stored`) as f32.
@@ -200,7 +226,14 @@ pub(crate) fn tensor_data(
     }
     let data = match held {
         DType::F16 => TensorData::new(convert::<f16>(bytes, stored), shape),
-        DType::BF16 => TensorData::new(convert::<bf16>(bytes, stored), shape),
+        DType::BF16 => {
+            let aligned = bytes::Bytes::from_owner(convert_aligned::<bf16>(bytes, stored));
+            TensorData::from_bytes(
+                Bytes::from_shared(aligned, AllocationProperty::Native),
+                shape,
+                held,
+            )
+        }
         _ => TensorData::new(convert::<f32>(bytes, stored), shape),
     };
     (data, false)

@@ -153,6 +153,9 @@ fn half_gemm_matches_f64_on_odd_shapes() {
         // k over several of AMX's 512-value slices, the last one partial.
         (35, 70, 1100),
         (33, 290, 2880),
+        // Whole tiles (m and k multiples of 32), which AMX reads in place: strided rows, k
+        // over two slices.
+        (96, 40, 1024),
     ] {
         check_gemm(m, n, k, false);
         check_gemm(m, n, k, true);

@@ -102,11 +102,25 @@ pub unsafe fn configure_thread() {
     std::arch::asm!("ldtilecfg [{cfg}]", cfg = in(reg) CONFIG.0.as_ptr(), options(nostack));
 }
 
+/// Where the microkernel reads its 32 rows of `A`: two tiles (rows 0..16 and 16..32) of
+/// 16 rows of 32 bf16 values for each step of k.
+#[derive(Debug, Clone, Copy)]
+pub struct LeftTiles {
+    /// The first step's tile of rows 0..16.
+    pub top: *const u16,
+    /// The first step's tile of rows 16..32.
+    pub bottom: *const u16,
+    /// Bytes from one row of a tile to the next.
+    pub row_bytes: usize,
+    /// Bytes from one step's tiles to the next's.
+    pub step_bytes: usize,
+}
+
 /// One 32x32 f32 block `out = A B` over `k_steps * 32` values of k, written row-major with a
 /// row stride of 32 floats into `out`; with `accumulate`, `out += A B` (the block's earlier
 /// sums loaded into the accumulators first), so a product can run over k in slices.
 ///
-/// - `a`: the first of 32 rows of bf16, `lda_bytes` apart, each holding `k_steps * 32` values.
+/// - `a`: the 32 rows of `A`, in tiles as [`LeftTiles`] says.
 /// - `b`: two right-hand panels in the pair layout ([`super::half_gemm::PackedB`]), the second
 ///   `panel_bytes` after the first: for each pair of k rows, 16 columns of two bf16 values.
 ///
@@ -114,8 +128,7 @@ pub unsafe fn configure_thread() {
 /// [`configure_thread`] ran on this thread; every byte read or written lies inside its buffer.
 #[cfg(target_arch = "x86_64")]
 pub unsafe fn block_2x2(
-    a: *const u16,
-    lda_bytes: usize,
+    a: LeftTiles,
     b: *const u16,
     panel_bytes: usize,
     k_steps: usize,
@@ -123,7 +136,6 @@ pub unsafe fn block_2x2(
     accumulate: bool,
 ) {
     debug_assert!(k_steps > 0);
-    let a_low = a.cast::<u8>().add(TILE_ROWS * lda_bytes);
     let b_right = b.cast::<u8>().add(panel_bytes);
     let out = out.as_mut_ptr().cast::<u8>();
     let (c1, c2, c3) = (
@@ -165,8 +177,8 @@ pub unsafe fn block_2x2(
         "tileloadd tmm5, [{a2} + {lda}*1]",
         "tdpbf16ps tmm2, tmm5, tmm6",
         "tdpbf16ps tmm3, tmm5, tmm7",
-        "add {a}, 64",
-        "add {a2}, 64",
+        "add {a}, {a_step}",
+        "add {a2}, {a_step}",
         "add {b}, 1024",
         "add {b2}, 1024",
         "dec {steps}",
@@ -175,12 +187,13 @@ pub unsafe fn block_2x2(
         "tilestored [{c1} + {row}*1], tmm1",
         "tilestored [{c2} + {row}*1], tmm2",
         "tilestored [{c3} + {row}*1], tmm3",
-        a = inout(reg) a => _,
-        a2 = inout(reg) a_low => _,
+        a = inout(reg) a.top => _,
+        a2 = inout(reg) a.bottom => _,
         b = inout(reg) b => _,
         b2 = inout(reg) b_right => _,
         steps = inout(reg) k_steps => _,
-        lda = in(reg) lda_bytes,
+        lda = in(reg) a.row_bytes,
+        a_step = in(reg) a.step_bytes,
         pair_row = in(reg) 64usize,
         row = in(reg) BLOCK * 4,
         c = in(reg) out,
@@ -204,8 +217,7 @@ pub unsafe fn configure_thread() {
 /// Never called: [`available`] is false off x86_64.
 #[cfg(not(target_arch = "x86_64"))]
 pub unsafe fn block_2x2(
-    _a: *const u16,
-    _lda_bytes: usize,
+    _a: LeftTiles,
     _b: *const u16,
     _panel_bytes: usize,
     _k_steps: usize,

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
+use super::aligned::Aligned;
 use super::attention_f32::{exp_shifted_into, Shape};
 use super::common::{narrow, round_bf16, widen, OutPtr};
 use super::half_gemm::{self, PackedB};
@@ -74,7 +75,7 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
         || {
             (
                 vec![0.0f32; QUERY_BLOCK * s_kv],
-                vec![bf16::ZERO; QUERY_BLOCK * s_kv],
+                Aligned::<bf16>::zeroed(QUERY_BLOCK * s_kv),
             )
         },
         |(scores, probs), job| {
@@ -110,7 +111,7 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
                     let mut sums = [0.0f32; QUERY_BLOCK];
                     for (r, ((row, p), sum)) in scores[..rows * s_kv]
                         .chunks_exact_mut(s_kv)
-                        .zip(probs.chunks_exact_mut(s_kv))
+                        .zip(probs.as_mut_slice().chunks_exact_mut(s_kv))
                         .zip(sums.iter_mut())
                         .enumerate()
                     {
@@ -120,7 +121,7 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
                         p_masked.fill(bf16::ZERO);
                     }
                     half_gemm::gemm_on_this_thread(
-                        probs,
+                        probs.as_slice(),
                         s_kv,
                         rows,
                         &values,

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 pub use super::amx::BLOCK;
 
+use super::aligned::Aligned;
 use super::amx::{self, TILE_K, TILE_ROWS};
 use super::avx512_bf16;
 use super::simd;
@@ -61,7 +62,7 @@ pub struct PackedB {
     k: usize,
     n: usize,
     k_pad: usize,
-    values: Vec<u32>,
+    values: Aligned<u32>,
 }
 
 impl PackedB {
@@ -134,8 +135,9 @@ impl PackedB {
         let k_pad = k.next_multiple_of(TILE_K);
         let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
         let panel_len = k_pad / 2 * TILE_ROWS;
-        let mut values = vec![0u32; panels * panel_len];
+        let mut values = Aligned::zeroed(panels * panel_len);
         values
+            .as_mut_slice()
             .par_chunks_mut(panel_len)
             .enumerate()
             .for_each(|(p, panel)| {
@@ -227,7 +229,7 @@ fn run(
         k,
         k_pad: b.k_pad,
         n,
-        pairs: &b.values,
+        pairs: b.values.as_slice(),
     };
     product.run(epilogue, threads)
 }
@@ -244,52 +246,165 @@ struct Tiles<'a> {
     pairs: &'a [u32],
 }
 
+/// `A` as the [`HalfKernel::Amx`] kernel reads it: in place where its rows hold whole steps of
+/// k and whole blocks of 32 rows, else copied into tile order.
+///
+/// Copying costs a pass over `A` on every call, which for the weights of a layer (the left
+/// side of the convolutions and linear layers) is more than the product gains from it. So
+/// weights are read in place, and run at full speed where their rows start on cache lines
+/// (bf16 weights converted at load are allocated so, [`crate::cpu::aligned`]); a misaligned
+/// tile row reads two lines.
+enum TiledA<'a> {
+    /// `A` itself, `lda` values a row: k a whole number of steps and m a whole number of
+    /// blocks of 32 rows.
+    InPlace { a: &'a [bf16], lda: usize },
+    /// For each block of 32 rows and each step of 32 values of k, the tile of the block's rows
+    /// 0..16 and then the tile of its rows 16..32, each 16 rows of 32 values in 1 KiB, zero-padded
+    /// past `m` and `k`: every tile one contiguous, aligned load.
+    Packed {
+        values: Aligned<u16>,
+        /// Values per block of 32 rows (`32 * k_pad`).
+        block_len: usize,
+    },
+}
+
+impl<'a> TiledA<'a> {
+    /// Values in one tile (16 rows of 32).
+    const TILE: usize = TILE_ROWS * TILE_K;
+
+    fn new(a: &'a [bf16], lda: usize, m: usize, k: usize, k_pad: usize, threads: Threads) -> Self {
+        if k == k_pad && m % BLOCK == 0 {
+            return Self::InPlace { a, lda };
+        }
+        let block_len = BLOCK * k_pad;
+        let mut values = Aligned::zeroed(m.div_ceil(BLOCK) * block_len);
+        let fill = |(block, tiles): (usize, &mut [u16])| Self::fill(a, lda, m, k, block, tiles);
+        match threads {
+            Threads::Pool => values
+                .as_mut_slice()
+                .par_chunks_mut(block_len)
+                .enumerate()
+                .for_each(|job| simd::vectorize!(fill(job))),
+            Threads::Caller => simd::vectorize!(values
+                .as_mut_slice()
+                .chunks_mut(block_len)
+                .enumerate()
+                .for_each(fill)),
+        }
+        Self::Packed { values, block_len }
+    }
+
+    /// Block `block` of 32 rows of `A` in tile order into `tiles` (zeroed). Always inlined, so
+    /// it runs at the vector width of the caller's [`simd::vectorize!`].
+    #[inline(always)]
+    fn fill(a: &[bf16], lda: usize, m: usize, k: usize, block: usize, tiles: &mut [u16]) {
+        let row0 = block * BLOCK;
+        for i in 0..(m - row0).min(BLOCK) {
+            let row = &a[(row0 + i) * lda..(row0 + i) * lda + k];
+            let (half, r) = (i / TILE_ROWS, i % TILE_ROWS);
+            for (step, src) in row.chunks(TILE_K).enumerate() {
+                let at = (step * 2 + half) * Self::TILE + r * TILE_K;
+                for (d, s) in tiles[at..at + src.len()].iter_mut().zip(src) {
+                    *d = s.to_bits();
+                }
+            }
+        }
+    }
+
+    /// The tiles of the block of rows starting at `row0`, from step `step` of k on.
+    fn tiles(&self, row0: usize, step: usize) -> amx::LeftTiles {
+        match self {
+            Self::InPlace { a, lda } => {
+                let top = a[row0 * lda + step * TILE_K..].as_ptr().cast::<u16>();
+                amx::LeftTiles {
+                    top,
+                    bottom: top.wrapping_add(TILE_ROWS * lda),
+                    row_bytes: lda * 2,
+                    step_bytes: TILE_K * 2,
+                }
+            }
+            Self::Packed { values, block_len } => {
+                let top =
+                    values.as_slice()[row0 / BLOCK * block_len + step * 2 * Self::TILE..].as_ptr();
+                amx::LeftTiles {
+                    top,
+                    bottom: top.wrapping_add(Self::TILE),
+                    row_bytes: TILE_K * 2,
+                    step_bytes: 2 * Self::TILE * 2,
+                }
+            }
+        }
+    }
+}
+
 /// A job's buffers: `A`'s rows padded where needed, and the blocks of `C` of its chunk.
 struct Scratch {
     rows: Vec<u16>,
     /// One block of `C` per 32 columns of a job's chunk: the AMX kernel's sums between slices
     /// of k (the AVX512-BF16 kernel uses the first alone).
-    out: Vec<[f32; BLOCK * BLOCK]>,
+    out: Vec<Sums>,
 }
+
+/// One block of sums, on a cache line (the AMX kernel loads and stores it as tiles).
+#[derive(Clone)]
+#[repr(C, align(64))]
+struct Sums([f32; BLOCK * BLOCK]);
 
 impl Tiles<'_> {
     /// Jobs of (chunk of columns, block of 32 rows), chunk by chunk.
     fn run(&self, epilogue: &(impl Fn(Block<'_>) + Sync), threads: Threads) {
         let jobs = self.n.div_ceil(COLUMN_CHUNK) * self.m.div_ceil(BLOCK);
+        let tiled = (self.kernel == HalfKernel::Amx)
+            .then(|| TiledA::new(self.a, self.lda, self.m, self.k, self.k_pad, threads));
+        let tiled = tiled.as_ref();
         let init = || {
             if self.kernel == HalfKernel::Amx {
                 // SAFETY: the AMX kernel is chosen only when `amx::available()` granted the tiles.
                 unsafe { amx::configure_thread() };
             }
             Scratch {
-                rows: vec![0u16; BLOCK * self.k_pad],
-                out: vec![[0.0f32; BLOCK * BLOCK]; COLUMN_CHUNK / BLOCK],
+                rows: match self.kernel {
+                    HalfKernel::Amx => Vec::new(),
+                    HalfKernel::Avx512Bf16 => vec![0u16; BLOCK * self.k_pad],
+                },
+                out: vec![Sums([0.0; BLOCK * BLOCK]); COLUMN_CHUNK / BLOCK],
             }
         };
         match threads {
             Threads::Pool => (0..jobs)
                 .into_par_iter()
                 .for_each_init(init, |scratch, job| {
-                    simd::vectorize!(self.job(job, scratch, epilogue))
+                    simd::vectorize!(self.job(job, tiled, scratch, epilogue))
                 }),
             Threads::Caller => {
                 let mut scratch = init();
-                simd::vectorize!((0..jobs).for_each(|job| self.job(job, &mut scratch, epilogue)));
+                simd::vectorize!((0..jobs).for_each(|job| self.job(
+                    job,
+                    tiled,
+                    &mut scratch,
+                    epilogue
+                )));
             }
         }
     }
 
-    /// One job: `A`'s 32 rows made readable for the kernel once, then the blocks of its
-    /// columns. Inlined into [`simd::vectorized`]'s closure, with the epilogue.
+    /// One job: the blocks of a chunk of columns for 32 rows of `A` (on AMX read from
+    /// `tiled`, else made readable in `scratch` first). Inlined into [`simd::vectorized`]'s
+    /// closure, with the epilogue.
     #[inline(always)]
-    fn job(&self, job: usize, scratch: &mut Scratch, epilogue: &(impl Fn(Block<'_>) + Sync)) {
+    fn job(
+        &self,
+        job: usize,
+        tiled: Option<&TiledA<'_>>,
+        scratch: &mut Scratch,
+        epilogue: &(impl Fn(Block<'_>) + Sync),
+    ) {
         let (m, k, k_pad, n) = (self.m, self.k, self.k_pad, self.n);
         let row_blocks = m.div_ceil(BLOCK);
         let panel_len = k_pad / 2 * TILE_ROWS;
         let (chunk, block) = (job / row_blocks, job % row_blocks);
         let row0 = block * BLOCK;
         let rows = (m - row0).min(BLOCK);
-        let (a, lda_bytes) = self.rows(row0, rows, scratch);
         let col_end = ((chunk + 1) * COLUMN_CHUNK).min(n);
         let col_start = chunk * COLUMN_CHUNK;
         let finish = |col0: usize, values: &[f32; BLOCK * BLOCK]| {
@@ -301,8 +416,8 @@ impl Tiles<'_> {
                 values,
             })
         };
-        match self.kernel {
-            HalfKernel::Amx => {
+        match (self.kernel, tiled) {
+            (HalfKernel::Amx, Some(tiled)) => {
                 // k in slices of K_SLICE: the slice of A's 32 rows stays in the L1 cache while
                 // every block of the chunk's columns is multiplied with it, each block's sums
                 // kept in `out` between slices.
@@ -312,8 +427,8 @@ impl Tiles<'_> {
                     let slice = (steps - step0).min(K_SLICE / TILE_K);
                     for col0 in (col_start..col_end).step_by(BLOCK) {
                         let panel = col0 / TILE_ROWS;
-                        // SAFETY: the 32 rows at `a` hold `k_pad` values each (see `rows`), of
-                        // which this slice reads `slice` steps from `step0`; panels `panel` and
+                        // SAFETY: `tiled` holds `k_pad / 32` steps of tiles for every block
+                        // of rows, of which this slice reads `slice` from `step0`; panels `panel` and
                         // `panel + 1` exist because the panels cover n rounded up to 32
                         // columns, each `k_pad / 2` pairs (1 KiB per step of k) long; AMX is
                         // what `kernel()` found.
@@ -322,12 +437,11 @@ impl Tiles<'_> {
                                 .as_ptr()
                                 .cast::<u16>();
                             amx::block_2x2(
-                                a.add(step0 * TILE_K),
-                                lda_bytes,
+                                tiled.tiles(row0, step0),
                                 b,
                                 panel_len * 4,
                                 slice,
-                                &mut scratch.out[(col0 - col_start) / BLOCK],
+                                &mut scratch.out[(col0 - col_start) / BLOCK].0,
                                 step0 > 0,
                             );
                         }
@@ -335,10 +449,11 @@ impl Tiles<'_> {
                     step0 += slice;
                 }
                 for col0 in (col_start..col_end).step_by(BLOCK) {
-                    finish(col0, &scratch.out[(col0 - col_start) / BLOCK]);
+                    finish(col0, &scratch.out[(col0 - col_start) / BLOCK].0);
                 }
             }
-            HalfKernel::Avx512Bf16 => {
+            _ => {
+                let (a, lda_bytes) = self.rows(row0, rows, scratch);
                 for col0 in (col_start..col_end).step_by(BLOCK) {
                     let panel = col0 / TILE_ROWS;
                     let b = self.pairs[panel * panel_len..].as_ptr().cast::<u16>();
@@ -351,28 +466,23 @@ impl Tiles<'_> {
                             panel_len * 4,
                             k.div_ceil(2),
                             (n - col0).min(BLOCK),
-                            &mut scratch.out[0],
+                            &mut scratch.out[0].0,
                         )
                     };
-                    finish(col0, &scratch.out[0]);
+                    finish(col0, &scratch.out[0].0);
                 }
             }
         }
     }
 
-    /// `A`'s rows `row0..row0 + rows` as the kernel reads them, (first row, row stride in
-    /// bytes): 32 rows of `k_pad` values for AMX (whole 32-value steps of k), of `k` rounded up
-    /// to even for AVX512-BF16 (whole pairs). Read in place where `a` holds them; otherwise (k
-    /// not a multiple of the step, or the last rows of `A`) copied into a zero-padded block
-    /// first, so no load reads past `a` or takes the next row's values (which, even times a
-    /// zero of the padded `B`, could be a NaN).
+    /// `A`'s rows `row0..row0 + rows` as the AVX512-BF16 kernel reads them, (first row, row
+    /// stride in bytes): 32 rows of `k` rounded up to even (whole pairs). Read in place where
+    /// `a` holds them; otherwise (k odd, or the last rows of `A`) copied into a zero-padded
+    /// block first, so no load reads past `a` or takes the next row's values (which, even times
+    /// a zero of the padded `B`, could be a NaN).
     fn rows(&self, row0: usize, rows: usize, scratch: &mut Scratch) -> (*const u16, usize) {
         let (k, k_pad, lda) = (self.k, self.k_pad, self.lda);
-        let whole_steps = match self.kernel {
-            HalfKernel::Amx => k == k_pad,
-            HalfKernel::Avx512Bf16 => k % 2 == 0,
-        };
-        if whole_steps && rows == BLOCK {
+        if k % 2 == 0 && rows == BLOCK {
             return (self.a[row0 * lda..].as_ptr().cast::<u16>(), lda * 2);
         }
         let padded = &mut scratch.rows[..BLOCK * k_pad];

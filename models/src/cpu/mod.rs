@@ -4,6 +4,7 @@
 //! is burn-flex's and the dtypes are ones it takes; otherwise it hands its inputs back and the
 //! caller uses Burn's own operation, so other backends (PJRT, compiled traces) never reach it.
 
+pub mod aligned;
 pub mod amx;
 pub mod attention;
 pub mod attention_f32;
