@@ -273,7 +273,7 @@ impl<'a> TiledA<'a> {
     const TILE: usize = TILE_ROWS * TILE_K;
 
     fn new(a: &'a [bf16], lda: usize, m: usize, k: usize, k_pad: usize, threads: Threads) -> Self {
-        if k == k_pad && m % BLOCK == 0 {
+        if k == k_pad && m.is_multiple_of(BLOCK) {
             return Self::InPlace { a, lda };
         }
         let block_len = BLOCK * k_pad;
