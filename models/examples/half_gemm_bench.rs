@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use half::bf16;
+use oxidiff_models::cpu::aligned::Aligned;
 use oxidiff_models::cpu::half_gemm::{self, PackedB};
 
 /// `(m, k, n)`, `C[m, n] = A[m, k] B[k, n]`, and what it stands for.
@@ -93,7 +94,12 @@ fn main() {
     for (m, k, n, what) in SHAPES {
         let a = values(m * k, 1);
         let b = values(k * n, 2);
-        let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+        // On a cache line, as bf16 weights converted at load are.
+        let mut a16 = Aligned::<bf16>::zeroed(m * k);
+        for (d, &v) in a16.as_mut_slice().iter_mut().zip(&a) {
+            *d = bf16::from_f32(v);
+        }
+        let a16 = a16.as_slice();
         let b16: Vec<bf16> = b.iter().map(|&v| bf16::from_f32(v)).collect();
         let packed = PackedB::from_rows(&b16, n, k, n);
         let mut c = vec![0.0f32; m * n];
@@ -104,7 +110,7 @@ fn main() {
             let out = Out(c.as_mut_ptr());
             t16 = t16.min(best(repeat, || {
                 // The epilogue stores the block into `C`, as the f32 product does.
-                half_gemm::gemm(&a16, k, m, &packed, |block| {
+                half_gemm::gemm(a16, k, m, &packed, |block| {
                     for i in 0..block.rows {
                         let at = (block.row0 + i) * n + block.col0;
                         // SAFETY: blocks are disjoint parts of `c` [m, n].

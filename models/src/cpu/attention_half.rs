@@ -14,7 +14,7 @@ use burn_flex::{FlexTensor, Layout};
 
 use super::aligned::Aligned;
 use super::attention_f32::{exp_shifted_into, Shape};
-use super::common::{narrow, round_bf16, widen, OutPtr};
+use super::common::{narrow, round_bf16, widen, zeroed_bf16, OutPtr};
 use super::half_gemm::{self, PackedB};
 use super::simd;
 
@@ -33,7 +33,7 @@ pub(crate) fn attention_half(
     let dtype = q.dtype();
     let dims = vec![shape.batch, shape.s_q, shape.heads * shape.head_dim];
     if dtype == DType::BF16 && half_gemm::available() {
-        let mut out = vec![bf16::ZERO; dims.iter().product()];
+        let mut out = zeroed_bf16(dims.iter().product());
         bf16_products(
             q.storage::<bf16>(),
             k.storage::<bf16>(),

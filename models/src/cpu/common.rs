@@ -138,6 +138,13 @@ pub(crate) fn convert<S: Sync + Copy, D: Send + Copy + Default>(
     out
 }
 
+/// `len` bf16 zeros, allocated zeroed (fresh pages from the kernel need no zeroing pass, which
+/// `vec![bf16::ZERO; len]` writes value by value).
+pub(crate) fn zeroed_bf16(len: usize) -> Vec<half::bf16> {
+    use half::vec::HalfBitsVecExt;
+    vec![0u16; len].reinterpret_into()
+}
+
 /// `x` rounded to the nearest bf16 (ties to even), NaN kept NaN: `half::bf16::from_f32` in
 /// branch-free integer arithmetic the compiler vectorizes (the library's has branches).
 #[inline(always)]

@@ -10,7 +10,7 @@ use half::bf16;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
-use super::common::{narrow, round_bf16, widen, OutPtr};
+use super::common::{narrow, round_bf16, widen, zeroed_bf16, OutPtr};
 use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
 use super::half_gemm::{self, PackedB};
 
@@ -66,7 +66,7 @@ fn conv2d_bf16_gemm(
         Some(b) => widen(b).storage::<f32>().to_vec(),
         None => vec![0.0; c_out],
     };
-    let mut out = vec![bf16::ZERO; n * c_out * plane_out];
+    let mut out = zeroed_bf16(n * c_out * plane_out);
     let geometry = Im2col {
         h,
         w,
@@ -94,8 +94,8 @@ fn conv2d_bf16_gemm(
         // the product's 32-column blocks. Each column's sums do not depend on its neighbours,
         // so a sample's output is the same as when convolved alone.
         let cols = n * plane_out;
-        let mut col = vec![bf16::ZERO; col_len * cols];
-        let mut one = vec![bf16::ZERO; if pointwise { 0 } else { col_len * plane_out }];
+        let mut col = zeroed_bf16(col_len * cols);
+        let mut one = zeroed_bf16(if pointwise { 0 } else { col_len * plane_out });
         for b in 0..n {
             let x = &x_all[b * c_in * h * w..(b + 1) * c_in * h * w];
             let src: &[bf16] = if pointwise {

@@ -5,6 +5,7 @@
 //! has them, else AVX512-BF16 ([`super::avx512_bf16`]). Callers check [`available`] first;
 //! without either they widen to f32 and use the f32 kernels instead.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use half::bf16;
@@ -86,11 +87,11 @@ impl PackedB {
                     if kk + 1 < k {
                         let odd = &b[(kk + 1) * ldb + j0..(kk + 1) * ldb + j0 + cols];
                         for ((pair, e), o) in pairs.iter_mut().zip(even).zip(odd) {
-                            *pair = pair_of(*e, *o);
+                            pair.write(pair_of(*e, *o));
                         }
                     } else {
                         for (pair, e) in pairs.iter_mut().zip(even) {
-                            *pair = pair_of(*e, bf16::ZERO);
+                            pair.write(pair_of(*e, bf16::ZERO));
                         }
                     }
                 }
@@ -114,7 +115,7 @@ impl PackedB {
                     let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
                     for (r, two) in src.chunks(2).enumerate() {
                         let odd = two.get(1).copied().unwrap_or(bf16::ZERO);
-                        panel[r * TILE_ROWS + j] = pair_of(two[0], odd);
+                        panel[r * TILE_ROWS + j].write(pair_of(two[0], odd));
                     }
                 }
             },
@@ -130,23 +131,35 @@ impl PackedB {
     }
 
     /// The pair layout for `k` rows and `n` columns, zero-padded, each panel of 16 columns
-    /// filled (in parallel) by `fill(first column, columns in it, panel)`.
-    fn pairs(k: usize, n: usize, fill: impl Fn(usize, usize, &mut [u32]) + Sync) -> Self {
+    /// filled (in parallel) by `fill(first column, columns in it, panel)`, which must write
+    /// every pair `r < k.div_ceil(2)` of those columns (`panel[r * 16 + j]`, `j < columns`);
+    /// the padding is zeroed here, and nothing is written twice.
+    fn pairs(
+        k: usize,
+        n: usize,
+        fill: impl Fn(usize, usize, &mut [MaybeUninit<u32>]) + Sync,
+    ) -> Self {
         let k_pad = k.next_multiple_of(TILE_K);
         let panels = n.next_multiple_of(BLOCK) / TILE_ROWS;
         let panel_len = k_pad / 2 * TILE_ROWS;
-        let mut values = Aligned::zeroed(panels * panel_len);
-        values
-            .as_mut_slice()
-            .par_chunks_mut(panel_len)
-            .enumerate()
-            .for_each(|(p, panel)| {
-                let j0 = p * TILE_ROWS;
-                let cols = n.saturating_sub(j0).min(TILE_ROWS);
-                if cols > 0 {
-                    simd::vectorize!(fill(j0, cols, panel));
-                }
-            });
+        let filled_rows = k.div_ceil(2) * TILE_ROWS;
+        let fill_all = |all: &mut [MaybeUninit<u32>]| {
+            all.par_chunks_mut(panel_len)
+                .enumerate()
+                .for_each(|(p, panel)| {
+                    let j0 = p * TILE_ROWS;
+                    let cols = n.saturating_sub(j0).min(TILE_ROWS);
+                    let padding = if cols < TILE_ROWS { 0 } else { filled_rows };
+                    panel[padding..].fill(MaybeUninit::new(0));
+                    if cols > 0 {
+                        simd::vectorize!(fill(j0, cols, panel));
+                    }
+                })
+        };
+        // SAFETY: every value is written: a panel's rows past `k` (and all of a panel with
+        // fewer than 16 columns) are zeroed above, and `fill` writes the rest, as its contract
+        // asks.
+        let values = unsafe { Aligned::from_uninit(panels * panel_len, fill_all) };
         Self {
             k,
             n,

@@ -24,7 +24,7 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use half::bf16;
 
-use super::common::{from_flex, into_flex, is_flex, round_bf16, widen, OutPtr};
+use super::common::{from_flex, into_flex, is_flex, round_bf16, widen, zeroed_bf16, OutPtr};
 use super::half_gemm::{self, PackedB};
 
 /// The inputs handed back when [`linear`] does not apply.
@@ -69,7 +69,7 @@ pub fn linear<B: Backend, const D: usize>(
         None => vec![0.0; d_out],
     };
     let m = x.layout().num_elements() / d_in.max(1);
-    let mut out = vec![bf16::ZERO; m * d_out];
+    let mut out = zeroed_bf16(m * d_out);
     let ptr = OutPtr(out.as_mut_ptr());
     let x_rows = x.storage::<bf16>();
     if checkpoint_layout {
