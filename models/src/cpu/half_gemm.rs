@@ -291,18 +291,19 @@ impl<'a> TiledA<'a> {
         }
         let block_len = BLOCK * k_pad;
         let mut values = Aligned::zeroed(m.div_ceil(BLOCK) * block_len);
-        let fill = |(block, tiles): (usize, &mut [u16])| Self::fill(a, lda, m, k, block, tiles);
         match threads {
             Threads::Pool => values
                 .as_mut_slice()
                 .par_chunks_mut(block_len)
                 .enumerate()
-                .for_each(|job| simd::vectorize!(fill(job))),
+                .for_each(|(block, tiles)| {
+                    simd::vectorize!(Self::fill(a, lda, m, k, block, tiles))
+                }),
             Threads::Caller => simd::vectorize!(values
                 .as_mut_slice()
                 .chunks_mut(block_len)
                 .enumerate()
-                .for_each(fill)),
+                .for_each(|(block, tiles)| Self::fill(a, lda, m, k, block, tiles))),
         }
         Self::Packed { values, block_len }
     }
@@ -350,7 +351,8 @@ impl<'a> TiledA<'a> {
     }
 }
 
-/// A job's buffers: `A`'s rows padded where needed, and the blocks of `C` of its chunk.
+/// A job's buffers: `A`'s rows padded where needed (for the AVX512-BF16 kernel; AMX reads
+/// [`TiledA`]), and the blocks of `C` of its chunk.
 struct Scratch {
     rows: Vec<u16>,
     /// One block of `C` per 32 columns of a job's chunk: the AMX kernel's sums between slices
