@@ -3,7 +3,7 @@
 //! A tile row that starts on a 64-byte boundary is one cache line; one that does not is split
 //! over two, and a tile load then reads twice the lines at about half the speed. Vectors of
 //! `u16`, `u32` or `f32` are only aligned to their element, so the AMX product keeps its packed
-//! operands and its blocks of sums in these.
+//! operands and its blocks of sums in these, and weights converted at load are allocated so.
 
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
@@ -23,17 +23,30 @@ unsafe impl Pod for Line {}
 
 /// `len` zeroed values of `T` whose first value starts a cache line.
 pub struct Aligned<T> {
-    lines: Vec<Line>,
+    storage: Storage,
     len: usize,
     values: PhantomData<T>,
 }
+
+/// Where an [`Aligned`] buffer's bytes live.
+enum Storage {
+    /// Whole lines from the allocator.
+    Heap(Vec<Line>),
+    /// An anonymous mapping (page-aligned, zeroed by the kernel), asked for huge pages where
+    /// Linux gives them: a large buffer then faults in once every 2 MiB, not every 4 KiB.
+    Mapped(memmap2::MmapMut),
+}
+
+/// The smallest buffer [`Aligned::from_uninit_mapped`] maps: below it a mapping's system calls
+/// cost more than the page faults they save.
+const MAPPED_MIN_BYTES: usize = 4 << 20;
 
 impl<T: Pod> Aligned<T> {
     /// `len` zeros.
     pub fn zeroed(len: usize) -> Self {
         let bytes = len * size_of::<T>();
         Self {
-            lines: vec![Line([0; 64]); bytes.div_ceil(size_of::<Line>())],
+            storage: Storage::Heap(vec![Line([0; 64]); bytes.div_ceil(size_of::<Line>())]),
             len,
             values: PhantomData,
         }
@@ -65,18 +78,62 @@ impl<T: Pod> Aligned<T> {
         // last line was zeroed above, so all `lines` lines are initialized.
         unsafe { buf.set_len(lines) };
         Self {
-            lines: buf,
+            storage: Storage::Heap(buf),
             len,
             values: PhantomData,
         }
     }
 
+    /// [`Self::from_uninit`] for a large buffer that lives long (weights converted at load):
+    /// from 4 MiB on, an anonymous mapping asked for huge pages, so filling it takes one page
+    /// fault a 2 MiB page; smaller, or when the mapping fails, from the allocator.
+    ///
+    /// # Safety
+    /// As for [`Self::from_uninit`]: `fill` writes every one of the `len` values it is handed.
+    pub unsafe fn from_uninit_mapped(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Self {
+        let bytes = len * size_of::<T>();
+        let map = (bytes >= MAPPED_MIN_BYTES)
+            .then(|| memmap2::MmapMut::map_anon(bytes).ok())
+            .flatten();
+        let Some(mut map) = map else {
+            // SAFETY: the caller's promise, passed on.
+            return unsafe { Self::from_uninit(len, fill) };
+        };
+        // Only a hint: without transparent huge pages the mapping works as it is.
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
+        // The mapping is page-aligned and zeroed, so it holds `len` valid values of `T`.
+        let values: &mut [T] = bytemuck::cast_slice_mut(&mut map[..]);
+        // SAFETY: `MaybeUninit<T>` has `T`'s layout; every value is initialized now and `fill`
+        // writes initialized values only (the caller's promise), so they stay valid `T`s.
+        let values = unsafe {
+            std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<MaybeUninit<T>>(), len)
+        };
+        fill(values);
+        Self {
+            storage: Storage::Mapped(map),
+            len,
+            values: PhantomData,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Heap(lines) => bytemuck::cast_slice(lines),
+            Storage::Mapped(map) => map,
+        }
+    }
+
     pub fn as_slice(&self) -> &[T] {
-        &bytemuck::cast_slice(&self.lines)[..self.len]
+        &bytemuck::cast_slice(self.bytes())[..self.len]
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [T] {
-        &mut bytemuck::cast_slice_mut(&mut self.lines)[..self.len]
+        let bytes: &mut [u8] = match &mut self.storage {
+            Storage::Heap(lines) => bytemuck::cast_slice_mut(lines),
+            Storage::Mapped(map) => map,
+        };
+        &mut bytemuck::cast_slice_mut(bytes)[..self.len]
     }
 }
 
@@ -121,5 +178,27 @@ mod tests {
             assert_eq!(buf.as_slice(), expected);
             assert_eq!(buf.as_ref().len(), 2 * len);
         }
+    }
+
+    #[test]
+    fn a_mapped_buffer_holds_what_fill_wrote_on_a_cache_line() {
+        // Above the size that maps, and an odd length.
+        let len = MAPPED_MIN_BYTES / 4 + 17;
+        // SAFETY: the closure writes every value.
+        let buf = unsafe {
+            Aligned::<f32>::from_uninit_mapped(len, |values| {
+                for (i, v) in values.iter_mut().enumerate() {
+                    v.write(i as f32);
+                }
+            })
+        };
+        assert!(matches!(buf.storage, Storage::Mapped(_)));
+        assert_eq!(buf.as_slice().as_ptr() as usize % 64, 0);
+        assert_eq!(buf.as_slice().len(), len);
+        assert!(buf
+            .as_slice()
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == i as f32));
     }
 }
