@@ -1,4 +1,4 @@
-//! Zeroed buffers that start on a cache line, for the operands of AMX tile loads and stores.
+//! Buffers that start on a cache line, for the operands of AMX tile loads and stores.
 //!
 //! A tile row that starts on a 64-byte boundary is one cache line; one that does not is split
 //! over two, and a tile load then reads twice the lines at about half the speed. Vectors of
@@ -21,7 +21,7 @@ unsafe impl Zeroable for Line {}
 // SAFETY: as above; it holds no pointers and is `Copy`.
 unsafe impl Pod for Line {}
 
-/// `len` zeroed values of `T` whose first value starts a cache line.
+/// `len` values of `T` (zeros, or what a fill wrote) whose first value starts a cache line.
 pub struct Aligned<T> {
     storage: Storage,
     len: usize,
