@@ -15,7 +15,7 @@ use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
 use crate::cpu::aligned::Aligned;
-use crate::cpu::common::round_bf16;
+use crate::cpu::common::{round_bf16, widen_f16};
 
 /// The float types oxidiff reads from a checkpoint, as stored (little-endian).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,9 +174,8 @@ fn map<S: Sync + Copy, D: Send + Copy>(
         });
 }
 
-/// f16 `src` converted into `out` (as long as `src`): widened a block at a time with the
-/// slice conversion (F16C vector instructions where the CPU has them; `f16::to_f32` one value
-/// at a time asks the CPU for the feature on every call).
+/// f16 `src` converted into `out` (as long as `src`): widened a block at a time
+/// ([`widen_f16`]), then each value put into `T`.
 fn map_f16<T: Target>(src: &[f16], out: &mut [MaybeUninit<T>]) {
     use rayon::prelude::*;
     const BLOCK: usize = 1024;
@@ -195,42 +194,6 @@ fn map_f16<T: Target>(src: &[f16], out: &mut [MaybeUninit<T>]) {
                 })
             }
         });
-}
-
-/// f16 `src` widened into `dst` (as long), exactly: 16 values an instruction (`vcvtph2ps`)
-/// where the CPU has AVX-512, else the `half` crate's slice conversion (F16C 8 at a time,
-/// through a call per 8 values).
-fn widen_f16(src: &[f16], dst: &mut [f32]) {
-    use half::slice::HalfFloatSliceExt;
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::simd::width() == crate::cpu::simd::VectorWidth::Avx512 {
-        // SAFETY: `width` reports AVX-512 only where the CPU has AVX-512 F.
-        unsafe { widen_f16_avx512(src, dst) };
-        return;
-    }
-    src.convert_to_f32_slice(dst);
-}
-
-/// [`widen_f16`] on AVX-512.
-///
-/// # Safety
-/// The CPU has AVX-512 F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn widen_f16_avx512(src: &[f16], dst: &mut [f32]) {
-    use half::slice::HalfFloatSliceExt;
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm512_cvtph_ps, _mm512_storeu_ps};
-    assert_eq!(src.len(), dst.len());
-    let mut from = src.chunks_exact(16);
-    let mut to = dst.chunks_exact_mut(16);
-    for (from, to) in (&mut from).zip(&mut to) {
-        // SAFETY: `from` holds 16 f16 (32 bytes, read unaligned) and `to` 16 f32.
-        unsafe {
-            let halves = _mm256_loadu_si256(from.as_ptr().cast::<__m256i>());
-            _mm512_storeu_ps(to.as_mut_ptr(), _mm512_cvtph_ps(halves));
-        }
-    }
-    from.remainder().convert_to_f32_slice(to.into_remainder());
 }
 
 /// The values of `bytes` (stored as `stored`) as f32.

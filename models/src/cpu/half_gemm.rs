@@ -318,9 +318,7 @@ impl<'a> TiledA<'a> {
             let (half, r) = (i / TILE_ROWS, i % TILE_ROWS);
             for (step, src) in row.chunks(TILE_K).enumerate() {
                 let at = (step * 2 + half) * Self::TILE + r * TILE_K;
-                for (d, s) in tiles[at..at + src.len()].iter_mut().zip(src) {
-                    *d = s.to_bits();
-                }
+                tiles[at..at + src.len()].copy_from_slice(bytemuck::cast_slice(src));
             }
         }
     }
