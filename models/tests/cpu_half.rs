@@ -665,6 +665,18 @@ fn bf16_products_match_f64_on_the_widened_fallback() {
     }
 }
 
+#[test]
+fn bf16_products_match_f64_at_the_baseline_vector_width() {
+    // The products keep their kernel; the softmax and the rounding around them take the
+    // portable arithmetic instead of AVX512-BF16's instructions.
+    if oxidiff_test_support::isolated(
+        "bf16_products_match_f64_at_the_baseline_vector_width",
+        &[("OXIDIFF_CPU_SIMD", "baseline")],
+    ) {
+        check_bf16_products(half_gemm::kernel());
+    }
+}
+
 /// A sample's bf16 convolution is bit for bit the same alone as in a batch of 2, 3 or 4, for
 /// planes small enough that the batch's columns go into one product and for larger ones.
 #[test]

@@ -116,13 +116,16 @@ pub struct LeftTiles {
     pub step_bytes: usize,
 }
 
-/// One 32x32 f32 block `out = A B` over `k_steps * 32` values of k, written row-major with a
-/// row stride of 32 floats into `out`; with `accumulate`, `out += A B` (the block's earlier
-/// sums loaded into the accumulators first), so a product can run over k in slices.
+/// One 32x32 f32 block `out = A B` over `k_steps * 32` values of k, written row-major into
+/// `out` (`out_row_bytes` from one row to the next); with `accumulate`, `out += A B` (the
+/// block's earlier sums loaded into the accumulators first), so a product can run over k in
+/// slices.
 ///
 /// - `a`: the 32 rows of `A`, in tiles as [`LeftTiles`] says.
 /// - `b`: two right-hand panels in the pair layout ([`super::half_gemm::PackedB`]), the second
 ///   `panel_bytes` after the first: for each pair of k rows, 16 columns of two bf16 values.
+/// - `out`: 32 rows of 32 floats, `out_row_bytes` apart (rows on cache lines load and store
+///   fastest).
 ///
 /// # Safety
 /// [`configure_thread`] ran on this thread; every byte read or written lies inside its buffer.
@@ -132,16 +135,17 @@ pub unsafe fn block_2x2(
     b: *const u16,
     panel_bytes: usize,
     k_steps: usize,
-    out: &mut [f32; BLOCK * BLOCK],
+    out: *mut f32,
+    out_row_bytes: usize,
     accumulate: bool,
 ) {
     debug_assert!(k_steps > 0);
     let b_right = b.cast::<u8>().add(panel_bytes);
-    let out = out.as_mut_ptr().cast::<u8>();
+    let out = out.cast::<u8>();
     let (c1, c2, c3) = (
         out.add(64),
-        out.add(TILE_ROWS * BLOCK * 4),
-        out.add(TILE_ROWS * BLOCK * 4 + 64),
+        out.add(TILE_ROWS * out_row_bytes),
+        out.add(TILE_ROWS * out_row_bytes + 64),
     );
     if accumulate {
         std::arch::asm!(
@@ -153,7 +157,7 @@ pub unsafe fn block_2x2(
             c1 = in(reg) c1,
             c2 = in(reg) c2,
             c3 = in(reg) c3,
-            row = in(reg) BLOCK * 4,
+            row = in(reg) out_row_bytes,
             options(nostack, readonly),
         );
     } else {
@@ -195,7 +199,7 @@ pub unsafe fn block_2x2(
         lda = in(reg) a.row_bytes,
         a_step = in(reg) a.step_bytes,
         pair_row = in(reg) 64usize,
-        row = in(reg) BLOCK * 4,
+        row = in(reg) out_row_bytes,
         c = in(reg) out,
         c1 = in(reg) c1,
         c2 = in(reg) c2,
@@ -221,7 +225,8 @@ pub unsafe fn block_2x2(
     _b: *const u16,
     _panel_bytes: usize,
     _k_steps: usize,
-    _out: &mut [f32; BLOCK * BLOCK],
+    _out: *mut f32,
+    _out_row_bytes: usize,
     _accumulate: bool,
 ) {
     unreachable!("AMX exists only on x86_64")

@@ -170,10 +170,16 @@ pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
     })
 }
 
-/// [`exp_shifted`] written through `put` into `out` (as long as `row`) rather than in place,
-/// with the same sum: the half-precision attention's probabilities in one pass.
+/// `exp((row - max(row)) * scale)` written through `put` into `out` (as long as `row`), and its
+/// sum: the half-precision attention's probabilities in one pass, the scores' scale (positive)
+/// applied here.
 #[inline(always)]
-pub(crate) fn exp_shifted_into<T>(row: &[f32], out: &mut [T], put: impl Fn(f32) -> T) -> f32 {
+pub(crate) fn exp_shifted_into<T>(
+    row: &[f32],
+    scale: f32,
+    out: &mut [T],
+    put: impl Fn(f32) -> T,
+) -> f32 {
     let max = row_max(row);
     let out = &mut out[..row.len()];
     let mut sums = [0.0f32; LANES];
@@ -181,14 +187,14 @@ pub(crate) fn exp_shifted_into<T>(row: &[f32], out: &mut [T], put: impl Fn(f32) 
     let mut rows = row.chunks_exact(LANES);
     for (o, x) in (&mut chunks).zip(&mut rows) {
         for ((s, o), x) in sums.iter_mut().zip(o.iter_mut()).zip(x) {
-            let e = exp_nonpositive(*x - max);
+            let e = exp_nonpositive((*x - max) * scale);
             *o = put(e);
             *s += e;
         }
     }
     let mut tail = 0.0f32;
     for (o, x) in chunks.into_remainder().iter_mut().zip(rows.remainder()) {
-        let e = exp_nonpositive(*x - max);
+        let e = exp_nonpositive((*x - max) * scale);
         *o = put(e);
         tail += e;
     }

@@ -1,10 +1,11 @@
 //! Multi-head attention in bf16 and f16 for burn-flex, used by [`super::attention::attention`].
 //! In bf16 where [`super::half_gemm`] runs (AMX or AVX512-BF16), per (sample, head): the keys
-//! packed as `k^T` and the values once, then for each block of queries `q k^T` into f32
-//! scores, the softmax in f32, the probabilities rounded to bf16 (as torch's CPU flash
-//! attention does for reduced precision) for `p v`, and the rows divided by their sums as they
-//! are rounded into the bf16 output. Elsewhere (and in f16) the tensors are widened to f32 for
-//! the f32 kernel and its output rounded back.
+//! packed as `k^T` and the values once, then for each block of queries `q k^T` stored as f32
+//! scores straight from the product, the softmax in f32 with the scale folded into the
+//! exponentials, the probabilities rounded to bf16 (as torch's CPU flash attention does for
+//! reduced precision) for `p v`, and the rows divided by their sums as they are rounded into
+//! the bf16 output. Elsewhere (and in f16) the tensors are widened to f32 for the f32 kernel
+//! and its output rounded back.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -14,7 +15,11 @@ use burn_flex::{FlexTensor, Layout};
 
 use super::aligned::Aligned;
 use super::attention_f32::{exp_shifted_into, Shape};
-use super::common::{narrow, round_bf16, widen, zeroed_bf16, OutPtr};
+#[cfg(target_arch = "x86_64")]
+use super::common::tail_mask;
+use super::common::{
+    bf16_instructions, narrow, round_bf16, round_bf16_scaled, widen, zeroed_bf16, OutPtr,
+};
 use super::half_gemm::{self, PackedB};
 use super::simd;
 
@@ -58,7 +63,10 @@ pub(crate) fn attention_half(
     narrow(out, dtype)
 }
 
-/// Every (sample, head) in parallel on rayon's pool, its query blocks one after another.
+/// Every (sample, head) in parallel on rayon's pool, its query blocks one after another: `q k^T`
+/// stored as f32 scores straight from the product, the scale folded into the exponentials, the
+/// probabilities rounded to bf16 for `p v`, and each output row divided by its sum as it is
+/// rounded.
 fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf16]) {
     let Shape {
         batch,
@@ -70,11 +78,13 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
     } = shape;
     let inner = heads * d;
     let scale = 1.0 / (d as f32).sqrt();
+    // The scores' rows hold whole blocks of 32 keys, so the product stores its tiles whole.
+    let ld_scores = s_kv.next_multiple_of(half_gemm::BLOCK);
     let ptr = OutPtr(out.as_mut_ptr());
     (0..batch * heads).into_par_iter().for_each_init(
         || {
             (
-                vec![0.0f32; QUERY_BLOCK * s_kv],
+                Aligned::<f32>::zeroed(QUERY_BLOCK * ld_scores),
                 Aligned::<bf16>::zeroed(QUERY_BLOCK * s_kv),
             )
         },
@@ -88,36 +98,26 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
                 while row0 < s_q {
                     let rows = QUERY_BLOCK.min(s_q - row0);
                     let q0 = (sample * s_q + row0) * inner + head * d;
-                    let scores_ptr = OutPtr(scores.as_mut_ptr());
-                    half_gemm::gemm_on_this_thread(
+                    half_gemm::gemm_f32_on_this_thread(
                         &q[q0..],
                         inner,
                         rows,
                         &keys,
-                        #[inline(always)]
-                        |block| {
-                            for i in 0..block.rows {
-                                let at = (block.row0 + i) * s_kv + block.col0;
-                                // SAFETY: blocks are disjoint parts of `scores` (`rows * s_kv`).
-                                let dst = unsafe {
-                                    std::slice::from_raw_parts_mut(scores_ptr.add(at).0, block.cols)
-                                };
-                                for (d, s) in dst.iter_mut().zip(block.row(i)) {
-                                    *d = s * scale;
-                                }
-                            }
-                        },
+                        scores.as_mut_slice(),
+                        ld_scores,
                     );
                     let mut sums = [0.0f32; QUERY_BLOCK];
-                    for (r, ((row, p), sum)) in scores[..rows * s_kv]
+                    for (r, (p, sum)) in probs
+                        .as_mut_slice()
                         .chunks_exact_mut(s_kv)
-                        .zip(probs.as_mut_slice().chunks_exact_mut(s_kv))
                         .zip(sums.iter_mut())
+                        .take(rows)
                         .enumerate()
                     {
                         let visible = masking.visible(row0 + r, s_kv);
+                        let row = &scores.as_slice()[r * ld_scores..r * ld_scores + visible];
                         let (p_seen, p_masked) = p.split_at_mut(visible);
-                        *sum = exp_shifted_into(&row[..visible], p_seen, round_bf16);
+                        *sum = probabilities(row, scale, p_seen);
                         p_masked.fill(bf16::ZERO);
                     }
                     half_gemm::gemm_on_this_thread(
@@ -130,14 +130,11 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
                             for i in 0..block.rows {
                                 let r = block.row0 + i;
                                 let at = q0 + r * inner + block.col0;
-                                let inv = 1.0 / sums[r];
                                 // SAFETY: this job alone writes head `head` of these query rows.
                                 let dst = unsafe {
                                     std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols)
                                 };
-                                for (d, s) in dst.iter_mut().zip(block.row(i)) {
-                                    *d = round_bf16(s * inv);
-                                }
+                                round_bf16_scaled(block.row(i), 1.0 / sums[r], dst);
                             }
                         },
                     );
@@ -146,4 +143,136 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
             })
         },
     );
+}
+
+/// One row of softmax numerators: `probs[j] = bf16(e^((row[j] - max) * scale))` (`probs` as
+/// long as `row`), and the f32 sum of the unrounded exponentials returned. On AVX512-BF16 (see
+/// [`bf16_instructions`]) with `vscalefps` and `vcvtneps2bf16`, else in portable arithmetic.
+#[inline(always)]
+fn probabilities(row: &[f32], scale: f32, probs: &mut [bf16]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_instructions() {
+        // SAFETY: `bf16_instructions` found AVX-512 (F, BW, VL) and AVX512-BF16.
+        return unsafe { probabilities_avx512(row, scale, probs) };
+    }
+    exp_shifted_into(row, scale, probs, round_bf16)
+}
+
+/// [`probabilities`] on AVX-512: `e^x` as `2^t` for `t = x log2(e)`, split as `t = n + f`
+/// (`n` the nearest integer, `|f| <= 1/2`), `2^f` by its degree-6 Taylor polynomial (remainder
+/// under 1.2e-7 relative) and `2^n` applied by `vscalefps`.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and AVX512-BF16; `probs` is as long as `row`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn probabilities_avx512(row: &[f32], scale: f32, probs: &mut [bf16]) -> f32 {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(row.len(), probs.len());
+    let n = row.len();
+    let (from, to) = (row.as_ptr(), probs.as_mut_ptr().cast::<i16>());
+    let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let (mut max0, mut max1) = (neg_inf, neg_inf);
+    let mut i = 0;
+    while i + 32 <= n {
+        max0 = _mm512_max_ps(max0, _mm512_loadu_ps(from.add(i)));
+        max1 = _mm512_max_ps(max1, _mm512_loadu_ps(from.add(i + 16)));
+        i += 32;
+    }
+    while i < n {
+        let mask = if n - i >= 16 {
+            u16::MAX
+        } else {
+            tail_mask(n - i)
+        };
+        max0 = _mm512_max_ps(max0, _mm512_mask_loadu_ps(neg_inf, mask, from.add(i)));
+        i += 16;
+    }
+    let max = _mm512_reduce_max_ps(_mm512_max_ps(max0, max1));
+    // A row of -inf (or an empty one) stays zeros rather than NaN, as in `row_max`.
+    let max = if max.is_finite() { max } else { 0.0 };
+    let c = scale * std::f32::consts::LOG2_E;
+    let (times, minus) = (_mm512_set1_ps(c), _mm512_set1_ps(max * c));
+    let floor = _mm512_set1_ps(-127.0);
+    // ln(2)^k / k!, k = 6 down to 1.
+    let terms = [
+        1.540_353e-4f32,
+        1.333_355_8e-3,
+        9.618_129e-3,
+        5.550_411e-2,
+        0.240_226_5,
+        std::f32::consts::LN_2,
+    ];
+    let exp = |x: __m512| {
+        // `floor` first, so a NaN `t` stays NaN (`vmaxps` returns its second operand then).
+        let t = _mm512_max_ps(floor, _mm512_fmsub_ps(x, times, minus));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm512_sub_ps(t, n);
+        let mut p = _mm512_set1_ps(terms[0]);
+        for term in &terms[1..] {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(*term));
+        }
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
+        _mm512_scalef_ps(p, n)
+    };
+    let mut sum = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        let e = exp(_mm512_loadu_ps(from.add(i)));
+        sum = _mm512_add_ps(sum, e);
+        let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(e));
+        _mm256_storeu_si256(to.add(i).cast::<__m256i>(), rounded);
+        i += 16;
+    }
+    if i < n {
+        let mask = tail_mask(n - i);
+        let e = exp(_mm512_maskz_loadu_ps(mask, from.add(i)));
+        sum = _mm512_mask_add_ps(sum, mask, sum, e);
+        let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(e));
+        _mm256_mask_storeu_epi16(to.add(i), mask, rounded);
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both ways of computing a row's probabilities against f64: each within bf16's rounding
+    /// (2^-8 relative) of the exact value, the sum within 1e-6 relative.
+    #[test]
+    fn probabilities_match_f64() {
+        let scale = 1.0 / 40f32.sqrt();
+        for len in [1usize, 15, 16, 17, 33, 300] {
+            let row: Vec<f32> = (0..len)
+                .map(|i| ((i * 7919 % 613) as f32 / 613.0 - 0.5) * 60.0)
+                .collect();
+            let max = row
+                .iter()
+                .copied()
+                .fold(f64::NEG_INFINITY, |m, x| m.max(x as f64));
+            let exact: Vec<f64> = row
+                .iter()
+                .map(|&x| ((x as f64 - max) * scale as f64).exp())
+                .collect();
+            let exact_sum: f64 = exact.iter().sum();
+            let mut dispatched = vec![bf16::ZERO; len];
+            let mut portable = vec![bf16::ZERO; len];
+            let sums = [
+                probabilities(&row, scale, &mut dispatched),
+                exp_shifted_into(&row, scale, &mut portable, round_bf16),
+            ];
+            for (sum, probs) in sums.iter().zip([&dispatched, &portable]) {
+                let error = (*sum as f64 - exact_sum).abs() / exact_sum;
+                assert!(error < 1e-6, "length {len}: sum {sum} against {exact_sum}");
+                for (j, (p, e)) in probs.iter().zip(&exact).enumerate() {
+                    let p = p.to_f32() as f64;
+                    assert!(
+                        (p - e).abs() <= e * 2f64.powi(-8) + 1e-37,
+                        "length {len}, key {j}: {p} against {e}"
+                    );
+                }
+            }
+        }
+    }
 }

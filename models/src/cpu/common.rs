@@ -202,6 +202,74 @@ pub fn round_bf16(x: f32) -> half::bf16 {
     half::bf16::from_bits(if is_nan { nan } else { rounded } as u16)
 }
 
+/// Whether the CPU rounds f32 to bf16 in one instruction (`vcvtneps2bf16`, AVX512-BF16) and
+/// the vector width allows AVX-512 ([`super::simd::width`]). Asked once.
+pub(crate) fn bf16_instructions() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            super::simd::width() == super::simd::VectorWidth::Avx512
+                && is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// `src[i] * factor` rounded to bf16 (nearest even) into `dst` (as long): 16 values an
+/// instruction where [`bf16_instructions`], else [`round_bf16`] a value at a time. The
+/// instruction flushes results below f32's normal range (magnitude under 1.2e-38) to zero,
+/// where [`round_bf16`] keeps them.
+pub(crate) fn round_bf16_scaled(src: &[f32], factor: f32, dst: &mut [half::bf16]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if bf16_instructions() {
+        // SAFETY: `bf16_instructions` found AVX-512 (F, BW, VL) and AVX512-BF16.
+        unsafe { round_bf16_scaled_avx512(src, factor, dst) };
+        return;
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = round_bf16(s * factor);
+    }
+}
+
+/// [`round_bf16_scaled`] on AVX512-BF16.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and AVX512-BF16; `src` and `dst` are equally long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(crate) unsafe fn round_bf16_scaled_avx512(src: &[f32], factor: f32, dst: &mut [half::bf16]) {
+    use std::arch::x86_64::*;
+    let n = src.len();
+    let (from, to) = (src.as_ptr(), dst.as_mut_ptr().cast::<i16>());
+    let factor = _mm512_set1_ps(factor);
+    let mut i = 0;
+    while i + 16 <= n {
+        let x = _mm512_mul_ps(_mm512_loadu_ps(from.add(i)), factor);
+        let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(x));
+        _mm256_storeu_si256(to.add(i).cast::<__m256i>(), rounded);
+        i += 16;
+    }
+    if i < n {
+        let mask = tail_mask(n - i);
+        let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, from.add(i)), factor);
+        let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(x));
+        _mm256_mask_storeu_epi16(to.add(i), mask, rounded);
+    }
+}
+
+/// The mask of the first `count` (under 16) lanes of a 16-lane vector.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn tail_mask(count: usize) -> u16 {
+    debug_assert!(count < 16);
+    ((1u32 << count) - 1) as u16
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,6 +288,46 @@ mod tests {
                     "f16 bits {:#06x}",
                     h.to_bits()
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn scaled_rounding_equals_round_bf16_outside_the_subnormals() {
+        // Every bf16 upper half with low halves at the rounding boundary and beside it (ties
+        // to even up and down), a few factors, and an odd length so the masked tail runs.
+        let mut src = Vec::new();
+        for high in (0..=u16::MAX as u32).step_by(7) {
+            for low in [0u32, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                src.push(f32::from_bits(high << 16 | low));
+            }
+        }
+        src.pop();
+        for factor in [1.0f32, 0.125, 0.37] {
+            let mut got = vec![half::bf16::ZERO; src.len()];
+            round_bf16_scaled(&src, factor, &mut got);
+            #[cfg(target_arch = "x86_64")]
+            let instruction = bf16_instructions().then(|| {
+                let mut out = vec![half::bf16::ZERO; src.len()];
+                // SAFETY: `bf16_instructions` found the features.
+                unsafe { round_bf16_scaled_avx512(&src, factor, &mut out) };
+                out
+            });
+            #[cfg(not(target_arch = "x86_64"))]
+            let instruction: Option<Vec<half::bf16>> = None;
+            for paths in [Some(got), instruction].into_iter().flatten() {
+                for (x, g) in src.iter().zip(&paths) {
+                    let scaled = x * factor;
+                    let want = round_bf16(scaled);
+                    if scaled.is_nan() {
+                        assert!(g.is_nan(), "{x:e} * {factor}: NaN stays NaN");
+                    } else if scaled != 0.0 && scaled.abs() < f32::MIN_POSITIVE {
+                        // Flushed to zero on the instruction, kept by `round_bf16`.
+                        assert!(g.to_f32() == 0.0 || *g == want, "{x:e} * {factor}");
+                    } else {
+                        assert_eq!(g.to_bits(), want.to_bits(), "{x:e} * {factor}");
+                    }
+                }
             }
         }
     }

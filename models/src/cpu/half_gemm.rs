@@ -16,6 +16,7 @@ pub use super::amx::BLOCK;
 use super::aligned::Aligned;
 use super::amx::{self, TILE_K, TILE_ROWS};
 use super::avx512_bf16;
+use super::common::OutPtr;
 use super::simd;
 
 /// The microkernel behind [`gemm`] on this CPU.
@@ -211,6 +212,91 @@ pub fn gemm_on_this_thread(
     epilogue: impl Fn(Block<'_>) + Sync,
 ) {
     run(a, lda, m, b, &epilogue, Threads::Caller);
+}
+
+/// `C = A B` written as f32 into `out` (`ldc` values from one row to the next) on the calling
+/// thread, for a caller that reads the sums as they are (attention's scores): no epilogue, on
+/// AMX the accumulator tiles stored straight into `out`. Rows `0..m` and columns `0..n` hold
+/// the product; the rest of the first `m` rounded up to 32 rows and `n` rounded up to 32
+/// columns may be overwritten (with the products of the zero padding).
+///
+/// # Panics
+/// When [`available`] is false, `a` is shorter than its shape, `ldc` is under `n` rounded up
+/// to 32 or `out` under `m` rounded up to 32 rows of `ldc`.
+pub fn gemm_f32_on_this_thread(
+    a: &[bf16],
+    lda: usize,
+    m: usize,
+    b: &PackedB,
+    out: &mut [f32],
+    ldc: usize,
+) {
+    let (k, n) = (b.k, b.n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(a.len() >= (m - 1) * lda + k, "A is shorter than its shape");
+    assert!(
+        ldc >= n.next_multiple_of(BLOCK),
+        "C's rows are shorter than B's padded columns"
+    );
+    assert!(
+        out.len() >= m.next_multiple_of(BLOCK) * ldc,
+        "C is shorter than its padded shape"
+    );
+    let kernel = kernel().expect("half_gemm needs AMX or AVX512-BF16: check available() first");
+    if kernel != HalfKernel::Amx {
+        let ptr = OutPtr(out.as_mut_ptr());
+        run(
+            a,
+            lda,
+            m,
+            b,
+            &|block: Block<'_>| {
+                for i in 0..block.rows {
+                    let at = (block.row0 + i) * ldc + block.col0;
+                    // SAFETY: blocks are disjoint parts of `out`, whose length was checked.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols) };
+                    dst.copy_from_slice(block.row(i));
+                }
+            },
+            Threads::Caller,
+        );
+        return;
+    }
+    let k_pad = b.k_pad;
+    let tiled = TiledA::new(a, lda, m, k, k_pad, Threads::Caller);
+    let panel_len = k_pad / 2 * TILE_ROWS;
+    let steps = k_pad / TILE_K;
+    let pairs = b.values.as_slice();
+    // SAFETY: the kernel is AMX only where `amx::available()` granted the tiles.
+    unsafe { amx::configure_thread() };
+    for row0 in (0..m).step_by(BLOCK) {
+        for col0 in (0..n).step_by(BLOCK) {
+            let panel = col0 / TILE_ROWS;
+            let c = out[row0 * ldc + col0..].as_mut_ptr();
+            let mut step0 = 0;
+            while step0 < steps {
+                let slice = (steps - step0).min(K_SLICE / TILE_K);
+                // SAFETY: as in `Tiles::job`; the 32 rows of 32 floats at `c` lie inside `out`,
+                // whose length (32-row blocks of `ldc >= n` rounded up to 32) was checked.
+                unsafe {
+                    amx::block_2x2(
+                        tiled.tiles(row0, step0),
+                        pairs[panel * panel_len + step0 * TILE_ROWS * TILE_ROWS..]
+                            .as_ptr()
+                            .cast::<u16>(),
+                        panel_len * 4,
+                        slice,
+                        c,
+                        ldc * 4,
+                        step0 > 0,
+                    );
+                }
+                step0 += slice;
+            }
+        }
+    }
 }
 
 /// Where a product's jobs run.
@@ -454,7 +540,8 @@ impl Tiles<'_> {
                                 b,
                                 panel_len * 4,
                                 slice,
-                                &mut scratch.out[(col0 - col_start) / BLOCK].0,
+                                scratch.out[(col0 - col_start) / BLOCK].0.as_mut_ptr(),
+                                BLOCK * 4,
                                 step0 > 0,
                             );
                         }
