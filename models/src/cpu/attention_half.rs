@@ -18,7 +18,7 @@ use super::attention_f32::{exp_shifted_into, Shape};
 #[cfg(target_arch = "x86_64")]
 use super::common::tail_mask;
 use super::common::{
-    bf16_instructions, narrow, round_bf16, round_bf16_scaled, widen, zeroed_bf16, OutPtr,
+    bf16_instructions, narrow, round_bf16, round_bf16_affine, widen, zeroed_bf16, OutPtr,
 };
 use super::half_gemm::{self, PackedB};
 use super::simd;
@@ -134,7 +134,7 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
                                 let dst = unsafe {
                                     std::slice::from_raw_parts_mut(ptr.add(at).0, block.cols)
                                 };
-                                round_bf16_scaled(block.row(i), 1.0 / sums[r], dst);
+                                round_bf16_affine(block.row(i), 1.0 / sums[r], 0.0, dst);
                             }
                         },
                     );

@@ -219,47 +219,94 @@ pub(crate) fn bf16_instructions() -> bool {
     })
 }
 
-/// `src[i] * factor` rounded to bf16 (nearest even) into `dst` (as long): 16 values an
-/// instruction where [`bf16_instructions`], else [`round_bf16`] a value at a time. The
-/// instruction flushes results below f32's normal range (magnitude under 1.2e-38) to zero,
-/// where [`round_bf16`] keeps them.
-pub(crate) fn round_bf16_scaled(src: &[f32], factor: f32, dst: &mut [half::bf16]) {
+/// `src[i] * factor + offset` rounded to bf16 (nearest even) into `dst` (as long), for a
+/// `factor` of 1 or an `offset` of 0 (one f32 operation, rounded once either way): 16 values an
+/// instruction where [`bf16_instructions`], else [`round_bf16`] a value at a time. The instruction flushes results below f32's normal range (magnitude under
+/// 1.2e-38) to zero, where [`round_bf16`] keeps them.
+#[inline(always)]
+pub(crate) fn round_bf16_affine(src: &[f32], factor: f32, offset: f32, dst: &mut [half::bf16]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     if bf16_instructions() {
         // SAFETY: `bf16_instructions` found AVX-512 (F, BW, VL) and AVX512-BF16.
-        unsafe { round_bf16_scaled_avx512(src, factor, dst) };
+        unsafe { round_bf16_affine_avx512(src, factor, offset, dst) };
         return;
     }
+    debug_assert!(factor == 1.0 || offset == 0.0);
     for (d, s) in dst.iter_mut().zip(src) {
-        *d = round_bf16(s * factor);
+        *d = round_bf16(s * factor + offset);
     }
 }
 
-/// [`round_bf16_scaled`] on AVX512-BF16.
+/// [`round_bf16_affine`] on AVX512-BF16.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW, VL and AVX512-BF16; `src` and `dst` are equally long.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(crate) unsafe fn round_bf16_scaled_avx512(src: &[f32], factor: f32, dst: &mut [half::bf16]) {
+pub(crate) unsafe fn round_bf16_affine_avx512(
+    src: &[f32],
+    factor: f32,
+    offset: f32,
+    dst: &mut [half::bf16],
+) {
     use std::arch::x86_64::*;
     let n = src.len();
     let (from, to) = (src.as_ptr(), dst.as_mut_ptr().cast::<i16>());
-    let factor = _mm512_set1_ps(factor);
+    let (factor, offset) = (_mm512_set1_ps(factor), _mm512_set1_ps(offset));
     let mut i = 0;
     while i + 16 <= n {
-        let x = _mm512_mul_ps(_mm512_loadu_ps(from.add(i)), factor);
+        let x = _mm512_fmadd_ps(_mm512_loadu_ps(from.add(i)), factor, offset);
         let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(x));
         _mm256_storeu_si256(to.add(i).cast::<__m256i>(), rounded);
         i += 16;
     }
     if i < n {
         let mask = tail_mask(n - i);
-        let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, from.add(i)), factor);
+        let x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, from.add(i)), factor, offset);
         let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(x));
         _mm256_mask_storeu_epi16(to.add(i), mask, rounded);
     }
+}
+
+/// The 16x16 transpose of 32-bit values on AVX-512: `rows[r]` lane `c` becomes lane `r` of
+/// the result's vector `c`. Four rounds of 16 shuffles: 32-bit and 64-bit interleaves within
+/// 128-bit lanes, then a 4x4 transpose of the 128-bit lanes.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose_16x16(
+    rows: [std::arch::x86_64::__m512i; 16],
+) -> [std::arch::x86_64::__m512i; 16] {
+    use std::arch::x86_64::*;
+    let mut a = rows;
+    for i in 0..8 {
+        a[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+    }
+    // `b[4i + c]`, in 128-bit lane `l`: rows `4i..4i + 4` of column `4l + c`.
+    let mut b = a;
+    for i in 0..4 {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    let mut out = b;
+    for c in 0..4 {
+        let low01 = _mm512_shuffle_i32x4::<0x44>(b[c], b[4 + c]);
+        let high01 = _mm512_shuffle_i32x4::<0xee>(b[c], b[4 + c]);
+        let low23 = _mm512_shuffle_i32x4::<0x44>(b[8 + c], b[12 + c]);
+        let high23 = _mm512_shuffle_i32x4::<0xee>(b[8 + c], b[12 + c]);
+        out[c] = _mm512_shuffle_i32x4::<0x88>(low01, low23);
+        out[4 + c] = _mm512_shuffle_i32x4::<0xdd>(low01, low23);
+        out[8 + c] = _mm512_shuffle_i32x4::<0x88>(high01, high23);
+        out[12 + c] = _mm512_shuffle_i32x4::<0xdd>(high01, high23);
+    }
+    out
 }
 
 /// The mask of the first `count` (under 16) lanes of a 16-lane vector.
@@ -293,7 +340,7 @@ mod tests {
     }
 
     #[test]
-    fn scaled_rounding_equals_round_bf16_outside_the_subnormals() {
+    fn affine_rounding_equals_round_bf16_outside_the_subnormals() {
         // Every bf16 upper half with low halves at the rounding boundary and beside it (ties
         // to even up and down), a few factors, and an odd length so the masked tail runs.
         let mut src = Vec::new();
@@ -303,31 +350,55 @@ mod tests {
             }
         }
         src.pop();
-        for factor in [1.0f32, 0.125, 0.37] {
+        for (factor, offset) in [(1.0f32, 0.0f32), (0.125, 0.0), (0.37, 0.0), (1.0, -0.75)] {
             let mut got = vec![half::bf16::ZERO; src.len()];
-            round_bf16_scaled(&src, factor, &mut got);
+            round_bf16_affine(&src, factor, offset, &mut got);
             #[cfg(target_arch = "x86_64")]
             let instruction = bf16_instructions().then(|| {
                 let mut out = vec![half::bf16::ZERO; src.len()];
                 // SAFETY: `bf16_instructions` found the features.
-                unsafe { round_bf16_scaled_avx512(&src, factor, &mut out) };
+                unsafe { round_bf16_affine_avx512(&src, factor, offset, &mut out) };
                 out
             });
             #[cfg(not(target_arch = "x86_64"))]
             let instruction: Option<Vec<half::bf16>> = None;
             for paths in [Some(got), instruction].into_iter().flatten() {
                 for (x, g) in src.iter().zip(&paths) {
-                    let scaled = x * factor;
+                    let scaled = x * factor + offset;
                     let want = round_bf16(scaled);
                     if scaled.is_nan() {
-                        assert!(g.is_nan(), "{x:e} * {factor}: NaN stays NaN");
+                        assert!(g.is_nan(), "{x:e} * {factor} + {offset}: NaN stays NaN");
                     } else if scaled != 0.0 && scaled.abs() < f32::MIN_POSITIVE {
                         // Flushed to zero on the instruction, kept by `round_bf16`.
-                        assert!(g.to_f32() == 0.0 || *g == want, "{x:e} * {factor}");
+                        assert!(
+                            g.to_f32() == 0.0 || *g == want,
+                            "{x:e} * {factor} + {offset}"
+                        );
                     } else {
-                        assert_eq!(g.to_bits(), want.to_bits(), "{x:e} * {factor}");
+                        assert_eq!(g.to_bits(), want.to_bits(), "{x:e} * {factor} + {offset}");
                     }
                 }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn transpose_16x16_transposes() {
+        use std::arch::x86_64::*;
+        if !is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let values: Vec<i32> = (0..256).collect();
+        // SAFETY: AVX-512 F was detected; each row reads 16 of the 256 values.
+        let got = unsafe {
+            let rows =
+                std::array::from_fn(|r| _mm512_loadu_si512(values[r * 16..].as_ptr().cast()));
+            transpose_16x16(rows).map(|v| std::mem::transmute::<__m512i, [i32; 16]>(v))
+        };
+        for (c, column) in got.iter().enumerate() {
+            for (r, v) in column.iter().enumerate() {
+                assert_eq!(*v, (r * 16 + c) as i32, "row {r}, column {c}");
             }
         }
     }

@@ -10,7 +10,7 @@ use half::bf16;
 use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
-use super::common::{narrow, round_bf16, widen, zeroed_bf16, OutPtr};
+use super::common::{narrow, round_bf16_affine, widen, zeroed_bf16, OutPtr};
 use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
 use super::half_gemm::{self, PackedB};
 
@@ -184,9 +184,7 @@ impl Product<'_> {
                         // SAFETY: blocks are disjoint (channel, column) ranges of the output,
                         // a column being one (sample, position), inside `out`.
                         let dst = unsafe { std::slice::from_raw_parts_mut(out.add(at).0, len) };
-                        for (d, v) in dst.iter_mut().zip(&values[j..j + len]) {
-                            *d = round_bf16(v + bias);
-                        }
+                        round_bf16_affine(&values[j..j + len], 1.0, bias, dst);
                         j += len;
                     }
                 }

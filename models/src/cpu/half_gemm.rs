@@ -112,11 +112,20 @@ impl PackedB {
             n,
             #[inline(always)]
             |j0, cols, panel| {
+                // Whole steps of 16 pairs of 16 full columns as 16x16 transposes of pairs,
+                // the rest a value at a time.
+                let mut done = 0;
+                #[cfg(target_arch = "x86_64")]
+                if cols == TILE_ROWS && simd::width() == simd::VectorWidth::Avx512 {
+                    done = k / 32 * 16;
+                    // SAFETY: AVX-512 F is there; the 16 rows hold `k >= 2 * done` values.
+                    unsafe { transposed_pairs_avx512(&bt[j0 * ldbt..], ldbt, done, panel) };
+                }
                 for j in 0..cols {
-                    let src = &bt[(j0 + j) * ldbt..(j0 + j) * ldbt + k];
+                    let src = &bt[(j0 + j) * ldbt + 2 * done..(j0 + j) * ldbt + k];
                     for (r, two) in src.chunks(2).enumerate() {
                         let odd = two.get(1).copied().unwrap_or(bf16::ZERO);
-                        panel[r * TILE_ROWS + j].write(pair_of(two[0], odd));
+                        panel[(done + r) * TILE_ROWS + j].write(pair_of(two[0], odd));
                     }
                 }
             },
@@ -166,6 +175,34 @@ impl PackedB {
             n,
             k_pad,
             values,
+        }
+    }
+}
+
+/// The first `pairs` (a multiple of 16) pairs of 16 rows of `bt` (`ldbt` values apart) in the
+/// pair layout: `panel[r * 16 + j]` = pair `r` of row `j`, two neighbouring values that already
+/// lie together in the row, so 16 rows of 16 pairs are one 16x16 transpose.
+///
+/// # Safety
+/// The CPU has AVX-512 F; `bt` holds 16 rows of `2 * pairs` values and `panel` 16 `pairs`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transposed_pairs_avx512(
+    bt: &[bf16],
+    ldbt: usize,
+    pairs: usize,
+    panel: &mut [MaybeUninit<u32>],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(pairs % 16 == 0 && panel.len() >= pairs * TILE_ROWS);
+    debug_assert!(pairs == 0 || bt.len() >= 15 * ldbt + 2 * pairs);
+    let (src, dst) = (bt.as_ptr(), panel.as_mut_ptr().cast::<__m512i>());
+    for step in 0..pairs / 16 {
+        let rows = std::array::from_fn(|j| {
+            _mm512_loadu_si512(src.add(j * ldbt + step * 32).cast::<__m512i>())
+        });
+        for (c, column) in super::common::transpose_16x16(rows).into_iter().enumerate() {
+            _mm512_storeu_si512(dst.add(step * 16 + c), column);
         }
     }
 }

@@ -24,7 +24,11 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use half::bf16;
 
-use super::common::{from_flex, into_flex, is_flex, round_bf16, widen, zeroed_bf16, OutPtr};
+use super::common::{
+    bf16_instructions, from_flex, into_flex, is_flex, round_bf16, widen, zeroed_bf16, OutPtr,
+};
+#[cfg(target_arch = "x86_64")]
+use super::common::{tail_mask, transpose_16x16};
 use super::half_gemm::{self, PackedB};
 
 /// The inputs handed back when [`linear`] does not apply.
@@ -86,6 +90,16 @@ pub fn linear<B: Backend, const D: usize>(
             #[inline(always)]
             |block| {
                 let bias = &bias[block.row0..block.row0 + block.rows];
+                #[cfg(target_arch = "x86_64")]
+                if bf16_instructions() {
+                    // SAFETY: the features are there; the block's `cols` rows of `rows`
+                    // outputs from `at` are its own disjoint part of `out`.
+                    unsafe {
+                        let at = ptr.add(block.col0 * d_out + block.row0).0;
+                        store_transposed_avx512(&block, bias, at, d_out);
+                    }
+                    return;
+                }
                 for j in 0..block.cols {
                     let at = (block.col0 + j) * d_out + block.row0;
                     // SAFETY: blocks are disjoint parts of `out`.
@@ -123,6 +137,52 @@ pub fn linear<B: Backend, const D: usize>(
         Layout::contiguous(shape.into()),
         DType::BF16,
     )))
+}
+
+/// A block of `(W^T x^T)` (rows: outputs, columns: rows of `x`) plus `bias` (one value per
+/// output) rounded to bf16 and stored transposed from `out` (`d_out` values from one row of
+/// `x` to the next), in 16x16 transposes.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and AVX512-BF16; `bias` holds `block.rows` values; `out`
+/// holds `block.cols` rows of `block.rows` values, `d_out` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn store_transposed_avx512(
+    block: &half_gemm::Block<'_>,
+    bias: &[f32],
+    out: *mut bf16,
+    d_out: usize,
+) {
+    use std::arch::x86_64::*;
+    const HALF: usize = half_gemm::BLOCK / 2;
+    let values = block.values.as_ptr();
+    for i0 in (0..block.rows).step_by(HALF) {
+        let outputs = (block.rows - i0).min(HALF);
+        let mask = if outputs == HALF {
+            u16::MAX
+        } else {
+            tail_mask(outputs)
+        };
+        let bias = _mm512_maskz_loadu_ps(mask, bias.as_ptr().add(i0));
+        for j0 in (0..block.cols).step_by(HALF) {
+            // Rows past `block.rows` hold stale sums; their lanes are never stored.
+            let rows = std::array::from_fn(|i| {
+                _mm512_loadu_si512(
+                    values
+                        .add((i0 + i) * half_gemm::BLOCK + j0)
+                        .cast::<__m512i>(),
+                )
+            });
+            let columns = transpose_16x16(rows);
+            for (j, column) in columns.iter().take(block.cols - j0).enumerate() {
+                let sums = _mm512_add_ps(_mm512_castsi512_ps(*column), bias);
+                let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(sums));
+                let at = out.add((j0 + j) * d_out + i0).cast::<i16>();
+                _mm256_mask_storeu_epi16(at, mask, rounded);
+            }
+        }
+    }
 }
 
 /// Whether `weight` `[in, out]` is the transposed view of a contiguous `[out, in]` tensor, as
