@@ -194,7 +194,7 @@ unsafe fn transposed_pairs_avx512(
     panel: &mut [MaybeUninit<u32>],
 ) {
     use std::arch::x86_64::*;
-    debug_assert!(pairs % 16 == 0 && panel.len() >= pairs * TILE_ROWS);
+    debug_assert!(pairs.is_multiple_of(16) && panel.len() >= pairs * TILE_ROWS);
     debug_assert!(pairs == 0 || bt.len() >= 15 * ldbt + 2 * pairs);
     let (src, dst) = (bt.as_ptr(), panel.as_mut_ptr().cast::<__m512i>());
     for step in 0..pairs / 16 {
