@@ -318,10 +318,43 @@ impl Im2col {
         row0: usize,
         row1: usize,
     ) {
+        self.gather_rows(col, 0, x, row0, row1);
+    }
+
+    /// [`Self::gather`] in parallel on rayon's pool, in chunks of rows of `col`.
+    pub(crate) fn gather_parallel<T: Copy + Default + Send + Sync>(
+        &self,
+        col: &mut [T],
+        x: &[T],
+        row0: usize,
+        row1: usize,
+    ) {
+        use rayon::prelude::*;
+        /// Rows of `col` per job: a few hundred KiB of copying, far more than a job's cost.
+        const ROWS: usize = 64;
+        let cols = (row1 - row0) * self.w_out;
+        if cols == 0 {
+            return;
+        }
+        col.par_chunks_mut(cols * ROWS)
+            .enumerate()
+            .for_each(|(i, rows)| self.gather_rows(rows, i * ROWS, x, row0, row1));
+    }
+
+    /// Rows `first..` of [`Self::gather`]'s `col`, as many as `col` holds.
+    fn gather_rows<T: Copy + Default>(
+        &self,
+        col: &mut [T],
+        first: usize,
+        x: &[T],
+        row0: usize,
+        row1: usize,
+    ) {
         let zero = T::default();
         let (k, s, p, w, w_out) = (self.k, self.s, self.p, self.w, self.w_out);
         let cols = (row1 - row0) * w_out;
         for (r, dst) in col.chunks_exact_mut(cols).enumerate() {
+            let r = first + r;
             let (c, kh, kw) = (r / (k * k), (r / k) % k, r % k);
             let plane = &x[c * self.h * w..(c + 1) * self.h * w];
             // Output columns whose input column `ow * s + kw - p` lies inside `0..w`.

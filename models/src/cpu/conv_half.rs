@@ -101,7 +101,7 @@ fn conv2d_bf16_gemm(
             let src: &[bf16] = if pointwise {
                 x
             } else {
-                geometry.gather(&mut one, x, 0, h_out);
+                geometry.gather_parallel(&mut one, x, 0, h_out);
                 &one
             };
             for (dst, src) in col.chunks_exact_mut(cols).zip(src.chunks_exact(plane_out)) {
@@ -127,7 +127,7 @@ fn conv2d_bf16_gemm(
                 PackedB::from_rows(&x[row0 * w..], h * w, col_len, cols)
             } else {
                 col.resize(col_len * cols, bf16::ZERO);
-                geometry.gather(&mut col, x, row0, row1);
+                geometry.gather_parallel(&mut col, x, row0, row1);
                 PackedB::from_rows(&col, cols, col_len, cols)
             };
             product.run(&packed, b * plane_out + row0 * w_out);
