@@ -170,17 +170,17 @@ pub(crate) fn exp_shifted(row: &mut [f32]) -> f32 {
     })
 }
 
-/// `exp((row - max(row)) * scale)` written through `put` into `out` (as long as `row`), and its
+/// `exp((row - max) * scale)` written through `put` into `out` (as long as `row`), and its
 /// sum: the half-precision attention's probabilities in one pass, the scores' scale (positive)
-/// applied here.
+/// applied here; `max` is at least every value of `row`.
 #[inline(always)]
 pub(crate) fn exp_shifted_into<T>(
     row: &[f32],
+    max: f32,
     scale: f32,
     out: &mut [T],
     put: impl Fn(f32) -> T,
 ) -> f32 {
-    let max = row_max(row);
     let out = &mut out[..row.len()];
     let mut sums = [0.0f32; LANES];
     let mut chunks = out.chunks_exact_mut(LANES);
@@ -208,7 +208,7 @@ const LANES: usize = 32;
 /// `row`'s maximum, or 0 for a row of -inf (everything masked, which stays all zeros rather
 /// than NaN; none occur here) or an empty one.
 #[inline(always)]
-fn row_max(row: &[f32]) -> f32 {
+pub(crate) fn row_max(row: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let mut chunks = row.chunks_exact(LANES);
     for c in &mut chunks {

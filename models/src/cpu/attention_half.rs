@@ -1,11 +1,12 @@
 //! Multi-head attention in bf16 and f16 for burn-flex, used by [`super::attention::attention`].
-//! In bf16 where [`super::half_gemm`] runs (AMX or AVX512-BF16), per (sample, head): the keys
-//! packed as `k^T` and the values once, then for each block of queries `q k^T` stored as f32
-//! scores straight from the product, the softmax in f32 with the scale folded into the
-//! exponentials, the probabilities rounded to bf16 (as torch's CPU flash attention does for
+//! In bf16 on AMX, the key-blocked kernel of [`super::attention_flash`]. On AVX512-BF16
+//! without AMX, per (sample, head): the keys packed as `k^T` and the values once, then for
+//! each block of queries `q k^T` as f32 scores, the softmax in f32 with the scale folded into
+//! the exponentials, the probabilities rounded to bf16 (as torch's CPU flash attention does for
 //! reduced precision) for `p v`, and the rows divided by their sums as they are rounded into
 //! the bf16 output. Elsewhere (and in f16) the tensors are widened to f32 for the f32 kernel
-//! and its output rounded back.
+//! and its output rounded back. The softmax's rows ([`row_max`], [`exp_row`]) are shared by
+//! both bf16 kernels.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -15,6 +16,7 @@ use burn_flex::{FlexTensor, Layout};
 
 use super::aligned::Aligned;
 use super::attention_f32::{exp_shifted_into, Shape};
+use super::attention_flash;
 #[cfg(target_arch = "x86_64")]
 use super::common::tail_mask;
 use super::common::{
@@ -37,6 +39,21 @@ pub(crate) fn attention_half(
 ) -> FlexTensor {
     let dtype = q.dtype();
     let dims = vec![shape.batch, shape.s_q, shape.heads * shape.head_dim];
+    if dtype == DType::BF16 && half_gemm::kernel() == Some(half_gemm::HalfKernel::Amx) {
+        let mut out = zeroed_bf16(dims.iter().product());
+        attention_flash::attention(
+            q.storage::<bf16>(),
+            k.storage::<bf16>(),
+            v.storage::<bf16>(),
+            shape,
+            &mut out,
+        );
+        return FlexTensor::new(
+            Bytes::from_elems(out),
+            Layout::contiguous(dims.into()),
+            DType::BF16,
+        );
+    }
     if dtype == DType::BF16 && half_gemm::available() {
         let mut out = zeroed_bf16(dims.iter().product());
         bf16_products(
@@ -146,31 +163,51 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
 }
 
 /// One row of softmax numerators: `probs[j] = bf16(e^((row[j] - max) * scale))` (`probs` as
-/// long as `row`), and the f32 sum of the unrounded exponentials returned. On AVX512-BF16 (see
-/// [`bf16_instructions`]) with `vscalefps` and `vcvtneps2bf16`, else in portable arithmetic.
+/// long as `row`, `max` the row's maximum, or 0 for an empty row or one of -inf), and the f32
+/// sum of the unrounded exponentials returned.
 #[inline(always)]
 fn probabilities(row: &[f32], scale: f32, probs: &mut [bf16]) -> f32 {
+    let max = row_max(row);
+    let max = if max.is_finite() { max } else { 0.0 };
+    exp_row(row, max, scale, probs)
+}
+
+/// `row`'s maximum, -inf for an empty row: 16 lanes at a time on AVX-512 (see
+/// [`bf16_instructions`]), else in portable arithmetic.
+#[inline(always)]
+pub(crate) fn row_max(row: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_instructions() {
+        // SAFETY: `bf16_instructions` found AVX-512 F.
+        return unsafe { row_max_avx512(row) };
+    }
+    row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `probs[j] = bf16(e^((row[j] - max) * scale))` (`probs` as long as `row`, `max` at least
+/// every value of `row` and finite), and the f32 sum of the unrounded exponentials returned.
+/// On AVX512-BF16 (see [`bf16_instructions`]) with `vscalefps` and `vcvtneps2bf16`, else in
+/// portable arithmetic.
+#[inline(always)]
+pub(crate) fn exp_row(row: &[f32], max: f32, scale: f32, probs: &mut [bf16]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if bf16_instructions() {
         // SAFETY: `bf16_instructions` found AVX-512 (F, BW, VL) and AVX512-BF16.
-        return unsafe { probabilities_avx512(row, scale, probs) };
+        return unsafe { exp_row_avx512(row, max, scale, probs) };
     }
-    exp_shifted_into(row, scale, probs, round_bf16)
+    exp_shifted_into(row, max, scale, probs, round_bf16)
 }
 
-/// [`probabilities`] on AVX-512: `e^x` as `2^t` for `t = x log2(e)`, split as `t = n + f`
-/// (`n` the nearest integer, `|f| <= 1/2`), `2^f` by its degree-6 Taylor polynomial (remainder
-/// under 1.2e-7 relative) and `2^n` applied by `vscalefps`.
+/// [`row_max`] on AVX-512.
 ///
 /// # Safety
-/// The CPU has AVX-512 F, BW, VL and AVX512-BF16; `probs` is as long as `row`.
+/// The CPU has AVX-512 F.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn probabilities_avx512(row: &[f32], scale: f32, probs: &mut [bf16]) -> f32 {
+#[target_feature(enable = "avx512f")]
+unsafe fn row_max_avx512(row: &[f32]) -> f32 {
     use std::arch::x86_64::*;
-    debug_assert_eq!(row.len(), probs.len());
     let n = row.len();
-    let (from, to) = (row.as_ptr(), probs.as_mut_ptr().cast::<i16>());
+    let from = row.as_ptr();
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
     let (mut max0, mut max1) = (neg_inf, neg_inf);
     let mut i = 0;
@@ -188,23 +225,38 @@ unsafe fn probabilities_avx512(row: &[f32], scale: f32, probs: &mut [bf16]) -> f
         max0 = _mm512_max_ps(max0, _mm512_mask_loadu_ps(neg_inf, mask, from.add(i)));
         i += 16;
     }
-    let max = _mm512_reduce_max_ps(_mm512_max_ps(max0, max1));
-    // A row of -inf (or an empty one) stays zeros rather than NaN, as in `row_max`.
-    let max = if max.is_finite() { max } else { 0.0 };
+    _mm512_reduce_max_ps(_mm512_max_ps(max0, max1))
+}
+
+/// [`exp_row`] on AVX-512: `e^x` as `2^t` for `t = x log2(e)`, split as `t = n + f` (`n` the
+/// nearest integer, `|f| <= 1/2`), `2^f` by a degree-5 polynomial fitted for least maximum
+/// relative error on `[-1/2, 1/2]` (1.6e-7, about f32's own rounding) and `2^n` applied by
+/// `vscalefps`.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW, VL and AVX512-BF16; `probs` is as long as `row`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn exp_row_avx512(row: &[f32], max: f32, scale: f32, probs: &mut [bf16]) -> f32 {
+    use std::arch::x86_64::*;
+    debug_assert_eq!(row.len(), probs.len());
+    let n = row.len();
+    let (from, to) = (row.as_ptr(), probs.as_mut_ptr().cast::<i16>());
     let c = scale * std::f32::consts::LOG2_E;
     let (times, minus) = (_mm512_set1_ps(c), _mm512_set1_ps(max * c));
     let floor = _mm512_set1_ps(-127.0);
-    // ln(2)^k / k!, k = 6 down to 1.
+    // The polynomial's coefficients, degree 5 down to 0.
     let terms = [
-        1.540_353e-4f32,
-        1.333_355_8e-3,
-        9.618_129e-3,
-        5.550_411e-2,
-        0.240_226_5,
-        std::f32::consts::LN_2,
+        1.327_647_1e-3f32,
+        9.675_541e-3,
+        5.550_713e-2,
+        0.240_221_2,
+        0.693_146_94,
+        1.000_000_1,
     ];
     let exp = |x: __m512| {
-        // `floor` first, so a NaN `t` stays NaN (`vmaxps` returns its second operand then).
+        // `floor` first, so a NaN `t` stays NaN (`vmaxps` returns its second operand then),
+        // and a score of -inf gives 0.
         let t = _mm512_max_ps(floor, _mm512_fmsub_ps(x, times, minus));
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
         let f = _mm512_sub_ps(t, n);
@@ -212,18 +264,33 @@ unsafe fn probabilities_avx512(row: &[f32], scale: f32, probs: &mut [bf16]) -> f
         for term in &terms[1..] {
             p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(*term));
         }
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
         _mm512_scalef_ps(p, n)
     };
-    let mut sum = _mm512_setzero_ps();
-    let mut i = 0;
-    while i + 16 <= n {
-        let e = exp(_mm512_loadu_ps(from.add(i)));
-        sum = _mm512_add_ps(sum, e);
+    let store = |at: usize, e: __m512| {
         let rounded: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(e));
-        _mm256_storeu_si256(to.add(i).cast::<__m256i>(), rounded);
+        _mm256_storeu_si256(to.add(at).cast::<__m256i>(), rounded);
+    };
+    // Two sums, so the additions of neighbouring steps do not wait on each other.
+    let (mut sum0, mut sum1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut i = 0;
+    while i + 32 <= n {
+        let (e0, e1) = (
+            exp(_mm512_loadu_ps(from.add(i))),
+            exp(_mm512_loadu_ps(from.add(i + 16))),
+        );
+        sum0 = _mm512_add_ps(sum0, e0);
+        sum1 = _mm512_add_ps(sum1, e1);
+        store(i, e0);
+        store(i + 16, e1);
+        i += 32;
+    }
+    if i + 16 <= n {
+        let e = exp(_mm512_loadu_ps(from.add(i)));
+        sum0 = _mm512_add_ps(sum0, e);
+        store(i, e);
         i += 16;
     }
+    let mut sum = _mm512_add_ps(sum0, sum1);
     if i < n {
         let mask = tail_mask(n - i);
         let e = exp(_mm512_maskz_loadu_ps(mask, from.add(i)));
@@ -260,7 +327,7 @@ mod tests {
             let mut portable = vec![bf16::ZERO; len];
             let sums = [
                 probabilities(&row, scale, &mut dispatched),
-                exp_shifted_into(&row, scale, &mut portable, round_bf16),
+                exp_shifted_into(&row, max as f32, scale, &mut portable, round_bf16),
             ];
             for (sum, probs) in sums.iter().zip([&dispatched, &portable]) {
                 let error = (*sum as f64 - exact_sum).abs() / exact_sum;

@@ -140,6 +140,17 @@ impl PackedB {
         self.n
     }
 
+    /// k padded to whole steps of 32, the rows of every panel.
+    pub(crate) fn k_pad(&self) -> usize {
+        self.k_pad
+    }
+
+    /// The panels (16 columns each, `k_pad / 2` pairs of k rows of 16 `u32`), one after another,
+    /// for kernels that drive [`amx::block_2x2`] themselves.
+    pub(crate) fn panels(&self) -> &[u32] {
+        self.values.as_slice()
+    }
+
     /// The pair layout for `k` rows and `n` columns, zero-padded, each panel of 16 columns
     /// filled (in parallel) by `fill(first column, columns in it, panel)`, which must write
     /// every pair `r < k.div_ceil(2)` of those columns (`panel[r * 16 + j]`, `j < columns`);
@@ -308,8 +319,10 @@ pub fn gemm_f32_on_this_thread(
     let pairs = b.values.as_slice();
     // SAFETY: the kernel is AMX only where `amx::available()` granted the tiles.
     unsafe { amx::configure_thread() };
-    for row0 in (0..m).step_by(BLOCK) {
-        for col0 in (0..n).step_by(BLOCK) {
+    // Columns outside, rows inside: for the short k of attention's `q k^T` the rows' tiles
+    // stay in the L1 cache, and each block of `B`'s columns is read from the L2 cache once.
+    for col0 in (0..n).step_by(BLOCK) {
+        for row0 in (0..m).step_by(BLOCK) {
             let panel = col0 / TILE_ROWS;
             let c = out[row0 * ldc + col0..].as_mut_ptr();
             let mut step0 = 0;
