@@ -15,9 +15,8 @@ use rayon::prelude::*;
 use super::aligned::Aligned;
 use super::amx::{self, LeftTiles, BLOCK, TILE_K, TILE_ROWS};
 use super::attention_f32::Shape;
-use super::attention_half::{exp_row, row_max};
+use super::attention_half::{exp_row, pack_head, row_max};
 use super::common::{round_bf16_affine, OutPtr};
-use super::half_gemm::PackedB;
 use super::simd;
 
 /// Queries per block: two blocks of 32 rows share each tile of keys and values loaded.
@@ -88,9 +87,7 @@ fn head(
     let d_pad = d.next_multiple_of(BLOCK);
     let scale = 1.0 / (d as f32).sqrt();
     let (sample, head) = (job / heads, job % heads);
-    let kv0 = sample * s_kv * inner + head * d;
-    let keys = PackedB::from_transposed(&k[kv0..], inner, d, s_kv);
-    let values = PackedB::from_rows(&v[kv0..], inner, s_kv, d);
+    let (keys, values) = pack_head(k, v, shape, job);
     debug_assert_eq!(keys.k_pad(), d_pad);
     let key_panel = keys.k_pad() / 2 * TILE_ROWS;
     let value_panel = values.k_pad() / 2 * TILE_ROWS;

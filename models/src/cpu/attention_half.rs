@@ -39,24 +39,13 @@ pub(crate) fn attention_half(
 ) -> FlexTensor {
     let dtype = q.dtype();
     let dims = vec![shape.batch, shape.s_q, shape.heads * shape.head_dim];
-    if dtype == DType::BF16 && half_gemm::kernel() == Some(half_gemm::HalfKernel::Amx) {
-        let mut out = zeroed_bf16(dims.iter().product());
-        attention_flash::attention(
-            q.storage::<bf16>(),
-            k.storage::<bf16>(),
-            v.storage::<bf16>(),
-            shape,
-            &mut out,
-        );
-        return FlexTensor::new(
-            Bytes::from_elems(out),
-            Layout::contiguous(dims.into()),
-            DType::BF16,
-        );
-    }
     if dtype == DType::BF16 && half_gemm::available() {
+        let kernel = match half_gemm::kernel() {
+            Some(half_gemm::HalfKernel::Amx) => attention_flash::attention,
+            _ => bf16_products,
+        };
         let mut out = zeroed_bf16(dims.iter().product());
-        bf16_products(
+        kernel(
             q.storage::<bf16>(),
             k.storage::<bf16>(),
             v.storage::<bf16>(),
@@ -108,9 +97,7 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
         |(scores, probs), job| {
             simd::vectorize!({
                 let (sample, head) = (job / heads, job % heads);
-                let kv0 = sample * s_kv * inner + head * d;
-                let keys = PackedB::from_transposed(&k[kv0..], inner, d, s_kv);
-                let values = PackedB::from_rows(&v[kv0..], inner, s_kv, d);
+                let (keys, values) = pack_head(k, v, shape, job);
                 let mut row0 = 0;
                 while row0 < s_q {
                     let rows = QUERY_BLOCK.min(s_q - row0);
@@ -160,6 +147,20 @@ fn bf16_products(q: &[bf16], k: &[bf16], v: &[bf16], shape: Shape, out: &mut [bf
             })
         },
     );
+}
+
+/// The keys of (sample, head) `job = sample * heads + head` packed as `k^T` (`head_dim` rows
+/// of `s_kv` columns) and its values as they are (`s_kv` rows of `head_dim`), for the products
+/// of both bf16 kernels.
+#[inline(always)]
+pub(crate) fn pack_head(k: &[bf16], v: &[bf16], shape: Shape, job: usize) -> (PackedB, PackedB) {
+    let (s_kv, heads, d) = (shape.s_kv, shape.heads, shape.head_dim);
+    let inner = heads * d;
+    let kv0 = (job / heads) * s_kv * inner + (job % heads) * d;
+    (
+        PackedB::from_transposed(&k[kv0..], inner, d, s_kv),
+        PackedB::from_rows(&v[kv0..], inner, s_kv, d),
+    )
 }
 
 /// One row of softmax numerators: `probs[j] = bf16(e^((row[j] - max) * scale))` (`probs` as
