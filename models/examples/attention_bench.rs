@@ -1,7 +1,8 @@
 //! Times bf16 attention (`cpu::attention::attention`) on the SD 1.5 UNet's shapes with guidance
 //! (batch 2, 8 heads): self-attention over 4096, 1024 and 256 tokens (a 512x512 image's
 //! levels, heads of 40, 80 and 160), over 1024 tokens with heads of 40 (a 256x256 image's
-//! outer level), and cross-attention of 4096 queries over 77 text tokens. Set
+//! outer level), cross-attention of 4096 queries over 77 text tokens, and the VAE's one-head
+//! self-attention over 1024 tokens of 512 channels (its middle block at 256x256). Set
 //! RAYON_NUM_THREADS and pin with `taskset` to compare builds.
 //!
 //!     cargo run --release -p oxidiff-models --example attention_bench [ROUNDS]
@@ -35,12 +36,13 @@ fn main() {
         .nth(1)
         .and_then(|r| r.parse().ok())
         .unwrap_or(3);
-    for (tokens, keys, channels) in [
-        (4096, 4096, 320),
-        (1024, 1024, 640),
-        (256, 256, 1280),
-        (1024, 1024, 320),
-        (4096, 77, 320),
+    for (tokens, keys, channels, heads) in [
+        (4096, 4096, 320, 8),
+        (1024, 1024, 640, 8),
+        (256, 256, 1280, 8),
+        (1024, 1024, 320, 8),
+        (4096, 77, 320, 8),
+        (1024, 1024, 512, 1),
     ] {
         let (q, k, v) = (
             tensor([2, tokens, channels], 1),
@@ -50,14 +52,14 @@ fn main() {
         let mut best = f64::INFINITY;
         for _ in 0..rounds {
             let start = Instant::now();
-            let out = attention(q.clone(), k.clone(), v.clone(), 8)
+            let out = attention(q.clone(), k.clone(), v.clone(), heads)
                 .unwrap_or_else(|_| panic!("bf16 attention takes the CPU kernel"));
             let _ = out.into_primitive();
             best = best.min(start.elapsed().as_secs_f64());
         }
         let flops = 4.0 * 2.0 * (tokens * keys * channels) as f64;
         println!(
-            "{tokens} queries, {keys} keys, {channels} channels: {:.2} ms, {:.0} GFLOP/s",
+            "{tokens} queries, {keys} keys, {channels} channels, {heads} heads: {:.2} ms, {:.0} GFLOP/s",
             best * 1e3,
             flops / best / 1e9
         );

@@ -306,8 +306,10 @@ fn bf16_and_f16_attention_match_f64() {
             [1, 77, 77, 3, 8],
             [1, 130, 77, 3, 8],
             [1, 5, 300, 1, 64],
-            // Causal over several blocks of keys (128 each) and queries (64 each).
+            // Causal over several blocks of queries (64 each), one block of keys (256).
             [1, 200, 200, 2, 40],
+            // Several blocks of keys, causal too: AMX's key-blocked kernel takes over 2048 keys.
+            [1, 2100, 2100, 1, 8],
         ] {
             let [b, s_q, s_kv, heads, d] = shape;
             let seed = shape.iter().sum::<usize>() as u64;

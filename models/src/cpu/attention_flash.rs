@@ -26,6 +26,15 @@ const QUERIES: usize = 64;
 /// 1024 (the softmax's per-row work is per block).
 const KEYS: usize = 256;
 
+/// Whether this kernel beats the unblocked one for `s_kv` keys: for one block of keys (the
+/// text's 77 tokens: the scores come straight from the tiles, the queries read in place) and
+/// for more keys than the L2 cache holds a query block's scores and probabilities of (over
+/// 2048). In between (1024 keys, a 256x256 image's outer level) the rescaling between blocks
+/// costs more than the cache saves. Measured with `attention_bench` on AMX, 1 thread.
+pub(crate) fn suits(s_kv: usize) -> bool {
+    s_kv <= KEYS || s_kv > 2048
+}
+
 /// Attention of bf16 `q`, `k`, `v` (`[batch, seq, heads * head_dim]`, contiguous) into `out`
 /// (as `q`), every (sample, head) in parallel on rayon's pool.
 ///

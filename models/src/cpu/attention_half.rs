@@ -1,6 +1,7 @@
 //! Multi-head attention in bf16 and f16 for burn-flex, used by [`super::attention::attention`].
-//! In bf16 on AMX, the key-blocked kernel of [`super::attention_flash`]. On AVX512-BF16
-//! without AMX, per (sample, head): the keys packed as `k^T` and the values once, then for
+//! In bf16 on AMX, the key-blocked kernel of [`super::attention_flash`] where it
+//! [suits](super::attention_flash::suits) the keys. Otherwise in bf16 (AMX or AVX512-BF16), per
+//! (sample, head): the keys packed as `k^T` and the values once, then for
 //! each block of queries `q k^T` as f32 scores, the softmax in f32 with the scale folded into
 //! the exponentials, the probabilities rounded to bf16 (as torch's CPU flash attention does for
 //! reduced precision) for `p v`, and the rows divided by their sums as they are rounded into
@@ -41,7 +42,9 @@ pub(crate) fn attention_half(
     let dims = vec![shape.batch, shape.s_q, shape.heads * shape.head_dim];
     if dtype == DType::BF16 && half_gemm::available() {
         let kernel = match half_gemm::kernel() {
-            Some(half_gemm::HalfKernel::Amx) => attention_flash::attention,
+            Some(half_gemm::HalfKernel::Amx) if attention_flash::suits(shape.s_kv) => {
+                attention_flash::attention
+            }
             _ => bf16_products,
         };
         let mut out = zeroed_bf16(dims.iter().product());
