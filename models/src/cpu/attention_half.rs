@@ -1,12 +1,12 @@
 //! Multi-head attention in bf16 and f16 for burn-flex, used by [`super::attention::attention`].
-//! In bf16 on AMX, the key-blocked kernel of [`super::attention_flash`] where it
-//! [suits](super::attention_flash::suits) the keys. Otherwise in bf16 (AMX or AVX512-BF16), per
+//! In bf16 on AMX, the key-blocked kernel of [`super::attention_flash`] where it suits the
+//! keys (`attention_flash::suits`). Otherwise in bf16 (AMX or AVX512-BF16), per
 //! (sample, head): the keys packed as `k^T` and the values once, then for
 //! each block of queries `q k^T` as f32 scores, the softmax in f32 with the scale folded into
 //! the exponentials, the probabilities rounded to bf16 (as torch's CPU flash attention does for
 //! reduced precision) for `p v`, and the rows divided by their sums as they are rounded into
 //! the bf16 output. Elsewhere (and in f16) the tensors are widened to f32 for the f32 kernel
-//! and its output rounded back. The softmax's rows ([`row_max`], [`exp_row`]) are shared by
+//! and its output rounded back. The softmax's rows (`row_max`, `exp_row`) are shared by
 //! both bf16 kernels.
 
 use half::bf16;
