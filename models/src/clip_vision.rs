@@ -96,11 +96,9 @@ impl<B: Backend> ClipVisionEmbeddings<B> {
     fn load(vb: &VarBuilder<B>, cfg: &ClipVisionConfig) -> Result<Self> {
         let (d, p) = (cfg.hidden_size, cfg.patch_size);
         Ok(Self {
-            class_embedding: Param::from_tensor(vb.get("class_embedding", [d])?),
+            class_embedding: vb.param("class_embedding", [d])?,
             patch_embedding: Conv2d {
-                weight: Param::from_tensor(
-                    vb.get("patch_embedding.weight", [d, cfg.num_channels, p, p])?,
-                ),
+                weight: vb.param("patch_embedding.weight", [d, cfg.num_channels, p, p])?,
                 bias: None,
                 stride: p,
                 padding: 0,

@@ -265,7 +265,7 @@ pub fn load_ip_adapter<B: Backend>(
             .map(|i| ResamplerBlock::load(&proj.pp("layers").pp(i), hidden, path))
             .collect::<Result<Vec<_>>>()?;
         let projection = IpAdapterPlusImageProjection {
-            latents: Param::from_tensor(proj.get("latents", [1, queries, hidden])?),
+            latents: proj.param("latents", [1, queries, hidden])?,
             proj_in: Linear::load(&proj.pp("proj_in"), embed, hidden, true)?,
             layers,
             proj_out: Linear::load(&proj.pp("proj_out"), hidden, out, true)?,

@@ -3,6 +3,9 @@
 //! Written once and shared by the UNet, VAE and text encoders. Each layer's weights are named as
 //! in PyTorch (`weight`, `bias`), so a layer is loaded from `vb.pp("conv1")` with no remapping.
 
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+
 use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation;
 use burn::tensor::backend::Backend;
@@ -98,14 +101,14 @@ impl<B: Backend> Linear<B> {
         let quantized = vb.get_quantized_linear("weight", d_in, d_out)?;
         let weight = match &quantized {
             Some(matrix) => lazy_dense(matrix.clone(), vb.dtype(), vb.device()),
-            None => Param::from_tensor(vb.get_linear_weight("weight", d_in, d_out)?),
+            None => vb.linear_weight_param("weight", d_in, d_out)?,
         };
         let blocks = quantized
             .as_ref()
             .filter(|_| !is_flex::<B>())
             .and_then(|matrix| DeviceBlocks::new(matrix, vb.device()));
         let bias = if bias {
-            Some(Param::from_tensor(vb.get("bias", [d_out])?))
+            Some(vb.param("bias", [d_out])?)
         } else {
             None
         };
@@ -172,6 +175,20 @@ fn linear_rows<B: Backend, const D: usize>(
     out.reshape(dims)
 }
 
+/// The ids of the quantized weights' lazy dense forms ([`lazy_dense`]). Weights converted at
+/// their first use are lazy parameters too; this is what tells the two apart
+/// ([`is_quantized_dense`]).
+static QUANTIZED_DENSE: Mutex<BTreeSet<ParamId>> = Mutex::new(BTreeSet::new());
+
+/// Whether the parameter `id` is a quantized weight's dense form, made from its GGUF blocks
+/// only when asked for (a LoRA cannot be fused into the blocks).
+pub(crate) fn is_quantized_dense(id: ParamId) -> bool {
+    QUANTIZED_DENSE.lock().map_or_else(
+        |poisoned| poisoned.into_inner().contains(&id),
+        |ids| ids.contains(&id),
+    )
+}
+
 /// The `[in, out]` dense weight of `matrix` in `dtype`, computed when first asked for.
 fn lazy_dense<B: Backend>(
     matrix: QuantizedMatrix,
@@ -179,8 +196,13 @@ fn lazy_dense<B: Backend>(
     device: &B::Device,
 ) -> Param<Tensor<B, 2>> {
     let shape = Shape::new([matrix.cols(), matrix.rows()]);
+    let id = ParamId::new();
+    match QUANTIZED_DENSE.lock() {
+        Ok(mut ids) => ids.insert(id),
+        Err(poisoned) => poisoned.into_inner().insert(id),
+    };
     Param::uninitialized(
-        ParamId::new(),
+        id,
         move |device, _| {
             let data = weight_data::from_f32(
                 matrix.dequantize(),
@@ -232,8 +254,8 @@ impl ConvSpec {
 impl<B: Backend> Conv2d<B> {
     pub fn load(vb: &VarBuilder<B>, spec: ConvSpec) -> Result<Self> {
         let k = spec.kernel;
-        let weight = Param::from_tensor(vb.get("weight", [spec.c_out, spec.c_in, k, k])?);
-        let bias = Some(Param::from_tensor(vb.get("bias", [spec.c_out])?));
+        let weight = vb.param("weight", [spec.c_out, spec.c_in, k, k])?;
+        let bias = Some(vb.param("bias", [spec.c_out])?);
         Ok(Self {
             weight,
             bias,
@@ -292,8 +314,8 @@ impl<B: Backend> GroupNorm<B> {
             )));
         }
         Ok(Self {
-            weight: Param::from_tensor(vb.get("weight", [channels])?),
-            bias: Param::from_tensor(vb.get("bias", [channels])?),
+            weight: vb.param("weight", [channels])?,
+            bias: vb.param("bias", [channels])?,
             num_groups,
             eps,
         })
@@ -370,8 +392,8 @@ pub struct LayerNorm<B: Backend> {
 impl<B: Backend> LayerNorm<B> {
     pub fn load(vb: &VarBuilder<B>, dim: usize, eps: f64) -> Result<Self> {
         Ok(Self {
-            weight: Param::from_tensor(vb.get("weight", [dim])?),
-            bias: Param::from_tensor(vb.get("bias", [dim])?),
+            weight: vb.param("weight", [dim])?,
+            bias: vb.param("bias", [dim])?,
             eps,
         })
     }
@@ -397,7 +419,7 @@ pub struct Embedding<B: Backend> {
 impl<B: Backend> Embedding<B> {
     pub fn load(vb: &VarBuilder<B>, count: usize, dim: usize) -> Result<Self> {
         Ok(Self {
-            weight: Param::from_tensor(vb.get("weight", [count, dim])?),
+            weight: vb.param("weight", [count, dim])?,
         })
     }
 

@@ -71,7 +71,7 @@ impl<B: Backend> RMSNorm<B> {
         elementwise_affine: bool,
     ) -> Result<Self> {
         let weight = if elementwise_affine {
-            Some(Param::from_tensor(vb.get("weight", [dim])?))
+            Some(vb.param("weight", [dim])?)
         } else {
             None
         };

@@ -193,7 +193,7 @@ impl<B: Backend> PixArtTransformerBlock<B> {
                 spec(cfg.cross_attention_dim.unwrap_or(dim)),
             )?,
             ff: FeedForward::load_with(&vb.pp("ff"), dim, dim * 4, act)?,
-            scale_shift_table: Param::from_tensor(vb.get("scale_shift_table", [6, dim])?),
+            scale_shift_table: vb.param("scale_shift_table", [6, dim])?,
             norm_eps: cfg.norm_eps,
         })
     }
@@ -289,7 +289,7 @@ impl<B: Backend> PixArtTransformer2DModel<B> {
                 cfg.interpolation_scale(),
             )?,
             transformer_blocks,
-            scale_shift_table: Param::from_tensor(vb.get("scale_shift_table", [2, dim])?),
+            scale_shift_table: vb.param("scale_shift_table", [2, dim])?,
             proj_out: Linear::load(&vb.pp("proj_out"), dim, p * p * out_channels, true)?,
             adaln_single: AdaLayerNormSingle::load(
                 &vb.pp("adaln_single"),

@@ -132,7 +132,7 @@ pub struct T5LayerNorm<B: Backend> {
 impl<B: Backend> T5LayerNorm<B> {
     pub fn load(vb: &VarBuilder<B>, dim: usize, eps: f64) -> Result<Self> {
         Ok(Self {
-            weight: Param::from_tensor(vb.get("weight", [dim])?),
+            weight: vb.param("weight", [dim])?,
             eps,
         })
     }

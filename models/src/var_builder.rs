@@ -2,14 +2,16 @@
 //! one way every model's `from_dir_in` loads its component folder ([`load_component`]).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use burn::module::{Param, ParamId};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
 
+use crate::cpu::common::is_flex;
 use crate::error::{ModelError, Result};
 use crate::gguf::QuantizedMatrix;
-use crate::weights::Weights;
+use crate::weights::{PendingRead, Weights};
 
 /// Builds layers from weights by key path, on one device, holding float weights in one dtype
 /// (f32 unless [`with_dtype`](Self::with_dtype) says otherwise).
@@ -128,19 +130,97 @@ impl<B: Backend> VarBuilder<B> {
 
     /// Loads `name` as a tensor of the expected shape, in this builder's dtype.
     pub fn get<const D: usize>(&self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
+        let key = self.checked_key(name, &shape)?;
+        Ok(tensor(self.weights.read(&key, self.dtype)?, &self.device))
+    }
+
+    /// `name` as a parameter of the expected shape, in this builder's dtype. On the CPU backend
+    /// a tensor that must be converted (an fp16 checkpoint held in bf16) is found and checked
+    /// now but converted at its first use ([`PendingRead`]), as the mapped f32 or f16 file
+    /// itself is only read then; a weight never used is never converted.
+    pub fn param<const D: usize>(
+        &self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Param<Tensor<B, D>>> {
+        let key = self.checked_key(name, &shape)?;
+        match self.read_later(&key)? {
+            Some(pending) => Ok(lazy_param(shape, self.device.clone(), move |device| {
+                tensor(pending.read(), device)
+            })),
+            None => Ok(Param::from_tensor(tensor(
+                self.weights.read(&key, self.dtype)?,
+                &self.device,
+            ))),
+        }
+    }
+
+    /// [`get_linear_weight`](Self::get_linear_weight) as a parameter, converted at its first
+    /// use as [`param`](Self::param) says.
+    pub fn linear_weight_param(
+        &self,
+        name: &str,
+        d_in: usize,
+        d_out: usize,
+    ) -> Result<Param<Tensor<B, 2>>> {
+        let key = self.checked_key(name, &[d_out, d_in])?;
+        match self.read_later(&key)? {
+            Some(pending) => Ok(lazy_param(
+                [d_in, d_out],
+                self.device.clone(),
+                move |device| tensor::<B, 2>(pending.read(), device).transpose(),
+            )),
+            None => Ok(Param::from_tensor(
+                self.get_linear_weight(name, d_in, d_out)?,
+            )),
+        }
+    }
+
+    /// The full key of `name`, checked to hold a tensor of `shape` when it is present.
+    fn checked_key(&self, name: &str, shape: &[usize]) -> Result<String> {
         let key = self.key(name);
         match self.weights.shape(&key) {
             Some(found) if found != shape => {
                 let found = found.to_vec();
-                return Err(self.misfit(key, &shape, found));
+                Err(self.misfit(key, shape, found))
             }
-            _ => {}
+            _ => Ok(key),
         }
-        let data = self.weights.read(&key, self.dtype)?;
-        // With the data's own dtype: without one, Burn converts to the device's default (f32).
-        let dtype = data.dtype;
-        Ok(Tensor::from_data(data, (&self.device, dtype)))
     }
+
+    /// `key`'s read left to its first use, where the CPU backend's tensors are made from it.
+    fn read_later(&self, key: &str) -> Result<Option<PendingRead>> {
+        if !is_flex::<B>() {
+            // A device's weights are uploaded (or staged for their shards) at load.
+            return Ok(None);
+        }
+        self.weights.read_later(key, self.dtype)
+    }
+}
+
+/// `data` as a tensor on `device`, in the data's own dtype (without one, Burn converts to the
+/// device's default, f32).
+fn tensor<B: Backend, const D: usize>(data: TensorData, device: &B::Device) -> Tensor<B, D> {
+    let dtype = data.dtype;
+    Tensor::from_data(data, (device, dtype))
+}
+
+/// A parameter of `shape` made by `make` when first used. Clones made before that (a module
+/// cloned at load) share the one tensor `make` returns, as clones of a made tensor share its
+/// storage.
+fn lazy_param<B: Backend, const D: usize>(
+    shape: [usize; D],
+    device: B::Device,
+    make: impl Fn(&B::Device) -> Tensor<B, D> + Send + Sync + 'static,
+) -> Param<Tensor<B, D>> {
+    let made: OnceLock<Tensor<B, D>> = OnceLock::new();
+    Param::uninitialized(
+        ParamId::new(),
+        move |device, _| made.get_or_init(|| make(device)).clone(),
+        device,
+        false,
+        Shape::new(shape),
+    )
 }
 
 /// A model built from a component folder the way every model's `from_dir_in` does it: the

@@ -207,6 +207,12 @@ fn shareable(bytes: &[u8], stored: Stored) -> bool {
     (bytes.as_ptr() as usize).is_multiple_of(stored.size())
 }
 
+/// Whether [`tensor_data`] would hold `bytes` (stored as `stored`) in `dtype` as they are,
+/// converting nothing.
+pub(crate) fn shares(bytes: &[u8], stored: Stored, dtype: FloatDType) -> bool {
+    held_dtype(dtype) == stored.burn_dtype() && shareable(bytes, stored)
+}
+
 /// Tensor data of `shape` from `bytes` (stored as `stored`), held in `dtype`: the mapped bytes
 /// themselves (`share` makes the shared handle) when they can be, else one converted copy.
 /// Returns whether the data was shared.
@@ -218,7 +224,7 @@ pub(crate) fn tensor_data(
     share: impl FnOnce() -> bytes::Bytes,
 ) -> (TensorData, bool) {
     let held = held_dtype(dtype);
-    if held == stored.burn_dtype() && shareable(bytes, stored) {
+    if shares(bytes, stored, dtype) {
         let shared = Bytes::from_shared(share(), AllocationProperty::File);
         return (TensorData::from_bytes(shared, shape, held), true);
     }

@@ -658,9 +658,36 @@ impl Weights {
             bytes::Bytes::from_owner(Mapped(file.clone())).slice(start..end)
         });
         if !shared {
-            release(file, entry);
+            release(file, start..end);
         }
         Ok(data)
+    }
+
+    /// `key` found and checked as [`read`](Self::read) would, but its conversion into `dtype`
+    /// left to [`PendingRead::read`]: `None` when reading it now converts nothing (the file
+    /// holds it in `dtype`: the mapped bytes are the tensor) or when it is no plain stored
+    /// tensor (quantized blocks, a view, a header without data), which [`read`](Self::read)
+    /// reads at once.
+    pub(crate) fn read_later(&self, key: &str, dtype: FloatDType) -> Result<Option<PendingRead>> {
+        if self.entries.get(key).is_some_and(|e| e.quant.is_some()) {
+            return Ok(None);
+        }
+        let (entry, file, bytes, stored) = self.locate(key)?;
+        if file.zeros
+            || entry.transposed
+            || entry.swap_halves
+            || weight_data::shares(bytes, stored, dtype)
+        {
+            return Ok(None);
+        }
+        let (start, end) = entry.info.data_offsets;
+        Ok(Some(PendingRead {
+            file: file.clone(),
+            range: file.data_start + start..file.data_start + end,
+            stored,
+            shape: entry.info.shape.clone(),
+            dtype,
+        }))
     }
 
     /// Bytes of the quantized tensors read so far, by GGML type: what a model built from these
@@ -784,7 +811,8 @@ fn f32_values(entry: &Entry, file: &WeightFile, bytes: &[u8], stored: Stored) ->
     } else {
         weight_data::to_f32(bytes, stored)
     };
-    release(file, entry);
+    let (start, end) = entry.info.data_offsets;
+    release(file, file.data_start + start..file.data_start + end);
     if entry.transposed {
         // `info.shape` is `[cols, rows]` of the stored `[rows, cols]` tensor.
         let (cols, rows) = (entry.info.shape[0], entry.info.shape[1]);
@@ -809,10 +837,9 @@ impl AsRef<[u8]> for Mapped {
     }
 }
 
-/// Lets the kernel drop `entry`'s range of the map from our resident set once its values were
-/// copied out (the pages stay in the page cache), so loading never holds two copies.
-fn release(file: &WeightFile, entry: &Entry) {
-    let (start, end) = entry.info.data_offsets;
+/// Lets the kernel drop the bytes `range` of the map from our resident set once its values
+/// were copied out (the pages stay in the page cache), so loading never holds two copies.
+fn release(file: &WeightFile, range: std::ops::Range<usize>) {
     // SAFETY: the map is a read-only, file-backed shared mapping, so MADV_DONTNEED discards
     // nothing: a later read of the range (by a tensor that shares a neighbouring page) faults
     // the pages back in from the file.
@@ -820,12 +847,40 @@ fn release(file: &WeightFile, entry: &Entry) {
     let _ = unsafe {
         file.mmap.unchecked_advise_range(
             memmap2::UncheckedAdvice::DontNeed,
-            file.data_start + start,
-            end - start,
+            range.start,
+            range.len(),
         )
     };
     #[cfg(not(unix))]
-    let _ = (file, entry, start, end);
+    let _ = (file, range);
+}
+
+/// A stored tensor found and checked at load ([`Weights::read_later`]), converted into its held
+/// dtype only when [`read`](Self::read) is called: a model's first use of a weight, so that
+/// loading an fp16 checkpoint into bf16 costs what mapping it costs, and a weight never used
+/// is never converted. It keeps the file's map alive.
+pub(crate) struct PendingRead {
+    file: Arc<WeightFile>,
+    /// The tensor's bytes in the map.
+    range: std::ops::Range<usize>,
+    stored: Stored,
+    shape: Vec<usize>,
+    dtype: FloatDType,
+}
+
+impl PendingRead {
+    /// The tensor converted into its held dtype (one copy); its range of the map is released.
+    pub(crate) fn read(&self) -> TensorData {
+        let bytes = &self.file.mmap[self.range.clone()];
+        let (data, shared) =
+            weight_data::tensor_data(bytes, self.stored, self.shape.clone(), self.dtype, || {
+                bytes::Bytes::from_owner(Mapped(self.file.clone())).slice(self.range.clone())
+            });
+        if !shared {
+            release(&self.file, self.range.clone());
+        }
+        data
+    }
 }
 
 /// A weights file must not be a link out of its model folder (the folder above the component's

@@ -219,3 +219,87 @@ fn a_linear_on_the_checkpoint_layout_computes_x_w_transposed_plus_b_on_every_pat
         }
     }
 }
+
+#[test]
+fn a_weight_that_must_be_converted_waits_for_its_first_use_and_clones_share_it() {
+    let (d_in, d_out) = (48, 40);
+    let w = values(d_out * d_in, 6);
+    let b = values(d_out, 7);
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(
+        dir.path(),
+        &[
+            ("l.weight", Dtype::F16, vec![d_out, d_in], bytes_f16(&w)),
+            ("l.bias", Dtype::F16, vec![d_out], bytes_f16(&b)),
+        ],
+    );
+    let vb = builder(&path);
+
+    // Held as stored: the mapped file, made at load.
+    let as_stored = Linear::load(
+        &vb.clone().with_dtype(FloatDType::F16).pp("l"),
+        d_in,
+        d_out,
+        true,
+    )
+    .unwrap();
+    assert!(as_stored.weight.is_initialized());
+
+    // Converted into bf16: found and checked at load, converted at the first forward.
+    let converted = Linear::load(
+        &vb.clone().with_dtype(FloatDType::BF16).pp("l"),
+        d_in,
+        d_out,
+        true,
+    )
+    .unwrap();
+    assert!(!converted.weight.is_initialized());
+    assert!(!converted.bias.as_ref().unwrap().is_initialized());
+    assert_eq!(converted.dims(), [d_in, d_out]);
+    let clone = converted.clone();
+    let x = Tensor::<B, 2>::from_data(
+        TensorData::new(values(3 * d_in, 8), [3, d_in]),
+        &Default::default(),
+    )
+    .cast(FloatDType::BF16);
+    let out = converted.forward(x.clone()).into_data();
+    assert!(converted.weight.is_initialized());
+    assert!(!clone.weight.is_initialized());
+    assert_eq!(clone.forward(x).into_data(), out);
+    // The clone made before the first use holds the same converted bytes, not a second copy.
+    assert!(Arc::ptr_eq(
+        &flex(converted.weight.val()).data_arc(),
+        &flex(clone.weight.val()).data_arc()
+    ));
+
+    // The values are those of reading at once: the stored f16 rounded to bf16, transposed.
+    let at_once = vb
+        .clone()
+        .with_dtype(FloatDType::BF16)
+        .pp("l")
+        .get_linear_weight("weight", d_in, d_out)
+        .unwrap();
+    assert_eq!(at_once.dtype(), DType::BF16);
+    assert_eq!(converted.weight.val().into_data(), at_once.into_data());
+}
+
+#[test]
+fn a_weight_of_the_wrong_shape_is_refused_at_load_even_when_its_conversion_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint(
+        dir.path(),
+        &[(
+            "l.weight",
+            Dtype::F16,
+            vec![5, 3],
+            bytes_f16(&values(15, 9)),
+        )],
+    );
+    let vb = builder(&path).with_dtype(FloatDType::BF16);
+    let err = Linear::load(&vb.pp("l"), 4, 5, false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("l.weight") && err.contains("[5, 4]"), "{err}");
+    let err = vb.param::<2>("missing", [2, 2]).unwrap_err().to_string();
+    assert!(err.contains("missing"), "{err}");
+}

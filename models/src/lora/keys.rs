@@ -461,12 +461,13 @@ impl<B: Backend> ModuleVisitor<B> for Collector {
             Some(("weight", "Struct:Conv2d")) if D == 4 => false,
             _ => return,
         };
-        // The lazy shape: asking for the value would dequantize a quantized weight.
+        // The lazy shape: asking for the value would dequantize a quantized weight (or convert
+        // one that waits for its first use).
         self.found.push((
             self.tracker.path(),
             param.lazy_shape().to_vec(),
             linear,
-            !param.is_initialized(),
+            !param.is_initialized() && crate::nn::is_quantized_dense(param.id),
         ));
     }
 }
