@@ -287,12 +287,12 @@ fn quantized_sd3_transformer_calls_match_diffusers_gguf() {
 #[test]
 fn memory_reports_quantized_blocks_by_type() {
     use burn::module::{Module, ModuleVisitor, Param};
-    /// Values of the weights not materialized (the quantized ones' lazy dense forms).
+    /// Values of the quantized weights' lazy dense forms (the plain weights the file stores in
+    /// f16 are lazy too: converted into f32 at their first use).
     struct Lazy(usize);
     impl ModuleVisitor<B> for Lazy {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            // The lazy dense weights (2-D), not the lazy device blocks' scales (3-D).
-            if !param.is_initialized() && D == 2 {
+            if !param.is_initialized() && oxidiff::models::nn::is_quantized_dense(param.id) {
                 self.0 += param.lazy_shape().num_elements();
             }
         }

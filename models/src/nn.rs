@@ -11,7 +11,7 @@ use burn::tensor::activation;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{conv2d, embedding, linear};
 use burn::tensor::ops::ConvOptions;
-use burn::tensor::{DType, FloatDType, Int, Shape, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
 
 use crate::cpu::common::is_flex;
 use crate::cpu::conv::{self as cpu_conv, ConvGeometry};
@@ -20,7 +20,7 @@ use crate::cpu::linear as cpu_linear;
 use crate::cpu::quantized_linear as cpu_quantized;
 use crate::error::{ModelError, Result};
 use crate::gguf::QuantizedMatrix;
-use crate::var_builder::VarBuilder;
+use crate::var_builder::{lazy_param, VarBuilder};
 use crate::weight_data;
 
 /// `torch.nn.Linear`; the weight is Burn's `[in, out]`, a transposed view of the checkpoint's
@@ -181,8 +181,9 @@ fn linear_rows<B: Backend, const D: usize>(
 static QUANTIZED_DENSE: Mutex<BTreeSet<ParamId>> = Mutex::new(BTreeSet::new());
 
 /// Whether the parameter `id` is a quantized weight's dense form, made from its GGUF blocks
-/// only when asked for (a LoRA cannot be fused into the blocks).
-pub(crate) fn is_quantized_dense(id: ParamId) -> bool {
+/// only when asked for (a LoRA cannot be fused into the blocks); not a weight that waits for
+/// its first use to be converted from its stored float type.
+pub fn is_quantized_dense(id: ParamId) -> bool {
     QUANTIZED_DENSE.lock().map_or_else(
         |poisoned| poisoned.into_inner().contains(&id),
         |ids| ids.contains(&id),
@@ -195,15 +196,10 @@ fn lazy_dense<B: Backend>(
     dtype: FloatDType,
     device: &B::Device,
 ) -> Param<Tensor<B, 2>> {
-    let shape = Shape::new([matrix.cols(), matrix.rows()]);
-    let id = ParamId::new();
-    match QUANTIZED_DENSE.lock() {
-        Ok(mut ids) => ids.insert(id),
-        Err(poisoned) => poisoned.into_inner().insert(id),
-    };
-    Param::uninitialized(
-        id,
-        move |device, _| {
+    let param = lazy_param(
+        [matrix.cols(), matrix.rows()],
+        device.clone(),
+        move |device| {
             let data = weight_data::from_f32(
                 matrix.dequantize(),
                 vec![matrix.rows(), matrix.cols()],
@@ -212,10 +208,12 @@ fn lazy_dense<B: Backend>(
             let dtype = data.dtype;
             Tensor::<B, 2>::from_data(data, (device, dtype)).transpose()
         },
-        device.clone(),
-        false,
-        shape,
-    )
+    );
+    match QUANTIZED_DENSE.lock() {
+        Ok(mut ids) => ids.insert(param.id),
+        Err(poisoned) => poisoned.into_inner().insert(param.id),
+    };
+    param
 }
 
 /// `torch.nn.Conv2d` with square kernel, symmetric padding and optional groups.

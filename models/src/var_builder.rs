@@ -208,7 +208,7 @@ fn tensor<B: Backend, const D: usize>(data: TensorData, device: &B::Device) -> T
 /// A parameter of `shape` made by `make` when first used. Clones made before that (a module
 /// cloned at load) share the one tensor `make` returns, as clones of a made tensor share its
 /// storage.
-fn lazy_param<B: Backend, const D: usize>(
+pub(crate) fn lazy_param<B: Backend, const D: usize>(
     shape: [usize; D],
     device: B::Device,
     make: impl Fn(&B::Device) -> Tensor<B, D> + Send + Sync + 'static,
