@@ -201,10 +201,15 @@ fn bench<B: Backend>(
     let mut report = serde_json::json!({
         "impl": "oxidiff", "mode": options.mode,
         "dtype": options.dtype.map_or("f32".to_string(), |d| format!("{d:?}").to_lowercase()),
-        "kernels": match oxidiff::models::cpu::half_gemm::kernel() {
-            Some(HalfKernel::Amx) => "bf16 products: AMX",
-            Some(HalfKernel::Avx512Bf16) => "bf16 products: AVX512-BF16",
-            None => "bf16 products: widened to f32",
+        "kernels": match (options.dtype, oxidiff::models::cpu::half_gemm::kernel()) {
+            (None | Some(FloatDType::F32), _) => format!(
+                "f32 at {} (products: the gemm crate)",
+                oxidiff::models::cpu::simd::width().name()
+            ),
+            (Some(FloatDType::F16), _) => "f16 products: widened to f32".to_string(),
+            (_, Some(HalfKernel::Amx)) => "bf16 products: AMX".to_string(),
+            (_, Some(HalfKernel::Avx512Bf16)) => "bf16 products: AVX512-BF16".to_string(),
+            (_, None) => "bf16 products: widened to f32".to_string(),
         },
         "threads": std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse::<usize>().ok()),
         "size": options.size, "steps": options.steps, "load_s": load,
