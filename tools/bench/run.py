@@ -234,7 +234,7 @@ def main():
     ap.add_argument("--modes", default="cpu,compiled", help="oxidiff modes: cpu, eager, compiled")
     ap.add_argument("--impls", default="diffusers,oxidiff",
                     help="of diffusers, oxidiff (its --modes), candle (tools/bench/candle: UNet "
-                         "step, VAE decode and load only; f32 or bf16, no --variant)")
+                         "step, VAE decode and load only; f32, no --variant: bf16 fails in candle 0.11.1's CPU conv2d)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="processes per side and case (default: 3 tiny, 1 SD 1.5)")
     ap.add_argument("--repeat", type=int, default=None,
