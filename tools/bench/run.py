@@ -1,6 +1,9 @@
 """The benchmark suite's driver: oxidiff (target/release/bench) and diffusers
 (tools/bench/diffusers_bench.py) side by side on this machine, alternately, at the same thread
 count; prints the ratios oxidiff / diffusers, writes a JSON result file and an SVG chart.
+With `--impls diffusers,oxidiff,candle`, candle's own SD 1.5 UNet and VAE (tools/bench/candle,
+a cargo project of its own, built on first use into target/bench-candle) is a third column: it
+times the UNet step, the VAE decode and the load only.
 
     tools/bench/run.sh [--configs tiny,sd15-256] [--threads 1,2] [--rounds 2] ...
     python3 tools/bench/run.py --help
@@ -65,6 +68,19 @@ def cpu_features():
     return [f for f in wanted if f in flags]
 
 
+CANDLE_DIR = os.path.join(ROOT, "tools", "bench", "candle")
+CANDLE_TARGET = os.path.join(ROOT, "target", "bench-candle")
+
+
+def build_candle():
+    """Builds tools/bench/candle (release) into target/bench-candle; cargo makes it a no-op
+    when nothing changed. candle is never a dependency of oxidiff's workspace."""
+    env = dict(os.environ, CARGO_TARGET_DIR=CANDLE_TARGET)
+    subprocess.run(["cargo", "build", "--release", "--manifest-path",
+                    os.path.join(CANDLE_DIR, "Cargo.toml")], cwd=ROOT, env=env, check=True)
+    return os.path.join(CANDLE_TARGET, "release", "candle-bench")
+
+
 def run_one(side, dir_, size, steps, repeat, threads, args):
     env = dict(os.environ)
     env["RAYON_NUM_THREADS"] = str(threads)
@@ -74,7 +90,10 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
               "--e2e-repeat", str(args.e2e_repeat), "--dtype", args.dtype]
     if args.variant:
         common += ["--variant", args.variant]
-    if side == "diffusers":
+    if side == "candle":
+        cmd = [args.candle_bin, dir_, "--size", str(size), "--repeat", str(repeat),
+               "--dtype", args.dtype]
+    elif side == "diffusers":
         cmd = [sys.executable, "tools/bench/diffusers_bench.py", dir_, "--threads", str(threads)]
         if args.device != "cpu":
             cmd += ["--device", args.device]
@@ -82,7 +101,8 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
         cmd = [args.bench_bin, dir_, "--mode", side]
         if args.device != "cpu" and side != "cpu":
             cmd += ["--device", args.device]
-    cmd += common
+    if side != "candle":
+        cmd += common
     if threads == 1 and args.device == "cpu" and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(args.pin_cpu)] + cmd
     load = loadavg()
@@ -127,7 +147,8 @@ def report(result):
     lines = []
     for case in result["cases"]:
         sides = case["sides"]
-        base = sides["diffusers"]
+        # Ratios compare with diffusers; without it (--impls oxidiff,candle) the table has none.
+        base = sides.get("diffusers", {})
         lines.append(f"\n{case['config']} ({case['size']}x{case['size']}, {case['steps']} DDIM "
                      f"steps, guidance 7.5), {case['threads']} thread(s), {case['rounds']} "
                      f"round(s), {result.get('dtype', 'f32')}{', variant ' + result['variant'] if result.get('variant') else ''}; load avg before runs "
@@ -135,18 +156,18 @@ def report(result):
         kernels = {side: runs[0].get("kernels") for side, runs in case["runs"].items() if runs}
         lines.append("kernels: " + "; ".join(f"{side}: {k}" for side, k in kernels.items() if k))
         lines.append(f"{'':24}" + "".join(f"{s:>30}" for s in sides) + "".join(
-            f"{s + '/diffusers':>20}" for s in sides if s != "diffusers"))
+            f"{s + '/diffusers':>20}" for s in sides if s != "diffusers" and base))
         for key in [k for s, c in zip(STAGES, CPU) for k in (s, c)] + SINGLE:
-            if key not in base:
+            if not any(key in d for d in sides.values()):
                 continue
             cells = "".join(
-                f"{fmt(key, d[key]['min']) + ' ' + fmt(key, d[key]['median']) + ' ' + fmt(key, d[key]['max']):>30}"
+                f"{fmt(key, d[key]['min']) + ' ' + fmt(key, d[key]['median']) + ' ' + fmt(key, d[key]['max']) if key in d else '-':>30}"
                 for d in sides.values())
-            ratios = "".join(f"{sides[s][key]['median'] / base[key]['median']:>20.2f}"
-                             for s in sides if s != "diffusers" and key in sides[s])
+            ratios = "".join(f"{sides[s][key]['median'] / base[key]['median'] if key in sides[s] else float('nan'):>20.2f}"
+                             for s in sides if s != "diffusers" and key in base)
             unit = "" if key == "peak_rss_bytes" else " (s)"
             lines.append(f"{LABELS[key] + unit:24}{cells}{ratios}")
-    lines.append("\ncells: min median max; ratios: medians, oxidiff / diffusers (below 1: oxidiff is faster or smaller)")
+    lines.append("\ncells: min median max; ratios: medians, oxidiff (or candle) / diffusers (below 1: faster or smaller than diffusers)")
     return "\n".join(lines)
 
 
@@ -154,8 +175,8 @@ def svg_chart(result, path):
     """Ratios oxidiff / diffusers (medians) as horizontal bars on a log scale, 1.0 marked."""
     import math
 
-    modes = [m for m in result["modes"]]
-    colors = {"cpu": "#1f77b4", "compiled": "#ff7f0e", "eager": "#2ca02c"}
+    modes = result["modes"] + (["candle"] if "candle" in result.get("impls", []) else [])
+    colors = {"cpu": "#1f77b4", "compiled": "#ff7f0e", "eager": "#2ca02c", "candle": "#9467bd"}
     rows = []
     for case in result["cases"]:
         base = case["sides"]["diffusers"]
@@ -196,7 +217,8 @@ def svg_chart(result, path):
                     f'{r:g}</text>')
     legend = "".join(
         f'<rect x="{left + 120 * i}" y="14" width="10" height="10" fill="{colors.get(m, "#888")}"/>'
-        f'<text x="{left + 14 + 120 * i}" y="23">oxidiff {m}</text>' for i, m in enumerate(modes))
+        f'<text x="{left + 14 + 120 * i}" y="23">{m if m == "candle" else "oxidiff " + m}</text>'
+        for i, m in enumerate(modes))
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 50}" height="{height}" '
            f'font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>'
            f'<text x="4" y="12" font-size="10">oxidiff / diffusers (median; log scale; left of 1: '
@@ -210,6 +232,9 @@ def main():
     ap.add_argument("--configs", default="tiny,sd15-256", help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--modes", default="cpu,compiled", help="oxidiff modes: cpu, eager, compiled")
+    ap.add_argument("--impls", default="diffusers,oxidiff",
+                    help="of diffusers, oxidiff (its --modes), candle (tools/bench/candle: UNet "
+                         "step, VAE decode and load only; f32, no --variant: bf16 fails in candle 0.11.1's CPU conv2d)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="processes per side and case (default: 3 tiny, 1 SD 1.5)")
     ap.add_argument("--repeat", type=int, default=None,
@@ -224,19 +249,27 @@ def main():
                     help="an accelerator both sides run on: cuda (diffusers' torch device; oxidiff's "
                          "eager/compiled modes then use XLA's CUDA plugin instead of xla:cpu)")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
+    ap.add_argument("--candle-bin", default=None,
+                    help="a built candle-bench (default: build tools/bench/candle into target/bench-candle)")
     ap.add_argument("--pin-cpu", type=int, default=0,
                     help="the core 1-thread runs are pinned to (another one than a concurrent run's)")
     ap.add_argument("--json", default="tools/bench/results.json")
     ap.add_argument("--svg", default="docs/bench.svg")
     args = ap.parse_args()
-    modes = args.modes.split(",")
+    impls = args.impls.split(",")
+    modes = args.modes.split(",") if "oxidiff" in impls else []
+    if "candle" in impls:
+        if args.dtype not in ("f32", "bf16") or args.variant or args.device != "cpu":
+            sys.exit("candle runs on the CPU in f32 or bf16 from the f32 weight files only")
+        args.candle_bin = args.candle_bin or build_candle()
+    sides_order = [s for s in ["diffusers"] if s in impls] + modes + [s for s in ["candle"] if s in impls]
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                  if line.startswith("model name")), None),
                     "features": cpu_features()},
-        "command": " ".join(sys.argv), "modes": modes, "device": args.device, "dtype": args.dtype, "variant": args.variant,
+        "command": " ".join(sys.argv), "impls": impls, "modes": modes, "device": args.device, "dtype": args.dtype, "variant": args.variant,
         "cases": [],
     }
     print(f"CPU: {result['machine']['cpu']} ({', '.join(result['machine']['features']) or 'no AVX2'}); "
@@ -254,10 +287,10 @@ def main():
                             "--variant", args.variant], cwd=ROOT, check=True)
         for threads in [int(t) for t in args.threads.split(",")]:
             print(f"{name}, {threads} thread(s)", file=sys.stderr, flush=True)
-            runs = {side: [] for side in ["diffusers"] + modes}
+            runs = {side: [] for side in sides_order}
             loads = []
             for round_ in range(rounds):
-                order = ["diffusers"] + modes
+                order = list(sides_order)
                 if round_ % 2:
                     order.reverse()
                 for side in order:
@@ -279,8 +312,9 @@ def main():
     result["table"] = text
     with open(os.path.join(ROOT, args.json), "w") as f:
         json.dump(result, f, indent=1)
-    svg_chart(result, os.path.join(ROOT, args.svg))
-    print(f"\nwrote {args.json} and {args.svg}", file=sys.stderr)
+    if "diffusers" in impls:
+        svg_chart(result, os.path.join(ROOT, args.svg))
+    print(f"\nwrote {args.json}" + (f" and {args.svg}" if "diffusers" in impls else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":
