@@ -455,7 +455,7 @@ fn geglu_row<E: Elem>(out: &mut [E], value: &[E], gate: &[E]) {
     }
 }
 
-/// `x` `[b, m, n]` transposed to a contiguous `[b, n, m]`, copied in 32x32 tiles in parallel,
+/// `x` `[b, m, n]` transposed to a contiguous `[b, n, m]`, copied in 16x16 blocks in parallel,
 /// or `x` back. Burn's `swap_dims` is a view, and burn-flex reads a permuted operand one
 /// element at a time through a strided iterator in every operation that meets it.
 pub fn transpose<B: Backend>(x: Tensor<B, 3>) -> Result<Tensor<B, 3>, Tensor<B, 3>> {
@@ -468,32 +468,125 @@ pub fn transpose<B: Backend>(x: Tensor<B, 3>) -> Result<Tensor<B, 3>, Tensor<B, 
     Ok(from_flex(by_dtype!(dtype, transpose_typed(&t, b, m, n))))
 }
 
+/// Rows of the output (columns of the input) each job writes.
+const TRANSPOSE_JOB: usize = 32;
+
 fn transpose_typed<E: Elem>(t: &FlexTensor, b: usize, m: usize, n: usize) -> FlexTensor {
-    const TILE: usize = 32;
     let src = t.storage::<E>();
-    let mut out = vec![E::default(); b * m * n];
-    if !out.is_empty() {
-        // One job: TILE output rows (TILE source columns) of one sample.
-        out.par_chunks_mut(n * m)
+    let len = b * m * n;
+    let mut out: Vec<E> = Vec::with_capacity(len);
+    let wide = simd::width() == simd::VectorWidth::Avx512;
+    if len > 0 {
+        out.spare_capacity_mut()[..len]
+            .par_chunks_mut(n * m)
             .zip(src.par_chunks(m * n))
             .for_each(|(dst, src)| {
-                dst.par_chunks_mut(TILE * m)
+                dst.par_chunks_mut(TRANSPOSE_JOB * m)
                     .enumerate()
-                    .for_each(|(tile, dst)| {
-                        let j0 = tile * TILE;
-                        let cols = dst.len() / m;
-                        for i0 in (0..m).step_by(TILE) {
-                            for i in i0..(i0 + TILE).min(m) {
-                                let line = &src[i * n + j0..i * n + j0 + cols];
-                                for (dj, &v) in line.iter().enumerate() {
-                                    dst[dj * m + i] = v;
-                                }
-                            }
-                        }
+                    .for_each(|(job, dst)| {
+                        transpose_columns(src, m, n, job * TRANSPOSE_JOB, dst, wide)
                     });
             });
     }
+    // SAFETY: every output row was written: each job writes all `m` values of its rows.
+    unsafe { out.set_len(len) };
     tensor_of(out, vec![b, n, m])
+}
+
+/// Columns `j0..` of `src` `[m, n]` (as many as `dst` holds rows of `m`) written as the rows
+/// of `dst`, 16x16 blocks at a time: with `wide` (AVX-512) each block is 16 loads, a transpose
+/// in registers and 16 stores of whole rows; else one value at a time. Element by element the
+/// rows of a block would be written a value at a time, 16 lines at once that are a power of
+/// two apart (the UNet's sequences): the same cache set, missed on every store.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn transpose_columns<E: Copy>(
+    src: &[E],
+    m: usize,
+    n: usize,
+    j0: usize,
+    dst: &mut [std::mem::MaybeUninit<E>],
+    wide: bool,
+) {
+    const BLOCK: usize = 16;
+    let cols = dst.len() / m;
+    assert!(cols * m == dst.len() && j0 + cols <= n && src.len() >= m * n);
+    for c0 in (0..cols).step_by(BLOCK) {
+        let block_cols = BLOCK.min(cols - c0);
+        for r0 in (0..m).step_by(BLOCK) {
+            let block_rows = BLOCK.min(m - r0);
+            #[cfg(target_arch = "x86_64")]
+            if wide && matches!(std::mem::size_of::<E>(), 2 | 4) {
+                // SAFETY: the CPU has AVX-512 (F, BW, VL); the block's rows and columns lie
+                // inside `src` and `dst` (checked above), and the masks cover only those.
+                unsafe {
+                    transpose_block_avx512(
+                        src.as_ptr().add(r0 * n + j0 + c0).cast(),
+                        n,
+                        dst.as_mut_ptr().add(c0 * m + r0).cast(),
+                        m,
+                        block_rows,
+                        block_cols,
+                        std::mem::size_of::<E>(),
+                    )
+                };
+                continue;
+            }
+            for c in c0..c0 + block_cols {
+                let line = &mut dst[c * m + r0..c * m + r0 + block_rows];
+                for (r, out) in line.iter_mut().enumerate() {
+                    out.write(src[(r0 + r) * n + j0 + c]);
+                }
+            }
+        }
+    }
+}
+
+/// One block of `rows x cols` (each at most 16) elements of `size` bytes (2 or 4): rows of
+/// `src` (`src_stride` elements apart) become rows of `dst` (`dst_stride` apart). 16-bit
+/// values are widened to 32-bit lanes for the transpose and narrowed on the way out.
+///
+/// # Safety
+/// The CPU has AVX-512 F, BW and VL; `src` holds `rows` rows of `cols` elements and `dst`
+/// `cols` rows of `rows`, at those strides.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn transpose_block_avx512(
+    src: *const u8,
+    src_stride: usize,
+    dst: *mut u8,
+    dst_stride: usize,
+    rows: usize,
+    cols: usize,
+    size: usize,
+) {
+    use super::common::{tail_mask, transpose_16x16};
+    use std::arch::x86_64::*;
+    let mask = |count: usize| {
+        if count == 16 {
+            u16::MAX
+        } else {
+            tail_mask(count)
+        }
+    };
+    let (col_mask, row_mask) = (mask(cols), mask(rows));
+    let mut lines = [_mm512_setzero_si512(); 16];
+    for (r, line) in lines.iter_mut().enumerate().take(rows) {
+        let at = src.add(r * src_stride * size);
+        *line = if size == 4 {
+            _mm512_maskz_loadu_epi32(col_mask, at.cast())
+        } else {
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(col_mask, at.cast()))
+        };
+    }
+    let columns = transpose_16x16(lines);
+    for (c, column) in columns.iter().enumerate().take(cols) {
+        let at = dst.add(c * dst_stride * size);
+        if size == 4 {
+            _mm512_mask_storeu_epi32(at.cast(), row_mask, *column);
+        } else {
+            _mm256_mask_storeu_epi16(at.cast(), row_mask, _mm512_cvtepi32_epi16(*column));
+        }
+    }
 }
 
 /// `a + b` for two tensors of one shape and dtype in one parallel pass, written into whichever
@@ -592,4 +685,54 @@ fn add_per_channel_typed<E: Elem>(x: FlexTensor, offsets: &[f32], rest: usize) -
             });
     }
     x
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `src` `[m, n]` transposed by [`transpose_columns`] in jobs of `TRANSPOSE_JOB` rows.
+    fn transposed<E: Copy + Default>(src: &[E], m: usize, n: usize, wide: bool) -> Vec<E> {
+        let mut out = vec![std::mem::MaybeUninit::new(E::default()); m * n];
+        for (job, dst) in out.chunks_mut(TRANSPOSE_JOB * m).enumerate() {
+            transpose_columns(src, m, n, job * TRANSPOSE_JOB, dst, wide);
+        }
+        // SAFETY: every element was initialized above.
+        out.into_iter()
+            .map(|v| unsafe { v.assume_init() })
+            .collect()
+    }
+
+    #[test]
+    fn transposed_blocks_equal_the_definition_for_32_and_16_bit_values_at_every_width() {
+        let wide = [false, simd::width() == simd::VectorWidth::Avx512];
+        for (m, n) in [
+            (1, 1),
+            (3, 70),
+            (16, 16),
+            (17, 33),
+            (40, 64),
+            (320, 48),
+            (65, 1),
+        ] {
+            let words: Vec<u32> = (0..m * n)
+                .map(|i| (i as u32).wrapping_mul(2_654_435_761))
+                .collect();
+            let halves: Vec<u16> = words.iter().map(|w| (w >> 16) as u16).collect();
+            let expect_words: Vec<u32> = (0..n * m).map(|i| words[(i % m) * n + i / m]).collect();
+            let expect_halves: Vec<u16> = (0..n * m).map(|i| halves[(i % m) * n + i / m]).collect();
+            for wide in wide {
+                assert_eq!(
+                    transposed(&words, m, n, wide),
+                    expect_words,
+                    "{m}x{n}, {wide}"
+                );
+                assert_eq!(
+                    transposed(&halves, m, n, wide),
+                    expect_halves,
+                    "{m}x{n}, {wide}"
+                );
+            }
+        }
+    }
 }
