@@ -465,13 +465,43 @@ pub fn transpose<B: Backend>(x: Tensor<B, 3>) -> Result<Tensor<B, 3>, Tensor<B, 
     let [b, m, n] = x.dims();
     let dtype = x.dtype();
     let t = into_flex(x).to_contiguous();
-    Ok(from_flex(by_dtype!(dtype, transpose_typed(&t, b, m, n))))
+    Ok(from_flex(by_dtype!(
+        dtype,
+        transpose_typed(&t, b, m, n, None)
+    )))
+}
+
+/// [`transpose`] of an f32 `x` `[b, m, n]` with `bias[i]` added to the values of row `i`, in
+/// the same pass: `(W^T x^T)^T + b` of a linear layer without a second pass over its output.
+/// Each value is rounded once, as by the transpose followed by a broadcast add. Both handed
+/// back unless both are f32 on burn-flex and `bias` has `m` values.
+pub fn transpose_add<B: Backend>(
+    x: Tensor<B, 3>,
+    bias: Tensor<B, 1>,
+) -> Result<Tensor<B, 3>, (Tensor<B, 3>, Tensor<B, 1>)> {
+    let [b, m, n] = x.dims();
+    if !applies::<B>(&[x.dtype(), bias.dtype()]) || x.dtype() != DType::F32 || bias.dims() != [m] {
+        return Err((x, bias));
+    }
+    let (t, bias) = (
+        into_flex(x).to_contiguous(),
+        into_flex(bias).to_contiguous(),
+    );
+    let bias = bias.storage::<f32>();
+    Ok(from_flex(transpose_typed::<f32>(&t, b, m, n, Some(bias))))
 }
 
 /// Rows of the output (columns of the input) each job writes.
 const TRANSPOSE_JOB: usize = 32;
 
-fn transpose_typed<E: Elem>(t: &FlexTensor, b: usize, m: usize, n: usize) -> FlexTensor {
+/// `t` `[b, m, n]` as `[b, n, m]`, `bias[i]` (if any) added to every value of row `i`.
+fn transpose_typed<E: Elem + std::ops::Add<Output = E>>(
+    t: &FlexTensor,
+    b: usize,
+    m: usize,
+    n: usize,
+    bias: Option<&[E]>,
+) -> FlexTensor {
     let src = t.storage::<E>();
     let len = b * m * n;
     let mut out: Vec<E> = Vec::with_capacity(len);
@@ -484,7 +514,7 @@ fn transpose_typed<E: Elem>(t: &FlexTensor, b: usize, m: usize, n: usize) -> Fle
                 dst.par_chunks_mut(TRANSPOSE_JOB * m)
                     .enumerate()
                     .for_each(|(job, dst)| {
-                        transpose_columns(src, m, n, job * TRANSPOSE_JOB, dst, wide)
+                        transpose_columns(src, m, n, job * TRANSPOSE_JOB, dst, wide, bias)
                     });
             });
     }
@@ -499,25 +529,30 @@ fn transpose_typed<E: Elem>(t: &FlexTensor, b: usize, m: usize, n: usize) -> Fle
 /// rows of a block would be written a value at a time, 16 lines at once that are a power of
 /// two apart (the UNet's sequences): the same cache set, missed on every store.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-fn transpose_columns<E: Copy>(
+fn transpose_columns<E: Copy + std::ops::Add<Output = E>>(
     src: &[E],
     m: usize,
     n: usize,
     j0: usize,
     dst: &mut [std::mem::MaybeUninit<E>],
     wide: bool,
+    bias: Option<&[E]>,
 ) {
     const BLOCK: usize = 16;
     let cols = dst.len() / m;
     assert!(cols * m == dst.len() && j0 + cols <= n && src.len() >= m * n);
+    assert!(bias.is_none_or(|b| b.len() == m));
+    let size = std::mem::size_of::<E>();
     for c0 in (0..cols).step_by(BLOCK) {
         let block_cols = BLOCK.min(cols - c0);
         for r0 in (0..m).step_by(BLOCK) {
             let block_rows = BLOCK.min(m - r0);
             #[cfg(target_arch = "x86_64")]
-            if wide && matches!(std::mem::size_of::<E>(), 2 | 4) {
+            // The bias is added in f32 lanes only: a 16-bit bias takes the element-wise path.
+            if wide && (size == 4 || (size == 2 && bias.is_none())) {
                 // SAFETY: the CPU has AVX-512 (F, BW, VL); the block's rows and columns lie
-                // inside `src` and `dst` (checked above), and the masks cover only those.
+                // inside `src` and `dst` (checked above), and the masks cover only those. A
+                // bias of 4-byte elements is f32: `transpose_add` is its only caller.
                 unsafe {
                     transpose_block_avx512(
                         src.as_ptr().add(r0 * n + j0 + c0).cast(),
@@ -526,7 +561,8 @@ fn transpose_columns<E: Copy>(
                         m,
                         block_rows,
                         block_cols,
-                        std::mem::size_of::<E>(),
+                        size,
+                        bias.map(|b| b.as_ptr().add(r0).cast()),
                     )
                 };
                 continue;
@@ -534,7 +570,11 @@ fn transpose_columns<E: Copy>(
             for c in c0..c0 + block_cols {
                 let line = &mut dst[c * m + r0..c * m + r0 + block_rows];
                 for (r, out) in line.iter_mut().enumerate() {
-                    out.write(src[(r0 + r) * n + j0 + c]);
+                    let value = src[(r0 + r) * n + j0 + c];
+                    out.write(match bias {
+                        Some(bias) => value + bias[r0 + r],
+                        None => value,
+                    });
                 }
             }
         }
@@ -543,11 +583,13 @@ fn transpose_columns<E: Copy>(
 
 /// One block of `rows x cols` (each at most 16) elements of `size` bytes (2 or 4): rows of
 /// `src` (`src_stride` elements apart) become rows of `dst` (`dst_stride` apart). 16-bit
-/// values are widened to 32-bit lanes for the transpose and narrowed on the way out.
+/// values are widened to 32-bit lanes for the transpose and narrowed on the way out. With
+/// `bias` (f32 values only), `bias[r]` is added to source row `r`.
 ///
 /// # Safety
 /// The CPU has AVX-512 F, BW and VL; `src` holds `rows` rows of `cols` elements and `dst`
-/// `cols` rows of `rows`, at those strides.
+/// `cols` rows of `rows`, at those strides; `bias`, if given, holds `rows` f32 values and
+/// `size` is 4.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn transpose_block_avx512(
@@ -558,6 +600,7 @@ unsafe fn transpose_block_avx512(
     rows: usize,
     cols: usize,
     size: usize,
+    bias: Option<*const f32>,
 ) {
     use super::common::{tail_mask, transpose_16x16};
     use std::arch::x86_64::*;
@@ -577,6 +620,10 @@ unsafe fn transpose_block_avx512(
         } else {
             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(col_mask, at.cast()))
         };
+        if let Some(bias) = bias {
+            let sum = _mm512_add_ps(_mm512_castsi512_ps(*line), _mm512_set1_ps(*bias.add(r)));
+            *line = _mm512_castps_si512(sum);
+        }
     }
     let columns = transpose_16x16(lines);
     for (c, column) in columns.iter().enumerate().take(cols) {
@@ -692,10 +739,15 @@ mod tests {
     use super::*;
 
     /// `src` `[m, n]` transposed by [`transpose_columns`] in jobs of `TRANSPOSE_JOB` rows.
-    fn transposed<E: Copy + Default>(src: &[E], m: usize, n: usize, wide: bool) -> Vec<E> {
+    fn transposed<E: Copy + Default + std::ops::Add<Output = E>>(
+        src: &[E],
+        m: usize,
+        n: usize,
+        wide: bool,
+    ) -> Vec<E> {
         let mut out = vec![std::mem::MaybeUninit::new(E::default()); m * n];
         for (job, dst) in out.chunks_mut(TRANSPOSE_JOB * m).enumerate() {
-            transpose_columns(src, m, n, job * TRANSPOSE_JOB, dst, wide);
+            transpose_columns(src, m, n, job * TRANSPOSE_JOB, dst, wide, None);
         }
         // SAFETY: every element was initialized above.
         out.into_iter()
@@ -732,6 +784,30 @@ mod tests {
                     expect_halves,
                     "{m}x{n}, {wide}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn a_bias_added_in_the_transpose_equals_adding_it_after() {
+        let wide = [false, simd::width() == simd::VectorWidth::Avx512];
+        for (m, n) in [(1, 3), (17, 33), (320, 48), (40, 70)] {
+            let src: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.37).sin() * 1e3).collect();
+            let bias: Vec<f32> = (0..m).map(|i| (i as f32 * 1.7).cos() * 1e-3).collect();
+            let expect: Vec<u32> = (0..n * m)
+                .map(|i| (src[(i % m) * n + i / m] + bias[i % m]).to_bits())
+                .collect();
+            for wide in wide {
+                let mut out = vec![std::mem::MaybeUninit::new(0f32); m * n];
+                for (job, dst) in out.chunks_mut(TRANSPOSE_JOB * m).enumerate() {
+                    transpose_columns(&src, m, n, job * TRANSPOSE_JOB, dst, wide, Some(&bias));
+                }
+                // SAFETY: every element was initialized above.
+                let got: Vec<u32> = out
+                    .into_iter()
+                    .map(|v| unsafe { v.assume_init() }.to_bits())
+                    .collect();
+                assert_eq!(got, expect, "{m}x{n}, wide {wide}");
             }
         }
     }

@@ -195,7 +195,8 @@ fn is_checkpoint_layout<B: Backend>(weight: &Tensor<B, 2>) -> bool {
 /// `x W + b` in f32 for few rows of `x`, computed as `(W^T x^T)^T`: `W^T` is the checkpoint's
 /// contiguous `[out, in]`, and in that orientation the `gemm` crate packs only the few rows of
 /// `x` on each call, where `x W` repacks the whole weight every time. The transposed result is
-/// copied back in tiles (burn-flex's strided bias add would read it one element at a time).
+/// copied back in tiles with the bias added on the way (burn-flex's strided bias add would
+/// read it one element at a time).
 fn few_rows_f32<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,
@@ -213,17 +214,19 @@ fn few_rows_f32<B: Backend, const D: usize>(
         x
     };
     let out_t = weight.transpose().matmul(x.transpose()).unsqueeze::<3>();
-    let out = super::elementwise::transpose(out_t)
-        .unwrap_or_else(|t| t.swap_dims(1, 2))
-        .reshape([columns, d_out]);
+    // The bias goes in with the transpose (one pass over the output, not two).
+    let out = match bias {
+        Some(bias) => match super::elementwise::transpose_add(out_t, bias) {
+            Ok(out) => out,
+            Err((t, bias)) => t.swap_dims(1, 2) + bias.unsqueeze::<3>(),
+        },
+        None => super::elementwise::transpose(out_t).unwrap_or_else(|t| t.swap_dims(1, 2)),
+    }
+    .reshape([columns, d_out]);
     let out = if columns > rows {
         out.narrow(0, 0, rows)
     } else {
         out
-    };
-    let out = match bias {
-        Some(bias) => out + bias.unsqueeze::<2>(),
-        None => out,
     };
     dims[D - 1] = d_out;
     out.reshape(dims)
