@@ -559,9 +559,11 @@ fn transpose_columns<E: Copy + std::ops::Add<Output = E>>(
                         n,
                         dst.as_mut_ptr().add(c0 * m + r0).cast(),
                         m,
-                        block_rows,
-                        block_cols,
-                        size,
+                        BlockShape {
+                            rows: block_rows,
+                            cols: block_cols,
+                            size,
+                        },
                         bias.map(|b| b.as_ptr().add(r0).cast()),
                     )
                 };
@@ -581,6 +583,15 @@ fn transpose_columns<E: Copy + std::ops::Add<Output = E>>(
     }
 }
 
+/// One block of a transpose: `rows x cols` (each at most 16) elements of `size` bytes.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct BlockShape {
+    rows: usize,
+    cols: usize,
+    size: usize,
+}
+
 /// One block of `rows x cols` (each at most 16) elements of `size` bytes (2 or 4): rows of
 /// `src` (`src_stride` elements apart) become rows of `dst` (`dst_stride` apart). 16-bit
 /// values are widened to 32-bit lanes for the transpose and narrowed on the way out. With
@@ -597,13 +608,12 @@ unsafe fn transpose_block_avx512(
     src_stride: usize,
     dst: *mut u8,
     dst_stride: usize,
-    rows: usize,
-    cols: usize,
-    size: usize,
+    shape: BlockShape,
     bias: Option<*const f32>,
 ) {
     use super::common::{tail_mask, transpose_16x16};
     use std::arch::x86_64::*;
+    let BlockShape { rows, cols, size } = shape;
     let mask = |count: usize| {
         if count == 16 {
             u16::MAX
