@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
 use crate::cpu::common::is_flex;
 use crate::error::{ModelError, Result};
 use crate::gguf::QuantizedMatrix;
-use crate::weights::{PendingRead, Weights};
+use crate::weights::{WeightRead, Weights};
 
 /// Builds layers from weights by key path, on one device, holding float weights in one dtype
 /// (f32 unless [`with_dtype`](Self::with_dtype) says otherwise).
@@ -144,15 +144,12 @@ impl<B: Backend> VarBuilder<B> {
         shape: [usize; D],
     ) -> Result<Param<Tensor<B, D>>> {
         let key = self.checked_key(name, &shape)?;
-        match self.read_later(&key)? {
-            Some(pending) => Ok(lazy_param(shape, self.device.clone(), move |device| {
+        Ok(match self.read_deferred(&key)? {
+            WeightRead::Ready(data) => Param::from_tensor(tensor(data, &self.device)),
+            WeightRead::Pending(pending) => lazy_param(shape, self.device.clone(), move |device| {
                 tensor(pending.read(), device)
-            })),
-            None => Ok(Param::from_tensor(tensor(
-                self.weights.read(&key, self.dtype)?,
-                &self.device,
-            ))),
-        }
+            }),
+        })
     }
 
     /// [`get_linear_weight`](Self::get_linear_weight) as a parameter, converted at its first
@@ -164,16 +161,16 @@ impl<B: Backend> VarBuilder<B> {
         d_out: usize,
     ) -> Result<Param<Tensor<B, 2>>> {
         let key = self.checked_key(name, &[d_out, d_in])?;
-        match self.read_later(&key)? {
-            Some(pending) => Ok(lazy_param(
-                [d_in, d_out],
-                self.device.clone(),
-                move |device| tensor::<B, 2>(pending.read(), device).transpose(),
-            )),
-            None => Ok(Param::from_tensor(
-                self.get_linear_weight(name, d_in, d_out)?,
-            )),
-        }
+        Ok(match self.read_deferred(&key)? {
+            WeightRead::Ready(data) => {
+                Param::from_tensor(tensor::<B, 2>(data, &self.device).transpose())
+            }
+            WeightRead::Pending(pending) => {
+                lazy_param([d_in, d_out], self.device.clone(), move |device| {
+                    tensor::<B, 2>(pending.read(), device).transpose()
+                })
+            }
+        })
     }
 
     /// The full key of `name`, checked to hold a tensor of `shape` when it is present.
@@ -188,13 +185,13 @@ impl<B: Backend> VarBuilder<B> {
         }
     }
 
-    /// `key`'s read left to its first use, where the CPU backend's tensors are made from it.
-    fn read_later(&self, key: &str) -> Result<Option<PendingRead>> {
+    /// `key` read now, or on the CPU backend (when it must be converted) at its first use.
+    fn read_deferred(&self, key: &str) -> Result<WeightRead> {
         if !is_flex::<B>() {
             // A device's weights are uploaded (or staged for their shards) at load.
-            return Ok(None);
+            return Ok(WeightRead::Ready(self.weights.read(key, self.dtype)?));
         }
-        self.weights.read_later(key, self.dtype)
+        self.weights.read_deferred(key, self.dtype)
     }
 }
 

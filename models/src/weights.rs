@@ -630,64 +630,53 @@ impl Weights {
     /// the file stores it in that dtype (nothing copied), otherwise converted once from the
     /// stored type.
     pub fn read(&self, key: &str, dtype: FloatDType) -> Result<TensorData> {
+        Ok(match self.read_deferred(key, dtype)? {
+            WeightRead::Ready(data) => data,
+            WeightRead::Pending(pending) => pending.read(),
+        })
+    }
+
+    /// `key` found and checked as [`read`](Self::read) does, read now when that converts
+    /// nothing (the file holds it in `dtype`: the mapped bytes are the tensor) or when it is no
+    /// plain stored tensor (quantized blocks, a view, a header without data); otherwise its
+    /// conversion into `dtype` is left to [`PendingRead::read`].
+    pub(crate) fn read_deferred(&self, key: &str, dtype: FloatDType) -> Result<WeightRead> {
         if let Some(matrix) = self.quantized_any(key)? {
             let shape = self.entries[key].info.shape.clone();
-            return Ok(weight_data::from_f32(matrix.dequantize(), shape, dtype));
+            let data = weight_data::from_f32(matrix.dequantize(), shape, dtype);
+            return Ok(WeightRead::Ready(data));
         }
         let (entry, file, bytes, stored) = self.locate(key)?;
         let shape = entry.info.shape.clone();
         if file.zeros {
-            return Ok(weight_data::zeros(shape, dtype));
+            return Ok(WeightRead::Ready(weight_data::zeros(shape, dtype)));
         }
         if entry.transposed {
             let values = f32_values(entry, file, bytes, stored);
-            return Ok(weight_data::from_f32(values, shape, dtype));
+            return Ok(WeightRead::Ready(weight_data::from_f32(
+                values, shape, dtype,
+            )));
         }
-        let (start, end) = (
-            file.data_start + entry.info.data_offsets.0,
-            file.data_start + entry.info.data_offsets.1,
-        );
         if entry.swap_halves {
             let swapped = swap_halves(bytes);
             let (data, _) = weight_data::tensor_data(&swapped, stored, shape, dtype, || {
                 bytes::Bytes::from(swapped.clone())
             });
-            return Ok(data);
-        }
-        let (data, shared) = weight_data::tensor_data(bytes, stored, shape, dtype, || {
-            bytes::Bytes::from_owner(Mapped(file.clone())).slice(start..end)
-        });
-        if !shared {
-            release(file, start..end);
-        }
-        Ok(data)
-    }
-
-    /// `key` found and checked as [`read`](Self::read) would, but its conversion into `dtype`
-    /// left to [`PendingRead::read`]: `None` when reading it now converts nothing (the file
-    /// holds it in `dtype`: the mapped bytes are the tensor) or when it is no plain stored
-    /// tensor (quantized blocks, a view, a header without data), which [`read`](Self::read)
-    /// reads at once.
-    pub(crate) fn read_later(&self, key: &str, dtype: FloatDType) -> Result<Option<PendingRead>> {
-        if self.entries.get(key).is_some_and(|e| e.quant.is_some()) {
-            return Ok(None);
-        }
-        let (entry, file, bytes, stored) = self.locate(key)?;
-        if file.zeros
-            || entry.transposed
-            || entry.swap_halves
-            || weight_data::shares(bytes, stored, dtype)
-        {
-            return Ok(None);
+            return Ok(WeightRead::Ready(data));
         }
         let (start, end) = entry.info.data_offsets;
-        Ok(Some(PendingRead {
+        let pending = PendingRead {
             file: file.clone(),
             range: file.data_start + start..file.data_start + end,
             stored,
-            shape: entry.info.shape.clone(),
+            shape,
             dtype,
-        }))
+        };
+        Ok(if weight_data::shares(bytes, stored, dtype) {
+            WeightRead::Ready(pending.read())
+        } else {
+            WeightRead::Pending(pending)
+        })
     }
 
     /// Bytes of the quantized tensors read so far, by GGML type: what a model built from these
@@ -855,7 +844,13 @@ fn release(file: &WeightFile, range: std::ops::Range<usize>) {
     let _ = (file, range);
 }
 
-/// A stored tensor found and checked at load ([`Weights::read_later`]), converted into its held
+/// A tensor read by [`Weights::read_deferred`]: its data, or the conversion that makes it.
+pub(crate) enum WeightRead {
+    Ready(TensorData),
+    Pending(PendingRead),
+}
+
+/// A stored tensor found and checked at load ([`Weights::read_deferred`]), converted into its held
 /// dtype only when [`read`](Self::read) is called: a model's first use of a weight, so that
 /// loading an fp16 checkpoint into bf16 costs what mapping it costs, and a weight never used
 /// is never converted. It keeps the file's map alive.
