@@ -430,6 +430,83 @@ fn no_recompiles_across_prompts_seeds_guidance_schedulers_and_one_per_resolution
     assert_eq!(pipe_log(&pipe).programs, 2);
 }
 
+/// Compiled mode's scheduler step, one fused program per step structure: for schedulers with
+/// history (DPM++ 2M, UniPC, DEIS, LMS, PNDM, DPM++ singlestep), noise (Euler a) and two
+/// stages (Heun, DPM2) the latents equal the same scheduler's ops run one by one on the same
+/// plugin, no step falls back to ops, and a new step count compiles no scheduler program.
+#[test]
+fn compiled_scheduler_steps_match_their_ops_and_a_new_step_count_compiles_nothing() {
+    if skip() {
+        return;
+    }
+    let golden = Golden::load("tiny-sd1");
+    let mut pipe = load("ddim").to(&xla());
+    pipe.compile().unwrap();
+    let generate = |pipe: &mut StableDiffusionPipeline<Oxi>, name: &str, steps: usize| {
+        let mut req = request(&golden, 7.5);
+        req.num_inference_steps = steps;
+        req.output = OutputType::Latents;
+        let mut noise = oxidiff::schedulers::TorchCpuGenerator::new(7);
+        let out = pipe
+            .generate_with(&req, &mut noise, |_| {})
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        to_vec(out.latents.to_device(&OxiDevice::Cpu))
+    };
+    let program = |pipe: &StableDiffusionPipeline<Oxi>| {
+        pipe.scheduler_program
+            .as_ref()
+            .expect("compile() builds the scheduler program")
+            .compile_stats()
+    };
+    for name in [
+        "dpm++_2m",
+        "unipc",
+        "deis",
+        "lms",
+        "pndm",
+        "dpm++_sde",
+        "euler_a",
+        "heun",
+        "dpm2",
+    ] {
+        pipe.set_scheduler(name).unwrap();
+        let fused = generate(&mut pipe, name, 5);
+        let built = program(&pipe);
+        let fused_more = generate(&mut pipe, name, 7);
+        assert_eq!(
+            program(&pipe),
+            built,
+            "{name}: a new step count compiled a scheduler program"
+        );
+        let kept = pipe.scheduler_program.take();
+        let ops = generate(&mut pipe, name, 5);
+        let ops_more = generate(&mut pipe, name, 7);
+        pipe.scheduler_program = kept;
+        eprintln!("{name}: {built:?}");
+        assert_within(
+            &format!("{name}, 5 steps: fused vs ops"),
+            &fused,
+            &ops,
+            1e-5,
+        );
+        assert_within(
+            &format!("{name}, 7 steps: fused vs ops"),
+            &fused_more,
+            &ops_more,
+            1e-5,
+        );
+    }
+    let scheduler = pipe.scheduler_program.as_ref().unwrap();
+    assert_eq!(scheduler.eager_fallbacks(), 0);
+    let stats = pipe.component_stats();
+    assert!(
+        stats
+            .iter()
+            .any(|c| c.component == "scheduler" && c.stats == scheduler.compile_stats()),
+        "{stats:?}"
+    );
+}
+
 const CHILD_ENV: &str = "OXIDIFF_COMPILED_MODE_CHILD";
 const CHILD_TEST: &str = "cache_child_generation";
 
@@ -458,10 +535,17 @@ fn cache_child_generation() {
     for v in to_vec(out.latents.to_device(&OxiDevice::Cpu)) {
         v.to_bits().hash(&mut hasher);
     }
-    let stats = pipe_log(&pipe);
+    // Every program of the process: the UNet's (with its kernel transposes) and the scheduler
+    // step's.
+    let stats = pipe
+        .component_stats()
+        .iter()
+        .fold(oxidiff::pipelines::CompileStats::default(), |sum, c| {
+            sum + c.stats
+        });
     println!(
         "CHILD programs={} xla_compiles={} disk_loads={} process_compiles={} latents={:016x}",
-        stats.programs,
+        pipe_log(&pipe).programs,
         stats.xla_compiles,
         stats.disk_loads,
         oxidiff::backend::compiled::compile_count(),
@@ -532,7 +616,8 @@ fn a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt() {
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
 
-    // The program and the kernel transposes it needs (one per kernel type and layout).
+    // The UNet's program and the kernel transposes it needs (one per kernel type and layout),
+    // and the scheduler step's programs.
     let (compiled, loads, process, first) = child(&cache);
     assert!(compiled >= 1, "first process compiles");
     assert_eq!((loads, process), (0, compiled), "every compile counted");

@@ -9,6 +9,10 @@ mod common;
 use oxidiff::backend::pjrt::{CompileOptions, Error, Plugin};
 use oxidiff::pipelines::aot::{trace_guided_step, TracedPart};
 
+/// Environment variable: `1` compiles each released denoiser for TPU v5e and v6e, not only the
+/// generation its test names (about twice the time).
+const EVERY_GENERATION_ENV: &str = "OXIDIFF_AOT_EVERY_GENERATION";
+
 fn libtpu() -> Option<Plugin> {
     match Plugin::discover("tpu") {
         Ok(plugin) => Some(plugin),
@@ -477,15 +481,16 @@ impl<'a> Released<'a> {
 /// The released SD 1.5 (512x512), SDXL base (1024x1024) and FLUX.1-dev (1024x1024) denoiser
 /// programs, as `pipe.compile()` traces them in bf16, with the kernel hub's Pallas flash
 /// attention spliced into every self-attention it has a bucket for, compile ahead of time for
-/// TPU v5e and v6e (one test each, so two compile at once). Flux-dev's 22.7 GB of weights fit one
-/// v6e chip but not one v5e chip (XLA refuses it for want of HBM): on v5e it is split with
-/// `--tp 4` over a 2x2 slice, each device's kernel calls on its own 6 of the 24 heads. The
-/// weights are headers only (tests/fixtures/aot, from tools/kernels/make_weight_headers.py):
-/// tracing needs names, shapes and dtypes, not the 3.4, 5.1 and 23.8 GB of values. The byte
-/// counts against the plain lowering are docs/benchmarks.md's table (`tpu_roofline`); each
-/// compile takes one to several minutes here, so these tests compile the spliced programs only.
-/// `case` says which weights, at which size, and the attention and kernel-call counts expected.
-fn released_denoiser_compiles_for_tpu_v5e_and_v6e(case: Released<'_>) {
+/// TPU (one test each, so two compile at once). Flux-dev's 22.7 GB of weights fit one v6e chip
+/// but not one v5e chip (XLA refuses it for want of HBM): on v5e it is split with `--tp 4` over a
+/// 2x2 slice, each device's kernel calls on its own 6 of the 24 heads. The weights are headers
+/// only (tests/fixtures/aot, from tools/kernels/make_weight_headers.py): tracing needs names,
+/// shapes and dtypes, not the 3.4, 5.1 and 23.8 GB of values. The byte counts against the plain
+/// lowering are docs/benchmarks.md's table (`tpu_roofline`). Each compile takes several minutes
+/// on 2 cores, so each model compiles for `generation` (v5e or v6e), which between them the
+/// three cover; [`EVERY_GENERATION_ENV`]`=1` compiles each for both. `case` says which weights,
+/// at which size, and the attention and kernel-call counts expected.
+fn released_denoiser_compiles_ahead_of_time_for_tpu(case: Released<'_>, generation: &str) {
     use oxidiff::pipelines::aot::TraceParallel;
     let Released {
         name,
@@ -497,7 +502,11 @@ fn released_denoiser_compiles_for_tpu_v5e_and_v6e(case: Released<'_>) {
     let Some(plugin) = libtpu() else {
         return;
     };
-    for (topology_name, generation) in [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")] {
+    let every = std::env::var(EVERY_GENERATION_ENV).is_ok_and(|v| v == "1");
+    let generations = [("v5e:2x2x1", "v5e"), ("v6e:2x2x1", "v6e")]
+        .into_iter()
+        .filter(|&(_, g)| every || g == generation);
+    for (topology_name, generation) in generations {
         let topology = plugin
             .topology(topology_name, &[])
             .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
@@ -545,26 +554,30 @@ fn released_denoiser_compiles_for_tpu_v5e_and_v6e(case: Released<'_>) {
 /// with kernels padded to 256 channels); its 16 cross-attentions (77 keys) keep the plain
 /// lowering.
 #[test]
-fn released_sd15_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
-    released_denoiser_compiles_for_tpu_v5e_and_v6e(Released::of("sd15-unet", 512, 77, 32, 16));
+fn released_sd15_denoiser_with_hub_kernels_compiles_for_tpu_v5e() {
+    released_denoiser_compiles_ahead_of_time_for_tpu(
+        Released::of("sd15-unet", 512, 77, 32, 16),
+        "v5e",
+    );
 }
 
 /// SDXL's 70 self-attentions are spliced; its 70 cross-attentions keep the plain lowering.
 #[test]
-fn released_sdxl_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
-    released_denoiser_compiles_for_tpu_v5e_and_v6e(Released::of("sdxl-unet", 1024, 77, 140, 70));
+fn released_sdxl_denoiser_with_hub_kernels_compiles_for_tpu_v6e() {
+    released_denoiser_compiles_ahead_of_time_for_tpu(
+        Released::of("sdxl-unet", 1024, 77, 140, 70),
+        "v6e",
+    );
 }
 
-/// Flux's 57 joint attentions are all self-attention over 512 text and 4096 image tokens.
+/// Flux's 57 joint attentions are all self-attention over 512 text and 4096 image tokens; on
+/// v5e it is refused whole and compiled split over 4 chips.
 #[test]
-fn released_flux_denoiser_with_hub_kernels_compiles_for_tpu_v5e_and_v6e() {
-    released_denoiser_compiles_for_tpu_v5e_and_v6e(Released::of(
-        "flux-dev-transformer",
-        1024,
-        512,
-        57,
-        57,
-    ));
+fn released_flux_denoiser_with_hub_kernels_compiles_for_tpu_v5e_split_over_4_chips() {
+    released_denoiser_compiles_ahead_of_time_for_tpu(
+        Released::of("flux-dev-transformer", 1024, 512, 57, 57),
+        "v5e",
+    );
 }
 
 /// Every TPU artifact of the kernel hub (each bucket of every model, also those whose sequence
@@ -635,5 +648,60 @@ fn released_sd2_sd3_and_schnell_denoisers_splice_a_hub_kernel_into_every_self_at
     ];
     for case in cases {
         case.trace("v6e", None);
+    }
+}
+
+/// Compiled mode's scheduler steps, one fused program per step structure
+/// ([`trace_scheduler_steps`]), compile ahead of time for TPU v5e and v6e: DPM++ 2M (its
+/// history among the results), UniPC (predictor and corrector), Euler a (noise as an
+/// argument) and SD3's flow-matching Euler; 20 steps need at most 4 programs each (UniPC's
+/// first, second, middle and last steps differ).
+#[test]
+fn scheduler_step_programs_compile_ahead_of_time_for_tpu_v5e_and_v6e() {
+    use oxidiff::pipelines::aot::trace_scheduler_steps;
+    use oxidiff::schedulers::SchedulerConfig;
+
+    let Some(plugin) = libtpu() else {
+        return;
+    };
+    let config = |model: &str| {
+        let path = common::model_dir(model).join("scheduler/scheduler_config.json");
+        SchedulerConfig::from_file(&path).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let sd = config("tiny-sd1");
+    let named = |name: &str| sd.switched_to_named(name).unwrap_or_else(|e| panic!("{e}"));
+    let cases = [
+        ("DPM++ 2M", named("dpm++_2m"), [2, 4, 32, 32]),
+        ("UniPC", named("unipc"), [2, 4, 32, 32]),
+        ("Euler a", named("euler_a"), [2, 4, 32, 32]),
+        (
+            "SD3 flow-matching Euler",
+            config("tiny-sd3"),
+            [1, 16, 32, 32],
+        ),
+    ];
+    let mut programs = Vec::new();
+    for (what, scheduler, shape) in &cases {
+        let parts =
+            trace_scheduler_steps(scheduler, 20, *shape).unwrap_or_else(|e| panic!("{what}: {e}"));
+        eprintln!("{what}: {} programs for 20 steps", parts.len());
+        assert!(
+            (1..=4).contains(&parts.len()),
+            "{what}: {} step programs",
+            parts.len()
+        );
+        programs.extend(parts.into_iter().map(|part| (*what, part)));
+    }
+    for topology_name in ["v5e:2x2x1", "v6e:2x2x1"] {
+        let topology = plugin
+            .topology(topology_name, &[])
+            .unwrap_or_else(|e| panic!("{topology_name}: {e}"));
+        for (what, part) in &programs {
+            let exe = topology
+                .compile(&part.module, &CompileOptions::default())
+                .unwrap_or_else(|e| panic!("{topology_name} {what}: {e}"));
+            let outputs = exe.num_outputs().unwrap_or_else(|e| panic!("{e}"));
+            assert!(outputs >= 1, "{topology_name} {what}: {outputs} outputs");
+        }
     }
 }

@@ -150,7 +150,7 @@ pub(crate) fn load_executable(
     Ok(Some(exe))
 }
 
-/// The executable of a small helper program (`module`, one result) on `device`: loaded from
+/// The executable of a small program (`module`, with `outputs` results) on `device`: loaded from
 /// `disk` when an earlier process stored it, else compiled and stored there (a damaged entry is
 /// compiled again; a failed store only costs a compile later). Returns whether it came from
 /// the disk.
@@ -159,11 +159,12 @@ pub(crate) fn load_or_compile(
     device: &pjrt::Device,
     module: &str,
     disk: Option<&Path>,
+    outputs: usize,
 ) -> pjrt::Result<(LoadedExecutable, bool)> {
     let key = disk_key(module, client, device.id());
     let path = disk.map(|dir| entry_path(dir, &key));
     if let Some(path) = &path {
-        match load_executable(path, &key, client, 1) {
+        match load_executable(path, &key, client, outputs) {
             Ok(Some(exe)) => return Ok((exe, true)),
             Ok(None) => {}
             Err(why) => {

@@ -22,14 +22,30 @@ pub(crate) struct Recording {
     /// Tensors from outside the trace that were dropped or consumed in it:
     /// freed (or kept by the program) once it has run.
     pub(crate) released: Vec<TensorId>,
+    /// Tensors produced by recorded ops and then dropped or consumed by a later one: no
+    /// handle refers to them any more.
+    gone: HashSet<TensorId>,
 }
 
 impl Recording {
-    fn record(&mut self, op: OperationIr) {
+    /// An empty recording of the ops on `device`.
+    pub(crate) fn new(device: OxiDevice) -> Self {
+        Self {
+            device,
+            ops: Vec::new(),
+            produced: HashSet::new(),
+            released: Vec::new(),
+            gone: HashSet::new(),
+        }
+    }
+
+    pub(crate) fn record(&mut self, op: OperationIr) {
         match &op {
             OperationIr::Init(_) => return,
             OperationIr::Drop(tensor) => {
-                if !self.produced.contains(&tensor.id) {
+                if self.produced.contains(&tensor.id) {
+                    self.gone.insert(tensor.id);
+                } else {
                     self.released.push(tensor.id);
                 }
                 return;
@@ -37,14 +53,36 @@ impl Recording {
             _ => {}
         }
         for input in op.inputs() {
-            if input.status == TensorStatus::ReadWrite && !self.produced.contains(&input.id) {
-                self.released.push(input.id);
+            if input.status == TensorStatus::ReadWrite {
+                if self.produced.contains(&input.id) {
+                    self.gone.insert(input.id);
+                } else {
+                    self.released.push(input.id);
+                }
             }
         }
         for output in op.outputs() {
             self.produced.insert(output.id);
         }
         self.ops.push(op);
+    }
+
+    /// The tensors the recorded ops produced that a handle still refers to (the trace's
+    /// results, and whatever the traced code kept, such as a scheduler's history), in the
+    /// order they were produced.
+    pub(crate) fn live(&self) -> Vec<burn_ir::TensorIr> {
+        let mut seen = HashSet::new();
+        self.ops
+            .iter()
+            .flat_map(|op| op.outputs())
+            .filter(|t| !self.gone.contains(&t.id) && seen.insert(t.id))
+            .cloned()
+            .collect()
+    }
+
+    /// The tensors the recorded ops produced that no handle refers to any more.
+    pub(crate) fn gone(&self) -> impl Iterator<Item = &TensorId> {
+        self.gone.iter()
     }
 }
 
@@ -109,12 +147,7 @@ pub(crate) fn start(device: OxiDevice) {
         .by_thread
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let recording = Recording {
-        device,
-        ops: Vec::new(),
-        produced: HashSet::new(),
-        released: Vec::new(),
-    };
+    let recording = Recording::new(device);
     if by_thread
         .insert(std::thread::current().id(), recording)
         .is_none()

@@ -22,6 +22,7 @@ use burn_router::{get_client, BackendRouter, RouterTensor, RunnerChannel, Runner
 use crate::channel::HostBridge;
 use crate::device::OxiDevice;
 use crate::lowering::element_type;
+use crate::recording::Recording;
 
 /// The channel of [`Traced`].
 #[derive(Clone, Default)]
@@ -34,14 +35,20 @@ pub type Traced = BackendRouter<TraceChannel>;
 #[derive(Clone)]
 pub struct TraceClient {
     device: OxiDevice,
-    ops: Arc<Mutex<Vec<OperationIr>>>,
+    recording: Arc<Mutex<Recording>>,
     next_id: Arc<AtomicU64>,
 }
 
 impl TraceClient {
+    /// Takes the recording so far and starts a new one.
+    fn take(&self) -> Recording {
+        let mut recording = self.recording.lock().unwrap_or_else(|p| p.into_inner());
+        std::mem::replace(&mut *recording, Recording::new(self.device.clone()))
+    }
+
     /// Takes the ops recorded so far (not `Init` or `Drop`).
     pub fn take_ops(&self) -> Vec<OperationIr> {
-        std::mem::take(&mut *self.ops.lock().unwrap_or_else(|p| p.into_inner()))
+        self.take().ops
     }
 }
 
@@ -62,6 +69,15 @@ pub fn take_ops(device: &OxiDevice) -> Vec<OperationIr> {
     get_client::<TraceChannel>(device).take_ops()
 }
 
+/// Takes the ops recorded on `device` so far, with the tensors they produced that are still
+/// referenced (in the order produced): what a fused call
+/// ([`Fused`](crate::compiled::Fused)) would make one program of, with those as its results.
+pub fn take_program(device: &OxiDevice) -> (Vec<OperationIr>, Vec<TensorIr>) {
+    let recording = get_client::<TraceChannel>(device).take();
+    let live = recording.live();
+    (recording.ops, live)
+}
+
 /// How many of `ops` are attention (Burn's `attention` module op).
 pub fn attention_ops(ops: &[OperationIr]) -> usize {
     ops.iter()
@@ -73,10 +89,10 @@ impl RunnerClient for TraceClient {
     type Device = OxiDevice;
 
     fn register_op(&self, op: OperationIr) {
-        if matches!(op, OperationIr::Init(_) | OperationIr::Drop(_)) {
-            return;
-        }
-        self.ops.lock().unwrap_or_else(|p| p.into_inner()).push(op);
+        self.recording
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .record(op);
     }
 
     fn read_tensor_async(
@@ -144,7 +160,7 @@ impl RunnerChannel for TraceChannel {
             .entry(device.clone())
             .or_insert_with(|| TraceClient {
                 device: device.clone(),
-                ops: Arc::default(),
+                recording: Arc::new(Mutex::new(Recording::new(device.clone()))),
                 next_id: Arc::default(),
             })
             .clone()

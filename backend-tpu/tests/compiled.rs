@@ -465,3 +465,123 @@ fn captured_convolution_kernels_are_permuted_once_and_match_eager() {
     }
     assert_eq!(step.compiles(), 1);
 }
+
+/// One update of a multistep scheduler: `x * a + d` on the first call, then
+/// `x * a + 1.5 d - 0.5 d_prev`, with `d = eps * b` kept as history; `a` and `b` change with
+/// the step `k`.
+fn multistep_update(
+    history: &mut Vec<Tensor<Oxi, 4>>,
+    x: Tensor<Oxi, 4>,
+    eps: Tensor<Oxi, 4>,
+    k: usize,
+) -> Tensor<Oxi, 4> {
+    let (a, b) = (1.0 - 0.1 * k as f64, 0.05 * (k + 1) as f64);
+    let d = eps * b;
+    let out = match history.last() {
+        Some(prev) => x * a + d.clone() * 1.5 - prev.clone() * 0.5,
+        None => x * a + d.clone(),
+    };
+    history.push(d);
+    out
+}
+
+/// A fused call records its code's ops on every call and runs them as one program: new
+/// scalars reuse it (they are arguments), a tensor the code keeps (the history) gets its value
+/// as an output, a new structure builds exactly one more program, the results equal the same
+/// code run op by op, and another `Fused` with the same disk cache loads the programs
+/// instead of compiling them.
+#[test]
+fn fused_calls_take_scalars_as_arguments_keep_their_state_and_share_the_disk_cache() {
+    use oxidiff_backend_tpu::compiled::{Fused, FusedStats};
+    let Some(device) = common::xla_cpu(0) else {
+        return;
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let x0 = random(&mut rng, [2, 3, 4, 5], &device);
+    let eps = random(&mut rng, [2, 3, 4, 5], &device);
+    let run = |fused: Option<&Fused>| -> (Vec<f32>, Vec<Vec<f32>>) {
+        let mut history = Vec::new();
+        let mut x = x0.clone();
+        for k in 0..4 {
+            let e = eps.clone();
+            x = match fused {
+                Some(fused) => fused
+                    .run(&device, || multistep_update(&mut history, x, e, k))
+                    .unwrap_or_else(|e| panic!("{e}")),
+                None => multistep_update(&mut history, x, e, k),
+            };
+        }
+        let kept = history.into_iter().map(|h| values(h).1).collect();
+        (values(x).1, kept)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let (eager, eager_history) = run(None);
+
+    let first = Fused::new("multistep").with_disk_cache(&dir);
+    let (fused, fused_history) = run(Some(&first));
+    assert_eq!(
+        first.stats(),
+        FusedStats {
+            calls: 4,
+            programs: 2,
+            xla_compiles: 2,
+            disk_loads: 0,
+            eager_fallbacks: 0
+        },
+        "one program for the first step, one for the steps with history"
+    );
+    let close = |what: &str, a: &[f32], b: &[f32]| {
+        let err = oxidiff_test_support::relative_error(what, a, b);
+        assert!(err <= 1e-6, "{what}: relative error {err:e}");
+    };
+    close("fused vs eager result", &fused, &eager);
+    assert_eq!(fused_history.len(), 4);
+    for (a, b) in fused_history.iter().zip(&eager_history) {
+        close("kept history", a, b);
+    }
+
+    let second = Fused::new("multistep").with_disk_cache(&dir);
+    let (again, _) = run(Some(&second));
+    let stats = second.stats();
+    assert_eq!(
+        (stats.programs, stats.xla_compiles, stats.disk_loads),
+        (2, 0, 2)
+    );
+    assert_eq!(again, fused);
+}
+
+/// A fused call whose ops cannot all be lowered runs them one by one instead, as eager mode
+/// would: the same error when the value is read, never a panic.
+#[test]
+fn a_fused_call_that_cannot_be_lowered_runs_op_by_op() {
+    use burn::tensor::Int;
+    use oxidiff_backend_tpu::compiled::Fused;
+    let Some(device) = common::xla_cpu(0) else {
+        return;
+    };
+    let fused = Fused::new("fallback");
+    let x = Tensor::<Oxi, 1>::from_floats([1.0, 2.0], &device);
+    let (y, ints) = fused
+        .run(&device, || {
+            let ints = Tensor::<Oxi, 1, Int>::random([4], Distribution::Uniform(0.0, 9.0), &device);
+            (x.clone() * 2.0, ints)
+        })
+        .unwrap();
+    assert_eq!(fused.stats().eager_fallbacks, 1);
+    // The first read after a failed op reports its error (eager mode's rule), then the
+    // other results read as usual.
+    let fused_error = format!("{:?}", ints.try_into_data().expect_err("the op, replayed"));
+    assert!(
+        fused_error.contains("IntRandom) is not lowered"),
+        "{fused_error}"
+    );
+    assert_eq!(values(y).1, vec![2.0, 4.0]);
+    let eager = Tensor::<Oxi, 1, Int>::random([4], Distribution::Uniform(0.0, 9.0), &device)
+        .try_into_data()
+        .expect_err("integer random draws are not lowered");
+    assert!(
+        format!("{eager:?}").contains("IntRandom) is not lowered"),
+        "{eager:?}"
+    );
+}

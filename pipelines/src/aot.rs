@@ -17,7 +17,7 @@ use oxidiff_backend_tpu::compiled::lower_recorded;
 use oxidiff_backend_tpu::kernels::AttentionKernels;
 use oxidiff_backend_tpu::lowering::{Argument, LoweredFunction};
 use oxidiff_backend_tpu::trace::{
-    attention_ops, float_ir, take_ops, OperationIr, TensorIr, Traced,
+    attention_ops, float_ir, take_ops, take_program, OperationIr, TensorIr, Traced,
 };
 use oxidiff_backend_tpu::OxiDevice;
 use oxidiff_models::config::PerBlock;
@@ -30,6 +30,7 @@ use oxidiff_models::weights::Weights;
 use oxidiff_models::{
     AutoencoderKL, ClipTextModel, T5EncoderModel, UNet2DConditionConfig, UNet2DConditionModel,
 };
+use oxidiff_schedulers::{scheduler_from_config, SchedulerConfig, TorchCpuGenerator};
 
 use crate::error::{PipelineError, Result};
 use crate::flux::{flux_velocity, latent_image_ids, FluxPromptEmbeds};
@@ -744,6 +745,54 @@ pub fn trace_controlled_step(
     unet.check_added_condition(2 * batch, None)?;
     let prediction = controlled_prediction(&unet, &steer, false, step, None);
     traced_part(&device, &inputs, float_ir(&prediction), "ControlNet step")
+}
+
+/// Traces every step of the scheduler `config` makes, over `num_inference_steps` steps on
+/// latents of `shape`, as compiled mode fuses them
+/// ([`SchedulerProgram`](crate::compiled::SchedulerProgram)): each step's ops, with the
+/// tensors it returns or keeps (a multistep scheduler's history) as results, lowered to one
+/// module. Steps of one structure give the same module (their sigmas and coefficients are
+/// arguments), so each distinct module is returned once, in the order first met; `weights`
+/// counts its tensor arguments (latents, model output, history, noise).
+pub fn trace_scheduler_steps(
+    config: &SchedulerConfig,
+    num_inference_steps: usize,
+    shape: [usize; 4],
+) -> Result<Vec<TracedPart>> {
+    let _one_at_a_time = TRACING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = OxiDevice::Cpu;
+    let mut scheduler = scheduler_from_config::<Traced>(config)?;
+    scheduler.set_timesteps(num_inference_steps)?;
+    let zeros = || {
+        let values = vec![0f32; shape.iter().product()];
+        Tensor::<Traced, 4>::from_data(TensorData::new(values, shape), &device)
+    };
+    let mut noise = TorchCpuGenerator::new(0);
+    let mut sample = zeros();
+    let _before = take_ops(&device);
+    let mut parts: Vec<TracedPart> = Vec::new();
+    for t in scheduler.timesteps().to_vec() {
+        let input = scheduler.scale_model_input(sample.clone(), t)?;
+        drop(input);
+        let _scaling = take_ops(&device);
+        sample = scheduler.step(zeros(), t, sample, &mut noise)?;
+        let (ops, live) = take_program(&device);
+        let function = lower_recorded(&[], &ops, &live).map_err(|e| {
+            PipelineError::Compile(format!("lowering the traced scheduler step at {t}: {e}"))
+        })?;
+        if parts.iter().all(|part| part.module != function.module) {
+            let (weights, weight_bytes) = weight_arguments(&function, 0);
+            parts.push(TracedPart {
+                ops: ops.len(),
+                weights,
+                weight_bytes,
+                module: function.module,
+            });
+        }
+    }
+    Ok(parts)
 }
 
 /// Which text encoder to trace, on how many rows of how many tokens.

@@ -14,9 +14,9 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use oxidiff_backend_tpu::compiled::{CompileInfo, Tensors};
+use oxidiff_backend_tpu::compiled::{CompileInfo, Fused, FusedStats, Tensors};
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
-use oxidiff_backend_tpu::{CompiledFn, Oxi};
+use oxidiff_backend_tpu::{CompiledFn, Oxi, OxiDevice};
 use oxidiff_models::{AutoencoderKL, ClipTextModel, ProgramSlot, T5EncoderModel, TensorProgram};
 
 use crate::error::{PipelineError, Result};
@@ -45,8 +45,8 @@ impl std::ops::Add for CompileStats {
 /// Compiled mode's counts of one component of a pipeline (`--json`'s `components`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ComponentStats {
-    /// `"text_encoder"`, `"text_encoder_2"`, `"unet"`, `"transformer"`, `"vae_encoder"`,
-    /// `"vae_decoder"`.
+    /// `"text_encoder"`, `"text_encoder_2"`, `"unet"`, `"transformer"`, `"scheduler"`,
+    /// `"vae_encoder"`, `"vae_decoder"`.
     pub component: &'static str,
     pub stats: CompileStats,
 }
@@ -143,6 +143,76 @@ impl<I: Tensors + 'static> CompiledCall<Oxi, I> {
             None => f,
         };
         Self { inner: Box::new(f) }
+    }
+}
+
+/// Compiled mode's scheduler step: each step's tensor math (whatever the scheduler, with its
+/// history and noise) runs as one program, fused from the ops the step records (backend-tpu's
+/// [`Fused`]). The step itself still runs on the host every time, so its branches and state
+/// stay the scheduler's; its scalars (sigmas, coefficients) are program arguments, so a new
+/// step, step count or scheduler config reuses the programs, one per structure a scheduler
+/// has (a multistep scheduler's first, middle and last steps differ).
+pub struct SchedulerProgram<B: Backend> {
+    inner: Box<dyn FusedRun<B>>,
+}
+
+/// What a fused step offers, object-safe so the backend type stays a parameter.
+trait FusedRun<B: Backend>: Send + Sync {
+    fn run(&self, device: &B::Device, f: &mut dyn FnMut()) -> Result<()>;
+    fn stats(&self) -> FusedStats;
+}
+
+impl FusedRun<Oxi> for Fused {
+    fn run(&self, device: &OxiDevice, f: &mut dyn FnMut()) -> Result<()> {
+        Fused::run(self, device, f).map_err(compile_error)
+    }
+
+    fn stats(&self) -> FusedStats {
+        Fused::stats(self)
+    }
+}
+
+impl SchedulerProgram<Oxi> {
+    /// A fused scheduler step; nothing is compiled before its first step.
+    pub fn new() -> Self {
+        Self {
+            inner: Box::new(Fused::new("scheduler_step")),
+        }
+    }
+}
+
+impl Default for SchedulerProgram<Oxi> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<B: Backend> SchedulerProgram<B> {
+    /// Runs `step` (a scheduler step on tensors of `device`) with its ops as one program.
+    pub fn run<R>(&self, device: &B::Device, step: impl FnOnce() -> R) -> Result<R> {
+        let mut step = Some(step);
+        let mut out = None;
+        self.inner.run(device, &mut || {
+            if let Some(step) = step.take() {
+                out = Some(step());
+            }
+        })?;
+        out.ok_or_else(|| compile_error("the fused scheduler step did not run (a bug)"))
+    }
+
+    /// Programs built so far (one per structure), XLA compiles and disk loads.
+    pub fn compile_stats(&self) -> CompileStats {
+        let stats = self.inner.stats();
+        CompileStats {
+            programs: stats.programs,
+            xla_compiles: stats.xla_compiles,
+            disk_loads: stats.disk_loads,
+        }
+    }
+
+    /// Steps whose ops could not be made one program and ran one by one.
+    pub fn eager_fallbacks(&self) -> u64 {
+        self.inner.stats().eager_fallbacks
     }
 }
 
@@ -279,13 +349,14 @@ pub fn clip_compile_stats<B: Backend>(
 }
 
 /// A pipeline's counts per component: its text encoders' (CLIP's, by component name), its
-/// denoiser's (`None` when eager) named `denoiser`, then its VAE's. `t5` is a T5 encoder's,
-/// counted after the CLIP ones.
+/// denoiser's (`None` when eager) named `denoiser`, its scheduler step's (`"scheduler"`),
+/// then its VAE's. `t5` is a T5 encoder's, counted after the CLIP ones.
 pub(crate) fn component_stats<B: Backend>(
     text_encoders: &[(&'static str, &ClipTextModel<B>)],
     t5: Option<(&'static str, &T5EncoderModel<B>)>,
     denoiser: &'static str,
     stats: Option<CompileStats>,
+    scheduler: Option<&SchedulerProgram<B>>,
     vae: &AutoencoderKL<B>,
 ) -> Vec<ComponentStats> {
     let mut all: Vec<ComponentStats> = text_encoders
@@ -296,6 +367,10 @@ pub(crate) fn component_stats<B: Backend>(
     all.extend(stats.map(|stats| ComponentStats {
         component: denoiser,
         stats,
+    }));
+    all.extend(scheduler.map(|program| ComponentStats {
+        component: "scheduler",
+        stats: program.compile_stats(),
     }));
     all.extend(vae_compile_stats(vae));
     all

@@ -9,6 +9,7 @@ use burn::tensor::{Tensor, TensorData};
 use oxidiff_models::AutoencoderKL;
 use oxidiff_schedulers::{NoiseSource, Scheduler};
 
+use crate::compiled::SchedulerProgram;
 use crate::error::{PipelineError, Result};
 use crate::guard::{self, CancelToken, Stage};
 use crate::image::{postprocess, Images};
@@ -358,6 +359,8 @@ pub struct DenoisingLoop<'a, B: Backend> {
     /// Where the latents live: the denoiser's device.
     pub device: &'a B::Device,
     pub noise: &'a mut dyn NoiseSource<B>,
+    /// Compiled mode: the scheduler step as one program per step.
+    pub step_program: Option<&'a SchedulerProgram<B>>,
 }
 
 impl<B: Backend> DenoisingLoop<'_, B> {
@@ -377,6 +380,7 @@ impl<B: Backend> DenoisingLoop<'_, B> {
             req,
             device,
             noise,
+            step_program,
         } = self;
         // A runtime input of compiled steps, so a new guidance scale does not recompile.
         let guidance = Tensor::<B, 1>::from_data(
@@ -388,7 +392,12 @@ impl<B: Backend> DenoisingLoop<'_, B> {
             let timestep = Tensor::<B, 1>::from_data(TensorData::new(vec![t as f32], [1]), device);
             let noise_pred = denoise(model_input, timestep, guidance.clone())?;
             let prediction = noise_pred.clone();
-            latents = scheduler.step(noise_pred, t, latents, noise)?;
+            latents = match step_program {
+                Some(program) => {
+                    program.run(device, || scheduler.step(noise_pred, t, latents, noise))??
+                }
+                None => scheduler.step(noise_pred, t, latents, noise)?,
+            };
             let class = scheduler.kind().class_name();
             guard::check_step(&latents, &prediction, step, t, class)?;
             callback(StepInfo {

@@ -32,7 +32,7 @@ use oxidiff_schedulers::{
     calculate_shift, NoiseSource, Scheduler, SchedulerConfig, TimestepOptions, TorchCpuGenerator,
 };
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
 use crate::denoise::{
     check_request, decode_latents, initial_latents, negatives_for, per_prompt, DenoisingLoop,
     GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -174,6 +174,8 @@ pub struct FluxPipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled transformer call, when [`compile`](FluxPipeline::compile) was called.
     pub compiled: Option<CompiledCall<B, FluxStepInputs<B>>>,
+    /// Compiled mode's scheduler step, when the pipeline was compiled.
+    pub scheduler_program: Option<SchedulerProgram<B>>,
 }
 
 impl<B: Backend> FluxPipeline<B> {
@@ -289,6 +291,7 @@ impl<B: Backend> FluxPipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
+            scheduler_program: None,
         })
     }
 
@@ -312,6 +315,7 @@ impl<B: Backend> FluxPipeline<B> {
         self.device = transformer.clone();
         // A compiled step holds the transformer of its device: compile again after moving.
         self.compiled = None;
+        self.scheduler_program = None;
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
         self.vae.clear_programs();
         self.text_encoder.layers_program.clear();
@@ -560,6 +564,7 @@ impl<B: Backend> FluxPipeline<B> {
             req: common,
             device: &self.device,
             noise,
+            step_program: self.scheduler_program.as_ref(),
         }
         .run(
             |latents, timestep, guidance| {
@@ -612,8 +617,9 @@ impl FluxPipeline<Oxi> {
     /// shapes. Timestep, guidance scale, prompt embeddings and rotary tables are runtime
     /// inputs, so a new prompt, seed, guidance scale or step count reuses the program (and
     /// true CFG's negative call runs the same one); a new size, batch or `max_sequence_length`
-    /// compiles once more. Needs the transformer on a PJRT device; the VAE is compiled too, the
-    /// text encoders and the scheduler stay eager.
+    /// compiles once more. Needs the transformer on a PJRT device. The text encoders' layers,
+    /// the VAE and the scheduler step are programs too ([`SchedulerProgram`]: one per step
+    /// structure, scalars as arguments).
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -629,6 +635,7 @@ impl FluxPipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
+        self.scheduler_program = Some(SchedulerProgram::new());
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
@@ -675,6 +682,7 @@ impl FluxPipeline<Oxi> {
             Some(("text_encoder_2", &self.text_encoder_2)),
             "transformer",
             self.compile_stats(),
+            self.scheduler_program.as_ref(),
             &self.vae,
         )
     }

@@ -27,7 +27,7 @@ use oxidiff_models::{
 };
 use oxidiff_schedulers::{NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator};
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
 use crate::denoise::{
     check_image_pixels, check_request, decode_to_tensor, initial_latents, negatives_for,
     with_guidance, DenoisingLoop, GenerateRequest, OutputType, PipelineDefaults, PipelineOutput,
@@ -131,6 +131,8 @@ pub struct PixArtPipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled transformer call, when [`compile`](PixArtPipeline::compile) was called.
     pub compiled: Option<PixArtCompiled<B>>,
+    /// Compiled mode's scheduler step, when the pipeline was compiled.
+    pub scheduler_program: Option<SchedulerProgram<B>>,
 }
 
 /// diffusers' name for the Alpha pipeline: the same type.
@@ -226,6 +228,7 @@ impl<B: Backend> PixArtPipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
+            scheduler_program: None,
         })
     }
 
@@ -249,6 +252,7 @@ impl<B: Backend> PixArtPipeline<B> {
         self.device = transformer.clone();
         // A compiled step holds the transformer of its device: compile again after moving.
         self.compiled = None;
+        self.scheduler_program = None;
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
         self.vae.clear_programs();
         self.text_encoder.blocks_program.clear();
@@ -429,6 +433,7 @@ impl<B: Backend> PixArtPipeline<B> {
             req: common,
             device: &self.device,
             noise,
+            step_program: self.scheduler_program.as_ref(),
         }
         .run(
             |model_input, timestep, _| {
@@ -555,8 +560,9 @@ impl PixArtPipeline<Oxi> {
     /// classifier-free guidance, batched) is one XLA program, traced on first use and cached
     /// by input shapes. Timesteps, caption, mask and micro-conditions are runtime inputs, so a
     /// new prompt, seed, guidance scale or step count reuses the program; a new size, batch or
-    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; the VAE is
-    /// compiled too, T5 and the scheduler stay eager.
+    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device. T5's
+    /// blocks, the VAE and the scheduler step are programs too ([`SchedulerProgram`]: one per
+    /// step structure, scalars as arguments).
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -572,6 +578,7 @@ impl PixArtPipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
+        self.scheduler_program = Some(SchedulerProgram::new());
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_t5(&mut self.text_encoder, "text_encoder");
@@ -611,6 +618,7 @@ impl PixArtPipeline<Oxi> {
             Some(("text_encoder", &self.text_encoder)),
             "transformer",
             self.compile_stats(),
+            self.scheduler_program.as_ref(),
             &self.vae,
         )
     }

@@ -427,6 +427,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             device: device.clone(),
             source: path.to_path_buf(),
             compiled: None,
+            scheduler_program: None,
             ip_adapter: None,
         })
     }
@@ -537,6 +538,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             device: device.clone(),
             source: path.to_path_buf(),
             compiled: None,
+            scheduler_program: None,
             ip_adapter: None,
         })
     }

@@ -20,7 +20,7 @@ use oxidiff_schedulers::{
 };
 use std::sync::Arc;
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
 use crate::control::ControlStep;
 use crate::denoise::{
     check_request, decode_latents, negatives_for, DenoisingLoop, GenerateRequest, PipelineDefaults,
@@ -94,6 +94,8 @@ pub struct StableDiffusionPipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](Self::compile) was called.
     pub compiled: Option<CompiledCall<B, GuidedStepInputs<B>>>,
+    /// Compiled mode's scheduler step, when the pipeline was compiled.
+    pub scheduler_program: Option<SchedulerProgram<B>>,
     /// The attached IP-Adapter ([`load_ip_adapter`](Self::load_ip_adapter)).
     pub ip_adapter: Option<IpAdapter<B>>,
 }
@@ -170,6 +172,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
+            scheduler_program: None,
             ip_adapter: None,
         })
     }
@@ -205,6 +208,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self.ip_adapter = self.ip_adapter.map(|a| a.to_device(unet));
         // A compiled denoiser holds the UNet of its device: compile again after moving.
         self.compiled = None;
+        self.scheduler_program = None;
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
         self.vae.clear_programs();
         self.text_encoder.layers_program.clear();
@@ -407,6 +411,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             req,
             device: &self.device,
             noise,
+            step_program: self.scheduler_program.as_ref(),
         }
         .run(
             |model_input, timestep, guidance| {
@@ -465,8 +470,10 @@ impl StableDiffusionPipeline<Oxi> {
     /// batch, or switching guidance on or off (the context's batch changes), compiles once
     /// more. With `OXIDIFF_COMPILE_CACHE=DIR` executables are also kept on disk for later
     /// processes. The VAE's encoder and decoder become programs too
-    /// ([`compile_vae`](crate::compiled::compile_vae)). Needs the UNet on a PJRT device
-    /// (`xla:cpu`, `tpu`, `cuda`); the text encoder and the scheduler step stay eager.
+    /// ([`compile_vae`](crate::compiled::compile_vae)), and so do the text encoder's layers
+    /// and the scheduler step ([`SchedulerProgram`]: one program per step structure, its
+    /// scalars as arguments, so no step, step count or scheduler config recompiles). Needs the
+    /// UNet on a PJRT device (`xla:cpu`, `tpu`, `cuda`).
     pub fn compile(&mut self) -> Result<()> {
         crate::parallel::require_pjrt("UNet", &self.unet_device())?;
         self.compile_on(None);
@@ -495,6 +502,7 @@ impl StableDiffusionPipeline<Oxi> {
     }
 
     pub(crate) fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) {
+        self.scheduler_program = Some(SchedulerProgram::new());
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
         let unet = self.unet.clone();
@@ -534,6 +542,7 @@ impl StableDiffusionPipeline<Oxi> {
             None,
             "unet",
             self.compile_stats(),
+            self.scheduler_program.as_ref(),
             &self.vae,
         )
     }

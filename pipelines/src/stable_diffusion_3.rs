@@ -28,7 +28,7 @@ use oxidiff_schedulers::{
     TimestepOptions, TorchCpuGenerator,
 };
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
 use crate::denoise::{
     check_request, decode_latents, guide, initial_latents, negatives_for, per_prompt,
     with_guidance, DenoisingLoop, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -116,6 +116,8 @@ pub struct StableDiffusion3Pipeline<B: Backend> {
     /// The compiled transformer call, when [`compile`](StableDiffusion3Pipeline::compile) was
     /// called.
     pub compiled: Option<CompiledCall<B, Sd3StepInputs<B>>>,
+    /// Compiled mode's scheduler step, when the pipeline was compiled.
+    pub scheduler_program: Option<SchedulerProgram<B>>,
 }
 
 /// What `model_index.json` says about one component: a `[library, class]` pair, or
@@ -285,6 +287,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
+            scheduler_program: None,
         })
     }
 
@@ -333,6 +336,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         self.device = transformer.clone();
         // A compiled step holds the transformer of its device: compile again after moving.
         self.compiled = None;
+        self.scheduler_program = None;
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
         self.vae.clear_programs();
         self.text_encoder.layers_program.clear();
@@ -619,6 +623,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             req: common,
             device: &self.device,
             noise,
+            step_program: self.scheduler_program.as_ref(),
         }
         .run(
             |model_input, timestep, _| {
@@ -675,8 +680,9 @@ impl StableDiffusion3Pipeline<Oxi> {
     /// classifier-free guidance, batched) is one XLA program, traced on first use and cached
     /// by input shapes. Timesteps and the prompt embeddings are runtime inputs, so a new
     /// prompt, seed, guidance scale or step count reuses the program; a new size, batch or
-    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device; the
-    /// VAE is compiled too, the text encoders and the scheduler stay eager.
+    /// `max_sequence_length` compiles once more. Needs the transformer on a PJRT device. The
+    /// text encoders' layers, the VAE and the scheduler step are programs too
+    /// ([`SchedulerProgram`]: one per step structure, scalars as arguments).
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -692,6 +698,7 @@ impl StableDiffusion3Pipeline<Oxi> {
     }
 
     fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
+        self.scheduler_program = Some(SchedulerProgram::new());
         crate::parallel::require_pjrt("transformer", &self.transformer.device())?;
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
@@ -732,6 +739,7 @@ impl StableDiffusion3Pipeline<Oxi> {
                 .map(|t5| ("text_encoder_3", t5)),
             "transformer",
             self.compile_stats(),
+            self.scheduler_program.as_ref(),
             &self.vae,
         )
     }

@@ -28,7 +28,7 @@ use oxidiff_schedulers::{
 };
 use serde::Deserialize;
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
 use crate::control::ControlStep;
 use crate::denoise::{
     check_request, decode_latents, initial_latents, negatives_for, per_prompt, with_guidance,
@@ -171,6 +171,8 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
     pub source: PathBuf,
     /// The compiled denoiser, when [`compile`](StableDiffusionXLPipeline::compile) was called.
     pub compiled: Option<CompiledCall<B, XlUNetInputs<B>>>,
+    /// Compiled mode's scheduler step, when the pipeline was compiled.
+    pub scheduler_program: Option<SchedulerProgram<B>>,
     /// The attached IP-Adapter ([`load_ip_adapter`](Self::load_ip_adapter)).
     pub ip_adapter: Option<IpAdapter<B>>,
 }
@@ -370,6 +372,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             device: device.clone(),
             source: dir.to_path_buf(),
             compiled: None,
+            scheduler_program: None,
             ip_adapter: None,
         })
     }
@@ -451,6 +454,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
         self.device = unet.clone();
         // A compiled denoiser holds the UNet of its device: compile again after moving.
         self.compiled = None;
+        self.scheduler_program = None;
         // The VAE's and text encoders' programs too (they hold the weights they were built for).
         self.vae.clear_programs();
         self.text_encoder_2.layers_program.clear();
@@ -784,6 +788,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             req,
             device: &self.device,
             noise,
+            step_program: self.scheduler_program.as_ref(),
         }
         .run(
             |model_input, timestep, guidance| {
@@ -857,7 +862,8 @@ pub type XlUNetInputs<B> = (
 impl StableDiffusionXLPipeline<Oxi> {
     /// Compiled mode, as [`StableDiffusionPipeline::compile`](crate::StableDiffusionPipeline::compile):
     /// each UNet call (both guidance halves, with the added condition as runtime inputs) is one
-    /// XLA program per input shape; the VAE is compiled too. Needs the UNet on a PJRT device.
+    /// XLA program per input shape; the text encoders' layers, the VAE and the scheduler step
+    /// ([`SchedulerProgram`]) are programs too. Needs the UNet on a PJRT device.
     pub fn compile(&mut self) -> Result<()> {
         self.compile_on(None)
     }
@@ -876,6 +882,7 @@ impl StableDiffusionXLPipeline<Oxi> {
     }
 
     pub(crate) fn compile_on(&mut self, placement: Option<Arc<SpmdPlacement>>) -> Result<()> {
+        self.scheduler_program = Some(SchedulerProgram::new());
         crate::parallel::require_pjrt("UNet", &self.unet.conv_in.weight.device())?;
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder_2, "text_encoder_2");
@@ -909,6 +916,13 @@ impl StableDiffusionXLPipeline<Oxi> {
         if let Some(encoder) = &self.text_encoder {
             encoders.insert(0, ("text_encoder", encoder));
         }
-        crate::compiled::component_stats(&encoders, None, "unet", self.compile_stats(), &self.vae)
+        crate::compiled::component_stats(
+            &encoders,
+            None,
+            "unet",
+            self.compile_stats(),
+            self.scheduler_program.as_ref(),
+            &self.vae,
+        )
     }
 }

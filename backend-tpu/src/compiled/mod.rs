@@ -28,6 +28,7 @@
 
 mod compile;
 mod donate;
+mod fused;
 mod lower;
 mod run;
 mod shard;
@@ -48,6 +49,7 @@ use burn_ir::{TensorId, TensorIr, TensorStatus};
 use burn_router::RouterTensor;
 
 pub use compile::CompileInfo;
+pub use fused::{Fused, FusedStats};
 pub use lower::{lower_recorded, lower_recorded_with};
 pub use tensors::Tensors;
 

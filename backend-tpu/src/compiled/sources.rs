@@ -194,7 +194,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         let mut transposes = lock(&self.transposes);
         if !transposes.programs.contains_key(&module) {
             let disk = self.disk_cache.as_deref().filter(|_| self.spmd.is_none());
-            let (exe, from_disk) = compile_cache::load_or_compile(client, device, &module, disk)
+            let (exe, from_disk) = compile_cache::load_or_compile(client, device, &module, disk, 1)
                 .map_err(|e| format!("compiling a kernel transpose failed: {e}"))?;
             if from_disk {
                 transposes.loaded += 1;

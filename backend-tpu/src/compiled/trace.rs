@@ -55,13 +55,13 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
 
 /// Ends the recording when dropped; if the trace did not finish (the closure
 /// panicked), frees what it released.
-struct TraceGuard {
+pub(super) struct TraceGuard {
     client: PjrtClient,
     finished: bool,
 }
 
 impl TraceGuard {
-    fn start(device: OxiDevice, client: PjrtClient) -> Self {
+    pub(super) fn start(device: OxiDevice, client: PjrtClient) -> Self {
         recording::start(device);
         Self {
             client,
@@ -69,7 +69,7 @@ impl TraceGuard {
         }
     }
 
-    fn finish(mut self) -> Recording {
+    pub(super) fn finish(mut self) -> Recording {
         self.finished = true;
         recording::take().expect("the recording was started by this guard")
     }
