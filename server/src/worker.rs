@@ -271,14 +271,21 @@ impl<B: PipelineBackend> Worker<B> {
         Ok(worker)
     }
 
-    /// One step of every batch size at the default size and guidance, so that the programs a
-    /// request needs exist before the first one comes.
+    /// One generation of every batch size at the default size and guidance, so that the
+    /// programs a request needs exist before the first one comes. Eager mode's per-op
+    /// executables need one step; compiled mode runs the default step count, for the scheduler
+    /// step's programs (one per step structure, which the step count decides: a multistep
+    /// scheduler's first, middle and last steps differ).
     fn warm_up(&mut self, context: &Context) -> Result<(), ServerError> {
         let size = self.info.default_size;
+        let steps = match B::compile_stats(&self.pipe) {
+            Some(_) => self.info.default_steps,
+            None => 1,
+        };
         for images in 1..=context.limits.max_batch {
             let request = GenerateRequest {
                 prompts: vec![String::new(); images],
-                num_inference_steps: 1,
+                num_inference_steps: steps,
                 guidance_scale: self.info.default_guidance,
                 width: Some(size),
                 height: Some(size),
