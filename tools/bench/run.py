@@ -3,7 +3,10 @@
 count; prints the ratios oxidiff / diffusers, writes a JSON result file and an SVG chart.
 With `--impls diffusers,oxidiff,candle`, candle's own SD 1.5 UNet and VAE (tools/bench/candle,
 a cargo project of its own, built on first use into target/bench-candle) is a third column: it
-times the UNet step, the VAE decode and the load only.
+times the UNet step, the VAE decode and the load only. With `sdcpp` among `--impls`,
+stable-diffusion.cpp (`sd-cli`, built on first use by tools/bench/sdcpp/build.sh into
+target/bench-sdcpp; tools/bench/sdcpp_bench.py times one generation from its log) adds two
+columns, its f32 and q8_0 weights.
 
     tools/bench/run.sh [--configs tiny,sd15-256] [--threads 1,2] [--rounds 2] ...
     python3 tools/bench/run.py --help
@@ -81,6 +84,14 @@ def build_candle():
     return os.path.join(CANDLE_TARGET, "release", "candle-bench")
 
 
+def build_sdcpp():
+    """Builds stable-diffusion.cpp's sd-cli into target/bench-sdcpp (tools/bench/sdcpp/build.sh;
+    a no-op once built) and returns its path."""
+    out = subprocess.run(["tools/bench/sdcpp/build.sh"], cwd=ROOT, check=True,
+                         capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
 def run_one(side, dir_, size, steps, repeat, threads, args):
     env = dict(os.environ)
     env["RAYON_NUM_THREADS"] = str(threads)
@@ -93,6 +104,10 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
     if side == "candle":
         cmd = [args.candle_bin, dir_, "--size", str(size), "--repeat", str(repeat),
                "--dtype", args.dtype]
+    elif side.startswith("sdcpp-"):
+        cmd = [sys.executable, "tools/bench/sdcpp_bench.py", dir_, "--sd-cli", args.sdcpp_bin,
+               "--size", str(size), "--steps", str(steps), "--quant", side.split("-", 1)[1],
+               "--threads", str(threads)]
     elif side == "diffusers":
         cmd = [sys.executable, "tools/bench/diffusers_bench.py", dir_, "--threads", str(threads)]
         if args.device != "cpu":
@@ -101,7 +116,7 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
         cmd = [args.bench_bin, dir_, "--mode", side]
         if args.device != "cpu" and side != "cpu":
             cmd += ["--device", args.device]
-    if side != "candle":
+    if side != "candle" and not side.startswith("sdcpp-"):
         cmd += common
     if threads == 1 and args.device == "cpu" and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(args.pin_cpu)] + cmd
@@ -234,7 +249,8 @@ def main():
     ap.add_argument("--modes", default="cpu,compiled", help="oxidiff modes: cpu, eager, compiled")
     ap.add_argument("--impls", default="diffusers,oxidiff",
                     help="of diffusers, oxidiff (its --modes), candle (tools/bench/candle: UNet "
-                         "step, VAE decode and load only; f32, no --variant: bf16 fails in candle 0.11.1's CPU conv2d)")
+                         "step, VAE decode and load only; f32, no --variant: bf16 fails in candle 0.11.1's CPU conv2d), "
+                         "sdcpp (stable-diffusion.cpp in f32 and q8_0; f32 files only)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="processes per side and case (default: 3 tiny, 1 SD 1.5)")
     ap.add_argument("--repeat", type=int, default=None,
@@ -249,6 +265,8 @@ def main():
                     help="an accelerator both sides run on: cuda (diffusers' torch device; oxidiff's "
                          "eager/compiled modes then use XLA's CUDA plugin instead of xla:cpu)")
     ap.add_argument("--bench-bin", default=os.path.join(ROOT, "target/release/bench"))
+    ap.add_argument("--sdcpp-bin", default=None,
+                    help="a built stable-diffusion.cpp sd-cli (default: tools/bench/sdcpp/build.sh)")
     ap.add_argument("--candle-bin", default=None,
                     help="a built candle-bench (default: build tools/bench/candle into target/bench-candle)")
     ap.add_argument("--pin-cpu", type=int, default=0,
@@ -262,7 +280,14 @@ def main():
         if args.dtype not in ("f32", "bf16") or args.variant or args.device != "cpu":
             sys.exit("candle runs on the CPU in f32 or bf16 from the f32 weight files only")
         args.candle_bin = args.candle_bin or build_candle()
-    sides_order = [s for s in ["diffusers"] if s in impls] + modes + [s for s in ["candle"] if s in impls]
+    sdcpp = []
+    if "sdcpp" in impls:
+        if args.dtype != "f32" or args.variant or args.device != "cpu":
+            sys.exit("stable-diffusion.cpp runs on the CPU from the f32 weight files (its f32 and q8_0 columns)")
+        args.sdcpp_bin = args.sdcpp_bin or build_sdcpp()
+        sdcpp = ["sdcpp-f32", "sdcpp-q8_0"]
+    sides_order = ([s for s in ["diffusers"] if s in impls] + modes
+                   + [s for s in ["candle"] if s in impls] + sdcpp)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
