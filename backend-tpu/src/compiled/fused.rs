@@ -21,15 +21,14 @@ use std::time::Instant;
 use burn_ir::{TensorId, TensorIr};
 
 use super::lower::lower_recorded_with;
-use super::run::{bind_results, upload_rng_state};
+use super::run::{bind_results, upload_rng_state, upload_scalar};
 use super::trace::TraceGuard;
 use super::{compiles, lock, CompileError};
 use crate::compile_cache::{self, log_compiles};
 use crate::device::OxiDevice;
 use crate::eager::PjrtClient;
-use crate::host::scalar_bytes;
 use crate::lowering::{Argument, LoweredFunction, Lowerer};
-use crate::pjrt::{self, Buffer, LoadedExecutable};
+use crate::pjrt::{Buffer, LoadedExecutable};
 use crate::recording::{tracing_any, Recording};
 
 /// Counts of a [`Fused`] call so far.
@@ -187,11 +186,7 @@ impl Fused {
             match argument {
                 Argument::Tensor(id) => tensors.push(*id),
                 Argument::Scalar(scalar) => {
-                    let shape = pjrt::Shape::new(ty.elem, Vec::new());
-                    let buffer = pjrt_client
-                        .buffer_from_host(&scalar_bytes(*scalar, ty.elem), &shape, pjrt_device)
-                        .map_err(|e| format!("uploading a scalar failed: {e}"))?;
-                    owned.push(buffer);
+                    owned.push(upload_scalar((pjrt_client, pjrt_device), *scalar, ty)?);
                 }
                 Argument::RngState => {
                     let devices = std::slice::from_ref(pjrt_device);

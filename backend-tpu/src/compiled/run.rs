@@ -83,6 +83,18 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     }
 }
 
+/// `scalar` (an op's scalar argument of type `ty`) as a rank-0 buffer on `device`.
+pub(super) fn upload_scalar(
+    (client, device): (&pjrt::Client, &pjrt::Device),
+    scalar: burn_ir::ScalarIr,
+    ty: &crate::lowering::TensorType,
+) -> Result<Buffer, String> {
+    let shape = pjrt::Shape::new(ty.elem, Vec::new());
+    client
+        .buffer_from_host(&crate::host::scalar_bytes(scalar, ty.elem), &shape, device)
+        .map_err(|e| format!("uploading a scalar failed: {e}"))
+}
+
 /// One fresh random state (`[seed, draw]` from the device's counter),
 /// uploaded to each of `devices`.
 pub(super) fn upload_rng_state(

@@ -9,11 +9,11 @@ use std::sync::Arc;
 
 use burn_ir::{TensorId, TensorIr};
 
+use super::run::upload_scalar;
 use super::tensors::Tensors;
 use super::{lock, CompiledFn};
 use crate::compile_cache;
 use crate::eager::PjrtClient;
-use crate::host::scalar_bytes;
 use crate::lowering::{Argument, LoweredFunction, TensorType};
 use crate::pjrt::{self, Buffer};
 
@@ -147,12 +147,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                 }
                 Argument::Scalar(scalar) => {
                     scalars += 1;
-                    let shape = pjrt::Shape::new(ty.elem, Vec::new());
-                    let bytes = scalar_bytes(*scalar, ty.elem);
-                    let buffer = pjrt_client
-                        .buffer_from_host(&bytes, &shape, pjrt_device)
-                        .map_err(|e| format!("uploading a scalar failed: {e}"))?;
-                    Source::Owned(buffer)
+                    Source::Owned(upload_scalar((pjrt_client, pjrt_device), *scalar, ty)?)
                 }
                 Argument::RngState => {
                     random += 1;
