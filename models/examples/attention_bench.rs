@@ -1,11 +1,11 @@
-//! Times bf16 attention (`cpu::attention::attention`) on the SD 1.5 UNet's shapes with guidance
+//! Times attention (`cpu::attention::attention`; bf16, or the dtype of the second argument) on the SD 1.5 UNet's shapes with guidance
 //! (batch 2, 8 heads): self-attention over 4096, 1024 and 256 tokens (a 512x512 image's
 //! levels, heads of 40, 80 and 160), over 1024 tokens with heads of 40 (a 256x256 image's
 //! outer level), cross-attention of 4096 queries over 77 text tokens, and the VAE's one-head
 //! self-attention over 1024 tokens of 512 channels (its middle block at 256x256). Set
 //! RAYON_NUM_THREADS and pin with `taskset` to compare builds.
 //!
-//!     cargo run --release -p oxidiff-models --example attention_bench [ROUNDS]
+//!     cargo run --release -p oxidiff-models --example attention_bench [ROUNDS] [bf16|f16|f32]
 
 use std::time::Instant;
 
@@ -25,10 +25,14 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn tensor(shape: [usize; 3], seed: u64) -> Tensor<Flex, 3> {
+fn tensor(shape: [usize; 3], seed: u64, dtype: FloatDType) -> Tensor<Flex, 3> {
     let data = values(shape.iter().product(), seed);
-    Tensor::<Flex, 3>::from_data(TensorData::new(data, shape), &Default::default())
-        .cast(FloatDType::BF16)
+    let t = Tensor::<Flex, 3>::from_data(TensorData::new(data, shape), &Default::default());
+    if dtype == FloatDType::F32 {
+        t
+    } else {
+        t.cast(dtype)
+    }
 }
 
 fn main() {
@@ -36,6 +40,12 @@ fn main() {
         .nth(1)
         .and_then(|r| r.parse().ok())
         .unwrap_or(3);
+    let dtype = match std::env::args().nth(2).as_deref() {
+        None | Some("bf16") => FloatDType::BF16,
+        Some("f32") => FloatDType::F32,
+        Some("f16") => FloatDType::F16,
+        Some(other) => panic!("dtype {other}: f32, bf16 or f16"),
+    };
     for (tokens, keys, channels, heads) in [
         (4096, 4096, 320, 8),
         (1024, 1024, 640, 8),
@@ -45,15 +55,15 @@ fn main() {
         (1024, 1024, 512, 1),
     ] {
         let (q, k, v) = (
-            tensor([2, tokens, channels], 1),
-            tensor([2, keys, channels], 2),
-            tensor([2, keys, channels], 3),
+            tensor([2, tokens, channels], 1, dtype),
+            tensor([2, keys, channels], 2, dtype),
+            tensor([2, keys, channels], 3, dtype),
         );
         let mut best = f64::INFINITY;
         for _ in 0..rounds {
             let start = Instant::now();
             let out = attention(q.clone(), k.clone(), v.clone(), heads)
-                .unwrap_or_else(|_| panic!("bf16 attention takes the CPU kernel"));
+                .unwrap_or_else(|_| panic!("attention takes the CPU kernel"));
             let _ = out.into_primitive();
             best = best.min(start.elapsed().as_secs_f64());
         }

@@ -3,15 +3,21 @@
 //! several heads, a partial last query block, batch > 1, long key sequences and large logits;
 //! its exponential against libm's; and the fallback for what it does not cover.
 //!
-//! Tolerance 2e-6 relative to the output's largest magnitude (the same products in f32, summed
-//! in another order, and an exponential within 4 ulp).
+//! Tolerance against f64: 2e-6 relative to the output's largest magnitude (products and sums
+//! in f32, an exponential within 4 ulp). Against Burn's f32 attention, whose own error is of
+//! the same size: 4e-6.
+//!
+//! Unmasked f32 attention takes the key-blocked kernel (`cpu::attention_f32_flash`) where the
+//! CPU has AVX2 or AVX-512, the gemm crate's products elsewhere: the f64 tests below run each
+//! (AVX2 and the baseline width in child processes), and AVX2's bits against AVX-512's.
 
 use burn::tensor::module::attention as burn_attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use burn_flex::Flex;
 use oxidiff_models::cpu::attention::{attention, masked_attention, Masking};
-use oxidiff_models::cpu::common::exp_nonpositive;
+use oxidiff_models::cpu::common::{exp_nonpositive, exp_nonpositive_fused};
+use oxidiff_models::cpu::simd::{self, VectorWidth};
 
 type B = Flex;
 
@@ -81,7 +87,7 @@ fn check(b: usize, s_q: usize, s_kv: usize, heads: usize, d: usize, amp: f32) {
         &format!("b {b} s_q {s_q} s_kv {s_kv} heads {heads} d {d} amp {amp}"),
         &actual,
         &expected,
-        2e-6,
+        4e-6,
     );
 }
 
@@ -167,4 +173,167 @@ fn causal_attention_matches_burn() {
     // Causal masks need as many queries as keys.
     let (q, k) = (tensor([1, 5, 8], 1, 1.0), tensor([1, 6, 8], 2, 1.0));
     assert!(masked_attention(q, k.clone(), k, 2, Masking::Causal).is_err());
+}
+
+#[test]
+fn fused_exponential_is_within_two_ulp_of_libm() {
+    // Where the CPU has FMA (the kernels using it run nowhere else), at its vector width.
+    if simd::width() < VectorWidth::Avx2 {
+        eprintln!("no AVX2 here: the fused exponential is not used");
+        return;
+    }
+    let xs: Vec<f32> = (0..=87_000)
+        .map(|i| (-(i as f32) * 0.001).max(-87.0))
+        .collect();
+    let ours: Vec<f32> = simd::vectorized_for(VectorWidth::Avx2, || {
+        xs.iter().map(|&x| exp_nonpositive_fused(x)).collect()
+    });
+    for (&x, &e) in xs.iter().zip(&ours) {
+        let libm = x.exp();
+        assert!(
+            (e - libm).abs() <= 2.0 * f32::EPSILON * libm,
+            "exp({x}): {e} vs {libm}"
+        );
+    }
+    assert_eq!(exp_nonpositive_fused(0.0), 1.0);
+    assert!(exp_nonpositive_fused(-1000.0) < 1e-37);
+    assert!(exp_nonpositive_fused(f32::NEG_INFINITY) < 1e-37);
+}
+
+/// Odd shapes for the f64 checks: head sizes that are no multiple of the tiles (6 keys, 6
+/// value columns, 16 or 64 query lanes), a partial last block of queries, keys over several
+/// blocks of 120 with a partial last one, one query, the VAE's single wide head.
+const ODD_SHAPES: [[usize; 5]; 8] = [
+    [2, 70, 70, 2, 40],
+    [1, 130, 77, 3, 8],
+    [2, 100, 241, 2, 13],
+    [1, 5, 300, 1, 64],
+    [1, 1, 5, 2, 4],
+    [1, 65, 130, 1, 136],
+    [1, 64, 121, 4, 7],
+    [1, 70, 1030, 1, 64],
+];
+
+/// Softmax attention in f64 of the same (f32) inputs, heads merged.
+fn attention_f64(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    [b, s_q, s_kv, heads, d]: [usize; 5],
+) -> Vec<f64> {
+    let inner = heads * d;
+    let mut out = vec![0.0; b * s_q * inner];
+    for n in 0..b {
+        for h in 0..heads {
+            for i in 0..s_q {
+                let qi = &q[(n * s_q + i) * inner + h * d..][..d];
+                let scores: Vec<f64> = (0..s_kv)
+                    .map(|j| {
+                        let kj = &k[(n * s_kv + j) * inner + h * d..][..d];
+                        qi.iter()
+                            .zip(kj)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for c in 0..d {
+                    out[(n * s_q + i) * inner + h * d + c] = (0..s_kv)
+                        .map(|j| e[j] * v[(n * s_kv + j) * inner + h * d + c] as f64)
+                        .sum::<f64>()
+                        / sum;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Every odd shape's attention on this process's kernel, checked against f64; the outputs'
+/// bits, concatenated.
+fn odd_shapes_match_f64() -> Vec<u32> {
+    let mut bits = Vec::new();
+    for shape in ODD_SHAPES {
+        let [b, s_q, s_kv, heads, d] = shape;
+        let seed = shape.iter().sum::<usize>() as u64;
+        let (q, k, v) = (
+            tensor([b, s_q, heads * d], seed, 2.0),
+            tensor([b, s_kv, heads * d], seed + 1, 2.0),
+            tensor([b, s_kv, heads * d], seed + 2, 1.0),
+        );
+        let values = |t: &Tensor<B, 3>| -> Vec<f32> { t.clone().into_data().to_vec().unwrap() };
+        let expected = attention_f64(&values(&q), &values(&k), &values(&v), shape);
+        let got: Vec<f32> = attention(q, k, v, heads)
+            .unwrap_or_else(|_| panic!("burn-flex f32 takes the fast path"))
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let expected: Vec<f32> = expected.iter().map(|&x| x as f32).collect();
+        oxidiff_test_support::assert_close(
+            &format!("{shape:?} at {}", simd::width().name()),
+            &got,
+            &expected,
+            2e-6,
+        );
+        bits.extend(got.iter().map(|x| x.to_bits()));
+    }
+    bits
+}
+
+#[test]
+fn f32_attention_matches_f64_at_this_cpus_width() {
+    odd_shapes_match_f64();
+}
+
+#[test]
+fn f32_attention_matches_f64_at_the_baseline_width() {
+    // The gemm crate's products: the key-blocked kernel needs FMA.
+    if oxidiff_test_support::isolated(
+        "f32_attention_matches_f64_at_the_baseline_width",
+        &[("OXIDIFF_CPU_SIMD", "baseline")],
+    ) {
+        assert_eq!(simd::width(), VectorWidth::Baseline);
+        odd_shapes_match_f64();
+    }
+}
+
+/// Where the CPU has AVX-512: the key-blocked kernel at AVX2 width (16 query lanes a tile, in
+/// a child process) matches f64 and gives the bits it gives at AVX-512 width (64 lanes).
+#[test]
+fn f32_attention_gives_the_same_bits_at_avx2_and_avx512_width() {
+    const NAME: &str = "f32_attention_gives_the_same_bits_at_avx2_and_avx512_width";
+    const OUT: &str = "OXIDIFF_TEST_ATTENTION_BITS";
+    if std::env::var_os(OUT).is_some() {
+        if oxidiff_test_support::isolated(NAME, &[("OXIDIFF_CPU_SIMD", "avx2")]) {
+            assert_eq!(simd::width(), VectorWidth::Avx2);
+            let bits: Vec<u8> = odd_shapes_match_f64()
+                .iter()
+                .flat_map(|b| b.to_le_bytes())
+                .collect();
+            std::fs::write(std::env::var_os(OUT).unwrap(), bits).unwrap();
+        }
+        return;
+    }
+    if simd::width() < VectorWidth::Avx512 {
+        eprintln!("no AVX-512 here: nothing to compare AVX2's bits with");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("avx2-bits");
+    assert!(!oxidiff_test_support::isolated(
+        NAME,
+        &[
+            ("OXIDIFF_CPU_SIMD", std::ffi::OsStr::new("avx2")),
+            (OUT, path.as_os_str())
+        ],
+    ));
+    let avx2: Vec<u32> = std::fs::read(&path)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(avx2, odd_shapes_match_f64(), "AVX2 and AVX-512 bits differ");
 }

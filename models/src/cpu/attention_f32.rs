@@ -41,9 +41,14 @@ pub(crate) struct Shape {
 }
 
 impl Shape {
-    /// Every (sample, head, block of queries), in parallel on rayon's pool.
+    /// Every (sample, head, block of queries), in parallel on rayon's pool: through
+    /// [`super::attention_f32_flash`] where it [suits](super::attention_f32_flash::suits) this
+    /// shape and CPU, else through the gemm crate's products.
     pub(crate) fn run(&self, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
         use rayon::prelude::*;
+        if super::attention_f32_flash::suits(self) {
+            return super::attention_f32_flash::attention(self, q, k, v, out);
+        }
         let blocks = self.s_q.div_ceil(QUERY_BLOCK);
         let ptr = OutPtr(out.as_mut_ptr());
         (0..self.batch * self.heads * blocks)

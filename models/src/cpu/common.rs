@@ -82,6 +82,33 @@ pub fn exp_nonpositive(x: f32) -> f32 {
     p * scale
 }
 
+/// `e^x` for `x <= 0` as [`exp_nonpositive`] (inputs below -87 give about 1.6e-38; a value
+/// a rounding above 0 gives its exponential), in fused multiply-adds and a degree-5
+/// polynomial (Cephes' `expf`), within 2 ulp (tested): for kernels that run at AVX2 width or
+/// wider only, since without FMA instructions every `mul_add` is a call to libm.
+#[inline(always)]
+pub fn exp_nonpositive_fused(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0;
+    // Only the lower bound: where `x` is a score less the maximum, it is at most a rounding
+    // above 0.
+    let x = x.max(-87.0);
+    let shifted = x.mul_add(LOG2_E, ROUND);
+    let n = shifted - ROUND;
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let p = 1.987_569_1e-4f32
+        .mul_add(r, 1.398_199_9e-3)
+        .mul_add(r, 8.333_452e-3)
+        .mul_add(r, 4.166_579_6e-2)
+        .mul_add(r, 1.666_666_5e-1)
+        .mul_add(r, 0.5);
+    let p = p.mul_add(r * r, r) + 1.0;
+    let scale = f32::from_bits(shifted.to_bits().wrapping_add(127) << 23);
+    p * scale
+}
+
 /// Whether `dtype` is a half-precision float the CPU kernels take (computing in f32).
 pub(crate) fn is_half(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)

@@ -8,6 +8,7 @@ pub mod aligned;
 pub mod amx;
 pub mod attention;
 pub mod attention_f32;
+pub mod attention_f32_flash;
 pub mod attention_flash;
 pub mod attention_half;
 pub mod avx512_bf16;
