@@ -18,6 +18,7 @@ use burn_flex::Flex;
 use oxidiff_models::cpu::attention::{attention, masked_attention, Masking};
 use oxidiff_models::cpu::common::{exp_nonpositive, exp_nonpositive_fused};
 use oxidiff_models::cpu::simd::{self, VectorWidth};
+use oxidiff_test_support::reference::attention as attention_f64;
 
 type B = Flex;
 
@@ -214,44 +215,6 @@ const ODD_SHAPES: [[usize; 5]; 8] = [
     [1, 70, 1030, 1, 64],
 ];
 
-/// Softmax attention in f64 of the same (f32) inputs, heads merged.
-fn attention_f64(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    [b, s_q, s_kv, heads, d]: [usize; 5],
-) -> Vec<f64> {
-    let inner = heads * d;
-    let mut out = vec![0.0; b * s_q * inner];
-    for n in 0..b {
-        for h in 0..heads {
-            for i in 0..s_q {
-                let qi = &q[(n * s_q + i) * inner + h * d..][..d];
-                let scores: Vec<f64> = (0..s_kv)
-                    .map(|j| {
-                        let kj = &k[(n * s_kv + j) * inner + h * d..][..d];
-                        qi.iter()
-                            .zip(kj)
-                            .map(|(&a, &b)| a as f64 * b as f64)
-                            .sum::<f64>()
-                            / (d as f64).sqrt()
-                    })
-                    .collect();
-                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                for c in 0..d {
-                    out[(n * s_q + i) * inner + h * d + c] = (0..s_kv)
-                        .map(|j| e[j] * v[(n * s_kv + j) * inner + h * d + c] as f64)
-                        .sum::<f64>()
-                        / sum;
-                }
-            }
-        }
-    }
-    out
-}
-
 /// Every odd shape's attention on this process's kernel, checked against f64; the outputs'
 /// bits, concatenated.
 fn odd_shapes_match_f64() -> Vec<u32> {
@@ -264,8 +227,11 @@ fn odd_shapes_match_f64() -> Vec<u32> {
             tensor([b, s_kv, heads * d], seed + 1, 2.0),
             tensor([b, s_kv, heads * d], seed + 2, 1.0),
         );
-        let values = |t: &Tensor<B, 3>| -> Vec<f32> { t.clone().into_data().to_vec().unwrap() };
-        let expected = attention_f64(&values(&q), &values(&k), &values(&v), shape);
+        let values = |t: &Tensor<B, 3>| -> Vec<f64> {
+            let v: Vec<f32> = t.clone().into_data().to_vec().unwrap();
+            v.into_iter().map(f64::from).collect()
+        };
+        let expected = attention_f64(&values(&q), &values(&k), &values(&v), shape, false);
         let got: Vec<f32> = attention(q, k, v, heads)
             .unwrap_or_else(|_| panic!("burn-flex f32 takes the fast path"))
             .into_data()

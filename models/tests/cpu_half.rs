@@ -27,6 +27,7 @@ use oxidiff_models::cpu::conv::{conv2d_with, ConvGeometry, ConvPath};
 use oxidiff_models::cpu::elementwise::{geglu, group_norm, layer_norm, transpose};
 use oxidiff_models::cpu::half_gemm::{self, gemm, HalfKernel, PackedB};
 use oxidiff_models::cpu::linear::linear;
+use oxidiff_test_support::reference::attention as attention_f64;
 
 type B = Flex;
 
@@ -257,42 +258,6 @@ fn bf16_and_f16_convolutions_match_f64() {
     }
 }
 
-/// Softmax attention of rounded inputs in f64, heads merged.
-fn attention_ref(
-    q: &[f64],
-    k: &[f64],
-    v: &[f64],
-    [b, s_q, s_kv, heads, d]: [usize; 5],
-    causal: bool,
-) -> Vec<f64> {
-    let inner = heads * d;
-    let mut out = vec![0.0; b * s_q * inner];
-    for n in 0..b {
-        for h in 0..heads {
-            for i in 0..s_q {
-                let qi = &q[(n * s_q + i) * inner + h * d..][..d];
-                let seen = if causal { i + 1 } else { s_kv };
-                let scores: Vec<f64> = (0..seen)
-                    .map(|j| {
-                        let kj = &k[(n * s_kv + j) * inner + h * d..][..d];
-                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt()
-                    })
-                    .collect();
-                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let sum: f64 = e.iter().sum();
-                for c in 0..d {
-                    out[(n * s_q + i) * inner + h * d + c] = (0..seen)
-                        .map(|j| e[j] * v[(n * s_kv + j) * inner + h * d + c])
-                        .sum::<f64>()
-                        / sum;
-                }
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn bf16_and_f16_attention_match_f64() {
     for (dtype, tol) in [
@@ -321,7 +286,7 @@ fn bf16_and_f16_attention_match_f64() {
             oxidiff_test_support::assert_close(
                 &format!("{dtype:?} attention {shape:?}"),
                 &data(got),
-                &attention_ref(&qv, &kv, &vv, shape, false),
+                &attention_f64(&qv, &kv, &vv, shape, false),
                 tol,
             );
             if s_q == s_kv {
@@ -330,7 +295,7 @@ fn bf16_and_f16_attention_match_f64() {
                 oxidiff_test_support::assert_close(
                     &format!("{dtype:?} causal attention {shape:?}"),
                     &data(got),
-                    &attention_ref(&qv, &kv, &vv, shape, true),
+                    &attention_f64(&qv, &kv, &vv, shape, true),
                     tol,
                 );
             }
@@ -634,7 +599,7 @@ fn check_bf16_products(expected: Option<HalfKernel>) {
         oxidiff_test_support::assert_close(
             &format!("bf16 attention {shape:?}"),
             &data(got),
-            &attention_ref(&qv, &kv, &vv, shape, false),
+            &attention_f64(&qv, &kv, &vv, shape, false),
             2f64.powi(-7),
         );
     }
