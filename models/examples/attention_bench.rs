@@ -1,9 +1,9 @@
-//! Times attention (`cpu::attention::attention`; bf16, or the dtype of the second argument) on the SD 1.5 UNet's shapes with guidance
-//! (batch 2, 8 heads): self-attention over 4096, 1024 and 256 tokens (a 512x512 image's
-//! levels, heads of 40, 80 and 160), over 1024 tokens with heads of 40 (a 256x256 image's
-//! outer level), cross-attention of 4096 queries over 77 text tokens, and the VAE's one-head
-//! self-attention over 1024 tokens of 512 channels (its middle block at 256x256). Set
-//! RAYON_NUM_THREADS and pin with `taskset` to compare builds.
+//! Times attention (`cpu::attention::attention`; bf16, or the dtype of the second argument) on
+//! the SD 1.5 UNet's shapes with guidance (batch 2, 8 heads): self-attention over 4096, 1024
+//! and 256 tokens (a 512x512 image's levels, heads of 40, 80 and 160), over 1024 tokens with
+//! heads of 40 (a 256x256 image's outer level), cross-attention of 4096 queries over 77 text
+//! tokens, and the VAE's one-head self-attention over 1024 tokens of 512 channels (its middle
+//! block at 256x256). Set RAYON_NUM_THREADS and pin with `taskset` to compare builds.
 //!
 //!     cargo run --release -p oxidiff-models --example attention_bench [ROUNDS] [bf16|f16|f32]
 

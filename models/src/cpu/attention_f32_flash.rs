@@ -82,6 +82,24 @@ pub(crate) fn attention(shape: &Shape, q: &[f32], k: &[f32], v: &[f32], out: &mu
         );
 }
 
+/// The last `$n` (below [`TILE`]) keys or columns of a block: `$tile::<$qt, $n>(args)`, the
+/// tile's width a constant so that its accumulators stay in registers.
+macro_rules! tail {
+    ($n:expr, $tile:ident::<$qt:ident>($($arg:expr),*)) => {
+        match $n {
+            0 => {}
+            1 => $tile::<$qt, 1>($($arg),*),
+            2 => $tile::<$qt, 2>($($arg),*),
+            3 => $tile::<$qt, 3>($($arg),*),
+            4 => $tile::<$qt, 4>($($arg),*),
+            n => {
+                debug_assert_eq!(n, 5, "a tail is shorter than a tile");
+                $tile::<$qt, 5>($($arg),*)
+            }
+        }
+    };
+}
+
 /// One job's place: a sample, a head and its first query.
 #[derive(Clone, Copy)]
 struct Block {
@@ -165,14 +183,7 @@ unsafe fn query_block<const QT: usize>(
                 j += TILE;
             }
             let (kt, sj) = (keys.add(j * inner), st.add(j * QUERIES));
-            match kb - j {
-                0 => {}
-                1 => score_tile::<QT, 1>(qt, kt, inner, d, sj),
-                2 => score_tile::<QT, 2>(qt, kt, inner, d, sj),
-                3 => score_tile::<QT, 3>(qt, kt, inner, d, sj),
-                4 => score_tile::<QT, 4>(qt, kt, inner, d, sj),
-                _ => score_tile::<QT, 5>(qt, kt, inner, d, sj),
-            }
+            tail!(kb - j, score_tile::<QT>(qt, kt, inner, d, sj));
             // The tile's maximum while its scores are in the L1 cache.
             for j in 0..kb {
                 let row = &*(st.add(j * QUERIES) as *const [f32; QT]);
@@ -193,14 +204,7 @@ unsafe fn query_block<const QT: usize>(
                 c += TILE;
             }
             let (values, ot) = (values.add(c), ot.add(c * QUERIES));
-            match d - c {
-                0 => {}
-                1 => value_tile::<QT, 1>(pt, kb, values, inner, ot),
-                2 => value_tile::<QT, 2>(pt, kb, values, inner, ot),
-                3 => value_tile::<QT, 3>(pt, kb, values, inner, ot),
-                4 => value_tile::<QT, 4>(pt, kb, values, inner, ot),
-                _ => value_tile::<QT, 5>(pt, kb, values, inner, ot),
-            }
+            tail!(d - c, value_tile::<QT>(pt, kb, values, inner, ot));
         }
         k0 += kb;
     }
