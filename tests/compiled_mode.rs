@@ -31,6 +31,14 @@ fn xla() -> OxiDevice {
         .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"))
 }
 
+/// The plugin's second device, which no other test of this binary uses: its client's upload
+/// counters (process-wide per device) count this test's uploads alone while the others run.
+fn xla_alone() -> OxiDevice {
+    "xla:cpu:1"
+        .parse()
+        .unwrap_or_else(|e| panic!("{e}\nfetch the XLA CPU plugin first: tools/fetch-plugins.sh"))
+}
+
 fn load(scheduler: &str) -> StableDiffusionPipeline<Oxi> {
     let options = LoadOptions {
         scheduler: Some(scheduler.into()),
@@ -83,7 +91,7 @@ fn compiled_guided_step_matches_eager_xla_and_the_cpu_backend() {
     let golden = Golden::load("tiny-sd1");
     let mut pipe = load("ddim");
     let cpu = run(&mut pipe, &request(&golden, 7.5));
-    let mut pipe = pipe.to(&xla());
+    let mut pipe = pipe.to(&xla_alone());
     let eager = run(&mut pipe, &request(&golden, 7.5));
     let eager_low = run(&mut pipe, &request(&golden, 3.0));
     let eager_plain = run(&mut pipe, &request(&golden, 1.0));
@@ -144,7 +152,7 @@ fn compiled_guided_step_matches_eager_xla_and_the_cpu_backend() {
     // checkpoint in place of their device copies in Burn's layout. Back in eager mode those
     // are uploaded again on first use (once), and the UNet gives the eager result (the text
     // encoder and VAE stay compiled, hence 1e-5).
-    let client = oxidiff::backend::pjrt_client(&xla()).expect("the xla:cpu client");
+    let client = oxidiff::backend::pjrt_client(&xla_alone()).expect("the xla:cpu:1 client");
     let uploaded_by = |pipe: &mut StableDiffusionPipeline<Oxi>| {
         let before = client.stats().uploaded_bytes;
         let out = run(pipe, &request(&golden, 7.5));
