@@ -224,6 +224,26 @@ fn check_conv(
     p: usize,
     tol: f64,
 ) {
+    check_conv_on(ConvPath::Winograd, dtype, dims, c_out, k, s, p, tol);
+}
+
+/// The bound of a bf16 convolution on the Winograd path (3x3, stride 1, padding 1, at least
+/// 512 positions for two samples) relative to a direct one's: its transformed weights and
+/// tiles are rounded to bf16, one rounding each that the direct product's inputs do not take,
+/// so its error reaches about one bf16 rounding of the output's scale.
+const WINOGRAD_BF16_FACTOR: f64 = 2.0;
+
+#[allow(clippy::too_many_arguments)]
+fn check_conv_on(
+    path: ConvPath,
+    dtype: FloatDType,
+    dims: [usize; 4],
+    c_out: usize,
+    k: usize,
+    s: usize,
+    p: usize,
+    tol: f64,
+) {
     let seed = dims.iter().sum::<usize>() as u64 * 31 + (c_out * 7 + k * 3 + s + p) as u64;
     let (x, xv) = tensor(dims, seed, 1.0, dtype);
     let (weight, wv) = tensor([c_out, dims[1], k, k], seed + 1, 0.5, dtype);
@@ -232,11 +252,11 @@ fn check_conv(
         stride: s,
         padding: p,
     };
-    let got = conv2d_with(x, weight, Some(bias), geometry, ConvPath::Winograd)
+    let got = conv2d_with(x, weight, Some(bias), geometry, path)
         .unwrap_or_else(|_| panic!("{dtype:?} takes the CPU kernel"));
     let expected = conv_ref(&xv, dims, &wv, &bv, c_out, k, s, p);
     oxidiff_test_support::assert_close(
-        &format!("{dtype:?} conv {dims:?} -> {c_out} k{k} s{s} p{p}"),
+        &format!("{dtype:?} conv {dims:?} -> {c_out} k{k} s{s} p{p} ({path:?})"),
         &data(got),
         &expected,
         tol,
@@ -253,8 +273,15 @@ fn bf16_and_f16_convolutions_match_f64() {
         check_conv(dtype, [2, 5, 13, 10], 33, 3, 2, 1, tol);
         check_conv(dtype, [2, 40, 7, 9], 17, 1, 1, 0, tol);
         check_conv(dtype, [1, 6, 12, 12], 5, 5, 1, 2, tol);
-        // More output positions than one tile (512), k = 288 (a multiple of 32), 64 channels.
-        check_conv(dtype, [1, 32, 30, 30], 64, 3, 1, 1, tol);
+        // More output positions than one tile (512), k = 288 (a multiple of 32), 64 channels;
+        // large enough for Winograd, so both paths.
+        check_conv_on(ConvPath::Im2col, dtype, [1, 32, 30, 30], 64, 3, 1, 1, tol);
+        let winograd_tol = if dtype == FloatDType::BF16 {
+            WINOGRAD_BF16_FACTOR * tol
+        } else {
+            tol
+        };
+        check_conv(dtype, [1, 32, 30, 30], 64, 3, 1, 1, winograd_tol);
     }
 }
 
@@ -345,6 +372,57 @@ fn bf16_linear_matches_f64_and_follows_a_changed_weight() {
         &reference(&changed_v),
         tol,
     );
+}
+
+/// Winograd's transformed weights are kept while the weight lives: a second call gives the
+/// same values, and a weight changed in place (its one owner adds to it, as a fused LoRA does)
+/// is transformed again; in bf16 and in f32 (there within 2e-6 of f64).
+#[test]
+fn winograd_weights_are_cached_and_follow_a_changed_weight() {
+    let (dims, c_out) = ([2, 6, 17, 16], 9);
+    for (dtype, tol) in [
+        (FloatDType::BF16, WINOGRAD_BF16_FACTOR * 2f64.powi(-8)),
+        (FloatDType::F32, 2e-6),
+    ] {
+        let (x, xv) = tensor(dims, 21, 1.0, dtype);
+        let (weight, wv) = tensor([c_out, dims[1], 3, 3], 22, 0.5, dtype);
+        let (bias, bv) = tensor([c_out], 23, 1.0, dtype);
+        let geometry = ConvGeometry {
+            stride: 1,
+            padding: 1,
+        };
+        let conv = |weight: Tensor<B, 4>| {
+            conv2d_with(
+                x.clone(),
+                weight,
+                Some(bias.clone()),
+                geometry,
+                ConvPath::Winograd,
+            )
+            .unwrap_or_else(|_| panic!("{dtype:?} takes the CPU kernel"))
+        };
+        let expected = conv_ref(&xv, dims, &wv, &bv, c_out, 3, 1, 1);
+        for call in ["first", "cached"] {
+            oxidiff_test_support::assert_close(
+                &format!("{dtype:?} winograd, {call}"),
+                &data(conv(weight.clone())),
+                &expected,
+                tol,
+            );
+        }
+        let changed = weight + 0.25;
+        let changed_v: Vec<f64> = data(changed.clone()).iter().map(|&v| v as f64).collect();
+        assert!(changed_v
+            .iter()
+            .zip(&wv)
+            .all(|(c, w)| (c - w - 0.25).abs() < 0.01));
+        oxidiff_test_support::assert_close(
+            &format!("{dtype:?} winograd, changed weight"),
+            &data(conv(changed)),
+            &conv_ref(&xv, dims, &changed_v, &bv, c_out, 3, 1, 1),
+            tol,
+        );
+    }
 }
 
 #[test]
@@ -574,8 +652,18 @@ fn check_bf16_products(expected: Option<HalfKernel>) {
         check_gemm(70, 530, 33, true);
     }
     let tol = 2f64.powi(-8);
-    // k = 5 * 9 = 45 (odd), 300 positions over two column chunks, 19 output channels.
-    check_conv(FloatDType::BF16, [1, 5, 15, 20], 19, 3, 1, 1, tol);
+    // k = 5 * 9 = 45 (odd), 300 positions over two column chunks, 19 output channels (on
+    // im2col: a plane this large takes Winograd, below).
+    check_conv_on(
+        ConvPath::Im2col,
+        FloatDType::BF16,
+        [1, 5, 15, 20],
+        19,
+        3,
+        1,
+        1,
+        tol,
+    );
     // 1x1: k = 37, 720 positions.
     check_conv(FloatDType::BF16, [1, 37, 24, 30], 50, 1, 1, 0, tol);
     // Stride 2, 2 samples.
@@ -584,6 +672,11 @@ fn check_bf16_products(expected: Option<HalfKernel>) {
     // samples (3 x 35 positions), 3x3 and 1x1.
     check_conv(FloatDType::BF16, [3, 9, 5, 7], 21, 3, 1, 1, tol);
     check_conv(FloatDType::BF16, [2, 13, 4, 4], 40, 1, 1, 0, tol);
+    // Winograd: odd channels in (7, 5) and out (35, 19), odd sides (odd tiles at the right and
+    // bottom edges), three chunks of tile rows of which the last is partial, two samples.
+    let winograd_tol = WINOGRAD_BF16_FACTOR * tol;
+    check_conv(FloatDType::BF16, [1, 7, 47, 45], 35, 3, 1, 1, winograd_tol);
+    check_conv(FloatDType::BF16, [2, 5, 23, 25], 19, 3, 1, 1, winograd_tol);
     for checkpoint_layout in [false, true] {
         check_linear(37, 77, 300, checkpoint_layout);
         check_linear(290, 45, 33, checkpoint_layout);

@@ -7,6 +7,7 @@ use burn::tensor::DType;
 use burn_flex::{FlexTensor, Layout};
 
 use super::common::OutPtr;
+use super::winograd;
 
 /// Target number of output positions per tile: large enough for gemm to reach its peak,
 /// small enough that the column buffer (`c_in * k * k` rows of it) stays near the caches.
@@ -16,16 +17,18 @@ const TILE_COLUMNS: usize = 1024;
 /// convolution runs one sample at a time and gemm splits each product across the threads.
 const NARROW_TILE: usize = 256;
 
-/// Below this many input positions (`PLANNED_SAMPLES * h * w`) a 3x3 convolution takes the
-/// im2col path: transforming the weights on every call (`16 * c_out * c_in` values) then costs
-/// more than the 2.25x fewer multiplies save.
-const WINOGRAD_MIN_POSITIONS: usize = 1024;
+/// Below this many input positions (`PLANNED_SAMPLES * h * w`: planes under 16x16) a 3x3
+/// convolution takes the im2col path. Winograd's transformed weights (16/9 of the weight, kept
+/// while it lives) would then hold the most memory (a UNet's widest layers are its smallest
+/// planes) for little or no time saved (measured on SD 1.5's 8x8 level: bf16 slower, f32 a few
+/// percent faster).
+pub(crate) const WINOGRAD_MIN_POSITIONS: usize = 512;
 
 /// The batch the kernel and the tiles are chosen for, whatever the real batch: two samples,
 /// one image with classifier-free guidance. Planning from the real batch would give a sample
 /// other tiles (other gemm shapes, so other roundings) in a batch of 4 than alone, and images
 /// made in a batch would differ from the same images made one by one.
-const PLANNED_SAMPLES: usize = 2;
+pub(crate) const PLANNED_SAMPLES: usize = 2;
 
 /// Which kernel `nn::Conv2d` uses on burn-flex in f32, from `OXIDIFF_CPU_CONV` (read once): `burn`
 /// (Burn's own `conv2d`), `im2col` (this module without Winograd) or, by default, `winograd`
@@ -96,8 +99,8 @@ pub(crate) fn conv2d_nchw_f32(
         && path == ConvPath::Winograd
         && PLANNED_SAMPLES * h * w >= WINOGRAD_MIN_POSITIONS
     {
-        let u = winograd::transform_weight(weight.storage(), c_out, c_in);
-        winograd::conv(x.storage(), &u, &mut out, n, c_in, c_out, h, w);
+        let u = winograd::weight_f32(&weight, c_out, c_in);
+        winograd::conv_f32(x.storage(), &u, &mut out, n, c_in, c_out, h, w);
     } else if plane_out > 0 && c_out > 0 {
         let problem = Problem {
             x: x.storage(),
@@ -388,261 +391,6 @@ impl Im2col {
                         *o = *v;
                     }
                 }
-            }
-        }
-    }
-}
-
-/// Winograd F(2x2, 3x3) for 3x3, stride 1, padding 1 convolutions: each 2x2 output tile from a
-/// 4x4 input tile with 16 multiplies per (input, output) channel pair instead of 36, so the
-/// gemm work is 2.25x smaller; the transforms are additions over contiguous rows (vectorised).
-///
-/// Per chunk of tile rows: `v[xi][c][t]` = `B^T d B` of every input tile, 16 gemms
-/// `m[xi] = u[xi] @ v[xi]` with `u[xi][co][c]` = `G g G^T` of the weights, then `A^T m A` into
-/// the output. Errors stay at f32 rounding (the transforms' coefficients are 0, +-1 and 1/2).
-mod winograd {
-    use rayon::prelude::*;
-
-    use super::{OutPtr, PLANNED_SAMPLES};
-
-    /// Tiles (2x2 output blocks) per gemm column block.
-    const TILE_CHUNK: usize = 256;
-
-    /// `u[xi][co][c]`: the weight `[co, c, 3, 3]` transformed by `G g G^T`.
-    pub fn transform_weight(weight: &[f32], c_out: usize, c_in: usize) -> Vec<f32> {
-        let plane = c_out * c_in;
-        let mut u = vec![0.0f32; 16 * plane];
-        for (pair, g) in weight.chunks_exact(9).enumerate() {
-            // G g (4x3), then (G g) G^T (4x4); G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1].
-            let mut gg = [[0.0f32; 3]; 4];
-            for col in 0..3 {
-                let (g0, g1, g2) = (g[col], g[3 + col], g[6 + col]);
-                gg[0][col] = g0;
-                gg[1][col] = 0.5 * (g0 + g1 + g2);
-                gg[2][col] = 0.5 * (g0 - g1 + g2);
-                gg[3][col] = g2;
-            }
-            for (row, r) in gg.iter().enumerate() {
-                let vals = [
-                    r[0],
-                    0.5 * (r[0] + r[1] + r[2]),
-                    0.5 * (r[0] - r[1] + r[2]),
-                    r[2],
-                ];
-                for (col, v) in vals.into_iter().enumerate() {
-                    u[(row * 4 + col) * plane + pair] = v;
-                }
-            }
-        }
-        u
-    }
-
-    /// Convolves `x` `[n, c_in, h, w]` into `out` `[n, c_out, h, w]`, which holds the bias,
-    /// in parallel over (sample, chunk of tile rows) on rayon's pool. With several threads the
-    /// chunks shrink until there are about four per thread (a 32x32 input is one chunk of
-    /// [`TILE_CHUNK`] tiles otherwise, and would run on one thread).
-    #[allow(clippy::too_many_arguments)]
-    pub fn conv(
-        x: &[f32],
-        u: &[f32],
-        out: &mut [f32],
-        n: usize,
-        c_in: usize,
-        c_out: usize,
-        h: usize,
-        w: usize,
-    ) {
-        let (th, tw) = (h.div_ceil(2), w.div_ceil(2));
-        let mut rows_per_chunk = (TILE_CHUNK / tw).clamp(1, th);
-        let threads = rayon::current_num_threads();
-        while threads > 1
-            && rows_per_chunk > 1
-            && PLANNED_SAMPLES * th.div_ceil(rows_per_chunk) < 4 * threads
-        {
-            rows_per_chunk = rows_per_chunk.div_ceil(2);
-        }
-        let chunks = th.div_ceil(rows_per_chunk);
-        let out_ptr = OutPtr(out.as_mut_ptr());
-        (0..n * chunks).into_par_iter().for_each_init(
-            || Scratch::new(c_in, c_out, rows_per_chunk * tw, tw),
-            |scratch, job| {
-                let (b, chunk) = (job / chunks, job % chunks);
-                let x = &x[b * c_in * h * w..(b + 1) * c_in * h * w];
-                // SAFETY: `out` holds `n * c_out * h * w` floats; sample `b`'s part starts here.
-                let out = unsafe { out_ptr.add(b * c_out * h * w) };
-                let row0 = chunk * rows_per_chunk;
-                let row1 = (row0 + rows_per_chunk).min(th);
-                // SAFETY: jobs write disjoint output rows of disjoint samples.
-                unsafe { chunk_rows(x, u, out, scratch, c_in, c_out, h, w, row0, row1) };
-            },
-        );
-    }
-
-    struct Scratch {
-        v: Vec<f32>,
-        m: Vec<f32>,
-        even: Vec<f32>,
-        odd: Vec<f32>,
-        cols: Vec<f32>,
-    }
-
-    impl Scratch {
-        fn new(c_in: usize, c_out: usize, tiles: usize, tw: usize) -> Self {
-            Self {
-                v: vec![0.0; 16 * c_in * tiles],
-                m: vec![0.0; 16 * c_out * tiles],
-                even: vec![0.0; 4 * (tw + 1)],
-                odd: vec![0.0; 4 * (tw + 1)],
-                cols: vec![0.0; 16 * tw],
-            }
-        }
-    }
-
-    /// Tile rows `row0..row1` of one sample.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn chunk_rows(
-        x: &[f32],
-        u: &[f32],
-        out: OutPtr,
-        s: &mut Scratch,
-        c_in: usize,
-        c_out: usize,
-        h: usize,
-        w: usize,
-        row0: usize,
-        row1: usize,
-    ) {
-        let tw = w.div_ceil(2);
-        let tiles = (row1 - row0) * tw;
-        // Input transform into v[xi][c][t].
-        for c in 0..c_in {
-            let plane = &x[c * h * w..(c + 1) * h * w];
-            for ti in row0..row1 {
-                input_tile_row(plane, h, w, ti, tw, s);
-                let t0 = (ti - row0) * tw;
-                for xi in 0..16 {
-                    let dst = &mut s.v[(xi * c_in + c) * tiles + t0..][..tw];
-                    dst.copy_from_slice(&s.cols[xi * tw..(xi + 1) * tw]);
-                }
-            }
-        }
-        // 16 gemms: m[xi] [c_out, tiles] = u[xi] [c_out, c_in] @ v[xi] [c_in, tiles].
-        for xi in 0..16 {
-            gemm::gemm(
-                c_out,
-                tiles,
-                c_in,
-                s.m.as_mut_ptr().add(xi * c_out * tiles),
-                1,
-                tiles as isize,
-                false,
-                u.as_ptr().add(xi * c_out * c_in),
-                1,
-                c_in as isize,
-                s.v.as_ptr().add(xi * c_in * tiles),
-                1,
-                tiles as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
-        // Output transform A^T m A, A^T = [1 1 1 0; 0 1 -1 -1], added onto the bias.
-        let plane_out = h * w;
-        let mut y = vec![0.0f32; 4 * tw];
-        for co in 0..c_out {
-            let base = out.0.add(co * plane_out);
-            for ti in row0..row1 {
-                let t0 = (ti - row0) * tw;
-                let m: [&[f32]; 16] =
-                    std::array::from_fn(|xi| &s.m[(xi * c_out + co) * tiles + t0..][..tw]);
-                let (y0, rest) = y.split_at_mut(tw);
-                let (y1, rest) = rest.split_at_mut(tw);
-                let (y2, y3) = rest.split_at_mut(tw);
-                for j in 0..tw {
-                    let s0 = |b: usize| m[b][j] + m[4 + b][j] + m[8 + b][j];
-                    let s1 = |b: usize| m[4 + b][j] - m[8 + b][j] - m[12 + b][j];
-                    y0[j] = s0(0) + s0(1) + s0(2);
-                    y1[j] = s0(1) - s0(2) - s0(3);
-                    y2[j] = s1(0) + s1(1) + s1(2);
-                    y3[j] = s1(1) - s1(2) - s1(3);
-                }
-                for dy in 0..2 {
-                    let oh = 2 * ti + dy;
-                    if oh >= h {
-                        break;
-                    }
-                    let row = std::slice::from_raw_parts_mut(base.add(oh * w), w);
-                    let even = &y[2 * dy * tw..][..tw];
-                    let odd = &y[(2 * dy + 1) * tw..][..tw];
-                    let mut pairs = row.chunks_exact_mut(2);
-                    for ((pair, e), o) in (&mut pairs).zip(even).zip(odd) {
-                        pair[0] += e;
-                        pair[1] += o;
-                    }
-                    if let [last] = pairs.into_remainder() {
-                        *last += even[tw - 1];
-                    }
-                }
-            }
-        }
-    }
-
-    /// `B^T d B` of the `tw` tiles of tile row `ti` of one channel plane into
-    /// `s.cols[xi][j]`; B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
-    fn input_tile_row(plane: &[f32], h: usize, w: usize, ti: usize, tw: usize, s: &mut Scratch) {
-        let n = tw + 1;
-        // Input rows 2 ti - 1 .. 2 ti + 3, split into padded even / odd columns:
-        // even[m] = row[2m - 1], odd[m] = row[2m] (zero outside the plane).
-        for r in 0..4 {
-            let ih = (2 * ti + r) as isize - 1;
-            let (even, odd) = (
-                &mut s.even[r * n..(r + 1) * n],
-                &mut s.odd[r * n..(r + 1) * n],
-            );
-            if ih < 0 || ih as usize >= h {
-                even.fill(0.0);
-                odd.fill(0.0);
-                continue;
-            }
-            let row = &plane[ih as usize * w..(ih as usize + 1) * w];
-            even.fill(0.0);
-            odd.fill(0.0);
-            for (e, v) in even[1..].iter_mut().zip(row.iter().skip(1).step_by(2)) {
-                *e = *v;
-            }
-            for (o, v) in odd.iter_mut().zip(row.iter().step_by(2)) {
-                *o = *v;
-            }
-        }
-        // Tile j's columns are even[j], odd[j], even[j + 1], odd[j + 1]: d B per input row,
-        // then B^T over the four rows.
-        let even: [&[f32]; 4] = std::array::from_fn(|r| &s.even[r * n..][..n]);
-        let odd: [&[f32]; 4] = std::array::from_fn(|r| &s.odd[r * n..][..n]);
-        let (cols, _) = s.cols.split_at_mut(16 * tw);
-        let out: [&mut [f32]; 16] = {
-            let mut rest = cols;
-            std::array::from_fn(|_| {
-                let (head, tail) = std::mem::take(&mut rest).split_at_mut(tw);
-                rest = tail;
-                head
-            })
-        };
-        for j in 0..tw {
-            // d B for each input row r: columns even[j], odd[j], even[j + 1], odd[j + 1].
-            let db = |r: usize| {
-                let (d0, d1, d2, d3) = (even[r][j], odd[r][j], even[r][j + 1], odd[r][j + 1]);
-                [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
-            };
-            let (a0, a1, a2, a3) = (db(0), db(1), db(2), db(3));
-            for b in 0..4 {
-                out[b][j] = a0[b] - a2[b];
-                out[4 + b][j] = a1[b] + a2[b];
-                out[8 + b][j] = a2[b] - a1[b];
-                out[12 + b][j] = a1[b] - a3[b];
             }
         }
     }

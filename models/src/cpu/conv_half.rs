@@ -1,9 +1,10 @@
-//! 2-D convolution in bf16 and f16 for burn-flex, used by [`super::conv::conv2d`]: in bf16
-//! where [`super::half_gemm`] runs (AMX or AVX512-BF16), the weight `[c_out, c_in * k * k]`
-//! read in place as the left side of a [`super::half_gemm`] product, tiles of output rows
-//! unrolled into bf16 columns on the right, f32 sums rounded once into the output with the bias
-//! added; elsewhere (and in f16), the tensors widened to f32 for the f32 kernel and its result
-//! rounded back.
+//! 2-D convolution in bf16 and f16 for burn-flex, used by [`super::conv::conv2d`]. In bf16
+//! where [`super::half_gemm`] runs (AMX or AVX512-BF16): Winograd ([`super::winograd`]) for the
+//! 3x3 stride-1 convolutions the f32 kernel takes it for; otherwise the weight
+//! `[c_out, c_in * k * k]` read in place as the left side of a [`super::half_gemm`] product,
+//! tiles of output rows unrolled into bf16 columns on the right, f32 sums rounded once into the
+//! output with the bias added. Elsewhere (and in f16), the tensors widened to f32 for the f32
+//! kernel and its result rounded back.
 
 use half::bf16;
 
@@ -11,8 +12,12 @@ use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
 use super::common::{narrow, round_bf16_affine, widen, zeroed_bf16, OutPtr};
-use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
+use super::conv_f32::{
+    conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col, PLANNED_SAMPLES,
+    WINOGRAD_MIN_POSITIONS,
+};
 use super::half_gemm::{self, PackedB};
+use super::winograd;
 
 /// Output positions per tile: its packed columns (`c_in * k * k` values each) stay near the L2
 /// cache while every block of output channels is multiplied with them.
@@ -29,7 +34,7 @@ pub(crate) fn conv2d_half(
 ) -> FlexTensor {
     let dtype = x.dtype();
     if dtype == DType::BF16 && half_gemm::available() {
-        return conv2d_bf16_gemm(x, weight, bias, geometry);
+        return conv2d_bf16_gemm(x, weight, bias, geometry, path);
     }
     let out = conv2d_nchw_f32(
         &widen(x),
@@ -46,6 +51,7 @@ fn conv2d_bf16_gemm(
     weight: &FlexTensor,
     bias: Option<&FlexTensor>,
     geometry: ConvGeometry,
+    path: ConvPath,
 ) -> FlexTensor {
     let x = x.to_contiguous();
     let weight = weight.to_contiguous();
@@ -67,6 +73,22 @@ fn conv2d_bf16_gemm(
         None => vec![0.0; c_out],
     };
     let mut out = zeroed_bf16(n * c_out * plane_out);
+    if plane_out > 0
+        && c_out > 0
+        && k == 3
+        && s == 1
+        && p == 1
+        && path == ConvPath::Winograd
+        && PLANNED_SAMPLES * h * w >= WINOGRAD_MIN_POSITIONS
+    {
+        let u = winograd::weight_bf16(&weight, c_out, c_in);
+        winograd::conv_bf16(x.storage(), &u, &bias, &mut out, n, c_in, c_out, h, w);
+        return FlexTensor::new(
+            Bytes::from_elems(out),
+            Layout::contiguous(vec![n, c_out, h_out, w_out].into()),
+            DType::BF16,
+        );
+    }
     let geometry = Im2col {
         h,
         w,

@@ -7,17 +7,13 @@
 //! fewer than the product's work). A weight in any other layout (one cast by
 //! [`crate::ToDType`], which makes it contiguous `[in, out]`) is packed instead, once, and the
 //! packing kept while the weight lives: packing it on every call would read and write it once
-//! per call, as much memory traffic as the product itself for short sequences. Those packed
-//! copies are keyed by the weight's storage and dropped once that storage is gone; the cache
-//! holds the storage only weakly, and since burn-flex writes in place only through storage
-//! nobody else references (`Arc::get_mut`, `Arc::make_mut`), a weight changed in place moves
-//! to new storage and gets a new packing. The f32 sums are rounded once into the bf16 output
-//! with the bias added.
+//! per call, as much memory traffic as the product itself for short sequences (the packed
+//! copies live in a [`WeightCache`], which follows a weight changed in place). The f32 sums
+//! are rounded once into the bf16 output with the bias added.
 //!
 //! In f32, few rows are multiplied in the weight's own orientation; more go to Burn's `linear`.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bytes, DType, Tensor};
@@ -30,6 +26,7 @@ use super::common::{
 #[cfg(target_arch = "x86_64")]
 use super::common::{tail_mask, transpose_16x16};
 use super::half_gemm::{self, PackedB};
+use super::weight_cache::WeightCache;
 
 /// The inputs handed back when [`linear`] does not apply.
 pub type Unhandled<B, const D: usize> = (Tensor<B, D>, Tensor<B, 2>, Option<Tensor<B, 1>>);
@@ -247,56 +244,13 @@ fn invariant_columns(rows: usize, m: usize, k: usize) -> usize {
     columns
 }
 
-/// Where a weight's values lie: its storage, and its layout in it.
-#[derive(Clone, PartialEq, Eq, Hash)]
-struct WeightKey {
-    storage: usize,
-    offset: usize,
-    shape: [usize; 2],
-    strides: Vec<isize>,
-}
-
-struct CacheEntry {
-    owner: Weak<Bytes>,
-    packed: Arc<PackedB>,
-}
-
 /// The packed form of `weight` `[in, out]`, from the cache when this storage was packed before.
 fn packed_weight(weight: &FlexTensor) -> Arc<PackedB> {
-    static CACHE: Mutex<Option<HashMap<WeightKey, CacheEntry>>> = Mutex::new(None);
-    let storage = weight.data_arc();
-    let layout = weight.layout();
-    let shape = [layout.shape()[0], layout.shape()[1]];
-    let key = WeightKey {
-        storage: Arc::as_ptr(&storage) as usize,
-        offset: layout.start_offset(),
-        shape,
-        strides: layout.strides().to_vec(),
-    };
-    {
-        let cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(entry) = cache.as_ref().and_then(|c| c.get(&key)) {
-            if entry
-                .owner
-                .upgrade()
-                .is_some_and(|o| Arc::ptr_eq(&o, &storage))
-            {
-                return entry.packed.clone();
-            }
-        }
-    }
-    let (k, n) = (shape[0], shape[1]);
-    let contiguous = weight.to_contiguous();
-    let packed = Arc::new(PackedB::from_rows(contiguous.storage::<bf16>(), n, k, n));
-    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    let cache = cache.get_or_insert_with(HashMap::new);
-    cache.retain(|_, entry| entry.owner.strong_count() > 0);
-    cache.insert(
-        key,
-        CacheEntry {
-            owner: Arc::downgrade(&storage),
-            packed: packed.clone(),
-        },
-    );
-    packed
+    static CACHE: WeightCache<PackedB> = WeightCache::new();
+    CACHE.get_or_make(weight, || {
+        let shape = weight.layout().shape();
+        let (k, n) = (shape[0], shape[1]);
+        let contiguous = weight.to_contiguous();
+        PackedB::from_rows(contiguous.storage::<bf16>(), n, k, n)
+    })
 }

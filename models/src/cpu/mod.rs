@@ -21,3 +21,5 @@ pub mod half_gemm;
 pub mod linear;
 pub mod quantized_linear;
 pub mod simd;
+pub(crate) mod weight_cache;
+pub(crate) mod winograd;
