@@ -22,7 +22,7 @@ const NARROW_TILE: usize = 256;
 /// while it lives) would then hold the most memory (a UNet's widest layers are its smallest
 /// planes) for little or no time saved (measured on SD 1.5's 8x8 level: bf16 slower, f32 a few
 /// percent faster).
-pub(crate) const WINOGRAD_MIN_POSITIONS: usize = 512;
+const WINOGRAD_MIN_POSITIONS: usize = 512;
 
 /// The batch the kernel and the tiles are chosen for, whatever the real batch: two samples,
 /// one image with classifier-free guidance. Planning from the real batch would give a sample
@@ -69,6 +69,7 @@ pub(crate) fn conv2d_nchw_f32(
 ) -> FlexTensor {
     let x = x.to_contiguous();
     let weight = weight.to_contiguous();
+    let shape = ConvShape::of(&x, &weight, geometry);
     let ConvShape {
         n,
         c_in,
@@ -80,7 +81,7 @@ pub(crate) fn conv2d_nchw_f32(
         p,
         h_out,
         w_out,
-    } = ConvShape::of(&x, &weight, geometry);
+    } = shape;
     let plane_out = h_out * w_out;
 
     let mut out = vec![0.0f32; n * c_out * plane_out];
@@ -91,16 +92,9 @@ pub(crate) fn conv2d_nchw_f32(
             channel.fill(*value);
         }
     }
-    if plane_out > 0
-        && c_out > 0
-        && k == 3
-        && s == 1
-        && p == 1
-        && path == ConvPath::Winograd
-        && PLANNED_SAMPLES * h * w >= WINOGRAD_MIN_POSITIONS
-    {
+    if shape.takes_winograd(path) {
         let u = winograd::weight_f32(&weight, c_out, c_in);
-        winograd::conv_f32(x.storage(), &u, &mut out, n, c_in, c_out, h, w);
+        winograd::conv_f32(x.storage(), &u, &mut out, winograd::Dims::of(&shape));
     } else if plane_out > 0 && c_out > 0 {
         let problem = Problem {
             x: x.storage(),
@@ -140,6 +134,17 @@ pub(crate) struct ConvShape {
 }
 
 impl ConvShape {
+    /// Whether this convolution takes Winograd on `path`: 3x3, stride 1, padding 1, a plane of
+    /// at least [`WINOGRAD_MIN_POSITIONS`] positions for [`PLANNED_SAMPLES`] samples, and
+    /// something to compute.
+    pub(crate) fn takes_winograd(&self, path: ConvPath) -> bool {
+        path == ConvPath::Winograd
+            && (self.k, self.s, self.p) == (3, 1, 1)
+            && PLANNED_SAMPLES * self.h * self.w >= WINOGRAD_MIN_POSITIONS
+            && self.h_out * self.w_out > 0
+            && self.c_out > 0
+    }
+
     /// Read from the tensors' shapes (the caller checked that the kernel fits the padded input).
     pub(crate) fn of(x: &FlexTensor, weight: &FlexTensor, geometry: ConvGeometry) -> Self {
         let xs = x.layout().shape();

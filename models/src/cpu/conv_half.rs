@@ -12,10 +12,7 @@ use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
 use super::common::{narrow, round_bf16_affine, widen, zeroed_bf16, OutPtr};
-use super::conv_f32::{
-    conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col, PLANNED_SAMPLES,
-    WINOGRAD_MIN_POSITIONS,
-};
+use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
 use super::half_gemm::{self, PackedB};
 use super::winograd;
 
@@ -55,6 +52,7 @@ fn conv2d_bf16_gemm(
 ) -> FlexTensor {
     let x = x.to_contiguous();
     let weight = weight.to_contiguous();
+    let shape = ConvShape::of(&x, &weight, geometry);
     let ConvShape {
         n,
         c_in,
@@ -66,23 +64,16 @@ fn conv2d_bf16_gemm(
         p,
         h_out,
         w_out,
-    } = ConvShape::of(&x, &weight, geometry);
+    } = shape;
     let plane_out = h_out * w_out;
     let bias: Vec<f32> = match bias {
         Some(b) => widen(b).storage::<f32>().to_vec(),
         None => vec![0.0; c_out],
     };
     let mut out = zeroed_bf16(n * c_out * plane_out);
-    if plane_out > 0
-        && c_out > 0
-        && k == 3
-        && s == 1
-        && p == 1
-        && path == ConvPath::Winograd
-        && PLANNED_SAMPLES * h * w >= WINOGRAD_MIN_POSITIONS
-    {
+    if shape.takes_winograd(path) {
         let u = winograd::weight_bf16(&weight, c_out, c_in);
-        winograd::conv_bf16(x.storage(), &u, &bias, &mut out, n, c_in, c_out, h, w);
+        winograd::conv_bf16(x.storage(), &u, &bias, &mut out, winograd::Dims::of(&shape));
         return FlexTensor::new(
             Bytes::from_elems(out),
             Layout::contiguous(vec![n, c_out, h_out, w_out].into()),

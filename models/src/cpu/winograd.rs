@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::aligned::Aligned;
 use super::common::{round_bf16_affine, widen, zeroed_bf16, OutPtr};
-use super::conv_f32::PLANNED_SAMPLES;
+use super::conv_f32::{ConvShape, PLANNED_SAMPLES};
 use super::half_gemm::{self, PackedB, BLOCK};
 use super::weight_cache::WeightCache;
 
@@ -73,6 +73,28 @@ fn transform_weight(weight: &[f32], c_out: usize, c_in: usize) -> Vec<f32> {
     u
 }
 
+/// The sizes of one convolution: input `[n, c_in, h, w]`, output `[n, c_out, h, w]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Dims {
+    pub(crate) n: usize,
+    pub(crate) c_in: usize,
+    pub(crate) c_out: usize,
+    pub(crate) h: usize,
+    pub(crate) w: usize,
+}
+
+impl Dims {
+    pub(crate) fn of(shape: &ConvShape) -> Self {
+        Self {
+            n: shape.n,
+            c_in: shape.c_in,
+            c_out: shape.c_out,
+            h: shape.h,
+            w: shape.w,
+        }
+    }
+}
+
 /// Tile rows per chunk and chunks per sample for an `h x w` plane. With several threads the
 /// chunks shrink until there are about four per thread (a 32x32 input is one chunk of
 /// [`TILE_CHUNK`] tiles otherwise, and would run on one thread).
@@ -92,17 +114,14 @@ fn chunking(h: usize, w: usize) -> (usize, usize) {
 /// Convolves `x` `[n, c_in, h, w]` with the transformed weights `u` ([`weight_f32`]) into
 /// `out` `[n, c_out, h, w]`, which holds the bias,
 /// in parallel over (sample, chunk of tile rows) on rayon's pool.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn conv_f32(
-    x: &[f32],
-    u: &[f32],
-    out: &mut [f32],
-    n: usize,
-    c_in: usize,
-    c_out: usize,
-    h: usize,
-    w: usize,
-) {
+pub(crate) fn conv_f32(x: &[f32], u: &[f32], out: &mut [f32], dims: Dims) {
+    let Dims {
+        n,
+        c_in,
+        c_out,
+        h,
+        w,
+    } = dims;
     let (rows_per_chunk, chunks) = chunking(h, w);
     let tw = w.div_ceil(2);
     let out_ptr = OutPtr(out.as_mut_ptr());
@@ -183,18 +202,14 @@ pub(crate) fn conv_f32(
 /// Convolves bf16 `x` `[n, c_in, h, w]` with the transformed weights `u` ([`weight_bf16`]) into `out` `[n, c_out, h, w]`, `bias` added to the f32 sums before
 /// they are rounded, in parallel over (sample, chunk of tile rows) on rayon's pool; the
 /// products on [`half_gemm`] (which must be [`available`](half_gemm::available)).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn conv_bf16(
-    x: &[bf16],
-    u: &[bf16],
-    bias: &[f32],
-    out: &mut [bf16],
-    n: usize,
-    c_in: usize,
-    c_out: usize,
-    h: usize,
-    w: usize,
-) {
+pub(crate) fn conv_bf16(x: &[bf16], u: &[bf16], bias: &[f32], out: &mut [bf16], dims: Dims) {
+    let Dims {
+        n,
+        c_in,
+        c_out,
+        h,
+        w,
+    } = dims;
     let (rows_per_chunk, chunks) = chunking(h, w);
     let tw = w.div_ceil(2);
     // The products' f32 output: `c_out` rounded up to whole blocks of rows, each row the
