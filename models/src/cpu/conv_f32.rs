@@ -24,6 +24,17 @@ const NARROW_TILE: usize = 256;
 /// percent faster).
 const WINOGRAD_MIN_POSITIONS: usize = 512;
 
+/// The largest weight transform kept while its weight lives: a 1280x640 3x3 convolution's in
+/// f32 (52 MB), a 1280x1280 one's in bf16. Larger ones (SD 1.5's 1280x1280 layers in f32, 105
+/// MB each, and wider ones) are made again on every call, which pays only from
+/// [`WINOGRAD_PER_CALL_MIN_POSITIONS`]: kept, they took a 512x512 f32 image's peak memory
+/// past diffusers'.
+const WINOGRAD_KEPT_MAX_BYTES: usize = 64 << 20;
+
+/// Below this many input positions (planes under 32x32) a weight transformed on every call
+/// costs about what Winograd's fewer multiplies save.
+const WINOGRAD_PER_CALL_MIN_POSITIONS: usize = 1024;
+
 /// The batch the kernel and the tiles are chosen for, whatever the real batch: two samples,
 /// one image with classifier-free guidance. Planning from the real batch would give a sample
 /// other tiles (other gemm shapes, so other roundings) in a batch of 4 than alone, and images
@@ -92,8 +103,8 @@ pub(crate) fn conv2d_nchw_f32(
             channel.fill(*value);
         }
     }
-    if shape.takes_winograd(path) {
-        let u = winograd::weight_f32(&weight, c_out, c_in);
+    if let Some(kept) = shape.winograd(path, 4) {
+        let u = winograd::weight_f32(&weight, c_out, c_in, kept);
         winograd::conv_f32(x.storage(), &u, &mut out, winograd::Dims::of(&shape));
     } else if plane_out > 0 && c_out > 0 {
         let problem = Problem {
@@ -118,6 +129,14 @@ pub(crate) fn conv2d_nchw_f32(
     )
 }
 
+/// Whether a convolution's Winograd transform of its weight is kept while the weight lives
+/// ([`super::weight_cache::WeightCache`]) or made on every call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WinogradWeight {
+    Kept,
+    PerCall,
+}
+
 /// The sizes of one convolution: input `[n, c_in, h, w]`, weight `[c_out, c_in, k, k]`,
 /// stride `s`, padding `p`, output `[n, c_out, h_out, w_out]`.
 pub(crate) struct ConvShape {
@@ -134,15 +153,26 @@ pub(crate) struct ConvShape {
 }
 
 impl ConvShape {
-    /// Whether this convolution takes Winograd on `path`: 3x3, stride 1, padding 1, a plane of
-    /// at least [`WINOGRAD_MIN_POSITIONS`] positions for [`PLANNED_SAMPLES`] samples, and
-    /// something to compute.
-    pub(crate) fn takes_winograd(&self, path: ConvPath) -> bool {
-        path == ConvPath::Winograd
-            && (self.k, self.s, self.p) == (3, 1, 1)
-            && PLANNED_SAMPLES * self.h * self.w >= WINOGRAD_MIN_POSITIONS
-            && self.h_out * self.w_out > 0
-            && self.c_out > 0
+    /// Whether and how this convolution takes Winograd on `path` with weights of
+    /// `elem_bytes`: 3x3, stride 1, padding 1, something to compute, and a plane of at least
+    /// [`WINOGRAD_MIN_POSITIONS`] positions for [`PLANNED_SAMPLES`] samples with its transform
+    /// kept, or of [`WINOGRAD_PER_CALL_MIN_POSITIONS`] with one too large to keep
+    /// ([`WINOGRAD_KEPT_MAX_BYTES`]). The choice depends on the shapes alone, never on what ran
+    /// before, so a convolution always gives the same bits.
+    pub(crate) fn winograd(&self, path: ConvPath, elem_bytes: usize) -> Option<WinogradWeight> {
+        if path != ConvPath::Winograd
+            || (self.k, self.s, self.p) != (3, 1, 1)
+            || self.h_out * self.w_out == 0
+            || self.c_out == 0
+        {
+            return None;
+        }
+        let positions = PLANNED_SAMPLES * self.h * self.w;
+        if 16 * self.c_out * self.c_in * elem_bytes <= WINOGRAD_KEPT_MAX_BYTES {
+            (positions >= WINOGRAD_MIN_POSITIONS).then_some(WinogradWeight::Kept)
+        } else {
+            (positions >= WINOGRAD_PER_CALL_MIN_POSITIONS).then_some(WinogradWeight::PerCall)
+        }
     }
 
     /// Read from the tensors' shapes (the caller checked that the kernel fits the padded input).
@@ -398,5 +428,47 @@ impl Im2col {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(c_in: usize, c_out: usize, side: usize, k: usize) -> ConvShape {
+        let p = k / 2;
+        ConvShape {
+            n: 2,
+            c_in,
+            h: side,
+            w: side,
+            c_out,
+            k,
+            s: 1,
+            p,
+            h_out: side,
+            w_out: side,
+        }
+    }
+
+    /// SD 1.5's UNet levels: transforms of up to 64 MiB kept from 16x16 planes, larger ones
+    /// made per call from 32x32, none below 16x16, none for other kernels or on im2col.
+    #[test]
+    fn winograd_keeps_small_transforms_and_makes_large_ones_per_call() {
+        use WinogradWeight::{Kept, PerCall};
+        let winograd = |c_in, c_out, side, k, bytes| {
+            shape(c_in, c_out, side, k).winograd(ConvPath::Winograd, bytes)
+        };
+        assert_eq!(winograd(320, 320, 64, 3, 4), Some(Kept));
+        assert_eq!(winograd(640, 640, 16, 3, 4), Some(Kept));
+        assert_eq!(winograd(1280, 640, 16, 3, 4), Some(Kept));
+        assert_eq!(winograd(1280, 1280, 16, 3, 4), None);
+        assert_eq!(winograd(1280, 1280, 16, 3, 2), Some(Kept));
+        assert_eq!(winograd(2560, 1280, 16, 3, 2), None);
+        assert_eq!(winograd(1280, 1280, 32, 3, 4), Some(PerCall));
+        assert_eq!(winograd(2560, 1280, 64, 3, 4), Some(PerCall));
+        assert_eq!(winograd(320, 320, 8, 3, 4), None);
+        assert_eq!(winograd(320, 320, 64, 1, 4), None);
+        assert_eq!(shape(320, 320, 64, 3).winograd(ConvPath::Im2col, 4), None);
     }
 }

@@ -71,8 +71,8 @@ fn conv2d_bf16_gemm(
         None => vec![0.0; c_out],
     };
     let mut out = zeroed_bf16(n * c_out * plane_out);
-    if shape.takes_winograd(path) {
-        let u = winograd::weight_bf16(&weight, c_out, c_in);
+    if let Some(kept) = shape.winograd(path, 2) {
+        let u = winograd::weight_bf16(&weight, c_out, c_in, kept);
         winograd::conv_bf16(x.storage(), &u, &bias, &mut out, winograd::Dims::of(&shape));
         return FlexTensor::new(
             Bytes::from_elems(out),

@@ -18,30 +18,48 @@ use rayon::prelude::*;
 
 use super::aligned::Aligned;
 use super::common::{round_bf16_affine, widen, zeroed_bf16, OutPtr};
-use super::conv_f32::{ConvShape, PLANNED_SAMPLES};
+use super::conv_f32::{ConvShape, WinogradWeight, PLANNED_SAMPLES};
 use super::half_gemm::{self, PackedB, BLOCK};
 use super::weight_cache::WeightCache;
 
 /// Tiles (2x2 output blocks) per product column block.
 const TILE_CHUNK: usize = 256;
 
-/// `u` of an f32 weight `[c_out, c_in, 3, 3]` (contiguous), transformed on its first use and
-/// kept while it lives ([`WeightCache`]): transforming it on every call cost as much as the
-/// products of a 16x16 plane.
-pub(crate) fn weight_f32(weight: &FlexTensor, c_out: usize, c_in: usize) -> Arc<Vec<f32>> {
+/// `u` of an f32 weight `[c_out, c_in, 3, 3]` (contiguous): with [`WinogradWeight::Kept`],
+/// transformed on its first use and kept while it lives ([`WeightCache`]; transforming it on
+/// every call cost as much as the products of a 16x16 plane), else made for this call.
+pub(crate) fn weight_f32(
+    weight: &FlexTensor,
+    c_out: usize,
+    c_in: usize,
+    kept: WinogradWeight,
+) -> Arc<Vec<f32>> {
     static CACHE: WeightCache<Vec<f32>> = WeightCache::new();
-    CACHE.get_or_make(weight, || transform_weight(weight.storage(), c_out, c_in))
+    let make = || transform_weight(weight.storage(), c_out, c_in);
+    match kept {
+        WinogradWeight::Kept => CACHE.get_or_make(weight, make),
+        WinogradWeight::PerCall => Arc::new(make()),
+    }
 }
 
 /// [`weight_f32`] for a bf16 weight: transformed in f32, rounded to bf16 once.
-pub(crate) fn weight_bf16(weight: &FlexTensor, c_out: usize, c_in: usize) -> Arc<Vec<bf16>> {
+pub(crate) fn weight_bf16(
+    weight: &FlexTensor,
+    c_out: usize,
+    c_in: usize,
+    kept: WinogradWeight,
+) -> Arc<Vec<bf16>> {
     static CACHE: WeightCache<Vec<bf16>> = WeightCache::new();
-    CACHE.get_or_make(weight, || {
+    let make = || {
         let u = transform_weight(widen(weight).storage(), c_out, c_in);
         let mut rounded = zeroed_bf16(u.len());
         round_bf16_affine(&u, 1.0, 0.0, &mut rounded);
         rounded
-    })
+    };
+    match kept {
+        WinogradWeight::Kept => CACHE.get_or_make(weight, make),
+        WinogradWeight::PerCall => Arc::new(make()),
+    }
 }
 
 /// `u[xi][co][c]`: the weight `[co, c, 3, 3]` transformed by `G g G^T`.
