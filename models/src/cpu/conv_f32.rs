@@ -105,7 +105,7 @@ pub(crate) fn conv2d_nchw_f32(
     }
     if let Some(kept) = shape.winograd(path, 4) {
         let u = winograd::weight_f32(&weight, c_out, c_in, kept);
-        winograd::conv_f32(x.storage(), &u, &mut out, winograd::Dims::of(&shape));
+        winograd::conv_f32(x.storage(), &u, &mut out, &shape);
     } else if plane_out > 0 && c_out > 0 {
         let problem = Problem {
             x: x.storage(),

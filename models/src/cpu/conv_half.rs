@@ -73,7 +73,7 @@ fn conv2d_bf16_gemm(
     let mut out = zeroed_bf16(n * c_out * plane_out);
     if let Some(kept) = shape.winograd(path, 2) {
         let u = winograd::weight_bf16(&weight, c_out, c_in, kept);
-        winograd::conv_bf16(x.storage(), &u, &bias, &mut out, winograd::Dims::of(&shape));
+        winograd::conv_bf16(x.storage(), &u, &bias, &mut out, &shape);
         return FlexTensor::new(
             Bytes::from_elems(out),
             Layout::contiguous(vec![n, c_out, h_out, w_out].into()),

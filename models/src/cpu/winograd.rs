@@ -91,28 +91,6 @@ fn transform_weight(weight: &[f32], c_out: usize, c_in: usize) -> Vec<f32> {
     u
 }
 
-/// The sizes of one convolution: input `[n, c_in, h, w]`, output `[n, c_out, h, w]`.
-#[derive(Clone, Copy)]
-pub(crate) struct Dims {
-    pub(crate) n: usize,
-    pub(crate) c_in: usize,
-    pub(crate) c_out: usize,
-    pub(crate) h: usize,
-    pub(crate) w: usize,
-}
-
-impl Dims {
-    pub(crate) fn of(shape: &ConvShape) -> Self {
-        Self {
-            n: shape.n,
-            c_in: shape.c_in,
-            c_out: shape.c_out,
-            h: shape.h,
-            w: shape.w,
-        }
-    }
-}
-
 /// Tile rows per chunk and chunks per sample for an `h x w` plane. With several threads the
 /// chunks shrink until there are about four per thread (a 32x32 input is one chunk of
 /// [`TILE_CHUNK`] tiles otherwise, and would run on one thread).
@@ -130,16 +108,17 @@ fn chunking(h: usize, w: usize) -> (usize, usize) {
 }
 
 /// Convolves `x` `[n, c_in, h, w]` with the transformed weights `u` ([`weight_f32`]) into
-/// `out` `[n, c_out, h, w]`, which holds the bias,
-/// in parallel over (sample, chunk of tile rows) on rayon's pool.
-pub(crate) fn conv_f32(x: &[f32], u: &[f32], out: &mut [f32], dims: Dims) {
-    let Dims {
+/// `out` `[n, c_out, h, w]`, which holds the bias, in parallel over (sample, chunk of tile
+/// rows) on rayon's pool.
+pub(crate) fn conv_f32(x: &[f32], u: &[f32], out: &mut [f32], shape: &ConvShape) {
+    let &ConvShape {
         n,
         c_in,
         c_out,
         h,
         w,
-    } = dims;
+        ..
+    } = shape;
     let (rows_per_chunk, chunks) = chunking(h, w);
     let tw = w.div_ceil(2);
     let out_ptr = OutPtr(out.as_mut_ptr());
@@ -217,17 +196,19 @@ pub(crate) fn conv_f32(x: &[f32], u: &[f32], out: &mut [f32], dims: Dims) {
     );
 }
 
-/// Convolves bf16 `x` `[n, c_in, h, w]` with the transformed weights `u` ([`weight_bf16`]) into `out` `[n, c_out, h, w]`, `bias` added to the f32 sums before
-/// they are rounded, in parallel over (sample, chunk of tile rows) on rayon's pool; the
-/// products on [`half_gemm`] (which must be [`available`](half_gemm::available)).
-pub(crate) fn conv_bf16(x: &[bf16], u: &[bf16], bias: &[f32], out: &mut [bf16], dims: Dims) {
-    let Dims {
+/// Convolves bf16 `x` `[n, c_in, h, w]` with the transformed weights `u` ([`weight_bf16`])
+/// into `out` `[n, c_out, h, w]`, `bias` added to the f32 sums before they are rounded, in
+/// parallel over (sample, chunk of tile rows) on rayon's pool; the products on [`half_gemm`]
+/// (which must be [`available`](half_gemm::available)).
+pub(crate) fn conv_bf16(x: &[bf16], u: &[bf16], bias: &[f32], out: &mut [bf16], shape: &ConvShape) {
+    let &ConvShape {
         n,
         c_in,
         c_out,
         h,
         w,
-    } = dims;
+        ..
+    } = shape;
     let (rows_per_chunk, chunks) = chunking(h, w);
     let tw = w.div_ceil(2);
     // The products' f32 output: `c_out` rounded up to whole blocks of rows, each row the
