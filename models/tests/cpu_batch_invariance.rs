@@ -62,6 +62,64 @@ fn linear_rows_round_the_same_whatever_the_row_count() {
     }
 }
 
+/// The f32 linear layer splits short products by outputs over rayon's threads: the bits must
+/// not depend on how many there are, and the values must be the product's.
+#[test]
+fn linear_bits_do_not_depend_on_the_thread_count() {
+    // CLIP's shapes (77 and 154 tokens), an output count that splits unevenly, and a product
+    // too small to split.
+    for (rows, d_in, d_out) in [
+        (154, 768, 768),
+        (77, 768, 3072),
+        (20, 1280, 333),
+        (5, 64, 150),
+    ] {
+        let x = random([rows, d_in], 4);
+        let weight = random([d_out, d_in], 5).transpose();
+        let bias = random([d_out], 6);
+        let on = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| {
+                    linear(x.clone(), weight.clone(), Some(bias.clone()))
+                        .ok()
+                        .unwrap()
+                })
+        };
+        let one = on(1);
+        for threads in [2, 3, 8] {
+            assert!(
+                bits(one.clone()) == bits(on(threads)),
+                "{rows}x{d_in}->{d_out}: {threads} threads differ from one"
+            );
+        }
+        // Against an f64 product: within f32 summation's bound, `d_in * 2^-23` of the sum of
+        // the terms' magnitudes (each at most 1 here) plus the bias.
+        let (xs, ws, bs) = (
+            x.into_data().to_vec::<f32>().unwrap(),
+            weight.transpose().into_data().to_vec::<f32>().unwrap(),
+            bias.into_data().to_vec::<f32>().unwrap(),
+        );
+        let got = one.into_data().to_vec::<f32>().unwrap();
+        for r in 0..rows {
+            for o in 0..d_out {
+                let exact: f64 = (0..d_in)
+                    .map(|k| xs[r * d_in + k] as f64 * ws[o * d_in + k] as f64)
+                    .sum::<f64>()
+                    + bs[o] as f64;
+                let bound = (d_in + 1) as f64 * f32::EPSILON as f64;
+                let err = (got[r * d_out + o] as f64 - exact).abs();
+                assert!(
+                    err <= bound,
+                    "{rows}x{d_in}->{d_out} [{r}, {o}]: off by {err}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn convolutions_give_a_sample_the_same_values_in_any_batch() {
     let cases = [

@@ -4,7 +4,7 @@
 //! as the diffusers script, printed as one JSON line.
 //!
 //! `bench DIR [--size 256] [--steps 4] [--repeat 3] [--e2e-repeat 1] [--mode cpu|eager|compiled]
-//! [--dtype f32|bf16|f16] [--variant fp16] [--unet-only] [--load-only]` (`--dtype` as
+//! [--dtype f32|bf16|f16] [--variant fp16] [--unet-only] [--text-only] [--load-only]` (`--dtype` as
 //! `txt2img --dtype`: the weights and the models' compute in that dtype, latents and the
 //! scheduler in f32; `--variant` as diffusers' `variant`: which weight files are read)
 //!
@@ -43,7 +43,7 @@ use oxidiff::{Cpu, Oxi, OxiDevice};
 use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
-                     [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--load-only] \
+                     [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--text-only] [--load-only] \
                      [--vae-only] [--vae-tile-size N]";
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
@@ -111,6 +111,8 @@ struct Options {
     repeat: usize,
     e2e_repeat: usize,
     unet_only: bool,
+    /// Only `text_encode` (after its warm-up), then exit: for profiling the text encoder.
+    text_only: bool,
     load_only: bool,
     /// One timed VAE decode at `--size` (no warm-up: large sizes take minutes), then exit.
     vae_only: bool,
@@ -140,6 +142,7 @@ fn main() -> Result<()> {
         repeat: arg(&args, "--repeat", 3)?,
         e2e_repeat: arg(&args, "--e2e-repeat", 1)?,
         unet_only: args.iter().any(|a| a == "--unet-only"),
+        text_only: args.iter().any(|a| a == "--text-only"),
         load_only: args.iter().any(|a| a == "--load-only"),
         vae_only: args.iter().any(|a| a == "--vae-only"),
         vae_tile_size: arg(&args, "--vae-tile-size", 0)?,
@@ -253,7 +256,7 @@ fn bench<B: Backend>(
         ..Default::default()
     };
     let mut first_generation = 0.0;
-    if !options.unet_only {
+    if !(options.unet_only || options.text_only) {
         let start = Instant::now();
         pipe.generate(&request)?;
         first_generation = start.elapsed().as_secs_f64();
@@ -263,6 +266,16 @@ fn bench<B: Backend>(
     }
 
     let prompts = vec![String::new(), prompt];
+    if options.text_only {
+        let text = Timed::run(options.repeat, || {
+            let _ = pipe.encode_prompts(&prompts, 1)?.into_data();
+            Ok(())
+        })?;
+        report["text_encode"] = text.json();
+        report["peak_rss_bytes"] = peak_rss_bytes().into();
+        println!("{report}");
+        return Ok(());
+    }
     let ctx = pipe.encode_prompts(&prompts, 1)?.to_device(device);
     let lat = options.size / 8;
     let mut gen = TorchCpuGenerator::new(0);

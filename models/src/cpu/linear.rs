@@ -19,6 +19,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use half::bf16;
+use rayon::prelude::*;
 
 use super::common::{
     bf16_instructions, from_flex, into_flex, is_flex, round_bf16, widen, zeroed_bf16, OutPtr,
@@ -210,7 +211,11 @@ fn few_rows_f32<B: Backend, const D: usize>(
     } else {
         x
     };
-    let out_t = weight.transpose().matmul(x.transpose()).unsqueeze::<3>();
+    let out_t = if columns <= SPLIT_MAX_COLUMNS {
+        product_split_by_outputs(x, weight, columns)
+    } else {
+        weight.transpose().matmul(x.transpose()).unsqueeze::<3>()
+    };
     // The bias goes in with the transpose (one pass over the output, not two).
     let out = match bias {
         Some(bias) => match super::elementwise::transpose_add(out_t, bias) {
@@ -227,6 +232,81 @@ fn few_rows_f32<B: Backend, const D: usize>(
     };
     dims[D - 1] = d_out;
     out.reshape(dims)
+}
+
+/// Most columns (rows of `x`) for which [`product_split_by_outputs`] computes the product:
+/// each of its jobs packs all of `x`, which costs little only while `x` is small next to the
+/// weight. Larger products go to Burn's matmul, where the `gemm` crate packs `x` once, in
+/// parallel.
+const SPLIT_MAX_COLUMNS: usize = 512;
+
+/// Fewest outputs per job of [`product_split_by_outputs`] before the split points are rounded
+/// down to multiples of 16: each job keeps more than 128, so that no job meets the `gemm`
+/// crate's kernels for small products (see [`invariant_columns`]: at least 2 columns).
+const SPLIT_MIN_OUTPUTS: usize = 160;
+
+/// `W^T x^T` `[1, out, columns]` for the contiguous `x` `[columns, in]` and the
+/// checkpoint-layout `weight` `[in, out]`, each job of rayon's pool taking a block of outputs
+/// (rows of `W^T`) whole, with the `gemm` crate on that thread. Handed the whole product,
+/// the `gemm` crate packs the weight on the calling thread before its threads start when it
+/// has at most two row blocks, which idles the other threads for the text encoders' short
+/// sequences; split by outputs, every job packs its own part. Each output's sum runs over the
+/// same blocks of `in` in the same order whatever the split, so the bits do not depend on the
+/// number of threads.
+fn product_split_by_outputs<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    columns: usize,
+) -> Tensor<B, 3> {
+    let [d_in, d_out] = weight.dims();
+    let x = into_flex(x).to_contiguous();
+    let weight = into_flex(weight);
+    let x = &x.storage::<f32>()[x.layout().start_offset()..];
+    let w = &weight.storage::<f32>()[weight.layout().start_offset()..];
+    let jobs = rayon::current_num_threads()
+        .min(d_out / SPLIT_MIN_OUTPUTS)
+        .max(1);
+    let bound = |job: usize| match job {
+        0 => 0,
+        j if j == jobs => d_out,
+        j => j * d_out / jobs / 16 * 16,
+    };
+    let mut out = vec![0.0f32; d_out * columns];
+    let ptr = OutPtr(out.as_mut_ptr());
+    (0..jobs).into_par_iter().for_each(|job| {
+        let (row0, row1) = (bound(job), bound(job + 1));
+        // SAFETY: jobs write disjoint rows `row0..row1` of `out` (`d_out` rows of `columns`
+        // values); the weight's rows `row0..row1` of `d_in` values and `x`'s `columns` rows of
+        // `d_in` values are in bounds.
+        unsafe {
+            gemm::gemm(
+                row1 - row0,
+                columns,
+                d_in,
+                ptr.add(row0 * columns).0,
+                1,
+                columns as isize,
+                false,
+                w.as_ptr().add(row0 * d_in),
+                1,
+                d_in as isize,
+                x.as_ptr(),
+                d_in as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        };
+    });
+    from_flex(FlexTensor::new(
+        Bytes::from_elems(out),
+        Layout::contiguous(vec![1, d_out, columns].into()),
+        DType::F32,
+    ))
 }
 
 /// How many columns (rows of `x`, padded with zeros) a product of `m` outputs over `k` inputs
