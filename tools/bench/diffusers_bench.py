@@ -77,6 +77,11 @@ def peak_rss_bytes():
     return None
 
 
+# The text encode takes a fraction of a second: at least this many timed calls, or the
+# machine's noise decides its ratio (both sides use the same count).
+TEXT_REPEAT_MIN = 10
+
+
 def timed(fn, repeat, first=None):
     """`repeat` timed runs of `fn` after a warm-up run (or after one that took `first` s)."""
     if first is None:
@@ -163,7 +168,7 @@ def main():
 
         result["unet_step"] = timed(lambda: (step(), sync()), args.repeat)
         if not args.unet_only:
-            result["text_encode"] = timed(lambda: (encode(), sync()), args.repeat)
+            result["text_encode"] = timed(lambda: (encode(), sync()), max(args.repeat, TEXT_REPEAT_MIN))
             latents = torch.randn(1, 4, lat, lat, generator=torch.Generator().manual_seed(1)).to(device, dtype)
             result["vae_decode"] = timed(lambda: (pipe.vae.decode(latents / 0.18215), sync()), args.repeat)
             result["end_to_end"] = timed(lambda: (generate(), sync()), args.e2e_repeat,

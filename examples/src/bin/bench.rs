@@ -14,7 +14,8 @@
 //!   first whole generation, with its compiles in compiled mode);
 //! - `unet_step`: one denoising step's denoiser call as the pipeline makes it: latents
 //!   `[1, 4, h/8, w/8]`, guidance 7.5, so the UNet sees batch 2, then the guidance combination;
-//! - `text_encode`: tokenizing and encoding the prompt and the empty negative prompt;
+//! - `text_encode`: tokenizing and encoding the prompt and the empty negative prompt (at least
+//!   [`TEXT_REPEAT_MIN`] timed calls, as the diffusers script: a fraction of a second each);
 //! - `vae_decode`: decoding `[1, 4, h/8, w/8]` latents;
 //! - `end_to_end`: a whole generation (DDIM, `--steps`, guidance 7.5, 8-bit image out);
 //! - `peak_rss_bytes`: the process's `VmHWM` at the end (`peak_rss_after_load_bytes` and
@@ -45,6 +46,10 @@ use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
                      [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--text-only] [--load-only] \
                      [--vae-only] [--vae-tile-size N]";
+
+/// The fewest timed text encodes, whatever `--repeat` says: the stage is short enough that two
+/// calls leave its ratio to the machine's noise.
+const TEXT_REPEAT_MIN: usize = 10;
 
 fn arg(args: &[String], name: &str, default: usize) -> Result<usize> {
     match args.iter().position(|a| a == name) {
@@ -267,7 +272,7 @@ fn bench<B: Backend>(
 
     let prompts = vec![String::new(), prompt];
     if options.text_only {
-        let text = Timed::run(options.repeat, || {
+        let text = Timed::run(options.repeat.max(TEXT_REPEAT_MIN), || {
             let _ = pipe.encode_prompts(&prompts, 1)?.into_data();
             Ok(())
         })?;
@@ -298,7 +303,7 @@ fn bench<B: Backend>(
     })?;
     report["unet_step"] = unet.json();
     if !options.unet_only {
-        let text = Timed::run(options.repeat, || {
+        let text = Timed::run(options.repeat.max(TEXT_REPEAT_MIN), || {
             let _ = pipe.encode_prompts(&prompts, 1)?.into_data();
             Ok(())
         })?;

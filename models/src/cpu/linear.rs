@@ -191,10 +191,11 @@ fn is_checkpoint_layout<B: Backend>(weight: &Tensor<B, 2>) -> bool {
 }
 
 /// `x W + b` in f32 for few rows of `x`, computed as `(W^T x^T)^T`: `W^T` is the checkpoint's
-/// contiguous `[out, in]`, and in that orientation the `gemm` crate packs only the few rows of
-/// `x` on each call, where `x W` repacks the whole weight every time. The transposed result is
-/// copied back in tiles with the bias added on the way (burn-flex's strided bias add would
-/// read it one element at a time).
+/// contiguous `[out, in]`, packed by the `gemm` crate a block of rows at a time (`x W` has it
+/// pack the whole weight before it starts on each call). Up to [`SPLIT_MAX_COLUMNS`]
+/// rows of `x` go to [`product_split_by_outputs`], more to Burn's matmul. The transposed
+/// result is copied back in tiles with the bias added on the way (burn-flex's strided bias
+/// add would read it one element at a time).
 fn few_rows_f32<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,
