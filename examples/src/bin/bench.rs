@@ -47,6 +47,13 @@ const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e
                      [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--text-only] [--load-only] \
                      [--vae-only] [--vae-tile-size N]";
 
+/// Prints `report` as the one JSON line, with the peak RSS at this point.
+fn finish(mut report: serde_json::Value) -> Result<()> {
+    report["peak_rss_bytes"] = peak_rss_bytes().into();
+    println!("{report}");
+    Ok(())
+}
+
 /// The fewest timed text encodes, whatever `--repeat` says: the stage is short enough that two
 /// calls leave its ratio to the machine's noise.
 const TEXT_REPEAT_MIN: usize = 10;
@@ -241,14 +248,10 @@ fn bench<B: Backend>(
             Ok(())
         })?;
         report["vae_decode"] = vae.json();
-        report["peak_rss_bytes"] = peak_rss_bytes().into();
-        println!("{report}");
-        return Ok(());
+        return finish(report);
     }
     if options.load_only {
-        report["peak_rss_bytes"] = peak_rss_bytes().into();
-        println!("{report}");
-        return Ok(());
+        return finish(report);
     }
 
     let prompt = "a photo of an astronaut riding a horse".to_string();
@@ -277,9 +280,7 @@ fn bench<B: Backend>(
             Ok(())
         })?;
         report["text_encode"] = text.json();
-        report["peak_rss_bytes"] = peak_rss_bytes().into();
-        println!("{report}");
-        return Ok(());
+        return finish(report);
     }
     let ctx = pipe.encode_prompts(&prompts, 1)?.to_device(device);
     let lat = options.size / 8;
@@ -329,7 +330,5 @@ fn bench<B: Backend>(
         let vae_compiles: u64 = vae.iter().map(|c| c.stats.xla_compiles).sum();
         report["xla_compiles"] = (stats.xla_compiles + vae_compiles).into();
     }
-    report["peak_rss_bytes"] = peak_rss_bytes().into();
-    println!("{report}");
-    Ok(())
+    finish(report)
 }
