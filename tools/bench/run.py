@@ -254,7 +254,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=None,
                     help="processes per side and case (default: 3 tiny, 1 SD 1.5)")
     ap.add_argument("--repeat", type=int, default=None,
-                    help="timed calls per stage and process (default: 10 tiny, 2 SD 1.5)")
+                    help="timed calls per stage and process (default: 10 tiny, 2 SD 1.5; the text encode at least 10)")
     ap.add_argument("--e2e-repeat", type=int, default=1, help="timed generations after the first")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
                     help="both sides' compute dtype (diffusers' torch_dtype, oxidiff's --dtype)")
