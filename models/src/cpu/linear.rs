@@ -264,6 +264,10 @@ fn product_split_by_outputs<B: Backend>(
     let weight = into_flex(weight);
     let x = &x.storage::<f32>()[x.layout().start_offset()..];
     let w = &weight.storage::<f32>()[weight.layout().start_offset()..];
+    assert!(
+        w.len() >= d_out * d_in && x.len() >= columns * d_in,
+        "the operands are shorter than their shapes"
+    );
     let jobs = rayon::current_num_threads()
         .min(d_out / SPLIT_MIN_OUTPUTS)
         .max(1);
