@@ -53,10 +53,7 @@ pub(crate) fn weight_bf16(
     let make = || {
         let u = transform_weight(widen(weight).storage(), c_out, c_in);
         let mut rounded = zeroed_bf16(u.len());
-        rounded
-            .par_chunks_mut(9 * PAIRS_PER_JOB)
-            .zip(u.par_chunks(9 * PAIRS_PER_JOB))
-            .for_each(|(dst, src)| round_bf16_affine(src, 1.0, 0.0, dst));
+        round_bf16_affine(&u, 1.0, 0.0, &mut rounded);
         rounded
     };
     match kept {
@@ -65,49 +62,32 @@ pub(crate) fn weight_bf16(
     }
 }
 
-/// Channel pairs per job of [`transform_weight`].
-const PAIRS_PER_JOB: usize = 16 * 1024;
-
-/// `u[xi][co][c]`: the weight `[co, c, 3, 3]` transformed by `G g G^T`, in parallel over
-/// blocks of channel pairs on rayon's pool (a weight transformed per call is on every
-/// denoising step's path).
+/// `u[xi][co][c]`: the weight `[co, c, 3, 3]` transformed by `G g G^T`.
 fn transform_weight(weight: &[f32], c_out: usize, c_in: usize) -> Vec<f32> {
     let plane = c_out * c_in;
-    assert_eq!(weight.len(), 9 * plane, "a [c_out, c_in, 3, 3] weight");
-    let mut u = Vec::<f32>::with_capacity(16 * plane);
-    let out = OutPtr(u.as_mut_ptr());
-    weight
-        .par_chunks(9 * PAIRS_PER_JOB)
-        .enumerate()
-        .for_each(|(job, block)| {
-            for (i, g) in block.chunks_exact(9).enumerate() {
-                let pair = job * PAIRS_PER_JOB + i;
-                // G g (4x3), then (G g) G^T (4x4); G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1].
-                let mut gg = [[0.0f32; 3]; 4];
-                for col in 0..3 {
-                    let (g0, g1, g2) = (g[col], g[3 + col], g[6 + col]);
-                    gg[0][col] = g0;
-                    gg[1][col] = 0.5 * (g0 + g1 + g2);
-                    gg[2][col] = 0.5 * (g0 - g1 + g2);
-                    gg[3][col] = g2;
-                }
-                for (row, r) in gg.iter().enumerate() {
-                    let vals = [
-                        r[0],
-                        0.5 * (r[0] + r[1] + r[2]),
-                        0.5 * (r[0] - r[1] + r[2]),
-                        r[2],
-                    ];
-                    for (col, v) in vals.into_iter().enumerate() {
-                        // SAFETY: `u` has room for `16 * plane` values; `pair < plane`, and
-                        // each (element, pair) is written by one job only.
-                        unsafe { out.add((row * 4 + col) * plane + pair).0.write(v) };
-                    }
-                }
+    let mut u = vec![0.0f32; 16 * plane];
+    for (pair, g) in weight.chunks_exact(9).enumerate() {
+        // G g (4x3), then (G g) G^T (4x4); G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1].
+        let mut gg = [[0.0f32; 3]; 4];
+        for col in 0..3 {
+            let (g0, g1, g2) = (g[col], g[3 + col], g[6 + col]);
+            gg[0][col] = g0;
+            gg[1][col] = 0.5 * (g0 + g1 + g2);
+            gg[2][col] = 0.5 * (g0 - g1 + g2);
+            gg[3][col] = g2;
+        }
+        for (row, r) in gg.iter().enumerate() {
+            let vals = [
+                r[0],
+                0.5 * (r[0] + r[1] + r[2]),
+                0.5 * (r[0] - r[1] + r[2]),
+                r[2],
+            ];
+            for (col, v) in vals.into_iter().enumerate() {
+                u[(row * 4 + col) * plane + pair] = v;
             }
-        });
-    // SAFETY: every one of the `16 * plane` values was written above.
-    unsafe { u.set_len(16 * plane) };
+        }
+    }
     u
 }
 
