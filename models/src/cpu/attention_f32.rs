@@ -3,7 +3,7 @@
 //! straight into the merged output. The half-precision kernels ([`super::attention_half`])
 //! share its shapes and widen into it where they have no kernel of their own.
 
-use super::common::{exp_nonpositive, OutPtr};
+use super::common::{exp_nonpositive, f32_product, OutPtr, Strided};
 use super::simd;
 
 /// Queries per block: the block's scores (`QUERY_BLOCK * seq_kv` floats, 1 MiB at 4096 keys)
@@ -91,26 +91,12 @@ impl Shape {
         let scores = &mut scores[..rows * s_kv];
         let scale = 1.0 / (d as f32).sqrt();
         // scores [rows, s_kv] = scale * q [rows, d] @ k^T [d, s_kv]
-        gemm::gemm(
-            rows,
-            s_kv,
-            d,
-            scores.as_mut_ptr(),
-            1,
-            s_kv as isize,
-            false,
-            q.as_ptr().add(q0),
-            1,
-            inner as isize,
-            k.as_ptr().add(kv0),
-            inner as isize,
-            1,
-            0.0,
+        f32_product(
+            [rows, s_kv, d],
+            Strided::rows(scores.as_mut_ptr(), s_kv),
+            Strided::rows(q.as_ptr().add(q0), inner),
+            Strided::columns(k.as_ptr().add(kv0), inner),
             scale,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
         );
         let mut sums = [0.0f32; QUERY_BLOCK];
         for (r, (row, sum)) in scores
@@ -124,26 +110,12 @@ impl Shape {
         }
         // out [rows, d] = p [rows, s_kv] @ v [s_kv, d], into the merged heads.
         let dst = out.0.add(q0);
-        gemm::gemm(
-            rows,
-            d,
-            s_kv,
-            dst,
-            1,
-            inner as isize,
-            false,
-            scores.as_ptr(),
-            1,
-            s_kv as isize,
-            v.as_ptr().add(kv0),
-            1,
-            inner as isize,
-            0.0,
+        f32_product(
+            [rows, d, s_kv],
+            Strided::rows(dst, inner),
+            Strided::rows(scores.as_ptr(), s_kv),
+            Strided::rows(v.as_ptr().add(kv0), inner),
             1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
         );
         for (r, sum) in sums[..rows].iter().enumerate() {
             let inv = 1.0 / sum;

@@ -56,6 +56,62 @@ impl<T> OutPtr<T> {
     }
 }
 
+/// A matrix operand for [`f32_product`]: element `(i, j)` at `ptr + i * row + j * col`.
+#[derive(Clone, Copy)]
+pub(crate) struct Strided<P> {
+    pub(crate) ptr: P,
+    pub(crate) row: usize,
+    pub(crate) col: usize,
+}
+
+impl<P> Strided<P> {
+    /// Rows `row` apart, each row's elements adjacent.
+    pub(crate) fn rows(ptr: P, row: usize) -> Self {
+        Self { ptr, row, col: 1 }
+    }
+
+    /// Columns `col` apart, each column's elements adjacent (a transposed row-major matrix).
+    pub(crate) fn columns(ptr: P, col: usize) -> Self {
+        Self { ptr, row: 1, col }
+    }
+}
+
+/// `dst = scale * lhs @ rhs` (`[m, k]` times `[k, n]`, `dst` overwritten) in f32 with the
+/// `gemm` crate on the calling thread: the one way the kernels call it for their own jobs.
+///
+/// # Safety
+/// Each operand covers its shape at its strides, and no one else touches `dst`'s elements
+/// during the call.
+pub(crate) unsafe fn f32_product(
+    [m, n, k]: [usize; 3],
+    dst: Strided<*mut f32>,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    scale: f32,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst.ptr,
+        dst.col as isize,
+        dst.row as isize,
+        false,
+        lhs.ptr,
+        lhs.col as isize,
+        lhs.row as isize,
+        rhs.ptr,
+        rhs.col as isize,
+        rhs.row as isize,
+        0.0,
+        scale,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    )
+}
+
 /// `e^x` for `x <= 0`, within 4 ulp (tested), in branch-free arithmetic the compiler vectorizes
 /// (unlike libm's `expf`): `x = n ln 2 + r` with `|r| <= ln 2 / 2`, a degree-6 Taylor
 /// polynomial for `e^r` (remainder below 1.2e-7 relative) and `2^n` built in the exponent bits.

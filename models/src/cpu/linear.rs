@@ -22,7 +22,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::common::{
-    bf16_instructions, from_flex, into_flex, is_flex, round_bf16, widen, zeroed_bf16, OutPtr,
+    bf16_instructions, f32_product, from_flex, into_flex, is_flex, round_bf16, widen, zeroed_bf16,
+    OutPtr, Strided,
 };
 #[cfg(target_arch = "x86_64")]
 use super::common::{tail_mask, transpose_16x16};
@@ -284,26 +285,12 @@ fn product_split_by_outputs<B: Backend>(
         // values); the weight's rows `row0..row1` of `d_in` values and `x`'s `columns` rows of
         // `d_in` values are in bounds.
         unsafe {
-            gemm::gemm(
-                row1 - row0,
-                columns,
-                d_in,
-                ptr.add(row0 * columns).0,
-                1,
-                columns as isize,
-                false,
-                w.as_ptr().add(row0 * d_in),
-                1,
-                d_in as isize,
-                x.as_ptr(),
-                d_in as isize,
-                1,
-                0.0,
+            f32_product(
+                [row1 - row0, columns, d_in],
+                Strided::rows(ptr.add(row0 * columns).0, columns),
+                Strided::rows(w.as_ptr().add(row0 * d_in), d_in),
+                Strided::columns(x.as_ptr(), d_in),
                 1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
             )
         };
     });

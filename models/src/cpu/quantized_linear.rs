@@ -11,7 +11,7 @@ use burn::tensor::{Bytes, DType, Tensor};
 use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
-use super::common::{from_flex, into_flex, is_flex, narrow, widen, OutPtr};
+use super::common::{f32_product, from_flex, into_flex, is_flex, narrow, widen, OutPtr, Strided};
 use crate::gguf::QuantizedMatrix;
 
 /// Values of `W` dequantized per tile at most (1 MiB of f32).
@@ -76,26 +76,12 @@ fn product(x: &[f32], m: usize, weight: &QuantizedMatrix, out: &mut [f32]) {
             // (`m` rows of `n`), which no other tile touches; `x` and `w` are read-only slices
             // of the sizes given.
             unsafe {
-                gemm::gemm(
-                    m,
-                    rows,
-                    k,
-                    dst.add(start).0,
-                    1,
-                    n as isize,
-                    false,
-                    x.as_ptr(),
-                    1,
-                    k as isize,
-                    w.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
+                f32_product(
+                    [m, rows, k],
+                    Strided::rows(dst.add(start).0, n),
+                    Strided::rows(x.as_ptr(), k),
+                    Strided::columns(w.as_ptr(), k),
                     1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
                 );
             }
         },

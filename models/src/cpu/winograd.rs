@@ -17,7 +17,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::aligned::Aligned;
-use super::common::{round_bf16_affine, widen, zeroed_bf16, OutPtr};
+use super::common::{f32_product, round_bf16_affine, widen, zeroed_bf16, OutPtr, Strided};
 use super::conv_f32::{ConvShape, WinogradWeight, PLANNED_SAMPLES};
 use super::half_gemm::{self, PackedB, BLOCK};
 use super::weight_cache::WeightCache;
@@ -144,26 +144,12 @@ pub(crate) fn conv_f32(x: &[f32], u: &[f32], out: &mut [f32], shape: &ConvShape)
             for xi in 0..16 {
                 // SAFETY: the three buffers hold the shapes given.
                 unsafe {
-                    gemm::gemm(
-                        c_out,
-                        tiles,
-                        c_in,
-                        m.as_mut_ptr().add(xi * c_out * tiles),
-                        1,
-                        tiles as isize,
-                        false,
-                        u.as_ptr().add(xi * c_out * c_in),
-                        1,
-                        c_in as isize,
-                        v.as_ptr().add(xi * c_in * tiles),
-                        1,
-                        tiles as isize,
-                        0.0,
+                    f32_product(
+                        [c_out, tiles, c_in],
+                        Strided::rows(m.as_mut_ptr().add(xi * c_out * tiles), tiles),
+                        Strided::rows(u.as_ptr().add(xi * c_out * c_in), c_in),
+                        Strided::rows(v.as_ptr().add(xi * c_in * tiles), tiles),
                         1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
                     )
                 };
             }
