@@ -33,6 +33,61 @@ struct WeightFile {
     zeros: bool,
 }
 
+impl WeightFile {
+    /// The weights file at `path`, mapped as `mmap`, entered in [`FILE_MAPS`].
+    fn of_file(path: PathBuf, mmap: Mmap, data_start: usize) -> Arc<Self> {
+        let file = Arc::new(Self {
+            path,
+            mmap,
+            data_start,
+            zeros: false,
+        });
+        let mut maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
+        maps.retain(|map| map.strong_count() > 0);
+        maps.push(Arc::downgrade(&file));
+        file
+    }
+}
+
+/// Every live weights file's map (not the anonymous maps of [`Weights::shapes_only`] and
+/// [`Weights::from_header`]), so that a kernel holding a weight's bytes can tell whether they
+/// lie in one ([`is_mapped`], [`release_if_mapped`]).
+static FILE_MAPS: Mutex<Vec<std::sync::Weak<WeightFile>>> = Mutex::new(Vec::new());
+
+/// The live weights file whose map holds all of `bytes` (none for empty bytes), and their
+/// offset in it.
+fn file_holding(bytes: &[u8]) -> Option<(Arc<WeightFile>, usize)> {
+    let start = bytes.as_ptr() as usize;
+    let end = start + bytes.len();
+    let maps = FILE_MAPS.lock().unwrap_or_else(|e| e.into_inner());
+    maps.iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .find(|file| {
+            let map = file.mmap.as_ptr() as usize;
+            !bytes.is_empty() && map <= start && end <= map + file.mmap.len()
+        })
+        .map(|file| {
+            let offset = start - file.mmap.as_ptr() as usize;
+            (file, offset)
+        })
+}
+
+/// Whether `bytes` lie inside a live weights file's map (a tensor held as the mapped file
+/// itself), so that [`release_if_mapped`] would hand them back.
+pub(crate) fn is_mapped(bytes: &[u8]) -> bool {
+    file_holding(bytes).is_some()
+}
+
+/// Hands the pages of `bytes` back to the kernel if they lie inside a live weights file's map,
+/// for a kernel that keeps its own copy of a weight and no longer reads the weight itself: the
+/// process's resident memory stops counting them, and a later read faults them back in from
+/// the file. Bytes of any other memory are left alone.
+pub(crate) fn release_if_mapped(bytes: &[u8]) {
+    if let Some((file, offset)) = file_holding(bytes) {
+        release(&file, offset..offset + bytes.len());
+    }
+}
+
 /// Where one tensor lives.
 struct Entry {
     file: usize,
@@ -254,12 +309,7 @@ impl Weights {
             })
             .collect();
         Ok(Self {
-            files: vec![Arc::new(WeightFile {
-                path: gguf.path,
-                mmap: gguf.mmap,
-                data_start: 0,
-                zeros: false,
-            })],
+            files: vec![WeightFile::of_file(gguf.path, gguf.mmap, 0)],
             entries,
             used: Mutex::new(BTreeSet::new()),
             metadata,
@@ -317,12 +367,7 @@ impl Weights {
                     },
                 );
             }
-            files.push(Arc::new(WeightFile {
-                path: path.clone(),
-                mmap,
-                data_start: 8 + header_len,
-                zeros: false,
-            }));
+            files.push(WeightFile::of_file(path.clone(), mmap, 8 + header_len));
         }
         Ok(Self {
             files,

@@ -140,14 +140,19 @@ fn narrow_layers_on_several_threads_match_burn() {
 
 #[test]
 fn winograd_3x3_matches_burn() {
-    let path = ConvPath::Winograd;
-    check_path(path, [2, 16, 24, 24], 24, 3, 1, 1, true);
-    // Odd height and width (a half tile at the edges), no bias.
-    check_path(path, [1, 5, 33, 35], 7, 3, 1, 1, false);
-    // Two chunks of tile rows per sample.
-    check_path(path, [2, 3, 40, 37], 10, 3, 1, 1, true);
-    // The SD 1.5 VAE's width: 512 input channels summed per output.
-    check_path(path, [1, 512, 32, 32], 16, 3, 1, 1, true);
+    // `Winograd` takes F(4x4, 3x3) from 32x32 planes (positions for two samples), F(2x2, 3x3)
+    // below; `WinogradF2` F(2x2, 3x3) throughout.
+    for path in [ConvPath::Winograd, ConvPath::WinogradF2] {
+        check_path(path, [2, 16, 24, 24], 24, 3, 1, 1, true);
+        // Odd height and width (part tiles at the edges), no bias.
+        check_path(path, [1, 5, 33, 35], 7, 3, 1, 1, false);
+        check_path(path, [1, 4, 34, 31], 6, 3, 1, 1, true);
+        // Two chunks of tile rows per sample.
+        check_path(path, [2, 3, 40, 37], 10, 3, 1, 1, true);
+        check_path(path, [1, 3, 70, 66], 5, 3, 1, 1, true);
+        // The SD 1.5 VAE's width: 512 input channels summed per output.
+        check_path(path, [1, 512, 32, 32], 16, 3, 1, 1, true);
+    }
 }
 
 #[test]
@@ -189,4 +194,189 @@ fn mismatched_channels_fall_back_to_burn() {
     // `Burn` always hands back.
     let weight = tensor([3, 2, 3, 3], 2);
     assert!(conv2d_with(x, weight, None, geometry, ConvPath::Burn).is_err());
+}
+
+/// Resident bytes of the mapping that holds `address` (`Rss` of its `/proc/self/smaps` entry).
+#[cfg(target_os = "linux")]
+fn resident_bytes_of_mapping(address: usize) -> usize {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((start, end)) = first.split_once('-') {
+            if let (Ok(start), Ok(end)) = (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                inside = (start..end).contains(&address);
+                continue;
+            }
+        }
+        if inside {
+            if let Some(kb) = line.strip_prefix("Rss:") {
+                let kb: usize = kb.trim().trim_end_matches("kB").trim().parse().unwrap();
+                return kb * 1024;
+            }
+        }
+    }
+    panic!("no mapping holds {address:#x}");
+}
+
+/// A Winograd weight whose transform is too large to keep beside it (over 64 MiB in f32) is kept
+/// in place of its pages when the weight is the mapped checkpoint: the mapping's pages are handed
+/// back after the first call, the weight still reads back unchanged, and the output is bit for
+/// bit the one of the same weight in owned memory (transformed on every call), within 2e-5 of
+/// an f64 convolution on sampled channels.
+#[cfg(target_os = "linux")]
+#[test]
+fn winograd_transform_takes_the_place_of_a_mapped_weight() {
+    use oxidiff_models::weights::Weights;
+    use safetensors::tensor::{Dtype, TensorView};
+
+    // 16 * 1040 * 1024 * 4 bytes of transform: over 64 MiB.
+    let (c_out, c_in, side) = (1040, 1024, 16);
+    let values = random(&[c_out, c_in, 3, 3], 7);
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("conv.safetensors");
+    let view = TensorView::new(Dtype::F32, vec![c_out, c_in, 3, 3], &bytes).unwrap();
+    safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
+    drop(bytes);
+
+    let weights = Weights::from_files(std::slice::from_ref(&path)).unwrap();
+    let data = weights.read("w", FloatDType::F32).unwrap();
+    let address = data.as_bytes().as_ptr() as usize;
+    // Read once, as a model's first use of its weights does, so that its pages are resident.
+    let touched = data.as_bytes().iter().step_by(4096).fold(0u8, |a, b| a ^ b);
+    std::hint::black_box(touched);
+    let mapped = Tensor::<B, 4>::from_data(data, &Default::default());
+    let owned = Tensor::<B, 4>::from_data(
+        TensorData::new(values.clone(), [c_out, c_in, 3, 3]),
+        &Default::default(),
+    );
+    let x = tensor([1, c_in, side, side], 8);
+    let geometry = ConvGeometry {
+        stride: 1,
+        padding: 1,
+    };
+    let run = |weight: &Tensor<B, 4>| {
+        conv2d_with(
+            x.clone(),
+            weight.clone(),
+            None,
+            geometry,
+            ConvPath::Winograd,
+        )
+        .unwrap_or_else(|_| panic!("burn-flex f32 must take the fast path"))
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap()
+    };
+
+    let resident_before = resident_bytes_of_mapping(address);
+    let first = run(&mapped);
+    let resident_after = resident_bytes_of_mapping(address);
+    assert!(
+        resident_before > 30 << 20 && resident_after < 1 << 20,
+        "the mapped weight's pages: {resident_before} bytes resident before the call, \
+         {resident_after} after"
+    );
+    assert_eq!(run(&mapped), first, "the kept transform's second call");
+    assert_eq!(run(&owned), first, "the same weight in owned memory");
+    assert_eq!(
+        mapped.into_data().to_vec::<f32>().unwrap(),
+        values,
+        "the weight read back after its pages were handed back"
+    );
+
+    let x = x.into_data().to_vec::<f32>().unwrap();
+    let plane = side * side;
+    let mut got = Vec::new();
+    let mut expected = Vec::new();
+    for co in [0, 517, c_out - 1] {
+        got.extend_from_slice(&first[co * plane..(co + 1) * plane]);
+        expected.extend(conv3x3_f64(&x, &values, [c_in, side, side], co));
+    }
+    oxidiff_test_support::assert_close_with_floor(
+        "Winograd, mapped 1040x1024 weight, against f64",
+        &got,
+        &expected,
+        2e-5,
+        1e-6,
+    );
+}
+
+/// Output channel `co` of a 3x3, stride 1, padding 1 convolution of one sample `x` `[c_in, h,
+/// w]` with `weight` `[c_out, c_in, 3, 3]`, summed in f64.
+fn conv3x3_f64(x: &[f32], weight: &[f32], [c_in, h, w]: [usize; 3], co: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(h * w);
+    for y in 0..h {
+        for xx in 0..w {
+            let mut sum = 0.0f64;
+            for c in 0..c_in {
+                for (dy, dx) in (0..3).flat_map(|dy| (0..3).map(move |dx| (dy, dx))) {
+                    let (iy, ix) = (y as isize + dy - 1, xx as isize + dx - 1);
+                    if (0..h as isize).contains(&iy) && (0..w as isize).contains(&ix) {
+                        let input = x[(c * h + iy as usize) * w + ix as usize] as f64;
+                        let k = weight[((co * c_in + c) * 3 + dy as usize) * 3 + dx as usize];
+                        sum += input * k as f64;
+                    }
+                }
+            }
+            out.push(sum as f32);
+        }
+    }
+    out
+}
+
+/// Both Winograd tilings against an f64 convolution on odd shapes (part tiles at the right and
+/// bottom edges, planes that are no multiple of 4), within 1e-5 of the output's largest
+/// magnitude.
+#[test]
+fn winograd_tilings_match_f64_on_odd_shapes() {
+    for path in [ConvPath::Winograd, ConvPath::WinogradF2] {
+        for (i, &[n, c_in, h, w, c_out]) in
+            [[1, 7, 37, 35, 5], [2, 64, 33, 34, 9], [1, 3, 45, 64, 4]]
+                .iter()
+                .enumerate()
+        {
+            let x = random(&[n, c_in, h, w], 40 + i as u64);
+            let weight = random(&[c_out, c_in, 3, 3], 50 + i as u64);
+            let got = conv2d_with(
+                Tensor::<B, 4>::from_data(
+                    TensorData::new(x.clone(), [n, c_in, h, w]),
+                    &Default::default(),
+                ),
+                Tensor::<B, 4>::from_data(
+                    TensorData::new(weight.clone(), [c_out, c_in, 3, 3]),
+                    &Default::default(),
+                ),
+                None,
+                ConvGeometry {
+                    stride: 1,
+                    padding: 1,
+                },
+                path,
+            )
+            .unwrap_or_else(|_| panic!("burn-flex f32 must take the fast path"))
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+            let sample = c_in * h * w;
+            let expected: Vec<f32> = (0..n)
+                .flat_map(|b| {
+                    let x = &x[b * sample..(b + 1) * sample];
+                    let weight = &weight;
+                    (0..c_out).flat_map(move |co| conv3x3_f64(x, weight, [c_in, h, w], co))
+                })
+                .collect();
+            oxidiff_test_support::assert_close_with_floor(
+                &format!("{path:?}: n {n} c_in {c_in} {h}x{w} c_out {c_out} against f64"),
+                &got,
+                &expected,
+                1e-5,
+                1e-6,
+            );
+        }
+    }
 }

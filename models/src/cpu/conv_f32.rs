@@ -1,5 +1,6 @@
 //! The f32 2-D convolution in NCHW for burn-flex behind [`super::conv::conv2d`]: im2col tiles
-//! of whole row segments into gemm, Winograd F(2x2, 3x3) for large 3x3 stride-1 convolutions.
+//! of whole row segments into gemm, Winograd ([`super::winograd`]) for large 3x3 stride-1
+//! convolutions.
 //! The half-precision kernels ([`super::conv_half`]) share its shapes and widen into it where
 //! they have no kernel of their own.
 
@@ -7,7 +8,7 @@ use burn::tensor::DType;
 use burn_flex::{FlexTensor, Layout};
 
 use super::common::OutPtr;
-use super::winograd;
+use super::winograd::{self, F2, F4};
 
 /// Target number of output positions per tile: large enough for gemm to reach its peak,
 /// small enough that the column buffer (`c_in * k * k` rows of it) stays near the caches.
@@ -24,16 +25,19 @@ const NARROW_TILE: usize = 256;
 /// percent faster).
 const WINOGRAD_MIN_POSITIONS: usize = 512;
 
-/// The largest weight transform kept while its weight lives: a 1280x640 3x3 convolution's in
-/// f32 (52 MB), a 1280x1280 one's in bf16. Larger ones (SD 1.5's 1280x1280 layers in f32, 105
-/// MB each, and wider ones) are made again on every call, which pays only from
-/// [`WINOGRAD_PER_CALL_MIN_POSITIONS`]: kept, they took a 512x512 f32 image's peak memory
-/// past diffusers'.
-const WINOGRAD_KEPT_MAX_BYTES: usize = 64 << 20;
+/// From this many input positions (`PLANNED_SAMPLES * h * w`: planes of 32x32 and larger) an
+/// f32 3x3 convolution takes Winograd F(4x4, 3x3) rather than F(2x2, 3x3): 36 products per
+/// 4x4 output tile where F(2x2, 3x3) has 64, for transforms that cost about as much per output.
+/// Its weight transform (36/9 of the weight) is made on every call: on these planes that costs
+/// little beside the products, and kept it would add the most memory.
+const WINOGRAD_F4_MIN_POSITIONS: usize = 2048;
 
-/// Below this many input positions (planes under 32x32) a weight transformed on every call
-/// costs about what Winograd's fewer multiplies save.
-const WINOGRAD_PER_CALL_MIN_POSITIONS: usize = 1024;
+/// The largest weight transform kept beside its weight: a 1280x640 3x3 convolution's in f32 (52
+/// MB), a 1280x1280 one's in bf16. Larger ones (SD 1.5's 1280x1280 layers in f32, 105 MB each,
+/// and wider ones) are kept only in place of a mapped weight's own pages, and made on every
+/// call otherwise: kept beside their weights, they took a 512x512 f32 image's peak memory past
+/// diffusers'.
+const WINOGRAD_KEPT_MAX_BYTES: usize = 64 << 20;
 
 /// The batch the kernel and the tiles are chosen for, whatever the real batch: two samples,
 /// one image with classifier-free guidance. Planning from the real batch would give a sample
@@ -42,13 +46,15 @@ const WINOGRAD_PER_CALL_MIN_POSITIONS: usize = 1024;
 pub(crate) const PLANNED_SAMPLES: usize = 2;
 
 /// Which kernel `nn::Conv2d` uses on burn-flex in f32, from `OXIDIFF_CPU_CONV` (read once): `burn`
-/// (Burn's own `conv2d`), `im2col` (this module without Winograd) or, by default, `winograd`
-/// (Winograd for 3x3 stride-1 convolutions of at least [`WINOGRAD_MIN_POSITIONS`] positions).
-/// A diagnostic switch for comparing the kernels in one build.
+/// (Burn's own `conv2d`), `im2col` (this module without Winograd), `winograd-f2` (Winograd
+/// F(2x2, 3x3) only) or, by default, `winograd` (Winograd for 3x3 stride-1 convolutions of at
+/// least [`WINOGRAD_MIN_POSITIONS`] positions, F(4x4, 3x3) in f32 from
+/// [`WINOGRAD_F4_MIN_POSITIONS`]). A diagnostic switch for comparing the kernels in one build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ConvPath {
     Burn,
     Im2col,
+    WinogradF2,
     Winograd,
 }
 
@@ -58,6 +64,7 @@ impl ConvPath {
         *PATH.get_or_init(|| match std::env::var("OXIDIFF_CPU_CONV").as_deref() {
             Ok("burn") => Self::Burn,
             Ok("im2col") => Self::Im2col,
+            Ok("winograd-f2") => Self::WinogradF2,
             _ => Self::Winograd,
         })
     }
@@ -103,9 +110,17 @@ pub(crate) fn conv2d_nchw_f32(
             channel.fill(*value);
         }
     }
-    if let Some(kept) = shape.winograd(path, 4) {
-        let u = winograd::weight_f32(&weight, c_out, c_in, kept);
-        winograd::conv_f32(x.storage(), &u, &mut out, &shape);
+    if let Some(tiling) = shape.winograd(path, 4) {
+        match tiling {
+            Winograd::F2(size) => {
+                let u = winograd::weight_f32(&weight, c_out, c_in, size);
+                winograd::conv_f32::<F2>(x.storage(), &u, &mut out, &shape);
+            }
+            Winograd::F4 => {
+                let u = winograd::transform_weight::<F4>(weight.storage(), c_out, c_in);
+                winograd::conv_f32::<F4>(x.storage(), &u, &mut out, &shape);
+            }
+        }
     } else if plane_out > 0 && c_out > 0 {
         let problem = Problem {
             x: x.storage(),
@@ -129,12 +144,25 @@ pub(crate) fn conv2d_nchw_f32(
     )
 }
 
-/// Whether a convolution's Winograd transform of its weight is kept while the weight lives
-/// ([`super::weight_cache::WeightCache`]) or made on every call.
+/// The size class of a convolution's Winograd weight transform, which decides where it is held
+/// ([`super::winograd::weight_f32`]); the values are the same wherever it is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WinogradWeight {
-    Kept,
-    PerCall,
+pub(crate) enum TransformSize {
+    /// Up to [`WINOGRAD_KEPT_MAX_BYTES`]: kept while its weight lives.
+    Small,
+    /// Larger: kept only where it replaces the weight's own pages (a weight held as the mapped
+    /// checkpoint), made on every call otherwise.
+    Large,
+}
+
+/// The Winograd tiling a convolution takes, with its weight transform's size class.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Winograd {
+    /// F(2x2, 3x3) ([`super::winograd::F2`]).
+    F2(TransformSize),
+    /// F(4x4, 3x3) ([`super::winograd::F4`]), in f32 only; its transform is made on every call
+    /// ([`super::winograd::transform_weight`]).
+    F4,
 }
 
 /// The sizes of one convolution: input `[n, c_in, h, w]`, weight `[c_out, c_in, k, k]`,
@@ -153,26 +181,32 @@ pub(crate) struct ConvShape {
 }
 
 impl ConvShape {
-    /// Whether and how this convolution takes Winograd on `path` with weights of
-    /// `elem_bytes`: 3x3, stride 1, padding 1, something to compute, and a plane of at least
-    /// [`WINOGRAD_MIN_POSITIONS`] positions for [`PLANNED_SAMPLES`] samples with its transform
-    /// kept, or of [`WINOGRAD_PER_CALL_MIN_POSITIONS`] with one too large to keep
-    /// ([`WINOGRAD_KEPT_MAX_BYTES`]). The choice depends on the shapes alone, never on what ran
-    /// before, so a convolution always gives the same bits.
-    pub(crate) fn winograd(&self, path: ConvPath, elem_bytes: usize) -> Option<WinogradWeight> {
-        if path != ConvPath::Winograd
+    /// Whether this convolution takes Winograd on `path` with weights of `elem_bytes`, in
+    /// which tiling, and how large its transform is: 3x3, stride 1, padding 1, something to
+    /// compute, and a plane of at least [`WINOGRAD_MIN_POSITIONS`] positions for
+    /// [`PLANNED_SAMPLES`] samples; F(4x4, 3x3) in f32 from [`WINOGRAD_F4_MIN_POSITIONS`]. The
+    /// choice depends on the shapes alone, never on what ran before or where the weight lies,
+    /// so a convolution always gives the same bits.
+    pub(crate) fn winograd(&self, path: ConvPath, elem_bytes: usize) -> Option<Winograd> {
+        let positions = PLANNED_SAMPLES * self.h * self.w;
+        if !matches!(path, ConvPath::Winograd | ConvPath::WinogradF2)
             || (self.k, self.s, self.p) != (3, 1, 1)
             || self.h_out * self.w_out == 0
             || self.c_out == 0
+            || positions < WINOGRAD_MIN_POSITIONS
         {
             return None;
         }
-        let positions = PLANNED_SAMPLES * self.h * self.w;
-        if 16 * self.c_out * self.c_in * elem_bytes <= WINOGRAD_KEPT_MAX_BYTES {
-            (positions >= WINOGRAD_MIN_POSITIONS).then_some(WinogradWeight::Kept)
-        } else {
-            (positions >= WINOGRAD_PER_CALL_MIN_POSITIONS).then_some(WinogradWeight::PerCall)
+        if path == ConvPath::Winograd && elem_bytes == 4 && positions >= WINOGRAD_F4_MIN_POSITIONS {
+            return Some(Winograd::F4);
         }
+        Some(Winograd::F2(
+            if 16 * self.c_out * self.c_in * elem_bytes <= WINOGRAD_KEPT_MAX_BYTES {
+                TransformSize::Small
+            } else {
+                TransformSize::Large
+            },
+        ))
     }
 
     /// Read from the tensors' shapes (the caller checked that the kernel fits the padded input).
@@ -451,22 +485,31 @@ mod tests {
         }
     }
 
-    /// SD 1.5's UNet levels: transforms of up to 64 MiB kept from 16x16 planes, larger ones
-    /// made per call from 32x32, none below 16x16, none for other kernels or on im2col.
+    /// SD 1.5's UNet levels: Winograd from 16x16 planes whatever the transform's size (F(2x2,
+    /// 3x3)'s up to 64 MiB small), F(4x4, 3x3) in f32 from 32x32, none below 16x16, none for other kernels or
+    /// on im2col.
     #[test]
-    fn winograd_keeps_small_transforms_and_makes_large_ones_per_call() {
-        use WinogradWeight::{Kept, PerCall};
+    fn winograd_tiling_and_transform_size_by_shape() {
+        use TransformSize::{Large, Small};
+        use Winograd::{F2, F4};
         let winograd = |c_in, c_out, side, k, bytes| {
             shape(c_in, c_out, side, k).winograd(ConvPath::Winograd, bytes)
         };
-        assert_eq!(winograd(320, 320, 64, 3, 4), Some(Kept));
-        assert_eq!(winograd(640, 640, 16, 3, 4), Some(Kept));
-        assert_eq!(winograd(1280, 640, 16, 3, 4), Some(Kept));
-        assert_eq!(winograd(1280, 1280, 16, 3, 4), None);
-        assert_eq!(winograd(1280, 1280, 16, 3, 2), Some(Kept));
-        assert_eq!(winograd(2560, 1280, 16, 3, 2), None);
-        assert_eq!(winograd(1280, 1280, 32, 3, 4), Some(PerCall));
-        assert_eq!(winograd(2560, 1280, 64, 3, 4), Some(PerCall));
+        assert_eq!(winograd(320, 320, 64, 3, 4), Some(F4));
+        assert_eq!(winograd(640, 960, 32, 3, 4), Some(F4));
+        assert_eq!(winograd(640, 640, 32, 3, 2), Some(F2(Small)));
+        assert_eq!(winograd(640, 640, 16, 3, 4), Some(F2(Small)));
+        assert_eq!(winograd(1280, 640, 16, 3, 4), Some(F2(Small)));
+        assert_eq!(winograd(1280, 1280, 16, 3, 4), Some(F2(Large)));
+        assert_eq!(winograd(1280, 1280, 16, 3, 2), Some(F2(Small)));
+        assert_eq!(winograd(2560, 1280, 16, 3, 2), Some(F2(Large)));
+        assert_eq!(winograd(1280, 1280, 32, 3, 2), Some(F2(Small)));
+        assert_eq!(winograd(2560, 1280, 64, 3, 4), Some(F4));
+        assert_eq!(
+            shape(320, 320, 64, 3).winograd(ConvPath::WinogradF2, 4),
+            Some(F2(Small))
+        );
+        assert_eq!(winograd(1280, 1280, 8, 3, 2), None);
         assert_eq!(winograd(320, 320, 8, 3, 4), None);
         assert_eq!(winograd(320, 320, 64, 1, 4), None);
         assert_eq!(shape(320, 320, 64, 3).winograd(ConvPath::Im2col, 4), None);

@@ -12,7 +12,7 @@ use burn::tensor::{Bytes, DType};
 use burn_flex::{FlexTensor, Layout};
 
 use super::common::{narrow, round_bf16_affine, widen, zeroed_bf16, OutPtr};
-use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col};
+use super::conv_f32::{conv2d_nchw_f32, ConvGeometry, ConvPath, ConvShape, Im2col, Winograd};
 use super::half_gemm::{self, PackedB};
 use super::winograd;
 
@@ -71,8 +71,8 @@ fn conv2d_bf16_gemm(
         None => vec![0.0; c_out],
     };
     let mut out = zeroed_bf16(n * c_out * plane_out);
-    if let Some(kept) = shape.winograd(path, 2) {
-        let u = winograd::weight_bf16(&weight, c_out, c_in, kept);
+    if let Some(Winograd::F2(size)) = shape.winograd(path, 2) {
+        let u = winograd::weight_bf16(&weight, c_out, c_in, size);
         winograd::conv_bf16(x.storage(), &u, &bias, &mut out, &shape);
         return FlexTensor::new(
             Bytes::from_elems(out),
