@@ -32,6 +32,11 @@ use crate::weights;
 /// Tiles per product column block.
 const TILE_CHUNK: usize = 256;
 
+/// The fewest tiles a chunk is split down to for more threads: each chunk's products pack
+/// their weights again, and narrower ones spent more on that than on multiplying (F(4x4, 3x3)
+/// on 32x32 planes with 2 threads had made chunks of 16 tiles).
+const MIN_CHUNK_TILES: usize = 64;
+
 /// Pairs (output, input channel) per job of [`transform_weight`]: a whole number of
 /// [`LANES`].
 const TRANSFORM_JOB: usize = 1 << 13;
@@ -158,7 +163,8 @@ fn transform_pairs<W: Tiling>(g: &[f32], u: &mut [&mut [f32]]) {
 
 /// Tile rows per chunk and chunks per sample for an `h x w` plane in tiles of `W`. With several
 /// threads the chunks shrink until there are about four per thread (a 32x32 input is one chunk
-/// of [`TILE_CHUNK`] tiles otherwise, and would run on one thread).
+/// of [`TILE_CHUNK`] tiles otherwise, and would run on one thread), but not below
+/// [`MIN_CHUNK_TILES`] tiles.
 fn chunking<W: Tiling>(h: usize, w: usize) -> (usize, usize) {
     let (th, tw) = (h.div_ceil(W::OUT), w.div_ceil(W::OUT));
     let mut rows_per_chunk = (TILE_CHUNK / tw).clamp(1, th);
@@ -166,6 +172,7 @@ fn chunking<W: Tiling>(h: usize, w: usize) -> (usize, usize) {
     while threads > 1
         && rows_per_chunk > 1
         && PLANNED_SAMPLES * th.div_ceil(rows_per_chunk) < 4 * threads
+        && rows_per_chunk.div_ceil(2) * tw >= MIN_CHUNK_TILES
     {
         rows_per_chunk = rows_per_chunk.div_ceil(2);
     }
@@ -311,24 +318,18 @@ pub(crate) trait Tiling: Send + Sized {
     /// `G` times one column `(g0, g1, g2)` of a 3x3 kernel: the first `OUT + 2` values.
     fn g(g0: f32, g1: f32, g2: f32) -> [f32; 6];
 
-    /// `B^T d B` of the `tw` tiles of tile row `ti` of one channel plane into `cols[xi][j]`
-    /// ([`Self::cols`]).
+    /// `B^T d B` of the `tw` tiles of tile row `ti` of one channel plane into
+    /// [`TileRow::cols`].
     fn input_tile_row<T: Copy + Into<f32>>(&mut self, plane: &[T], h: usize, w: usize, ti: usize);
 
-    /// The last [`Self::input_tile_row`]: `ELEMS` runs of `tw` values.
-    fn cols(&self) -> &[f32];
+    /// The row of tiles' buffers.
+    fn row(&self) -> &TileRow;
 
-    /// `A^T m A` of one tile row, `m[xi]` the `tw` tiles' element `xi`, into [`Self::y`].
+    /// `A^T m A` of one tile row, `m[xi]` the `tw` tiles' element `xi`, into [`TileRow::y`].
     fn output_tile_row(&mut self, m: &[&[f32]]);
 
-    /// The last [`Self::output_tile_row`]: for each of the `OUT` output rows, `OUT` runs of `tw`
-    /// values (`y[(dy * OUT + dx) * tw + j]` is column `OUT * j + dx` of row `dy`).
-    fn y(&self) -> &[f32];
-
-    fn tw(&self) -> usize;
-
     /// `put(row[x], value)` for every column `x` of an output row from its `OUT` runs `y` of
-    /// one [`Self::y`] row.
+    /// one [`TileRow::y`] row.
     #[inline(always)]
     fn scatter_row(row: &mut [f32], y: &[f32], tw: usize, put: impl Fn(&mut f32, f32)) {
         let mut groups = row.chunks_exact_mut(Self::OUT);
@@ -357,14 +358,14 @@ pub(crate) trait Tiling: Send + Sized {
         row1: usize,
         mut store: impl FnMut(usize, usize, usize, &[f32]),
     ) {
-        let tw = self.tw();
+        let tw = self.row().tw;
         for c in 0..c_in {
             let plane = &x[c * h * w..(c + 1) * h * w];
             for ti in row0..row1 {
                 self.input_tile_row(plane, h, w, ti);
                 let t0 = (ti - row0) * tw;
                 for xi in 0..Self::ELEMS {
-                    store(xi, c, t0, &self.cols()[xi * tw..(xi + 1) * tw]);
+                    store(xi, c, t0, &self.row().cols[xi * tw..(xi + 1) * tw]);
                 }
             }
         }
@@ -386,7 +387,7 @@ pub(crate) trait Tiling: Send + Sized {
         row1: usize,
         mut store: impl FnMut(usize, usize, &[f32]),
     ) {
-        let tw = self.tw();
+        let tw = self.row().tw;
         for co in 0..c_out {
             for ti in row0..row1 {
                 let t0 = (ti - row0) * tw;
@@ -403,9 +404,34 @@ pub(crate) trait Tiling: Send + Sized {
                     if oh >= h {
                         break;
                     }
-                    store(co, oh, &self.y()[dy * Self::OUT * tw..][..Self::OUT * tw]);
+                    store(
+                        co,
+                        oh,
+                        &self.row().y[dy * Self::OUT * tw..][..Self::OUT * tw],
+                    );
                 }
             }
+        }
+    }
+}
+
+/// The buffers of a row of `tw` tiles that every tiling has.
+pub(crate) struct TileRow {
+    tw: usize,
+    /// The last input transform: `ELEMS` runs of `tw` values, `cols[xi * tw + j]` element `xi`
+    /// of tile `j`.
+    cols: Vec<f32>,
+    /// The last output transform: for each of the `OUT` output rows, `OUT` runs of `tw` values
+    /// (`y[(dy * OUT + dx) * tw + j]` is column `OUT * j + dx` of row `dy`).
+    y: Vec<f32>,
+}
+
+impl TileRow {
+    fn new<W: Tiling>(tw: usize) -> Self {
+        Self {
+            tw,
+            cols: vec![0.0; W::ELEMS * tw],
+            y: vec![0.0; W::OUT * W::OUT * tw],
         }
     }
 }
@@ -423,11 +449,9 @@ fn runs<const N: usize>(buf: &mut [f32], len: usize) -> [&mut [f32]; N] {
 
 /// F(2x2, 3x3): one job's scratch for the transforms of a row of `tw` tiles.
 pub(crate) struct F2 {
-    tw: usize,
+    row: TileRow,
     even: Vec<f32>,
     odd: Vec<f32>,
-    cols: Vec<f32>,
-    y: Vec<f32>,
 }
 
 impl Tiling for F2 {
@@ -435,11 +459,9 @@ impl Tiling for F2 {
 
     fn new(tw: usize) -> Self {
         Self {
-            tw,
+            row: TileRow::new::<Self>(tw),
             even: vec![0.0; 4 * (tw + 1)],
             odd: vec![0.0; 4 * (tw + 1)],
-            cols: vec![0.0; 16 * tw],
-            y: vec![0.0; 4 * tw],
         }
     }
 
@@ -449,23 +471,15 @@ impl Tiling for F2 {
         [g0, 0.5 * (g0 + g1 + g2), 0.5 * (g0 - g1 + g2), g2, 0.0, 0.0]
     }
 
-    fn cols(&self) -> &[f32] {
-        &self.cols
-    }
-
-    fn y(&self) -> &[f32] {
-        &self.y
-    }
-
-    fn tw(&self) -> usize {
-        self.tw
+    fn row(&self) -> &TileRow {
+        &self.row
     }
 
     /// A^T = [1 1 1 0; 0 1 -1 -1].
     #[inline(always)]
     fn output_tile_row(&mut self, m: &[&[f32]]) {
-        let tw = self.tw;
-        let [y0, y1, y2, y3] = runs::<4>(&mut self.y, tw);
+        let tw = self.row.tw;
+        let [y0, y1, y2, y3] = runs::<4>(&mut self.row.y, tw);
         for j in 0..tw {
             let s0 = |b: usize| m[b][j] + m[4 + b][j] + m[8 + b][j];
             let s1 = |b: usize| m[4 + b][j] - m[8 + b][j] - m[12 + b][j];
@@ -479,7 +493,7 @@ impl Tiling for F2 {
     /// B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
     #[inline(always)]
     fn input_tile_row<T: Copy + Into<f32>>(&mut self, plane: &[T], h: usize, w: usize, ti: usize) {
-        let tw = self.tw;
+        let tw = self.row.tw;
         let n = tw + 1;
         // Input rows 2 ti - 1 .. 2 ti + 3, split into padded even / odd columns:
         // even[m] = row[2m - 1], odd[m] = row[2m] (zero outside the plane).
@@ -506,7 +520,7 @@ impl Tiling for F2 {
         // then B^T over the four rows.
         let even: [&[f32]; 4] = std::array::from_fn(|r| &self.even[r * n..][..n]);
         let odd: [&[f32]; 4] = std::array::from_fn(|r| &self.odd[r * n..][..n]);
-        let out = runs::<16>(&mut self.cols, tw);
+        let out = runs::<16>(&mut self.row.cols, tw);
         for j in 0..tw {
             // d B for each input row r: columns even[j], odd[j], even[j + 1], odd[j + 1].
             let db = |r: usize| {
@@ -527,13 +541,11 @@ impl Tiling for F2 {
 /// F(4x4, 3x3) with the points 0, +-1, +-2: one job's scratch for the transforms of a row of
 /// `tw` tiles.
 pub(crate) struct F4 {
-    tw: usize,
+    row: TileRow,
     /// Six input rows, each split into four phases `phase[q][m] = row[4m + q - 1]`.
     phases: Vec<f32>,
-    cols: Vec<f32>,
     /// `A^T m` of the last tile row, before the columns' `A`.
     z: Vec<f32>,
-    y: Vec<f32>,
 }
 
 impl F4 {
@@ -574,11 +586,9 @@ impl Tiling for F4 {
 
     fn new(tw: usize) -> Self {
         Self {
-            tw,
+            row: TileRow::new::<Self>(tw),
             phases: vec![0.0; 6 * 4 * (tw + 1)],
-            cols: vec![0.0; 36 * tw],
             z: vec![0.0; 24 * tw],
-            y: vec![0.0; 16 * tw],
         }
     }
 
@@ -596,21 +606,13 @@ impl Tiling for F4 {
         ]
     }
 
-    fn cols(&self) -> &[f32] {
-        &self.cols
-    }
-
-    fn y(&self) -> &[f32] {
-        &self.y
-    }
-
-    fn tw(&self) -> usize {
-        self.tw
+    fn row(&self) -> &TileRow {
+        &self.row
     }
 
     #[inline(always)]
     fn output_tile_row(&mut self, m: &[&[f32]]) {
-        let tw = self.tw;
+        let tw = self.row.tw;
         // z[dy][b]: A^T over the tile's rows a, for each column b.
         let z = runs::<24>(&mut self.z, tw);
         for j in 0..tw {
@@ -621,7 +623,7 @@ impl Tiling for F4 {
                 }
             }
         }
-        let y = runs::<16>(&mut self.y, tw);
+        let y = runs::<16>(&mut self.row.y, tw);
         for j in 0..tw {
             for dy in 0..4 {
                 let row = Self::at(std::array::from_fn(|b| z[dy * 6 + b][j]));
@@ -634,7 +636,7 @@ impl Tiling for F4 {
 
     #[inline(always)]
     fn input_tile_row<T: Copy + Into<f32>>(&mut self, plane: &[T], h: usize, w: usize, ti: usize) {
-        let tw = self.tw;
+        let tw = self.row.tw;
         let n = tw + 1;
         // Input rows 4 ti - 1 .. 4 ti + 5, each split into four phases (zero outside the plane).
         for r in 0..6 {
@@ -654,7 +656,7 @@ impl Tiling for F4 {
         // row, then B^T over the six rows.
         let phase = |r: usize, q: usize| &self.phases[(r * 4 + q) * n..][..n];
         let p: [[&[f32]; 4]; 6] = std::array::from_fn(|r| std::array::from_fn(|q| phase(r, q)));
-        let out = runs::<36>(&mut self.cols, tw);
+        let out = runs::<36>(&mut self.row.cols, tw);
         for j in 0..tw {
             let e: [[f32; 6]; 6] = std::array::from_fn(|r| {
                 let p = &p[r];
