@@ -486,8 +486,8 @@ mod tests {
     }
 
     /// SD 1.5's UNet levels: Winograd from 16x16 planes whatever the transform's size (F(2x2,
-    /// 3x3)'s up to 64 MiB small), F(4x4, 3x3) in f32 from 32x32, none below 16x16, none for other kernels or
-    /// on im2col.
+    /// 3x3)'s up to 64 MiB small), F(4x4, 3x3) in f32 from 32x32, none below 16x16, none for
+    /// other kernels or on im2col.
     #[test]
     fn winograd_tiling_and_transform_size_by_shape() {
         use TransformSize::{Large, Small};

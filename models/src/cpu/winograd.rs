@@ -102,6 +102,7 @@ fn held<T>(
 /// it would hold the most memory for the least time (the products it serves are the largest).
 pub(crate) fn transform_weight<W: Tiling>(weight: &[f32], c_out: usize, c_in: usize) -> Vec<f32> {
     let plane = c_out * c_in;
+    assert_eq!(weight.len(), 9 * plane, "a [c_out, c_in, 3, 3] weight");
     let mut u = vec![0.0f32; W::ELEMS * plane];
     if plane == 0 {
         return u;
@@ -116,7 +117,7 @@ pub(crate) fn transform_weight<W: Tiling>(weight: &[f32], c_out: usize, c_in: us
         }
     }
     jobs.into_par_iter()
-        .zip(weight[..9 * plane].par_chunks(9 * TRANSFORM_JOB))
+        .zip(weight.par_chunks(9 * TRANSFORM_JOB))
         .for_each(|(mut parts, g)| simd::vectorize!(transform_pairs::<W>(g, &mut parts)));
     u
 }
@@ -180,8 +181,8 @@ fn chunking<W: Tiling>(h: usize, w: usize) -> (usize, usize) {
 }
 
 /// Convolves `x` `[n, c_in, h, w]` with the transformed weights `u` ([`weight_f32`] for
-/// [`F2`], [`transform_weight`] for [`F4`]) into `out` `[n, c_out, h, w]`, which holds the bias, in parallel over (sample,
-/// chunk of tile rows) on rayon's pool.
+/// [`F2`], [`transform_weight`] for [`F4`]) into `out` `[n, c_out, h, w]`, which holds the
+/// bias, in parallel over (sample, chunk of tile rows) on rayon's pool.
 pub(crate) fn conv_f32<W: Tiling>(x: &[f32], u: &[f32], out: &mut [f32], shape: &ConvShape) {
     let &ConvShape {
         n,
@@ -436,7 +437,7 @@ impl TileRow {
     }
 }
 
-/// `n` runs of `len` values of `buf`, as mutable slices.
+/// The first `N` runs of `len` values of `buf`, as mutable slices.
 #[inline(always)]
 fn runs<const N: usize>(buf: &mut [f32], len: usize) -> [&mut [f32]; N] {
     let mut rest = &mut buf[..N * len];
