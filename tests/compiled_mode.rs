@@ -148,36 +148,107 @@ fn compiled_guided_step_matches_eager_xla_and_the_cpu_backend() {
         1e-4,
     );
 
-    // The programs take the UNet's convolution kernels permuted, uploaded from the mapped
-    // checkpoint in place of their device copies in Burn's layout. Back in eager mode those
-    // are uploaded again on first use (once), and the UNet gives the eager result (the text
-    // encoder and VAE stay compiled, hence 1e-5).
+    // On XLA's CPU plugin the UNet's convolutions run in oxidiff's CPU kernel, which takes
+    // their kernels in Burn's layout: nothing is given up, so eager mode uploads nothing again.
+    assert!(
+        oxidiff::backend::host_kernels::calls(oxidiff::backend::host_kernels::CONV2D_F32) > 0,
+        "the compiled UNet's convolutions did not call the CPU kernel"
+    );
+    reuploads_after_compiled(&mut pipe, &golden, &eager.0, false);
+    // XLA's own convolutions (as on TPU and GPU) take the kernels permuted: checked in a child
+    // process, where `OXIDIFF_HOST_KERNELS=0` holds for every program.
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            PERMUTED_CHILD,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .env(oxidiff::backend::compiled::HOST_KERNELS_ENV, "0")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("CHILD permuted ok"),
+        "the child with XLA's convolutions failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+const PERMUTED_CHILD: &str = "permuted_kernels_child";
+
+/// Runs in a child process with `OXIDIFF_HOST_KERNELS=0` (see
+/// `compiled_guided_step_matches_eager_xla_and_the_cpu_backend`): the compiled UNet takes its
+/// convolution kernels permuted, and eager mode uploads them again once.
+#[test]
+#[ignore = "run by compiled_guided_step_matches_eager_xla_and_the_cpu_backend"]
+fn permuted_kernels_child() {
+    assert!(
+        std::env::var_os(CHILD_ENV).is_some(),
+        "a helper of another test; run that one instead"
+    );
+    let golden = Golden::load("tiny-sd1");
+    let mut pipe = load("ddim").to(&xla_alone());
+    let eager = run(&mut pipe, &request(&golden, 7.5));
+    pipe.compile().unwrap();
+    let compiled = run(&mut pipe, &request(&golden, 7.5));
+    assert_within(
+        "compiled (XLA's convolutions) vs eager",
+        &compiled.0,
+        &eager.0,
+        1e-5,
+    );
+    reuploads_after_compiled(&mut pipe, &golden, &eager.0, true);
+    println!("CHILD permuted ok");
+}
+
+/// Runs `pipe` compiled, then eager twice, counting the bytes each run uploads to its device,
+/// and checks the second eager run gives `eager` (1e-5: the text encoder and VAE stay
+/// compiled). With `permuted` kernels (XLA's convolutions), the programs took the UNet's
+/// kernels permuted, uploaded from the mapped checkpoint in place of their device copies in
+/// Burn's layout: back in eager mode those are uploaded again on first use, once. Without,
+/// nothing was given up and nothing is uploaded again.
+fn reuploads_after_compiled(
+    pipe: &mut StableDiffusionPipeline<Oxi>,
+    golden: &Golden,
+    eager: &[f32],
+    permuted: bool,
+) {
     let client = oxidiff::backend::pjrt_client(&xla_alone()).expect("the xla:cpu:1 client");
-    let uploaded_by = |pipe: &mut StableDiffusionPipeline<Oxi>| {
+    let mut uploaded_by = |pipe: &mut StableDiffusionPipeline<Oxi>| {
         let before = client.stats().uploaded_bytes;
-        let out = run(pipe, &request(&golden, 7.5));
+        let out = run(pipe, &request(golden, 7.5));
         (out, client.stats().uploaded_bytes - before)
     };
-    let (_, compiled_uploads) = uploaded_by(&mut pipe);
+    let (_, compiled_uploads) = uploaded_by(pipe);
     pipe.compiled = None;
-    let (eager_again, first_eager_uploads) = uploaded_by(&mut pipe);
-    let (_, second_eager_uploads) = uploaded_by(&mut pipe);
+    let (eager_again, first_eager_uploads) = uploaded_by(pipe);
+    let (_, second_eager_uploads) = uploaded_by(pipe);
     eprintln!(
         "bytes uploaded per run: compiled {compiled_uploads}, eager again {first_eager_uploads}, \
          then {second_eager_uploads}"
     );
-    assert!(
-        first_eager_uploads > compiled_uploads + 100_000,
-        "the kernels given up for their permuted copies were not uploaded again"
-    );
-    assert!(
-        second_eager_uploads < first_eager_uploads,
-        "the kernels were uploaded again on every run"
-    );
+    if permuted {
+        assert!(
+            first_eager_uploads > compiled_uploads + 100_000,
+            "the kernels given up for their permuted copies were not uploaded again"
+        );
+        assert!(
+            second_eager_uploads < first_eager_uploads,
+            "the kernels were uploaded again on every run"
+        );
+    } else {
+        assert!(
+            first_eager_uploads <= second_eager_uploads,
+            "eager mode uploaded weights again, though no program took them permuted"
+        );
+    }
     assert_within(
         "eager after compiled vs eager xla latents",
         &eager_again.0,
-        &eager.0,
+        eager,
         1e-5,
     );
 }
@@ -1318,5 +1389,149 @@ fn a_pipeline_with_hub_kernels_spliced_in_gives_the_same_image() {
         let worst = common::png_level_diff(&plain, &spliced);
         eprintln!("tiny-sd1 {extra:?} with hub flash attention: {worst} PNG levels off the plain lowering");
         assert!(worst <= 1, "{name}: {worst} PNG levels");
+    }
+}
+
+/// `x` `[n, c, h, w]` convolved with `w` `[o, c, k, k]` (stride `s`, padding `p`) in f64.
+fn conv2d_f64(
+    x: &[f32],
+    xd: [usize; 4],
+    w: &[f32],
+    wd: [usize; 4],
+    s: usize,
+    p: usize,
+) -> Vec<f32> {
+    let ([n, c, h, wi], [o, _, k, _]) = (xd, wd);
+    let (ho, wo) = ((h + 2 * p - k) / s + 1, (wi + 2 * p - k) / s + 1);
+    let mut out = vec![0.0f32; n * o * ho * wo];
+    for (b, oc, oy, ox) in (0..n).flat_map(|b| {
+        (0..o)
+            .flat_map(move |oc| (0..ho).flat_map(move |oy| (0..wo).map(move |ox| (b, oc, oy, ox))))
+    }) {
+        let mut sum = 0.0f64;
+        for (ic, ky, kx) in
+            (0..c).flat_map(|ic| (0..k).flat_map(move |ky| (0..k).map(move |kx| (ic, ky, kx))))
+        {
+            let (y, xx) = (
+                (oy * s + ky) as isize - p as isize,
+                (ox * s + kx) as isize - p as isize,
+            );
+            if y < 0 || xx < 0 || y >= h as isize || xx >= wi as isize {
+                continue;
+            }
+            let xv = x[((b * c + ic) * h + y as usize) * wi + xx as usize];
+            sum += f64::from(xv) * f64::from(w[((oc * c + ic) * k + ky) * k + kx]);
+        }
+        out[((b * o + oc) * ho + oy) * wo + ox] = sum as f32;
+    }
+    out
+}
+
+/// On XLA's CPU plugin, compiled programs run their f32 convolutions in oxidiff's CPU kernel
+/// (a typed XLA FFI custom call, `oxidiff::pipelines::host_kernels`): each shape below, on odd
+/// sizes, through im2col (small planes, stride 2, a 1x1 kernel) and Winograd F(4x4, 3x3) (a
+/// 40x36 plane), matches an f64 convolution within 1e-5 of its largest output, with the bias
+/// added by XLA after the call; the kernel runs once per convolution per call. A grouped
+/// convolution, which the kernel does not take, stays on XLA's own lowering and matches too.
+#[test]
+fn compiled_convolutions_call_the_cpu_kernel_on_xla_cpu() {
+    use burn::tensor::module::conv2d;
+    use burn::tensor::ops::ConvOptions;
+    use oxidiff::backend::host_kernels::{self, CONV2D_F32};
+    use oxidiff::backend::CompiledFn;
+    if skip() {
+        return;
+    }
+    oxidiff::pipelines::host_kernels::install();
+    let device = xla();
+    let mut seed = 7u64;
+    let mut random = |len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    };
+    // (input, kernel, stride, padding)
+    let cases: [([usize; 4], [usize; 4], usize, usize); 4] = [
+        ([2, 5, 13, 11], [7, 5, 3, 3], 1, 1),
+        ([1, 3, 40, 36], [6, 3, 3, 3], 1, 1),
+        ([2, 4, 15, 9], [5, 4, 3, 3], 2, 1),
+        ([1, 6, 7, 5], [3, 6, 1, 1], 1, 0),
+    ];
+    for (xd, wd, s, p) in cases {
+        let (x, w, bias) = (
+            random(xd.iter().product()),
+            random(wd.iter().product()),
+            random(wd[0]),
+        );
+        let to = |v: &[f32], shape: [usize; 4]| {
+            Tensor::<Oxi, 4>::from_data(TensorData::new(v.to_vec(), shape), &device)
+        };
+        let bt = Tensor::<Oxi, 1>::from_data(TensorData::new(bias.clone(), [wd[0]]), &device);
+        let wt = to(&w, wd);
+        let options = ConvOptions::new([s, s], [p, p], [1, 1], 1);
+        let f = CompiledFn::new("conv", move |x: Tensor<Oxi, 4>| {
+            conv2d(x, wt.clone(), Some(bt.clone()), options.clone())
+        });
+        let before = host_kernels::calls(CONV2D_F32);
+        let out = to_vec(f.call(to(&x, xd)).unwrap());
+        assert_eq!(
+            host_kernels::calls(CONV2D_F32),
+            before + 1,
+            "{xd:?} {wd:?}: one kernel call"
+        );
+        let mut expected = conv2d_f64(&x, xd, &w, wd, s, p);
+        let plane = expected.len() / (xd[0] * wd[0]);
+        for (i, v) in expected.iter_mut().enumerate() {
+            *v += bias[(i / plane) % wd[0]];
+        }
+        let scale = expected.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let worst = out
+            .iter()
+            .zip(&expected)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+        eprintln!("{xd:?} * {wd:?} stride {s}: largest difference {worst:e} of {scale}");
+        assert!(
+            worst <= 1e-5 * scale,
+            "{xd:?} {wd:?}: {worst:e} against {scale}"
+        );
+    }
+    // Two groups: XLA's own convolution.
+    let (xd, wd) = ([1, 4, 9, 9], [6, 2, 3, 3]);
+    let (x, w) = (random(324), random(108));
+    let wt = Tensor::<Oxi, 4>::from_data(TensorData::new(w.clone(), wd), &device);
+    let options = ConvOptions::new([1, 1], [1, 1], [1, 1], 2);
+    let f = CompiledFn::new("grouped", move |x: Tensor<Oxi, 4>| {
+        conv2d(x, wt.clone(), None, options.clone())
+    });
+    let before = host_kernels::calls(CONV2D_F32);
+    let out = to_vec(
+        f.call(Tensor::<Oxi, 4>::from_data(
+            TensorData::new(x.clone(), xd),
+            &device,
+        ))
+        .unwrap(),
+    );
+    assert_eq!(
+        host_kernels::calls(CONV2D_F32),
+        before,
+        "grouped: not the kernel's"
+    );
+    let half = |v: &[f32], per: usize, g: usize| v[g * per..(g + 1) * per].to_vec();
+    for g in 0..2 {
+        let expected = conv2d_f64(
+            &half(&x, 162, g),
+            [1, 2, 9, 9],
+            &half(&w, 54, g),
+            [3, 2, 3, 3],
+            1,
+            1,
+        );
+        let got = &out[g * 243..(g + 1) * 243];
+        assert!(relative_error(got, &expected) <= 1e-5, "group {g}");
     }
 }

@@ -38,6 +38,7 @@ pub mod compiled;
 pub mod device;
 pub mod eager;
 mod host;
+pub mod host_kernels;
 pub mod kernels;
 pub mod lowering;
 pub mod pjrt;

@@ -136,6 +136,8 @@ impl<I: Tensors + 'static> CompiledCall<Oxi, I> {
         placement: Option<Arc<SpmdPlacement>>,
         layouts: Vec<Layout>,
     ) -> Self {
+        // Programs for XLA's CPU plugin may call oxidiff's CPU kernels.
+        crate::host_kernels::install();
         let step: StepFn<I> = Box::new(step);
         let f = CompiledFn::new(name, step);
         let f = match placement {

@@ -52,6 +52,7 @@ pub mod denoise;
 pub mod error;
 pub mod guard;
 pub mod host;
+pub mod host_kernels;
 pub mod hub;
 pub mod image;
 pub mod img2img;

@@ -4,7 +4,8 @@
 use burn_ir::{OperationIr, TensorId, TensorIr};
 
 use super::tensors::Tensors;
-use super::{kernels_last, CompileError, CompiledFn};
+use super::{host_kernels, kernels_last, CompileError, CompiledFn};
+use crate::host_kernels::{available, CONV2D_F32};
 use crate::kernels::AttentionKernels;
 use crate::lowering::{LowerError, LoweredFunction, Lowerer};
 
@@ -13,13 +14,15 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     /// computed (a captured tensor returned as is) becomes an argument too.
     /// Attention goes to the kernel hub's kernels for a device of `device_kind` where
     /// [`AttentionKernels::from_env`] enables them (in a partitioned program, each device's
-    /// own rows and heads: [`Lowerer::with_kernels_over`]).
+    /// own rows and heads: [`Lowerer::with_kernels_over`]); f32 convolutions to oxidiff's host
+    /// kernel where `plugin` registered it ([`crate::host_kernels`]).
     pub(super) fn lower(
         &self,
         inputs: &[TensorIr],
         ops: &[OperationIr],
         outputs: &[TensorIr],
         device_kind: &str,
+        plugin: &crate::pjrt::Plugin,
     ) -> Result<LoweredFunction, CompileError> {
         // Kernels in the convolutions' layout, permuted once when the sources
         // are gathered; a partitioned program keeps Burn's layout, which its
@@ -29,6 +32,9 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         } else {
             Lowerer::new()
         };
+        if self.spmd.is_none() && host_kernels() && available(plugin, CONV2D_F32) {
+            lowerer = lowerer.with_host_kernels();
+        }
         if let Some(kernels) = AttentionKernels::from_env(device_kind) {
             lowerer = match &self.spmd {
                 None => lowerer.with_kernels(kernels),

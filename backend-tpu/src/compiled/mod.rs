@@ -85,6 +85,14 @@ pub(crate) fn compiles() -> &'static AtomicU64 {
         .0
 }
 
+/// Environment variable: `0` keeps compiled programs on XLA's CPU plugin on XLA's own
+/// convolutions instead of oxidiff's host kernels ([`crate::host_kernels`]), for comparisons.
+pub const HOST_KERNELS_ENV: &str = "OXIDIFF_HOST_KERNELS";
+
+fn host_kernels() -> bool {
+    std::env::var(HOST_KERNELS_ENV).map_or(true, |v| v != "0")
+}
+
 fn kernels_last() -> bool {
     std::env::var(KERNELS_LAST_ENV).map_or(true, |v| v != "0")
 }
@@ -437,7 +445,13 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
 
         let (pjrt_client, pjrt_device) = client.target().map_err(run_error)?;
         let started = Instant::now();
-        let mut function = self.lower(irs, &traced.recording.ops, &out_irs, pjrt_device.kind())?;
+        let mut function = self.lower(
+            irs,
+            &traced.recording.ops,
+            &out_irs,
+            pjrt_device.kind(),
+            pjrt_client.plugin(),
+        )?;
         let lower = started.elapsed();
 
         let arguments = self

@@ -233,6 +233,9 @@ pub struct Lowerer {
     /// The mesh of a partitioned program whose kernel calls run per device
     /// ([`Lowerer::with_kernels_over`]).
     kernel_mesh: Option<crate::spmd::Mesh>,
+    /// Whether f32 2-D convolutions call the host kernel
+    /// [`CONV2D_F32`](crate::host_kernels::CONV2D_F32) ([`Lowerer::with_host_kernels`]).
+    host_conv: bool,
 }
 
 /// Lowers one op into a function of its own (eager mode).
@@ -277,6 +280,14 @@ impl Lowerer {
             kernels_last: true,
             ..Self::default()
         }
+    }
+
+    /// This lowerer with f32 2-D convolutions lowered to a custom call of oxidiff's host
+    /// kernel ([`crate::host_kernels`]), for XLA's CPU plugin when it registered the kernel.
+    /// Such a convolution takes its kernel in Burn's layout, never [`Argument::Permuted`].
+    pub fn with_host_kernels(mut self) -> Self {
+        self.host_conv = true;
+        self
     }
 
     /// This lowerer with attention lowered to the hub's kernels where one matches (the

@@ -256,6 +256,31 @@ impl Lowerer {
         out: &TensorIr,
     ) -> Result<()> {
         let x = self.input(x)?;
+        if self.host_convolution(&x, weight, stride, padding, dilation, groups) {
+            let w = self.input(weight)?;
+            let ty = x.ty.with_dims(out.shape.to_vec());
+            let result = self.fresh();
+            let _ = writeln!(
+                self.body,
+                "    {result} = stablehlo.custom_call @{}({}, {}) {{api_version = 4 : i32, backend_config = {{padding = {} : i64, stride = {} : i64}}}} : ({}, {}) -> {}",
+                crate::host_kernels::CONV2D_F32,
+                x.name,
+                w.name,
+                padding[0],
+                stride[0],
+                x.ty.mlir(),
+                w.ty.mlir(),
+                ty.mlir()
+            );
+            let mut y = Value { name: result, ty };
+            if let Some(bias) = bias {
+                let b = self.input(bias)?;
+                let b = self.convert(&b, y.ty.elem);
+                let b = self.broadcast_in_dim(&b, &out.shape.to_vec(), &[1]);
+                y = self.binary("stablehlo.add", &y, &b);
+            }
+            return self.bind(out, y);
+        }
         let spatial = (0..stride.len()).map(|i| i.to_string()).collect::<Vec<_>>();
         let layout = |a: &str, b: &str| format!("[{a}, {b}, {}]", spatial.join(", "));
         // A weight argument, spatial dimensions first (`with_kernels_last`).
@@ -300,6 +325,35 @@ impl Lowerer {
             y = self.binary("stablehlo.add", &y, &b);
         }
         self.bind(out, y)
+    }
+
+    /// Whether this convolution goes to the host kernel [`crate::host_kernels::CONV2D_F32`]
+    /// ([`Lowerer::with_host_kernels`]): 2-D, f32 input and kernel, a square kernel, the same
+    /// stride and padding in both dimensions, dilation 1, one group.
+    fn host_convolution(
+        &self,
+        x: &Value,
+        weight: &TensorIr,
+        stride: &[usize],
+        padding: &[usize],
+        dilation: &[usize],
+        groups: usize,
+    ) -> bool {
+        let w = &weight.shape;
+        self.host_conv
+            && stride.len() == 2
+            && x.ty.elem == ElementType::F32
+            && super::element_type(weight.dtype) == Some(ElementType::F32)
+            && w.len() == 4
+            && w[2] == w[3]
+            && w[1] == x.ty.dims[1]
+            && stride[0] == stride[1]
+            && stride[0] > 0
+            && padding[0] == padding[1]
+            && dilation.iter().all(|&d| d == 1)
+            && groups == 1
+            && x.ty.dims[2] + 2 * padding[0] >= w[2]
+            && x.ty.dims[3] + 2 * padding[0] >= w[3]
     }
 
     /// Transposed convolution as a convolution of the input dilated by the

@@ -593,3 +593,53 @@ const _: () = assert!(
 const _: () = assert!(std::mem::offset_of!(PJRT_Api, PJRT_Error_Destroy) == 40);
 // 90 slots after the 40-byte head, one pointer each.
 const _: () = assert!(std::mem::size_of::<PJRT_Api>() == 40 + 90 * 8);
+
+// ------------------------------ extensions -------------------------------------
+
+/// `PJRT_Extension_Base`'s fields: every extension in the table's `extension_start` chain
+/// begins with them.
+#[repr(C)]
+pub struct PJRT_Extension_Header {
+    pub struct_size: usize,
+    pub type_: c_int,
+    pub next: *mut PJRT_Extension_Header,
+}
+
+/// `PJRT_Extension_Type_FFI`.
+pub const PJRT_Extension_Type_FFI: c_int = 5;
+
+/// `PJRT_FFI_Register_Handler_Args` (FFI extension version 3 on: no `extension_start`, no
+/// `api_version`; typed handlers only).
+#[repr(C)]
+pub struct PJRT_FFI_Register_Handler_Args {
+    pub struct_size: usize,
+    pub target_name: *const c_char,
+    pub target_name_size: usize,
+    pub handler: *mut c_void,
+    pub platform_name: *const c_char,
+    pub platform_name_size: usize,
+    pub traits: u32,
+}
+
+/// The same before FFI extension version 3: with `api_version` (1 for a typed handler).
+#[repr(C)]
+pub struct PJRT_FFI_Register_Handler_Args_V2 {
+    pub struct_size: usize,
+    pub target_name: *const c_char,
+    pub target_name_size: usize,
+    pub api_version: c_int,
+    pub handler: *mut c_void,
+    pub platform_name: *const c_char,
+    pub platform_name_size: usize,
+    pub traits: u32,
+}
+
+/// `PJRT_FFI_Extension`: the header, then `type_id_register`, `user_data_add` and
+/// `register_handler` (the slot oxidiff reads).
+#[repr(C)]
+pub struct PJRT_FFI_Extension {
+    pub base: PJRT_Extension_Header,
+    pub type_id_register: *mut c_void,
+    pub user_data_add: *mut c_void,
+    pub register_handler: Option<unsafe extern "C" fn(*mut c_void) -> *mut PJRT_Error>,
+}

@@ -88,6 +88,8 @@ impl Plugin {
         }
         let plugin = Self::open(&canonical, kind)?;
         loaded.insert(canonical, plugin.clone());
+        drop(loaded);
+        crate::host_kernels::register_with(&plugin);
         Ok(plugin)
     }
 
@@ -188,6 +190,95 @@ impl Plugin {
     pub(crate) fn api(&self) -> &Api {
         &self.inner.api
     }
+
+    /// Registers `handler` (an `XLA_FFI_Handler*`) as the typed XLA FFI custom-call target
+    /// `target` on `platform` (XLA's platform name: `Host` for the CPU), through the plugin's
+    /// PJRT FFI extension. An error says why not: no such extension, or the plugin refused.
+    pub(crate) fn register_ffi_handler(
+        &self,
+        target: &str,
+        handler: *mut std::ffi::c_void,
+        platform: &str,
+    ) -> Result<()> {
+        let refused = |reason: String| Error::Pjrt {
+            function: "PJRT_FFI_Register_Handler",
+            code: crate::pjrt::ErrorCode::Unimplemented,
+            message: reason,
+        };
+        let mut extension =
+            self.inner.api.table().extension_start as *mut ffi::PJRT_Extension_Header;
+        let register = loop {
+            // SAFETY: the chain is the plugin's static list of extensions, each beginning
+            // with a `PJRT_Extension_Base`; it lives as long as the library (never unloaded).
+            let Some(header) = (unsafe { extension.as_ref() }) else {
+                return Err(refused("the plugin has no PJRT FFI extension".into()));
+            };
+            if header.type_ == ffi::PJRT_Extension_Type_FFI {
+                if header.struct_size < std::mem::size_of::<ffi::PJRT_FFI_Extension>() {
+                    return Err(refused(format!(
+                        "its FFI extension ({} bytes) has no handler registration",
+                        header.struct_size
+                    )));
+                }
+                // SAFETY: an FFI extension at least this long is a `PJRT_FFI_Extension`.
+                let ffi_extension = unsafe { &*(extension as *const ffi::PJRT_FFI_Extension) };
+                match ffi_extension.register_handler {
+                    Some(register) => break register,
+                    None => return Err(refused("its FFI extension registers no handlers".into())),
+                }
+            }
+            extension = header.next;
+        };
+        let mut args = ffi::PJRT_FFI_Register_Handler_Args {
+            struct_size: std::mem::size_of::<ffi::PJRT_FFI_Register_Handler_Args>(),
+            target_name: target.as_ptr().cast(),
+            target_name_size: target.len(),
+            handler,
+            platform_name: platform.as_ptr().cast(),
+            platform_name_size: platform.len(),
+            traits: 0,
+        };
+        // SAFETY: the arguments point to live strings and a handler that lives as long as the
+        // process (a function of this library); the plugin copies the names.
+        let error =
+            unsafe { register((&mut args as *mut ffi::PJRT_FFI_Register_Handler_Args).cast()) };
+        let first = self.inner.api.check("PJRT_FFI_Register_Handler", error);
+        if first.is_ok() {
+            return first;
+        }
+        // A plugin from before FFI extension version 3 checks for the larger struct that
+        // carries `api_version`.
+        let mut args = ffi::PJRT_FFI_Register_Handler_Args_V2 {
+            struct_size: std::mem::size_of::<ffi::PJRT_FFI_Register_Handler_Args_V2>(),
+            target_name: target.as_ptr().cast(),
+            target_name_size: target.len(),
+            api_version: 1,
+            handler,
+            platform_name: platform.as_ptr().cast(),
+            platform_name_size: platform.len(),
+            traits: 0,
+        };
+        // SAFETY: as above.
+        let error =
+            unsafe { register((&mut args as *mut ffi::PJRT_FFI_Register_Handler_Args_V2).cast()) };
+        self.inner
+            .api
+            .check("PJRT_FFI_Register_Handler", error)
+            .map_err(|second| match first {
+                Err(first) => refused(format!("{first}; with the older layout: {second}")),
+                Ok(()) => second,
+            })
+    }
+}
+
+/// The plugins loaded in this process so far.
+pub(crate) fn loaded() -> Vec<Plugin> {
+    registry()
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .values()
+        .cloned()
+        .collect()
 }
 
 /// Loading is the plugin's side of a search: [`PluginSearch`] only finds files.

@@ -7,7 +7,7 @@ use burn::tensor::{DType, Tensor};
 
 use super::common::{from_flex, into_flex, is_flex, is_half};
 use super::conv_f32::conv2d_nchw_f32;
-pub use super::conv_f32::{ConvGeometry, ConvPath};
+pub use super::conv_f32::{conv2d_f32_slices, ConvGeometry, ConvPath};
 use super::conv_half::conv2d_half;
 
 /// The inputs handed back when [`conv2d`] does not apply.

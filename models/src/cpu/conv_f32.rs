@@ -88,6 +88,89 @@ pub(crate) fn conv2d_nchw_f32(
     let x = x.to_contiguous();
     let weight = weight.to_contiguous();
     let shape = ConvShape::of(&x, &weight, geometry);
+    let mut out = vec![0.0f32; shape.n * shape.c_out * shape.h_out * shape.w_out];
+    if let Some(bias) = bias {
+        let bias = bias.to_contiguous();
+        let bias: &[f32] = bias.storage();
+        let plane_out = shape.h_out * shape.w_out;
+        for (channel, value) in out
+            .chunks_exact_mut(plane_out.max(1))
+            .zip(bias.iter().cycle())
+        {
+            channel.fill(*value);
+        }
+    }
+    // F(2x2, 3x3)'s transform is kept with the tensor where it is small or replaces a mapped
+    // weight ([`winograd::weight_f32`]).
+    let f2 = |size| winograd::weight_f32(&weight, shape.c_out, shape.c_in, size);
+    convolve(x.storage(), weight.storage(), &shape, path, f2, &mut out);
+    FlexTensor::new(
+        burn::tensor::Bytes::from_elems(out),
+        Layout::contiguous(vec![shape.n, shape.c_out, shape.h_out, shape.w_out].into()),
+        DType::F32,
+    )
+}
+
+/// The kernel on plain slices, for buffers that are not Burn tensors (a compiled program's on
+/// XLA's CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `x` `[n, c_in, h, w]` and
+/// `weight` `[c_out, c_in, k, k]`, contiguous, into `out` `[n, c_out, h_out, w_out]`, which is
+/// overwritten. Winograd's weight transforms are made for the call. The same shapes give the
+/// same bits as [`conv2d_nchw_f32`] without a bias.
+pub fn conv2d_f32_slices(
+    x: &[f32],
+    x_dims: [usize; 4],
+    weight: &[f32],
+    weight_dims: [usize; 4],
+    geometry: ConvGeometry,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let [n, c_in, h, w] = x_dims;
+    let [c_out, w_in, k, k2] = weight_dims;
+    let (s, p) = (geometry.stride, geometry.padding);
+    if w_in != c_in || k != k2 || s == 0 || h + 2 * p < k || w + 2 * p < k {
+        return Err(format!(
+            "input {x_dims:?} and kernel {weight_dims:?} (stride {s}, padding {p}) are not a square-kernel convolution"
+        ));
+    }
+    let shape = ConvShape {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        k,
+        s,
+        p,
+        h_out: (h + 2 * p - k) / s + 1,
+        w_out: (w + 2 * p - k) / s + 1,
+    };
+    let lengths = [
+        (x.len(), n * c_in * h * w, "input"),
+        (weight.len(), c_out * c_in * k * k, "kernel"),
+        (out.len(), n * c_out * shape.h_out * shape.w_out, "output"),
+    ];
+    if let Some((len, expected, what)) = lengths.iter().find(|(len, expected, _)| len != expected) {
+        return Err(format!(
+            "the {what} holds {len} values, its shape {expected}"
+        ));
+    }
+    out.fill(0.0);
+    let f2 = |_| std::sync::Arc::new(winograd::transform_weight::<F2>(weight, c_out, c_in));
+    convolve(x, weight, &shape, ConvPath::from_env(), f2, out);
+    Ok(())
+}
+
+/// Adds the convolution of `x` with `weight` to `out` (zeros or the bias): Winograd where
+/// [`ConvShape::winograd`] picks it (F(2x2, 3x3)'s weight transform from `f2`), im2col and
+/// gemm otherwise.
+fn convolve(
+    x: &[f32],
+    weight: &[f32],
+    shape: &ConvShape,
+    path: ConvPath,
+    f2: impl FnOnce(TransformSize) -> std::sync::Arc<Vec<f32>>,
+    out: &mut [f32],
+) {
     let ConvShape {
         n,
         c_in,
@@ -99,32 +182,19 @@ pub(crate) fn conv2d_nchw_f32(
         p,
         h_out,
         w_out,
-    } = shape;
-    let plane_out = h_out * w_out;
-
-    let mut out = vec![0.0f32; n * c_out * plane_out];
-    if let Some(bias) = bias {
-        let bias = bias.to_contiguous();
-        let bias: &[f32] = bias.storage();
-        for (channel, value) in out.chunks_exact_mut(plane_out).zip(bias.iter().cycle()) {
-            channel.fill(*value);
-        }
-    }
+    } = *shape;
     if let Some(tiling) = shape.winograd(path, 4) {
         match tiling {
-            Winograd::F2(size) => {
-                let u = winograd::weight_f32(&weight, c_out, c_in, size);
-                winograd::conv_f32::<F2>(x.storage(), &u, &mut out, &shape);
-            }
+            Winograd::F2(size) => winograd::conv_f32::<F2>(x, &f2(size), out, shape),
             Winograd::F4 => {
-                let u = winograd::transform_weight::<F4>(weight.storage(), c_out, c_in);
-                winograd::conv_f32::<F4>(x.storage(), &u, &mut out, &shape);
+                let u = winograd::transform_weight::<F4>(weight, c_out, c_in);
+                winograd::conv_f32::<F4>(x, &u, out, shape);
             }
         }
-    } else if plane_out > 0 && c_out > 0 {
+    } else if h_out * w_out > 0 && c_out > 0 {
         let problem = Problem {
-            x: x.storage(),
-            weight: weight.storage(),
+            x,
+            weight,
             c_in,
             h,
             w,
@@ -135,13 +205,8 @@ pub(crate) fn conv2d_nchw_f32(
             h_out,
             w_out,
         };
-        problem.run(&mut out, n);
+        problem.run(out, n);
     }
-    FlexTensor::new(
-        burn::tensor::Bytes::from_elems(out),
-        Layout::contiguous(vec![n, c_out, h_out, w_out].into()),
-        DType::F32,
-    )
 }
 
 /// The size class of a convolution's Winograd weight transform, which decides where it is held
@@ -167,6 +232,7 @@ pub(crate) enum Winograd {
 
 /// The sizes of one convolution: input `[n, c_in, h, w]`, weight `[c_out, c_in, k, k]`,
 /// stride `s`, padding `p`, output `[n, c_out, h_out, w_out]`.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct ConvShape {
     pub(crate) n: usize,
     pub(crate) c_in: usize,
