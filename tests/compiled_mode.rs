@@ -217,7 +217,7 @@ fn reuploads_after_compiled(
     permuted: bool,
 ) {
     let client = oxidiff::backend::pjrt_client(&xla_alone()).expect("the xla:cpu:1 client");
-    let mut uploaded_by = |pipe: &mut StableDiffusionPipeline<Oxi>| {
+    let uploaded_by = |pipe: &mut StableDiffusionPipeline<Oxi>| {
         let before = client.stats().uploaded_bytes;
         let out = run(pipe, &request(golden, 7.5));
         (out, client.stats().uploaded_bytes - before)
