@@ -26,6 +26,11 @@ use crate::pjrt::{ElementType, PluginKind};
 /// w_out]`.
 pub const CONV2D_F32: &str = "oxidiff_conv2d_f32";
 
+/// The custom-call target of f32 softmax attention scaled by `1 / sqrt(head_dim)`: queries
+/// `[batch, s_q, heads, head_dim]`, keys and values `[batch, s_kv, heads, head_dim]`; attribute
+/// `causal` (0 or 1, causal only with `s_q == s_kv`); result as the queries.
+pub const ATTENTION_F32: &str = "oxidiff_attention_f32";
+
 /// What a host kernel computes: reads `call.args`, writes every buffer of `call.results`.
 pub type HostKernelFn = fn(&mut HostCall<'_>) -> Result<(), String>;
 

@@ -5,7 +5,7 @@ use burn_ir::{OperationIr, TensorId, TensorIr};
 
 use super::tensors::Tensors;
 use super::{host_kernels, kernels_last, CompileError, CompiledFn};
-use crate::host_kernels::{available, CONV2D_F32};
+use crate::host_kernels::{available, ATTENTION_F32, CONV2D_F32};
 use crate::kernels::AttentionKernels;
 use crate::lowering::{LowerError, LoweredFunction, Lowerer};
 
@@ -14,8 +14,8 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     /// computed (a captured tensor returned as is) becomes an argument too.
     /// Attention goes to the kernel hub's kernels for a device of `device_kind` where
     /// [`AttentionKernels::from_env`] enables them (in a partitioned program, each device's
-    /// own rows and heads: [`Lowerer::with_kernels_over`]); f32 convolutions to oxidiff's host
-    /// kernel where `plugin` registered it ([`crate::host_kernels`]).
+    /// own rows and heads: [`Lowerer::with_kernels_over`]); f32 convolutions and attention to
+    /// oxidiff's host kernels where `plugin` registered them ([`crate::host_kernels`]).
     pub(super) fn lower(
         &self,
         inputs: &[TensorIr],
@@ -32,8 +32,11 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         } else {
             Lowerer::new()
         };
-        if self.spmd.is_none() && host_kernels() && available(plugin, CONV2D_F32) {
-            lowerer = lowerer.with_host_kernels();
+        if self.spmd.is_none() && host_kernels() {
+            lowerer = lowerer.with_host_kernels(
+                available(plugin, CONV2D_F32),
+                available(plugin, ATTENTION_F32),
+            );
         }
         if let Some(kernels) = AttentionKernels::from_env(device_kind) {
             lowerer = match &self.spmd {

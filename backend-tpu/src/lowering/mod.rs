@@ -236,6 +236,9 @@ pub struct Lowerer {
     /// Whether f32 2-D convolutions call the host kernel
     /// [`CONV2D_F32`](crate::host_kernels::CONV2D_F32) ([`Lowerer::with_host_kernels`]).
     host_conv: bool,
+    /// Whether f32 attention calls the host kernel
+    /// [`ATTENTION_F32`](crate::host_kernels::ATTENTION_F32).
+    host_attention: bool,
 }
 
 /// Lowers one op into a function of its own (eager mode).
@@ -282,11 +285,13 @@ impl Lowerer {
         }
     }
 
-    /// This lowerer with f32 2-D convolutions lowered to a custom call of oxidiff's host
-    /// kernel ([`crate::host_kernels`]), for XLA's CPU plugin when it registered the kernel.
-    /// Such a convolution takes its kernel in Burn's layout, never [`Argument::Permuted`].
-    pub fn with_host_kernels(mut self) -> Self {
-        self.host_conv = true;
+    /// This lowerer with f32 2-D convolutions (`conv`) and f32 attention (`attention`)
+    /// lowered to custom calls of oxidiff's host kernels ([`crate::host_kernels`]), for XLA's
+    /// CPU plugin when it registered them. Such a convolution takes its kernel in Burn's
+    /// layout, never [`Argument::Permuted`].
+    pub fn with_host_kernels(mut self, conv: bool, attention: bool) -> Self {
+        self.host_conv = conv;
+        self.host_attention = attention;
         self
     }
 

@@ -516,6 +516,9 @@ impl Lowerer {
         if let Some(y) = self.kernel_attention(d, &q, &k, &v)? {
             return self.bind(&d.out, y);
         }
+        if let Some(y) = self.host_attention(d, &q, &k, &v) {
+            return self.bind(&d.out, y);
+        }
         let (b, h, lq, dk) = (q.ty.dims[0], q.ty.dims[1], q.ty.dims[2], q.ty.dims[3]);
         let lk = k.ty.dims[2];
         let dv = v.ty.dims[3];
@@ -579,6 +582,66 @@ impl Lowerer {
         let p = self.convert(&p, v.ty.elem);
         let y = self.dot_general(&p, &v, (&[0, 1], &[0, 1]), (&[3], &[2]), vec![b, h, lq, dv]);
         self.bind(&d.out, y)
+    }
+
+    /// Attention as a call of the host kernel [`crate::host_kernels::ATTENTION_F32`]
+    /// ([`Lowerer::with_host_kernels`]), which takes `[batch, seq, heads, head_dim]`: f32,
+    /// one shape for keys and values, no mask, bias or softcap, the default scale, causal only
+    /// over as many keys as queries; `None` (the plain lowering) otherwise. The transposes
+    /// around the call undo the model's own, and XLA folds the pairs away.
+    fn host_attention(
+        &mut self,
+        d: &AttentionOpIr,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+    ) -> Option<Value> {
+        let (b, h, lq, dk) = (q.ty.dims[0], q.ty.dims[1], q.ty.dims[2], q.ty.dims[3]);
+        let default_scale = 1.0 / (dk as f64).sqrt();
+        let scale_ok = match d.options.scale {
+            None => true,
+            Some(ScalarIr::Float(scale)) => (scale - default_scale).abs() <= 1e-12 * default_scale,
+            Some(_) => false,
+        };
+        let takes = self.host_attention
+            && scale_ok
+            && d.mask.is_none()
+            && d.attn_bias.is_none()
+            && d.options.softcap.is_none()
+            && [&q.ty, &k.ty, &v.ty]
+                .iter()
+                .all(|t| t.elem == ElementType::F32)
+            && k.ty == v.ty
+            && k.ty.dims[0] == b
+            && k.ty.dims[1] == h
+            && k.ty.dims[3] == dk
+            && k.ty.dims[2] > 0
+            && (!d.options.is_causal || k.ty.dims[2] == lq);
+        if !takes {
+            return None;
+        }
+        let swap = [0, 2, 1, 3];
+        let (qt, kt, vt) = (
+            self.transpose(q, &swap),
+            self.transpose(k, &swap),
+            self.transpose(v, &swap),
+        );
+        let ty = qt.ty.clone();
+        let result = self.fresh();
+        let _ = writeln!(
+            self.body,
+            "    {result} = stablehlo.custom_call @{}({}, {}, {}) {{api_version = 4 : i32, backend_config = {{causal = {} : i64}}}} : ({}, {}, {}) -> {}",
+            crate::host_kernels::ATTENTION_F32,
+            qt.name,
+            kt.name,
+            vt.name,
+            i64::from(d.options.is_causal),
+            qt.ty.mlir(),
+            kt.ty.mlir(),
+            vt.ty.mlir(),
+            ty.mlir()
+        );
+        Some(self.transpose(&Value { name: result, ty }, &swap))
     }
 
     /// Attention as a call of the hub's flash attention kernel ([`Lowerer::with_kernels`]):

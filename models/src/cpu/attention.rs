@@ -74,3 +74,45 @@ pub fn masked_attention<B: Backend>(
     );
     Ok(from_flex(out))
 }
+
+/// f32 attention on plain slices, for buffers that are not Burn tensors (a compiled program's
+/// on XLA's CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `q` `[batch, s_q, heads,
+/// head_dim]` and `k`, `v` `[batch, s_kv, heads, head_dim]`, contiguous (`dims` is `[batch,
+/// s_q, s_kv, heads, head_dim]`), scaled by `1 / sqrt(head_dim)`, into `out` (as `q`), which
+/// is overwritten. The same kernel and bits as [`attention`] on burn-flex.
+pub fn attention_f32_slices(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: [usize; 5],
+    masking: Masking,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let [batch, s_q, s_kv, heads, head_dim] = dims;
+    if s_kv == 0 || (masking == Masking::Causal && s_q != s_kv) {
+        return Err(format!("attention {dims:?} with {masking:?} keys"));
+    }
+    let inner = heads * head_dim;
+    let lengths = [
+        (q.len(), batch * s_q * inner, "queries"),
+        (k.len(), batch * s_kv * inner, "keys"),
+        (v.len(), batch * s_kv * inner, "values"),
+        (out.len(), batch * s_q * inner, "output"),
+    ];
+    if let Some((len, expected, what)) = lengths.iter().find(|(len, expected, _)| len != expected) {
+        return Err(format!(
+            "the {what} hold {len} values, their shape {expected}"
+        ));
+    }
+    let shape = Shape {
+        batch,
+        s_q,
+        s_kv,
+        heads,
+        head_dim,
+        masking,
+    };
+    out.fill(0.0);
+    shape.run(q, k, v, out);
+    Ok(())
+}
