@@ -1392,6 +1392,18 @@ fn a_pipeline_with_hub_kernels_spliced_in_gives_the_same_image() {
     }
 }
 
+/// `len` values spread evenly over `[-width / 2, width / 2)` from a 64-bit LCG at `seed`.
+fn uniform(seed: &mut u64, len: usize, width: f32) -> Vec<f32> {
+    (0..len)
+        .map(|_| {
+            *seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * width
+        })
+        .collect()
+}
+
 /// `x` `[n, c, h, w]` convolved with `w` `[o, c, k, k]` (stride `s`, padding `p`) in f64.
 fn conv2d_f64(
     x: &[f32],
@@ -1445,16 +1457,7 @@ fn compiled_convolutions_call_the_cpu_kernel_on_xla_cpu() {
     oxidiff::pipelines::host_kernels::install();
     let device = xla();
     let mut seed = 7u64;
-    let mut random = |len: usize| -> Vec<f32> {
-        (0..len)
-            .map(|_| {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    };
+    let mut random = |len: usize| uniform(&mut seed, len, 1.0);
     // (input, kernel, stride, padding)
     let cases: [([usize; 4], [usize; 4], usize, usize); 4] = [
         ([2, 5, 13, 11], [7, 5, 3, 3], 1, 1),
@@ -1591,16 +1594,7 @@ fn compiled_attention_calls_the_cpu_kernel_on_xla_cpu() {
     oxidiff::pipelines::host_kernels::install();
     let device = xla();
     let mut seed = 11u64;
-    let mut random = |len: usize| -> Vec<f32> {
-        (0..len)
-            .map(|_| {
-                seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    };
+    let mut random = |len: usize| uniform(&mut seed, len, 2.0);
     // ([batch, heads, queries, keys, dim], causal, scale, through the kernel)
     let cases = [
         ([2, 3, 37, 29, 40], false, None, true),

@@ -380,3 +380,70 @@ fn winograd_tilings_match_f64_on_odd_shapes() {
         }
     }
 }
+
+/// The slice entry points a compiled program's host kernels call (`conv2d_f32_slices`,
+/// `attention_f32_slices`) refuse buffers whose lengths do not match the shapes they are
+/// given, and shapes that are not a convolution, with an error rather than a panic or a read
+/// out of bounds; matching buffers give the tensor kernel's result.
+#[test]
+fn slice_kernels_refuse_buffers_that_do_not_match_their_shapes() {
+    use oxidiff_models::cpu::attention::{attention_f32_slices, Masking};
+    use oxidiff_models::cpu::conv::conv2d_f32_slices;
+    let geometry = ConvGeometry {
+        stride: 1,
+        padding: 1,
+    };
+    let (x, w) = (vec![0.5f32; 2 * 3 * 5 * 5], vec![0.25f32; 4 * 3 * 3 * 3]);
+    let mut out = vec![0.0f32; 2 * 4 * 5 * 5];
+    let conv = |x: &[f32], w: &[f32], wd: [usize; 4], out: &mut [f32]| {
+        conv2d_f32_slices(x, [2, 3, 5, 5], w, wd, geometry, out)
+    };
+    assert!(conv(&x[1..], &w, [4, 3, 3, 3], &mut out)
+        .unwrap_err()
+        .contains("input"));
+    assert!(conv(&x, &w[1..], [4, 3, 3, 3], &mut out)
+        .unwrap_err()
+        .contains("kernel"));
+    assert!(conv(&x, &w, [4, 3, 3, 3], &mut out[1..])
+        .unwrap_err()
+        .contains("output"));
+    assert!(
+        conv(&x, &w, [4, 2, 3, 3], &mut out).is_err(),
+        "channels differ"
+    );
+    assert!(conv(&x, &w, [4, 3, 3, 2], &mut out).is_err(), "not square");
+    out.fill(f32::NAN);
+    conv(&x, &w, [4, 3, 3, 3], &mut out).unwrap();
+    // The centre of a plane sees all 27 taps: 27 * 0.5 * 0.25.
+    assert_eq!(out[2 * 5 + 2], 3.375);
+    assert!(
+        out.iter().all(|v| v.is_finite()),
+        "the output is overwritten, not added to"
+    );
+
+    let q = vec![0.1f32; 2 * 3 * 8];
+    let mut o = vec![0.0f32; q.len()];
+    let attend = |k: &[f32], o: &mut [f32], masking| {
+        attention_f32_slices(&q, k, k, [2, 3, 3, 2, 4], masking, o)
+    };
+    assert!(attend(&q[1..], &mut o, Masking::None)
+        .unwrap_err()
+        .contains("keys"));
+    assert!(attend(&q, &mut o[1..], Masking::None)
+        .unwrap_err()
+        .contains("output"));
+    assert!(attention_f32_slices(
+        &q,
+        &q[..16],
+        &q[..16],
+        [2, 3, 2, 2, 4],
+        Masking::Causal,
+        &mut o
+    )
+    .is_err());
+    attend(&q, &mut o, Masking::None).unwrap();
+    assert!(
+        o.iter().all(|v| (v - 0.1).abs() < 1e-6),
+        "uniform values attend to themselves"
+    );
+}

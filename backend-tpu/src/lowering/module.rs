@@ -272,14 +272,7 @@ impl Lowerer {
                 w.ty.mlir(),
                 ty.mlir()
             );
-            let mut y = Value { name: result, ty };
-            if let Some(bias) = bias {
-                let b = self.input(bias)?;
-                let b = self.convert(&b, y.ty.elem);
-                let b = self.broadcast_in_dim(&b, &out.shape.to_vec(), &[1]);
-                y = self.binary("stablehlo.add", &y, &b);
-            }
-            return self.bind(out, y);
+            return self.bind_with_bias(Value { name: result, ty }, bias, out);
         }
         let spatial = (0..stride.len()).map(|i| i.to_string()).collect::<Vec<_>>();
         let layout = |a: &str, b: &str| format!("[{a}, {b}, {}]", spatial.join(", "));
@@ -317,11 +310,20 @@ impl Lowerer {
             w.ty.mlir(),
             ty.mlir()
         );
-        let mut y = Value { name: result, ty };
+        self.bind_with_bias(Value { name: result, ty }, bias, out)
+    }
+
+    /// Binds `out` to the convolution result `y` plus `bias` (per channel, dimension 1).
+    fn bind_with_bias(
+        &mut self,
+        mut y: Value,
+        bias: Option<&TensorIr>,
+        out: &TensorIr,
+    ) -> Result<()> {
         if let Some(bias) = bias {
             let b = self.input(bias)?;
             let b = self.convert(&b, y.ty.elem);
-            let b = self.broadcast_in_dim(&b, &dims, &[1]);
+            let b = self.broadcast_in_dim(&b, &y.ty.dims.clone(), &[1]);
             y = self.binary("stablehlo.add", &y, &b);
         }
         self.bind(out, y)
