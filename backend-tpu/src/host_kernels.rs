@@ -122,7 +122,7 @@ struct Registry {
     kernels: Vec<HostKernel>,
     registered: HashSet<(std::path::PathBuf, &'static str)>,
     /// Calls run, by slot.
-    calls: [u64; 8],
+    calls: [u64; SLOTS],
 }
 
 struct Shared(Mutex<Registry>);
@@ -142,14 +142,14 @@ fn lock() -> std::sync::MutexGuard<'static, Registry> {
 
 /// Installs `kernel`: registers it with every XLA CPU plugin loaded now, and with each one
 /// loaded later. Installing a target again is a no-op. Returns whether a slot was free
-/// (a process has [`TRAMPOLINES`]`.len()` of them).
+/// (a process has [`SLOTS`] of them).
 pub fn install(kernel: HostKernel) -> bool {
     {
         let mut registry = lock();
         if registry.kernels.iter().any(|k| k.target == kernel.target) {
             return true;
         }
-        if registry.kernels.len() == TRAMPOLINES.len() {
+        if registry.kernels.len() == SLOTS {
             return false;
         }
         registry.kernels.push(kernel);
@@ -501,7 +501,9 @@ unsafe extern "C" fn trampoline<const K: usize>(frame: *mut c_void) -> *mut c_vo
 /// One handler per slot: XLA's call frame does not name the target, so each installed kernel
 /// gets a function of its own.
 type Handler = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
-const TRAMPOLINES: [Handler; 8] = [
+/// How many kernels a process can install.
+const SLOTS: usize = 8;
+const TRAMPOLINES: [Handler; SLOTS] = [
     trampoline::<0>,
     trampoline::<1>,
     trampoline::<2>,
