@@ -1404,6 +1404,32 @@ fn uniform(seed: &mut u64, len: usize, width: f32) -> Vec<f32> {
         .collect()
 }
 
+const ALONE_ENV: &str = "OXIDIFF_COMPILED_MODE_ALONE";
+
+/// The host kernels' call counts are process-wide, and other tests of this binary call the same
+/// kernels at the same time: a test that counts calls runs again, alone, in a child process.
+/// True in that child; in the parent, runs the child, asserts that it passed, and is false.
+fn alone_in_a_child(test: &str) -> bool {
+    if std::env::var(ALONE_ENV).as_deref() == Ok(test) {
+        return true;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(ALONE_ENV, test)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    eprint!("{stderr}");
+    assert!(
+        out.status.success() && stdout.contains("test result: ok. 1 passed"),
+        "{test}, alone in a child process, failed:\n{stdout}\n{stderr}"
+    );
+    false
+}
+
 /// `x` `[n, c, h, w]` convolved with `w` `[o, c, k, k]` (stride `s`, padding `p`) in f64.
 fn conv2d_f64(
     x: &[f32],
@@ -1451,7 +1477,7 @@ fn compiled_convolutions_call_the_cpu_kernel_on_xla_cpu() {
     use burn::tensor::ops::ConvOptions;
     use oxidiff::backend::host_kernels::{self, CONV2D_F32};
     use oxidiff::backend::CompiledFn;
-    if skip() {
+    if skip() || !alone_in_a_child("compiled_convolutions_call_the_cpu_kernel_on_xla_cpu") {
         return;
     }
     oxidiff::pipelines::host_kernels::install();
@@ -1588,7 +1614,7 @@ fn compiled_attention_calls_the_cpu_kernel_on_xla_cpu() {
     use burn::tensor::ops::AttentionModuleOptions;
     use oxidiff::backend::host_kernels::{self, ATTENTION_F32};
     use oxidiff::backend::CompiledFn;
-    if skip() {
+    if skip() || !alone_in_a_child("compiled_attention_calls_the_cpu_kernel_on_xla_cpu") {
         return;
     }
     oxidiff::pipelines::host_kernels::install();
