@@ -31,6 +31,14 @@ pub const CONV2D_F32: &str = "oxidiff_conv2d_f32";
 /// `causal` (0 or 1, causal only with `s_q == s_kv`); result as the queries.
 pub const ATTENTION_F32: &str = "oxidiff_attention_f32";
 
+/// The custom-call target of an f32 matrix product `a b`: `a` `[m, k]`, `b` `[k, n]`; result
+/// `[m, n]`. No attributes.
+pub const MATMUL_F32: &str = "oxidiff_matmul_f32";
+
+/// Every target the lowering knows how to call ([`Lowerer::with_host_kernels`](
+/// crate::lowering::Lowerer::with_host_kernels)).
+pub const TARGETS: [&str; 3] = [CONV2D_F32, ATTENTION_F32, MATMUL_F32];
+
 /// What a host kernel computes: reads `call.args`, writes every buffer of `call.results`.
 pub type HostKernelFn = fn(&mut HostCall<'_>) -> Result<(), String>;
 

@@ -382,7 +382,7 @@ fn winograd_tilings_match_f64_on_odd_shapes() {
 }
 
 /// The slice entry points a compiled program's host kernels call (`conv2d_f32_slices`,
-/// `attention_f32_slices`) refuse buffers whose lengths do not match the shapes they are
+/// `attention_f32_slices`, `matmul_f32_slices`) refuse buffers whose lengths do not match the shapes they are
 /// given, and shapes that are not a convolution, with an error rather than a panic or a read
 /// out of bounds; matching buffers give the tensor kernel's result.
 #[test]
@@ -446,4 +446,22 @@ fn slice_kernels_refuse_buffers_that_do_not_match_their_shapes() {
         o.iter().all(|v| (v - 0.1).abs() < 1e-6),
         "uniform values attend to themselves"
     );
+
+    // [3, 5] x [5, 2]: a[i][j] = i + j, b[j][c] = c + 1.
+    use oxidiff_models::cpu::linear::matmul_f32_slices;
+    let a: Vec<f32> = (0..15).map(|i| (i / 5 + i % 5) as f32).collect();
+    let b: Vec<f32> = (0..10).map(|i| (i % 2 + 1) as f32).collect();
+    let mut p = vec![f32::NAN; 6];
+    assert!(matmul_f32_slices(&a[1..], &b, [3, 5, 2], &mut p)
+        .unwrap_err()
+        .contains("left side"));
+    assert!(matmul_f32_slices(&a, &b[1..], [3, 5, 2], &mut p)
+        .unwrap_err()
+        .contains("right side"));
+    assert!(matmul_f32_slices(&a, &b, [3, 5, 2], &mut p[1..])
+        .unwrap_err()
+        .contains("output"));
+    matmul_f32_slices(&a, &b, [3, 5, 2], &mut p).unwrap();
+    // Row i sums 5 i + 10, times 1 and 2; the NaNs were overwritten.
+    assert_eq!(p, [10.0, 20.0, 15.0, 30.0, 20.0, 40.0]);
 }

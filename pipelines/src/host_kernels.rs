@@ -1,11 +1,15 @@
 //! oxidiff's CPU kernels as host kernels of compiled programs on XLA's CPU plugin
 //! ([`oxidiff_backend_tpu::host_kernels`]): compiled mode installs them before its first
-//! trace, so a program for `xla:cpu` runs its f32 convolutions and attention in the CPU
-//! backend's kernels (Winograd, im2col; flash attention) instead of XLA's.
+//! trace, so a program for `xla:cpu` runs its f32 convolutions, attention and matrix products
+//! in the CPU backend's kernels (Winograd, im2col; flash attention; the `gemm` crate) instead
+//! of XLA's.
 
-use oxidiff_backend_tpu::host_kernels::{self, HostCall, HostKernel, ATTENTION_F32, CONV2D_F32};
+use oxidiff_backend_tpu::host_kernels::{
+    self, HostCall, HostKernel, ATTENTION_F32, CONV2D_F32, MATMUL_F32,
+};
 use oxidiff_models::cpu::attention::{attention_f32_slices, Masking};
 use oxidiff_models::cpu::conv::{conv2d_f32_slices, ConvGeometry};
+use oxidiff_models::cpu::linear::matmul_f32_slices;
 
 /// Installs the host kernels (once per process; later calls return at once).
 pub fn install() {
@@ -19,6 +23,10 @@ pub fn install() {
             target: ATTENTION_F32,
             run: attention_f32,
         });
+        host_kernels::install(HostKernel {
+            target: MATMUL_F32,
+            run: matmul_f32,
+        });
     });
 }
 
@@ -28,7 +36,7 @@ fn conv2d_f32(call: &mut HostCall<'_>) -> Result<(), String> {
     let [x, weight] = &call.args[..] else {
         return Err(format!("{} operands, expected 2", call.args.len()));
     };
-    let (x_dims, w_dims) = (rank4(x.shape(), "input")?, rank4(weight.shape(), "kernel")?);
+    let (x_dims, w_dims) = (dims(x.shape(), "input")?, dims(weight.shape(), "kernel")?);
     let attr = |name| {
         call.attr(name)
             .and_then(|v| usize::try_from(v).map_err(|_| format!("{name} is {v}")))
@@ -50,8 +58,8 @@ fn attention_f32(call: &mut HostCall<'_>) -> Result<(), String> {
     let [q, k, v] = &call.args[..] else {
         return Err(format!("{} operands, expected 3", call.args.len()));
     };
-    let [batch, s_q, heads, head_dim] = rank4(q.shape(), "queries")?;
-    let [_, s_kv, _, _] = rank4(k.shape(), "keys")?;
+    let [batch, s_q, heads, head_dim] = dims(q.shape(), "queries")?;
+    let [_, s_kv, _, _] = dims(k.shape(), "keys")?;
     let masking = match call.attr("causal")? {
         0 => Masking::None,
         _ => Masking::Causal,
@@ -64,9 +72,28 @@ fn attention_f32(call: &mut HostCall<'_>) -> Result<(), String> {
     attention_f32_slices(q, k, v, dims, masking, out.f32s_mut()?)
 }
 
-/// `shape` as four dimensions, or an error naming `what`.
-fn rank4(shape: Vec<usize>, what: &str) -> Result<[usize; 4], String> {
+/// [`MATMUL_F32`]: `a` `[m, k]`, `b` `[k, n]`; one result `[m, n]`.
+fn matmul_f32(call: &mut HostCall<'_>) -> Result<(), String> {
+    let [a, b] = &call.args[..] else {
+        return Err(format!("{} operands, expected 2", call.args.len()));
+    };
+    let ([m, k], [k_b, n]) = (
+        dims(a.shape(), "left side")?,
+        dims(b.shape(), "right side")?,
+    );
+    if k != k_b {
+        return Err(format!("a [{m}, {k}] x [{k_b}, {n}] product"));
+    }
+    let (a, b) = (a.f32s()?, b.f32s()?);
+    let [out] = &mut call.results[..] else {
+        return Err("expected one result".into());
+    };
+    matmul_f32_slices(a, b, [m, k, n], out.f32s_mut()?)
+}
+
+/// `shape` as `N` dimensions, or an error naming `what`.
+fn dims<const N: usize>(shape: Vec<usize>, what: &str) -> Result<[usize; N], String> {
     shape
         .try_into()
-        .map_err(|s: Vec<usize>| format!("the {what} has rank {}, expected 4", s.len()))
+        .map_err(|s: Vec<usize>| format!("the {what} has rank {}, expected {N}", s.len()))
 }

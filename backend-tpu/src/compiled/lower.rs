@@ -4,8 +4,8 @@
 use burn_ir::{OperationIr, TensorId, TensorIr};
 
 use super::tensors::Tensors;
-use super::{host_kernels, kernels_last, CompileError, CompiledFn};
-use crate::host_kernels::{available, ATTENTION_F32, CONV2D_F32};
+use super::{host_kernel_allowed, kernels_last, CompileError, CompiledFn};
+use crate::host_kernels::{available, TARGETS};
 use crate::kernels::AttentionKernels;
 use crate::lowering::{LowerError, LoweredFunction, Lowerer};
 
@@ -32,10 +32,11 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         } else {
             Lowerer::new()
         };
-        if self.spmd.is_none() && host_kernels() {
+        if self.spmd.is_none() {
             lowerer = lowerer.with_host_kernels(
-                available(plugin, CONV2D_F32),
-                available(plugin, ATTENTION_F32),
+                TARGETS
+                    .into_iter()
+                    .filter(|target| host_kernel_allowed(target) && available(plugin, target)),
             );
         }
         if let Some(kernels) = AttentionKernels::from_env(device_kind) {

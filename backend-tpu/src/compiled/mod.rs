@@ -85,12 +85,20 @@ pub(crate) fn compiles() -> &'static AtomicU64 {
         .0
 }
 
-/// Environment variable: `0` keeps compiled programs on XLA's CPU plugin on XLA's own
-/// convolutions instead of oxidiff's host kernels ([`crate::host_kernels`]), for comparisons.
+/// Environment variable, for comparisons: `0` keeps compiled programs on XLA's CPU plugin on
+/// XLA's own lowering instead of oxidiff's host kernels ([`crate::host_kernels`]); a
+/// comma-separated list of custom-call targets (such as `oxidiff_conv2d_f32`) keeps those
+/// alone. Unset, every kernel the plugin registered is called.
 pub const HOST_KERNELS_ENV: &str = "OXIDIFF_HOST_KERNELS";
 
-fn host_kernels() -> bool {
-    std::env::var(HOST_KERNELS_ENV).map_or(true, |v| v != "0")
+/// Whether programs may call the host kernel `target`, as [`HOST_KERNELS_ENV`] says.
+fn host_kernel_allowed(target: &str) -> bool {
+    match std::env::var(HOST_KERNELS_ENV) {
+        Err(_) => true,
+        Ok(v) if v == "0" => false,
+        Ok(v) if v == "1" => true,
+        Ok(list) => list.split(',').any(|t| t.trim() == target),
+    }
 }
 
 fn kernels_last() -> bool {

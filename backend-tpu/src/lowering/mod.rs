@@ -233,12 +233,8 @@ pub struct Lowerer {
     /// The mesh of a partitioned program whose kernel calls run per device
     /// ([`Lowerer::with_kernels_over`]).
     kernel_mesh: Option<crate::spmd::Mesh>,
-    /// Whether f32 2-D convolutions call the host kernel
-    /// [`CONV2D_F32`](crate::host_kernels::CONV2D_F32) ([`Lowerer::with_host_kernels`]).
-    host_conv: bool,
-    /// Whether f32 attention calls the host kernel
-    /// [`ATTENTION_F32`](crate::host_kernels::ATTENTION_F32).
-    host_attention: bool,
+    /// The host kernels' custom-call targets the ops may call ([`Lowerer::with_host_kernels`]).
+    host_targets: Vec<&'static str>,
 }
 
 /// Lowers one op into a function of its own (eager mode).
@@ -285,14 +281,20 @@ impl Lowerer {
         }
     }
 
-    /// This lowerer with f32 2-D convolutions (`conv`) and f32 attention (`attention`)
-    /// lowered to custom calls of oxidiff's host kernels ([`crate::host_kernels`]), for XLA's
-    /// CPU plugin when it registered them. Such a convolution takes its kernel in Burn's
-    /// layout, never [`Argument::Permuted`].
-    pub fn with_host_kernels(mut self, conv: bool, attention: bool) -> Self {
-        self.host_conv = conv;
-        self.host_attention = attention;
+    /// This lowerer with the ops that the host kernels `targets` compute lowered to custom
+    /// calls of them ([`crate::host_kernels`]; for XLA's CPU plugin, the targets it
+    /// registered): f32 2-D convolutions ([`CONV2D_F32`](crate::host_kernels::CONV2D_F32)),
+    /// f32 attention ([`ATTENTION_F32`](crate::host_kernels::ATTENTION_F32)) and f32 products
+    /// with a 2-D right side ([`MATMUL_F32`](crate::host_kernels::MATMUL_F32)). Such a
+    /// convolution takes its kernel in Burn's layout, never [`Argument::Permuted`].
+    pub fn with_host_kernels(mut self, targets: impl IntoIterator<Item = &'static str>) -> Self {
+        self.host_targets = targets.into_iter().collect();
         self
+    }
+
+    /// Whether ops may call the host kernel `target`.
+    fn host_kernel(&self, target: &str) -> bool {
+        self.host_targets.contains(&target)
     }
 
     /// This lowerer with attention lowered to the hub's kernels where one matches (the

@@ -27,6 +27,13 @@ impl Lowerer {
             a.ty.dims[rank - 1],
             b.ty.dims[rank - 1],
         );
+        if b.ty.dims[..rank - 2].iter().all(|&d| d == 1) {
+            let a = self.broadcast(&a, &[batch, &[m, k]].concat());
+            let rhs = self.reshape(&b, &[k, n]);
+            if let Some(y) = self.host_matmul(&a, &rhs) {
+                return self.bind(out, y);
+            }
+        }
         let a = self.broadcast(&a, &[batch, &[m, k]].concat());
         let b = self.broadcast(&b, &[batch, &[k, n]].concat());
         let b = self.convert(&b, a.ty.elem);
@@ -39,6 +46,42 @@ impl Lowerer {
             out_dims,
         );
         self.bind(out, y)
+    }
+
+    /// `x w` for `x` `[..., k]` and `w` `[k, n]` as a call of the host kernel
+    /// [`MATMUL_F32`](crate::host_kernels::MATMUL_F32) on `x`'s rows (its leading dimensions
+    /// flattened): both f32, at least one row, one output and one input. `None` (for
+    /// `dot_general`) otherwise, or when the lowerer may not call the kernel.
+    fn host_matmul(&mut self, x: &Value, w: &Value) -> Option<Value> {
+        let rank = x.ty.rank();
+        let takes = self.host_kernel(crate::host_kernels::MATMUL_F32)
+            && x.ty.elem == ElementType::F32
+            && w.ty.elem == ElementType::F32
+            && rank >= 1
+            && w.ty.rank() == 2
+            && x.ty.dims[rank - 1] == w.ty.dims[0]
+            && x.ty.dims.iter().chain(&w.ty.dims).all(|&d| d > 0);
+        if !takes {
+            return None;
+        }
+        let (k, n) = (w.ty.dims[0], w.ty.dims[1]);
+        let m = x.ty.dims[..rank - 1].iter().product::<usize>();
+        let rows = self.reshape(x, &[m, k]);
+        let ty = x.ty.with_dims(vec![m, n]);
+        let result = self.fresh();
+        let _ = writeln!(
+            self.body,
+            "    {result} = stablehlo.custom_call @{}({}, {}) {{api_version = 4 : i32}} : ({}, {}) -> {}",
+            crate::host_kernels::MATMUL_F32,
+            rows.name,
+            w.name,
+            rows.ty.mlir(),
+            w.ty.mlir(),
+            ty.mlir()
+        );
+        let mut dims = x.ty.dims.clone();
+        dims[rank - 1] = n;
+        Some(self.reshape(&Value { name: result, ty }, &dims))
     }
 
     pub(super) fn lower_module(&mut self, op: &ModuleOperationIr) -> Result<()> {
@@ -70,7 +113,10 @@ impl Lowerer {
                 let mut dims = x.ty.dims.clone();
                 let outputs = w.ty.dims[1];
                 dims[rank - 1] = outputs;
-                let mut y = self.dot_general(&x, &w, (&[], &[]), (&[rank - 1], &[0]), dims.clone());
+                let mut y = match self.host_matmul(&x, &w) {
+                    Some(y) => y,
+                    None => self.dot_general(&x, &w, (&[], &[]), (&[rank - 1], &[0]), dims.clone()),
+                };
                 if let Some(bias) = &d.bias {
                     let b = self.input(bias)?;
                     let b = self.broadcast_in_dim(&b, &dims, &[rank - 1]);
@@ -342,7 +388,7 @@ impl Lowerer {
         groups: usize,
     ) -> bool {
         let w = &weight.shape;
-        self.host_conv
+        self.host_kernel(crate::host_kernels::CONV2D_F32)
             && stride.len() == 2
             && x.ty.elem == ElementType::F32
             && super::element_type(weight.dtype) == Some(ElementType::F32)
@@ -605,7 +651,7 @@ impl Lowerer {
             Some(ScalarIr::Float(scale)) => (scale - default_scale).abs() <= 1e-12 * default_scale,
             Some(_) => false,
         };
-        let takes = self.host_attention
+        let takes = self.host_kernel(crate::host_kernels::ATTENTION_F32)
             && scale_ok
             && d.mask.is_none()
             && d.attn_bias.is_none()

@@ -326,3 +326,64 @@ fn packed_weight(weight: &FlexTensor) -> Arc<PackedB> {
         PackedB::from_rows(contiguous.storage::<bf16>(), n, k, n)
     })
 }
+
+/// `a b` on plain slices, for buffers that are not Burn tensors (a compiled program's on XLA's
+/// CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `a` `[m, k]` and `b` `[k, n]`,
+/// contiguous, into `out` `[m, n]`, which is overwritten; the `gemm` crate on rayon's pool, as
+/// Burn's matmul on burn-flex computes the products with many rows.
+pub fn matmul_f32_slices(
+    a: &[f32],
+    b: &[f32],
+    [m, k, n]: [usize; 3],
+    out: &mut [f32],
+) -> Result<(), String> {
+    let lengths = [
+        (a.len(), m * k, "left side"),
+        (b.len(), k * n, "right side"),
+        (out.len(), m * n, "output"),
+    ];
+    if let Some((len, expected, what)) = lengths.iter().find(|(len, expected, _)| len != expected) {
+        return Err(format!(
+            "the {what} of a [{m}, {k}] x [{k}, {n}] product holds {len} values, its shape {expected}"
+        ));
+    }
+    if out.is_empty() {
+        return Ok(());
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the three buffers hold their shapes (checked above), row-major; `out` is written
+    // by this call alone (`&mut`), and `read_dst` is false, so its old values are not read.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    };
+    Ok(())
+}
