@@ -190,9 +190,9 @@ impl<B: Backend> ControlNetConditioningEmbedding<B> {
     }
 
     pub(crate) fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let mut x = burn::tensor::activation::silu(self.conv_in.forward(x));
+        let mut x = crate::nn::silu(self.conv_in.forward(x));
         for block in &self.blocks {
-            x = burn::tensor::activation::silu(block.forward(x));
+            x = crate::nn::silu(block.forward(x));
         }
         self.conv_out.forward(x)
     }

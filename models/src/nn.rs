@@ -466,13 +466,28 @@ impl Activation {
             Err(x) => x,
         };
         match self {
-            Self::Silu => activation::silu(x),
+            Self::Silu => silu(x),
             Self::Gelu => activation::gelu(x),
             Self::GeluTanh => activation::gelu_approximate(x),
-            Self::QuickGelu => x.clone() * activation::sigmoid(x.mul_scalar(1.702)),
+            Self::QuickGelu => x.clone() * sigmoid(x.mul_scalar(1.702)),
             Self::Relu => activation::relu(x),
         }
     }
+}
+
+/// `1 / (1 + e^-x)` in f32 whatever `x`'s dtype, as Burn's own sigmoid, but in one
+/// exponential: Burn's default (which the PJRT backends get) is `exp(-log(1 + exp(-x)))`, two
+/// exponentials and a logarithm per element, which a compiled program cannot simplify since
+/// its scalars are runtime inputs. Where `e^-x` overflows the result is 0, as it should be.
+pub fn sigmoid<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let dtype = crate::dtype::dtype_of(&x);
+    let x = crate::dtype::cast_to(x, FloatDType::F32);
+    crate::dtype::cast_to(x.neg().exp().add_scalar(1.0).recip(), dtype)
+}
+
+/// `x * sigmoid(x)` through [`sigmoid`].
+pub fn silu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    x.clone() * sigmoid(x)
 }
 
 /// Layer norm over the last dimension without learned parameters
