@@ -1469,7 +1469,7 @@ fn conv2d_f64(
 /// (a typed XLA FFI custom call, `oxidiff::pipelines::host_kernels`): each shape below, on odd
 /// sizes, through im2col (small planes, stride 2, a 1x1 kernel) and Winograd F(4x4, 3x3) (a
 /// 40x36 plane), matches an f64 convolution within 1e-5 of its largest output, with the bias
-/// added by XLA after the call; the kernel runs once per convolution per call. A grouped
+/// (an operand of the call) added; the kernel runs once per convolution per call. A grouped
 /// convolution, which the kernel does not take, stays on XLA's own lowering and matches too.
 #[test]
 fn compiled_convolutions_call_the_cpu_kernel_on_xla_cpu() {

@@ -20,10 +20,10 @@ use std::sync::{Mutex, OnceLock};
 
 use crate::pjrt::{ElementType, PluginKind};
 
-/// The custom-call target of a 2-D f32 convolution in NCHW with an OIHW square kernel, no bias,
+/// The custom-call target of a 2-D f32 convolution in NCHW with an OIHW square kernel,
 /// one group, dilation 1; attributes `stride` and `padding` (the same in both dimensions).
-/// Operands: input `[n, c_in, h, w]`, kernel `[c_out, c_in, k, k]`; result `[n, c_out, h_out,
-/// w_out]`.
+/// Operands: input `[n, c_in, h, w]`, kernel `[c_out, c_in, k, k]`, optionally a bias
+/// `[c_out]`; result `[n, c_out, h_out, w_out]`.
 pub const CONV2D_F32: &str = "oxidiff_conv2d_f32";
 
 /// The custom-call target of f32 softmax attention scaled by `1 / sqrt(head_dim)`: queries
@@ -31,8 +31,8 @@ pub const CONV2D_F32: &str = "oxidiff_conv2d_f32";
 /// `causal` (0 or 1, causal only with `s_q == s_kv`); result as the queries.
 pub const ATTENTION_F32: &str = "oxidiff_attention_f32";
 
-/// The custom-call target of an f32 matrix product `a b`: `a` `[m, k]`, `b` `[k, n]`; result
-/// `[m, n]`. No attributes.
+/// The custom-call target of an f32 matrix product `a b (+ bias)`: `a` `[m, k]`, `b` `[k, n]`,
+/// optionally a bias `[n]`; result `[m, n]`. No attributes.
 pub const MATMUL_F32: &str = "oxidiff_matmul_f32";
 
 /// Every target the lowering knows how to call ([`Lowerer::with_host_kernels`](

@@ -396,7 +396,7 @@ fn slice_kernels_refuse_buffers_that_do_not_match_their_shapes() {
     let (x, w) = (vec![0.5f32; 2 * 3 * 5 * 5], vec![0.25f32; 4 * 3 * 3 * 3]);
     let mut out = vec![0.0f32; 2 * 4 * 5 * 5];
     let conv = |x: &[f32], w: &[f32], wd: [usize; 4], out: &mut [f32]| {
-        conv2d_f32_slices(x, [2, 3, 5, 5], w, wd, geometry, out)
+        conv2d_f32_slices(x, [2, 3, 5, 5], w, wd, None, geometry, out)
     };
     assert!(conv(&x[1..], &w, [4, 3, 3, 3], &mut out)
         .unwrap_err()
@@ -412,6 +412,24 @@ fn slice_kernels_refuse_buffers_that_do_not_match_their_shapes() {
         "channels differ"
     );
     assert!(conv(&x, &w, [4, 3, 3, 2], &mut out).is_err(), "not square");
+    let bias = [1.0, 2.0, 3.0, 4.0];
+    let conv_bias = |bias: &[f32], out: &mut [f32]| {
+        conv2d_f32_slices(
+            &x,
+            [2, 3, 5, 5],
+            &w,
+            [4, 3, 3, 3],
+            Some(bias),
+            geometry,
+            out,
+        )
+    };
+    assert!(conv_bias(&bias[1..], &mut out)
+        .unwrap_err()
+        .contains("bias"));
+    conv_bias(&bias, &mut out).unwrap();
+    // The centre of the last channel's plane of the second sample: 3.375 plus its bias.
+    assert_eq!(out[(2 * 4 - 1) * 25 + 2 * 5 + 2], 3.375 + 4.0);
     out.fill(f32::NAN);
     conv(&x, &w, [4, 3, 3, 3], &mut out).unwrap();
     // The centre of a plane sees all 27 taps: 27 * 0.5 * 0.25.
@@ -452,16 +470,22 @@ fn slice_kernels_refuse_buffers_that_do_not_match_their_shapes() {
     let a: Vec<f32> = (0..15).map(|i| (i / 5 + i % 5) as f32).collect();
     let b: Vec<f32> = (0..10).map(|i| (i % 2 + 1) as f32).collect();
     let mut p = vec![f32::NAN; 6];
-    assert!(matmul_f32_slices(&a[1..], &b, [3, 5, 2], &mut p)
+    assert!(matmul_f32_slices(&a[1..], &b, None, [3, 5, 2], &mut p)
         .unwrap_err()
         .contains("left side"));
-    assert!(matmul_f32_slices(&a, &b[1..], [3, 5, 2], &mut p)
+    assert!(matmul_f32_slices(&a, &b[1..], None, [3, 5, 2], &mut p)
         .unwrap_err()
         .contains("right side"));
-    assert!(matmul_f32_slices(&a, &b, [3, 5, 2], &mut p[1..])
+    assert!(matmul_f32_slices(&a, &b, None, [3, 5, 2], &mut p[1..])
         .unwrap_err()
         .contains("output"));
-    matmul_f32_slices(&a, &b, [3, 5, 2], &mut p).unwrap();
+    assert!(matmul_f32_slices(&a, &b, Some(&[1.0]), [3, 5, 2], &mut p)
+        .unwrap_err()
+        .contains("bias"));
+    matmul_f32_slices(&a, &b, None, [3, 5, 2], &mut p).unwrap();
     // Row i sums 5 i + 10, times 1 and 2; the NaNs were overwritten.
     assert_eq!(p, [10.0, 20.0, 15.0, 30.0, 20.0, 40.0]);
+    p.fill(f32::NAN);
+    matmul_f32_slices(&a, &b, Some(&[0.5, -1.0]), [3, 5, 2], &mut p).unwrap();
+    assert_eq!(p, [10.5, 19.0, 15.5, 29.0, 20.5, 39.0]);
 }

@@ -30,11 +30,13 @@ pub fn install() {
     });
 }
 
-/// [`CONV2D_F32`]: input `[n, c_in, h, w]`, kernel `[c_out, c_in, k, k]`, attributes `stride`
-/// and `padding`; one result `[n, c_out, h_out, w_out]`.
+/// [`CONV2D_F32`]: input `[n, c_in, h, w]`, kernel `[c_out, c_in, k, k]` and optionally a
+/// bias `[c_out]`, attributes `stride` and `padding`; one result `[n, c_out, h_out, w_out]`.
 fn conv2d_f32(call: &mut HostCall<'_>) -> Result<(), String> {
-    let [x, weight] = &call.args[..] else {
-        return Err(format!("{} operands, expected 2", call.args.len()));
+    let (x, weight, bias) = match &call.args[..] {
+        [x, weight] => (x, weight, None),
+        [x, weight, bias] => (x, weight, Some(bias.f32s()?)),
+        args => return Err(format!("{} operands, expected 2 or 3", args.len())),
     };
     let (x_dims, w_dims) = (dims(x.shape(), "input")?, dims(weight.shape(), "kernel")?);
     let attr = |name| {
@@ -49,7 +51,7 @@ fn conv2d_f32(call: &mut HostCall<'_>) -> Result<(), String> {
     let [out] = &mut call.results[..] else {
         return Err("expected one result".into());
     };
-    conv2d_f32_slices(x, x_dims, weight, w_dims, geometry, out.f32s_mut()?)
+    conv2d_f32_slices(x, x_dims, weight, w_dims, bias, geometry, out.f32s_mut()?)
 }
 
 /// [`ATTENTION_F32`]: queries `[batch, s_q, heads, head_dim]`, keys and values `[batch, s_kv,
@@ -72,10 +74,13 @@ fn attention_f32(call: &mut HostCall<'_>) -> Result<(), String> {
     attention_f32_slices(q, k, v, dims, masking, out.f32s_mut()?)
 }
 
-/// [`MATMUL_F32`]: `a` `[m, k]`, `b` `[k, n]`; one result `[m, n]`.
+/// [`MATMUL_F32`]: `a` `[m, k]`, `b` `[k, n]` and optionally a bias `[n]`; one result `[m,
+/// n]`.
 fn matmul_f32(call: &mut HostCall<'_>) -> Result<(), String> {
-    let [a, b] = &call.args[..] else {
-        return Err(format!("{} operands, expected 2", call.args.len()));
+    let (a, b, bias) = match &call.args[..] {
+        [a, b] => (a, b, None),
+        [a, b, bias] => (a, b, Some(bias.f32s()?)),
+        args => return Err(format!("{} operands, expected 2 or 3", args.len())),
     };
     let ([m, k], [k_b, n]) = (
         dims(a.shape(), "left side")?,
@@ -88,7 +93,7 @@ fn matmul_f32(call: &mut HostCall<'_>) -> Result<(), String> {
     let [out] = &mut call.results[..] else {
         return Err("expected one result".into());
     };
-    matmul_f32_slices(a, b, [m, k, n], out.f32s_mut()?)
+    matmul_f32_slices(a, b, bias, [m, k, n], out.f32s_mut()?)
 }
 
 /// `shape` as `N` dimensions, or an error naming `what`.

@@ -30,7 +30,7 @@ impl Lowerer {
         if b.ty.dims[..rank - 2].iter().all(|&d| d == 1) {
             let a = self.broadcast(&a, &[batch, &[m, k]].concat());
             let rhs = self.reshape(&b, &[k, n]);
-            if let Some(y) = self.host_matmul(&a, &rhs) {
+            if let Some(y) = self.host_matmul(&a, &rhs, None) {
                 return self.bind(out, y);
             }
         }
@@ -52,7 +52,7 @@ impl Lowerer {
     /// [`MATMUL_F32`](crate::host_kernels::MATMUL_F32) on `x`'s rows (its leading dimensions
     /// flattened): both f32, at least one row, one output and one input. `None` (for
     /// `dot_general`) otherwise, or when the lowerer may not call the kernel.
-    fn host_matmul(&mut self, x: &Value, w: &Value) -> Option<Value> {
+    fn host_matmul(&mut self, x: &Value, w: &Value, bias: Option<&Value>) -> Option<Value> {
         let rank = x.ty.rank();
         let takes = self.host_kernel(crate::host_kernels::MATMUL_F32)
             && x.ty.elem == ElementType::F32
@@ -68,20 +68,11 @@ impl Lowerer {
         let m = x.ty.dims[..rank - 1].iter().product::<usize>();
         let rows = self.reshape(x, &[m, k]);
         let ty = x.ty.with_dims(vec![m, n]);
-        let result = self.fresh();
-        let _ = writeln!(
-            self.body,
-            "    {result} = stablehlo.custom_call @{}({}, {}) {{api_version = 4 : i32}} : ({}, {}) -> {}",
-            crate::host_kernels::MATMUL_F32,
-            rows.name,
-            w.name,
-            rows.ty.mlir(),
-            w.ty.mlir(),
-            ty.mlir()
-        );
+        let operands = [Some(&rows), Some(w), bias].into_iter().flatten();
+        let y = self.host_call(crate::host_kernels::MATMUL_F32, operands, "", ty);
         let mut dims = x.ty.dims.clone();
         dims[rank - 1] = n;
-        Some(self.reshape(&Value { name: result, ty }, &dims))
+        Some(self.reshape(&y, &dims))
     }
 
     pub(super) fn lower_module(&mut self, op: &ModuleOperationIr) -> Result<()> {
@@ -113,11 +104,15 @@ impl Lowerer {
                 let mut dims = x.ty.dims.clone();
                 let outputs = w.ty.dims[1];
                 dims[rank - 1] = outputs;
-                let mut y = match self.host_matmul(&x, &w) {
-                    Some(y) => y,
-                    None => self.dot_general(&x, &w, (&[], &[]), (&[rank - 1], &[0]), dims.clone()),
+                let host_bias = self.host_bias(d.bias.as_ref(), outputs)?;
+                let (mut y, bias) = match self.host_matmul(&x, &w, host_bias.as_ref()) {
+                    Some(y) => (y, d.bias.as_ref().filter(|_| host_bias.is_none())),
+                    None => (
+                        self.dot_general(&x, &w, (&[], &[]), (&[rank - 1], &[0]), dims.clone()),
+                        d.bias.as_ref(),
+                    ),
                 };
-                if let Some(bias) = &d.bias {
+                if let Some(bias) = bias {
                     let b = self.input(bias)?;
                     let b = self.broadcast_in_dim(&b, &dims, &[rank - 1]);
                     y = self.binary("stablehlo.add", &y, &b);
@@ -304,21 +299,15 @@ impl Lowerer {
         let x = self.input(x)?;
         if self.host_convolution(&x, weight, stride, padding, dilation, groups) {
             let w = self.input(weight)?;
+            let b = self.host_bias(bias, w.ty.dims[0])?;
+            let operands = [Some(&x), Some(&w), b.as_ref()].into_iter().flatten();
             let ty = x.ty.with_dims(out.shape.to_vec());
-            let result = self.fresh();
-            let _ = writeln!(
-                self.body,
-                "    {result} = stablehlo.custom_call @{}({}, {}) {{api_version = 4 : i32, backend_config = {{padding = {} : i64, stride = {} : i64}}}} : ({}, {}) -> {}",
-                crate::host_kernels::CONV2D_F32,
-                x.name,
-                w.name,
-                padding[0],
-                stride[0],
-                x.ty.mlir(),
-                w.ty.mlir(),
-                ty.mlir()
+            let config = format!(
+                "backend_config = {{padding = {} : i64, stride = {} : i64}}",
+                padding[0], stride[0]
             );
-            return self.bind_with_bias(Value { name: result, ty }, bias, out);
+            let y = self.host_call(crate::host_kernels::CONV2D_F32, operands, &config, ty);
+            return self.bind_with_bias(y, bias.filter(|_| b.is_none()), out);
         }
         let spatial = (0..stride.len()).map(|i| i.to_string()).collect::<Vec<_>>();
         let layout = |a: &str, b: &str| format!("[{a}, {b}, {}]", spatial.join(", "));
@@ -373,6 +362,48 @@ impl Lowerer {
             y = self.binary("stablehlo.add", &y, &b);
         }
         self.bind(out, y)
+    }
+
+    /// `bias` as the f32 `[len]` operand of a host kernel, which adds it to its output; `None`
+    /// when there is no bias or it is not that (the caller adds it after the call).
+    fn host_bias(&mut self, bias: Option<&TensorIr>, len: usize) -> Result<Option<Value>> {
+        match bias {
+            Some(b)
+                if super::element_type(b.dtype) == Some(ElementType::F32)
+                    && b.shape.to_vec() == [len] =>
+            {
+                self.input(b).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// `stablehlo.custom_call @target(operands)` of a host kernel with one result of type `ty`
+    /// and the attributes `config` (empty, or `backend_config = {...}`).
+    fn host_call<'v>(
+        &mut self,
+        target: &str,
+        operands: impl Iterator<Item = &'v Value>,
+        config: &str,
+        ty: TensorType,
+    ) -> Value {
+        let operands: Vec<&Value> = operands.collect();
+        let names = operands.iter().map(|v| v.name.as_str()).collect::<Vec<_>>();
+        let types = operands.iter().map(|v| v.ty.mlir()).collect::<Vec<_>>();
+        let config = if config.is_empty() {
+            String::new()
+        } else {
+            format!(", {config}")
+        };
+        let result = self.fresh();
+        let _ = writeln!(
+            self.body,
+            "    {result} = stablehlo.custom_call @{target}({}) {{api_version = 4 : i32{config}}} : ({}) -> {}",
+            names.join(", "),
+            types.join(", "),
+            ty.mlir()
+        );
+        Value { name: result, ty }
     }
 
     /// Whether this convolution goes to the host kernel [`crate::host_kernels::CONV2D_F32`]

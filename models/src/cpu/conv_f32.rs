@@ -91,14 +91,7 @@ pub(crate) fn conv2d_nchw_f32(
     let mut out = vec![0.0f32; shape.n * shape.c_out * shape.h_out * shape.w_out];
     if let Some(bias) = bias {
         let bias = bias.to_contiguous();
-        let bias: &[f32] = bias.storage();
-        let plane_out = shape.h_out * shape.w_out;
-        for (channel, value) in out
-            .chunks_exact_mut(plane_out.max(1))
-            .zip(bias.iter().cycle())
-        {
-            channel.fill(*value);
-        }
+        fill_bias(&mut out, bias.storage(), &shape);
     }
     // F(2x2, 3x3)'s transform is kept with the tensor where it is small or replaces a mapped
     // weight ([`winograd::weight_f32`]).
@@ -111,16 +104,29 @@ pub(crate) fn conv2d_nchw_f32(
     )
 }
 
+/// Each output channel's plane of `out` `[n, c_out, h_out, w_out]` set to its `bias` value,
+/// which the kernels then add the convolution to.
+fn fill_bias(out: &mut [f32], bias: &[f32], shape: &ConvShape) {
+    let plane_out = shape.h_out * shape.w_out;
+    for (channel, value) in out
+        .chunks_exact_mut(plane_out.max(1))
+        .zip(bias.iter().cycle())
+    {
+        channel.fill(*value);
+    }
+}
+
 /// The kernel on plain slices, for buffers that are not Burn tensors (a compiled program's on
-/// XLA's CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `x` `[n, c_in, h, w]` and
-/// `weight` `[c_out, c_in, k, k]`, contiguous, into `out` `[n, c_out, h_out, w_out]`, which is
-/// overwritten. Winograd's weight transforms are made for the call. The same shapes give the
-/// same bits as [`conv2d_nchw_f32`] without a bias.
+/// XLA's CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `x` `[n, c_in, h, w]`,
+/// `weight` `[c_out, c_in, k, k]` and `bias` `[c_out]`, contiguous, into `out` `[n, c_out,
+/// h_out, w_out]`, which is overwritten. Winograd's weight transforms are made for the call.
+/// The same shapes give the same bits as [`conv2d_nchw_f32`].
 pub fn conv2d_f32_slices(
     x: &[f32],
     x_dims: [usize; 4],
     weight: &[f32],
     weight_dims: [usize; 4],
+    bias: Option<&[f32]>,
     geometry: ConvGeometry,
     out: &mut [f32],
 ) -> Result<(), String> {
@@ -147,6 +153,7 @@ pub fn conv2d_f32_slices(
     let lengths = [
         (x.len(), n * c_in * h * w, "input"),
         (weight.len(), c_out * c_in * k * k, "kernel"),
+        (bias.map_or(c_out, <[f32]>::len), c_out, "bias"),
         (out.len(), n * c_out * shape.h_out * shape.w_out, "output"),
     ];
     if let Some((len, expected, what)) = lengths.iter().find(|(len, expected, _)| len != expected) {
@@ -154,7 +161,10 @@ pub fn conv2d_f32_slices(
             "the {what} holds {len} values, its shape {expected}"
         ));
     }
-    out.fill(0.0);
+    match bias {
+        Some(bias) => fill_bias(out, bias, &shape),
+        None => out.fill(0.0),
+    }
     let f2 = |_| std::sync::Arc::new(winograd::transform_weight::<F2>(weight, c_out, c_in));
     convolve(x, weight, &shape, ConvPath::from_env(), f2, out);
     Ok(())

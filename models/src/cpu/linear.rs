@@ -327,19 +327,21 @@ fn packed_weight(weight: &FlexTensor) -> Arc<PackedB> {
     })
 }
 
-/// `a b` on plain slices, for buffers that are not Burn tensors (a compiled program's on XLA's
-/// CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `a` `[m, k]` and `b` `[k, n]`,
-/// contiguous, into `out` `[m, n]`, which is overwritten; the `gemm` crate on rayon's pool, as
-/// Burn's matmul on burn-flex computes the products with many rows.
+/// `a b + bias` on plain slices, for buffers that are not Burn tensors (a compiled program's
+/// on XLA's CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `a` `[m, k]`, `b` `[k,
+/// n]` and `bias` `[n]`, contiguous, into `out` `[m, n]`, which is overwritten; the `gemm`
+/// crate on rayon's pool, as Burn's matmul on burn-flex computes the products with many rows.
 pub fn matmul_f32_slices(
     a: &[f32],
     b: &[f32],
+    bias: Option<&[f32]>,
     [m, k, n]: [usize; 3],
     out: &mut [f32],
 ) -> Result<(), String> {
     let lengths = [
         (a.len(), m * k, "left side"),
         (b.len(), k * n, "right side"),
+        (bias.map_or(n, <[f32]>::len), n, "bias"),
         (out.len(), m * n, "output"),
     ];
     if let Some((len, expected, what)) = lengths.iter().find(|(len, expected, _)| len != expected) {
@@ -350,8 +352,21 @@ pub fn matmul_f32_slices(
     if out.is_empty() {
         return Ok(());
     }
+    // The products are added to the bias (`read_dst`), or written over `out`.
+    let read_dst = match bias {
+        Some(bias) => {
+            out.chunks_exact_mut(n)
+                .for_each(|row| row.copy_from_slice(bias));
+            true
+        }
+        None => {
+            if k == 0 {
+                out.fill(0.0);
+            }
+            false
+        }
+    };
     if k == 0 {
-        out.fill(0.0);
         return Ok(());
     }
     let threads = rayon::current_num_threads();
@@ -360,8 +375,8 @@ pub fn matmul_f32_slices(
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the three buffers hold their shapes (checked above), row-major; `out` is written
-    // by this call alone (`&mut`), and `read_dst` is false, so its old values are not read.
+    // SAFETY: the buffers hold their shapes (checked above), row-major; `out` is this call's
+    // alone (`&mut`), and holds the bias where `read_dst` has the products added to it.
     unsafe {
         gemm::gemm(
             m,
@@ -370,14 +385,14 @@ pub fn matmul_f32_slices(
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            read_dst,
             a.as_ptr(),
             1,
             k as isize,
             b.as_ptr(),
             1,
             n as isize,
-            0.0,
+            1.0,
             1.0,
             false,
             false,
