@@ -705,22 +705,14 @@ impl Lowerer {
             self.transpose(k, &swap),
             self.transpose(v, &swap),
         );
-        let ty = qt.ty.clone();
-        let result = self.fresh();
-        let _ = writeln!(
-            self.body,
-            "    {result} = stablehlo.custom_call @{}({}, {}, {}) {{api_version = 4 : i32, backend_config = {{causal = {} : i64}}}} : ({}, {}, {}) -> {}",
-            crate::host_kernels::ATTENTION_F32,
-            qt.name,
-            kt.name,
-            vt.name,
-            i64::from(d.options.is_causal),
-            qt.ty.mlir(),
-            kt.ty.mlir(),
-            vt.ty.mlir(),
-            ty.mlir()
+        let config = format!(
+            "backend_config = {{causal = {} : i64}}",
+            i64::from(d.options.is_causal)
         );
-        Some(self.transpose(&Value { name: result, ty }, &swap))
+        let ty = qt.ty.clone();
+        let operands = [&qt, &kt, &vt].into_iter();
+        let y = self.host_call(crate::host_kernels::ATTENTION_F32, operands, &config, ty);
+        Some(self.transpose(&y, &swap))
     }
 
     /// Attention as a call of the hub's flash attention kernel ([`Lowerer::with_kernels`]):
