@@ -27,12 +27,14 @@ impl Lowerer {
             a.ty.dims[rank - 1],
             b.ty.dims[rank - 1],
         );
-        if b.ty.dims[..rank - 2].iter().all(|&d| d == 1) {
+        // A right side shared by every batch (its batch dimensions all 1) is one matrix.
+        if b.ty.dims[..rank - 2].iter().all(|&d| d == 1)
+            && self.host_matmul_takes(&a.ty, &b.ty.with_dims(vec![k, n]))
+        {
             let a = self.broadcast(&a, &[batch, &[m, k]].concat());
             let rhs = self.reshape(&b, &[k, n]);
-            if let Some(y) = self.host_matmul(&a, &rhs, None) {
-                return self.bind(out, y);
-            }
+            let y = self.host_matmul(&a, &rhs, None);
+            return self.bind(out, y);
         }
         let a = self.broadcast(&a, &[batch, &[m, k]].concat());
         let b = self.broadcast(&b, &[batch, &[k, n]].concat());
@@ -48,22 +50,24 @@ impl Lowerer {
         self.bind(out, y)
     }
 
-    /// `x w` for `x` `[..., k]` and `w` `[k, n]` as a call of the host kernel
-    /// [`MATMUL_F32`](crate::host_kernels::MATMUL_F32) on `x`'s rows (its leading dimensions
-    /// flattened): both f32, at least one row, one output and one input. `None` (for
-    /// `dot_general`) otherwise, or when the lowerer may not call the kernel.
-    fn host_matmul(&mut self, x: &Value, w: &Value, bias: Option<&Value>) -> Option<Value> {
-        let rank = x.ty.rank();
-        let takes = self.host_kernel(crate::host_kernels::MATMUL_F32)
-            && x.ty.elem == ElementType::F32
-            && w.ty.elem == ElementType::F32
+    /// Whether `x w` for `x` `[..., k]` and `w` `[k, n]` goes to the host kernel
+    /// [`MATMUL_F32`](crate::host_kernels::MATMUL_F32) ([`Lowerer::with_host_kernels`]): both
+    /// f32, every dimension at least 1.
+    fn host_matmul_takes(&self, x: &TensorType, w: &TensorType) -> bool {
+        let rank = x.rank();
+        self.host_kernel(crate::host_kernels::MATMUL_F32)
+            && x.elem == ElementType::F32
+            && w.elem == ElementType::F32
             && rank >= 1
-            && w.ty.rank() == 2
-            && x.ty.dims[rank - 1] == w.ty.dims[0]
-            && x.ty.dims.iter().chain(&w.ty.dims).all(|&d| d > 0);
-        if !takes {
-            return None;
-        }
+            && w.rank() == 2
+            && x.dims[rank - 1] == w.dims[0]
+            && x.dims.iter().chain(&w.dims).all(|&d| d > 0)
+    }
+
+    /// `x w (+ bias)` as a call of the host kernel on `x`'s rows (its leading dimensions
+    /// flattened), where [`Self::host_matmul_takes`] holds.
+    fn host_matmul(&mut self, x: &Value, w: &Value, bias: Option<&Value>) -> Value {
+        let rank = x.ty.rank();
         let (k, n) = (w.ty.dims[0], w.ty.dims[1]);
         let m = x.ty.dims[..rank - 1].iter().product::<usize>();
         let rows = self.reshape(x, &[m, k]);
@@ -72,7 +76,7 @@ impl Lowerer {
         let y = self.host_call(crate::host_kernels::MATMUL_F32, operands, "", ty);
         let mut dims = x.ty.dims.clone();
         dims[rank - 1] = n;
-        Some(self.reshape(&y, &dims))
+        self.reshape(&y, &dims)
     }
 
     pub(super) fn lower_module(&mut self, op: &ModuleOperationIr) -> Result<()> {
@@ -104,13 +108,13 @@ impl Lowerer {
                 let mut dims = x.ty.dims.clone();
                 let outputs = w.ty.dims[1];
                 dims[rank - 1] = outputs;
-                let host_bias = self.host_bias(d.bias.as_ref(), outputs)?;
-                let (mut y, bias) = match self.host_matmul(&x, &w, host_bias.as_ref()) {
-                    Some(y) => (y, d.bias.as_ref().filter(|_| host_bias.is_none())),
-                    None => (
-                        self.dot_general(&x, &w, (&[], &[]), (&[rank - 1], &[0]), dims.clone()),
-                        d.bias.as_ref(),
-                    ),
+                let (mut y, bias) = if self.host_matmul_takes(&x.ty, &w.ty) {
+                    let host_bias = self.host_bias(d.bias.as_ref(), outputs)?;
+                    let y = self.host_matmul(&x, &w, host_bias.as_ref());
+                    (y, d.bias.as_ref().filter(|_| host_bias.is_none()))
+                } else {
+                    let y = self.dot_general(&x, &w, (&[], &[]), (&[rank - 1], &[0]), dims.clone());
+                    (y, d.bias.as_ref())
                 };
                 if let Some(bias) = bias {
                     let b = self.input(bias)?;

@@ -83,11 +83,45 @@ impl<P> Strided<P> {
 /// Each operand covers its shape at its strides, and no one else touches `dst`'s elements
 /// during the call.
 pub(crate) unsafe fn f32_product(
+    dims: [usize; 3],
+    dst: Strided<*mut f32>,
+    lhs: Strided<*const f32>,
+    rhs: Strided<*const f32>,
+    scale: f32,
+) {
+    f32_product_into(
+        dims,
+        dst,
+        lhs,
+        rhs,
+        scale,
+        Dst::Overwrite,
+        gemm::Parallelism::None,
+    )
+}
+
+/// What a product does with the values `dst` holds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dst {
+    /// Writes over them.
+    Overwrite,
+    /// Adds the product to them (a bias filled in first).
+    Add,
+}
+
+/// [`f32_product`] with `dst`'s values treated as `dst_values` says, split across threads as
+/// `parallelism` says.
+///
+/// # Safety
+/// As [`f32_product`]; with [`Dst::Add`], `dst`'s elements are initialized.
+pub(crate) unsafe fn f32_product_into(
     [m, n, k]: [usize; 3],
     dst: Strided<*mut f32>,
     lhs: Strided<*const f32>,
     rhs: Strided<*const f32>,
     scale: f32,
+    dst_values: Dst,
+    parallelism: gemm::Parallelism,
 ) {
     gemm::gemm(
         m,
@@ -96,19 +130,19 @@ pub(crate) unsafe fn f32_product(
         dst.ptr,
         dst.col as isize,
         dst.row as isize,
-        false,
+        dst_values == Dst::Add,
         lhs.ptr,
         lhs.col as isize,
         lhs.row as isize,
         rhs.ptr,
         rhs.col as isize,
         rhs.row as isize,
-        0.0,
+        if dst_values == Dst::Add { 1.0 } else { 0.0 },
         scale,
         false,
         false,
         false,
-        gemm::Parallelism::None,
+        parallelism,
     )
 }
 

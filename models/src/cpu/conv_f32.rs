@@ -7,7 +7,7 @@
 use burn::tensor::DType;
 use burn_flex::{FlexTensor, Layout};
 
-use super::common::OutPtr;
+use super::common::{f32_product_into, Dst, OutPtr, Strided};
 use super::winograd::{self, F2, F4};
 
 /// Target number of output positions per tile: large enough for gemm to reach its peak,
@@ -404,25 +404,13 @@ impl Problem<'_> {
             (&col[..col_len * cols], cols)
         };
         let dst = out.0.add(b * self.c_out * plane_out + row0 * self.w_out);
-        gemm::gemm(
-            self.c_out,
-            cols,
-            col_len,
-            dst,
-            1,
-            plane_out as isize,
-            true,
-            self.weight.as_ptr(),
-            1,
-            col_len as isize,
-            rhs.as_ptr(),
-            1,
-            rhs_rs as isize,
+        f32_product_into(
+            [self.c_out, cols, col_len],
+            Strided::rows(dst, plane_out),
+            Strided::rows(self.weight.as_ptr(), col_len),
+            Strided::rows(rhs.as_ptr(), rhs_rs),
             1.0,
-            1.0,
-            false,
-            false,
-            false,
+            Dst::Add,
             parallelism,
         );
     }

@@ -22,8 +22,8 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::common::{
-    bf16_instructions, f32_product, from_flex, into_flex, is_flex, round_bf16, widen, zeroed_bf16,
-    OutPtr, Strided,
+    bf16_instructions, f32_product, f32_product_into, from_flex, into_flex, is_flex, round_bf16,
+    widen, zeroed_bf16, Dst, OutPtr, Strided,
 };
 #[cfg(target_arch = "x86_64")]
 use super::common::{tail_mask, transpose_16x16};
@@ -352,21 +352,18 @@ pub fn matmul_f32_slices(
     if out.is_empty() {
         return Ok(());
     }
-    // The products are added to the bias (`read_dst`), or written over `out`.
-    let read_dst = match bias {
+    let dst_values = match bias {
         Some(bias) => {
             out.chunks_exact_mut(n)
                 .for_each(|row| row.copy_from_slice(bias));
-            true
+            Dst::Add
         }
-        None => {
-            if k == 0 {
-                out.fill(0.0);
-            }
-            false
-        }
+        None => Dst::Overwrite,
     };
     if k == 0 {
+        if bias.is_none() {
+            out.fill(0.0);
+        }
         return Ok(());
     }
     let threads = rayon::current_num_threads();
@@ -376,27 +373,15 @@ pub fn matmul_f32_slices(
         gemm::Parallelism::None
     };
     // SAFETY: the buffers hold their shapes (checked above), row-major; `out` is this call's
-    // alone (`&mut`), and holds the bias where `read_dst` has the products added to it.
+    // alone (`&mut`), and holds the bias where the products are added to it.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            read_dst,
-            a.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            1,
-            n as isize,
+        f32_product_into(
+            [m, n, k],
+            Strided::rows(out.as_mut_ptr(), n),
+            Strided::rows(a.as_ptr(), k),
+            Strided::rows(b.as_ptr(), n),
             1.0,
-            1.0,
-            false,
-            false,
-            false,
+            dst_values,
             parallelism,
         )
     };
