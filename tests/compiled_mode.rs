@@ -622,8 +622,12 @@ fn cache_child_generation() {
         .fold(oxidiff::pipelines::CompileStats::default(), |sum, c| {
             sum + c.stats
         });
+    // UNet programs loaded by `compile()`, ahead of the first step (warm start).
+    let warm = pipe.compiled.as_ref().map_or(0, |c| {
+        c.compile_log().iter().filter(|i| i.warm_start).count()
+    });
     println!(
-        "CHILD programs={} xla_compiles={} disk_loads={} process_compiles={} latents={:016x}",
+        "CHILD programs={} xla_compiles={} disk_loads={} process_compiles={} warm={warm} latents={:016x}",
         pipe_log(&pipe).programs,
         stats.xla_compiles,
         stats.disk_loads,
@@ -632,8 +636,9 @@ fn cache_child_generation() {
     );
 }
 
-/// `(xla_compiles, disk_loads, process_compiles, latents hash)` of a child run.
-fn child(cache: &Path) -> (u64, u64, u64, String) {
+/// `(xla_compiles, disk_loads, process_compiles, latents hash)` of a child run, and whether
+/// its UNet program was loaded at warm start.
+fn child(cache: &Path) -> (u64, u64, u64, String, bool) {
     let out = Command::new(std::env::current_exe().unwrap())
         .args([
             CHILD_TEST,
@@ -676,6 +681,7 @@ fn child(cache: &Path) -> (u64, u64, u64, String) {
         number("disk_loads"),
         number("process_compiles"),
         field("latents"),
+        number("warm") == 1,
     )
 }
 
@@ -697,17 +703,22 @@ fn a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt() {
 
     // The UNet's program and the kernel transposes it needs (one per kernel type and layout),
     // and the scheduler step's programs.
-    let (compiled, loads, process, first) = child(&cache);
+    let (compiled, loads, process, first, warm) = child(&cache);
+    assert!(!warm, "nothing to warm-start from yet");
     assert!(compiled >= 1, "first process compiles");
     assert_eq!((loads, process), (0, compiled), "every compile counted");
     let mut entries = cache_entries(&cache);
     assert_eq!(entries.len() as u64, compiled, "{entries:?}");
 
-    let (compiles, loads, process, second) = child(&cache);
+    let (compiles, loads, process, second, warm) = child(&cache);
     assert_eq!(
         (compiles, loads, process),
         (0, compiled, 0),
         "a second process loads every executable instead of compiling"
+    );
+    assert!(
+        warm,
+        "the second process loads the UNet's program in `compile()`"
     );
     assert_eq!(
         second, first,
@@ -722,7 +733,8 @@ fn a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x5a;
     std::fs::write(entry, &bytes).unwrap();
-    let (compiles, loads, _, third) = child(&cache);
+    let (compiles, loads, _, third, warm) = child(&cache);
+    assert!(!warm, "a damaged entry is not warm-started");
     assert_eq!(
         (compiles, loads),
         (1, compiled - 1),
@@ -733,7 +745,7 @@ fn a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt() {
     // A truncated entry (a crash while another process wrote it): rebuilt too.
     let bytes = std::fs::read(entry).unwrap();
     std::fs::write(entry, &bytes[..bytes.len() / 3]).unwrap();
-    let (compiles, loads, _, fourth) = child(&cache);
+    let (compiles, loads, _, fourth, _) = child(&cache);
     assert_eq!(
         (compiles, loads),
         (1, compiled - 1),
@@ -742,7 +754,8 @@ fn a_second_process_loads_from_the_disk_cache_and_a_damaged_entry_is_rebuilt() {
     assert_eq!(fourth, first);
 
     // The rebuilt entry is whole again.
-    let (compiles, loads, _, fifth) = child(&cache);
+    let (compiles, loads, _, fifth, warm) = child(&cache);
+    assert!(warm);
     assert_eq!((compiles, loads), (0, compiled));
     assert_eq!(fifth, first);
     assert_eq!(cache_entries(&cache).len() as u64, compiled);

@@ -41,6 +41,15 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 /// The on-disk cache key of `module` compiled by `client` for `device_id`:
 /// the module's hash and that of the plugin version and device.
 pub(crate) fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> String {
+    format!(
+        "{:016x}-{}",
+        fnv1a(&[module.as_bytes()]),
+        target_key(client, device_id)
+    )
+}
+
+/// The part of [`disk_key`] that names the target: the plugin, its version and the device.
+fn target_key(client: &pjrt::Client, device_id: i32) -> String {
     // The compiler's options are part of the target: an executable built under other
     // `XLA_FLAGS` (oxidiff's XLA CPU defaults included, set before the plugin loaded) or
     // `LIBTPU_INIT_ARGS` is not the one this process would build.
@@ -53,7 +62,79 @@ pub(crate) fn disk_key(module: &str, client: &pjrt::Client, device_id: i32) -> S
         flags("XLA_FLAGS").as_bytes(),
         flags("LIBTPU_INIT_ARGS").as_bytes(),
     ]);
-    format!("{:016x}-{target:016x}", fnv1a(&[module.as_bytes()]))
+    format!("{target:016x}")
+}
+
+/// Programs remembered per warm-start tag, most recent last.
+const WARM_KEYS: usize = 8;
+
+/// Where the programs last used under warm-start `tag` are listed: `warm/<hash>.txt` in `dir`,
+/// one `key outputs` line each.
+fn warm_list_path(dir: &Path, tag: &str) -> PathBuf {
+    dir.join("warm")
+        .join(format!("{:016x}.txt", fnv1a(&[tag.as_bytes()])))
+}
+
+/// The programs listed for `tag` (by [`remember_warm`]) that were built for this client and
+/// device, with their output counts, most recent last. A missing or damaged list is empty:
+/// warm starts only save time.
+pub(crate) fn warm_keys(
+    dir: &Path,
+    tag: &str,
+    client: &pjrt::Client,
+    device_id: i32,
+) -> Vec<(String, usize)> {
+    let target = target_key(client, device_id);
+    let Ok(text) = std::fs::read_to_string(warm_list_path(dir, tag)) else {
+        return Vec::new();
+    };
+    parse_warm_list(&text)
+        .into_iter()
+        .filter(|(key, _)| key.ends_with(&format!("-{target}")))
+        .collect()
+}
+
+/// The `key outputs` lines of a warm list; others are skipped.
+fn parse_warm_list(text: &str) -> Vec<(String, usize)> {
+    text.lines()
+        .filter_map(|line| {
+            let (key, outputs) = line.split_once(' ')?;
+            let valid = key.len() == 33 && key.bytes().all(|b| b == b'-' || b.is_ascii_hexdigit());
+            valid.then_some((key.to_string(), outputs.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Lists `key` (a program with `outputs` results) as the most recent under `tag`, keeping the
+/// last [`WARM_KEYS`]. Written through a temporary file; a failure only costs the warm start.
+pub(crate) fn remember_warm(
+    dir: &Path,
+    tag: &str,
+    key: &str,
+    outputs: usize,
+) -> Result<(), String> {
+    let path = warm_list_path(dir, tag);
+    let mut keys = std::fs::read_to_string(&path)
+        .map(|text| parse_warm_list(&text))
+        .unwrap_or_default();
+    if keys.last().is_some_and(|(last, _)| last == key) {
+        return Ok(());
+    }
+    keys.retain(|(k, _)| k != key);
+    keys.push((key.to_string(), outputs));
+    let skip = keys.len().saturating_sub(WARM_KEYS);
+    let text: String = keys[skip..]
+        .iter()
+        .map(|(k, n)| format!("{k} {n}\n"))
+        .collect();
+    let parent = path.parent().ok_or("no directory")?;
+    std::fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, text).map_err(|e| e.to_string())?;
+    std::fs::rename(&tmp, &path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        e.to_string()
+    })
 }
 
 /// The first bytes of an on-disk cache entry; the number is the format's
@@ -227,5 +308,38 @@ mod tests {
             .unwrap_err()
             .contains("corrupt"));
         assert!(decode_entry(b"garbage", "k1").is_err());
+    }
+
+    #[test]
+    fn warm_lists_keep_the_most_recent_keys_and_skip_damaged_lines() {
+        let dir = std::env::temp_dir().join(format!("oxidiff-warm-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let key = |i: u64| format!("{i:016x}-{:016x}", 7);
+        for i in 0..10 {
+            remember_warm(&dir, "unet", &key(i), 1).unwrap();
+        }
+        // Used again: moves to the end, listed once.
+        remember_warm(&dir, "unet", &key(4), 1).unwrap();
+        remember_warm(&dir, "vae", &key(99), 2).unwrap();
+        let path = warm_list_path(&dir, "unet");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let keys: Vec<String> = parse_warm_list(&text).into_iter().map(|(k, _)| k).collect();
+        let expected: Vec<String> = [2, 3, 5, 6, 7, 8, 9, 4].into_iter().map(key).collect();
+        assert_eq!(keys, expected);
+        assert_eq!(
+            parse_warm_list(&std::fs::read_to_string(warm_list_path(&dir, "vae")).unwrap()),
+            vec![(key(99), 2)]
+        );
+        // Damaged lines are skipped, the rest kept.
+        std::fs::write(
+            &path,
+            format!("garbage\n{} 3\n../../etc 1\n{} x\n", key(1), key(2)),
+        )
+        .unwrap();
+        assert_eq!(
+            parse_warm_list(&std::fs::read_to_string(&path).unwrap()),
+            vec![(key(1), 3)]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -338,6 +338,75 @@ fn a_second_compiled_function_loads_the_executable_from_the_disk_cache() {
     assert_eq!(values(a).1, values(b).1);
 }
 
+/// Warm start: a function warm-started under a tag loads, before its first call, the programs
+/// built under that tag earlier, and its first call runs one of them; another tag loads
+/// nothing (its call still finds the executable on disk), and a damaged entry is skipped at
+/// warm start and rebuilt with a warning when the call needs it.
+#[test]
+fn a_warm_started_function_loads_its_programs_before_its_first_call() {
+    let Some(device) = common::xla_cpu(0) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let w = Tensor::<Oxi, 2>::from_floats([[1.0, 2.0], [3.0, 4.0]], &device);
+    let f = |x: Tensor<Oxi, 2>| (x.matmul(w.clone()) * 3.0).exp();
+    let x = || Tensor::<Oxi, 2>::from_floats([[0.1, 0.2], [0.3, -0.4]], &device);
+    let wide = || Tensor::<Oxi, 2>::ones([3, 2], &device);
+    let warm = |tag: &str| {
+        CompiledFn::new("warm", f)
+            .with_disk_cache(&dir)
+            .warm_start(tag, &device)
+    };
+
+    // Nothing listed yet: the first function compiles both signatures and lists them.
+    let first = warm("model a");
+    let expected = values(first.call(x()).unwrap()).1;
+    first.call(wide()).unwrap();
+    assert_eq!(first.xla_compiles(), 2);
+    assert!(first.compile_log().iter().all(|i| !i.warm_start));
+
+    let second = warm("model a");
+    let y = second.call(x()).unwrap();
+    let info = &second.compile_log()[0];
+    assert!(info.warm_start && info.from_disk, "{info}");
+    assert!(info.to_string().contains("at warm start"), "{info}");
+    assert_eq!(values(y).1, expected);
+    assert_eq!(second.xla_compiles(), 0);
+
+    // Another tag: nothing loaded ahead, the executable still comes from the disk.
+    let other = warm("model b");
+    other.call(x()).unwrap();
+    let info = &other.compile_log()[0];
+    assert!(!info.warm_start && info.from_disk, "{info}");
+
+    // A flipped byte in every entry: skipped at warm start, rebuilt at the call.
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "pjrt") {
+            let mut bytes = std::fs::read(&path).unwrap();
+            let middle = bytes.len() / 2;
+            bytes[middle] ^= 0x5a;
+            std::fs::write(&path, bytes).unwrap();
+        }
+    }
+    let damaged = warm("model a");
+    let y = damaged.call(x()).unwrap();
+    let info = &damaged.compile_log()[0];
+    assert!(!info.warm_start && !info.from_disk, "{info}");
+    assert!(info.rejected_cache_entry.is_some(), "{info}");
+    assert_eq!(values(y).1, expected);
+
+    // An unreadable warm list (a folder in its place) only costs the warm start.
+    let lists = dir.join("warm");
+    std::fs::remove_dir_all(&lists).unwrap();
+    std::fs::write(&lists, b"not a folder").unwrap();
+    let unlisted = warm("model a");
+    let y = unlisted.call(x()).unwrap();
+    assert!(!unlisted.compile_log()[0].warm_start);
+    assert_eq!(values(y).1, expected);
+}
+
 /// The plugin honours `tf.aliasing_output`: the donated argument is gone
 /// after the run (compiled mode relies on this to drop its buffer).
 #[test]

@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use oxidiff_backend_tpu::compiled::{CompileInfo, Fused, FusedStats, Tensors};
 use oxidiff_backend_tpu::spmd::{Layout, SpmdPlacement};
 use oxidiff_backend_tpu::{CompiledFn, Oxi, OxiDevice};
@@ -136,6 +137,28 @@ impl<I: Tensors + 'static> CompiledCall<Oxi, I> {
         placement: Option<Arc<SpmdPlacement>>,
         layouts: Vec<Layout>,
     ) -> Self {
+        Self::build(name, step, placement, layouts, None)
+    }
+
+    /// [`new`](Self::new), warm-started: the programs `warm`'s component built in earlier
+    /// processes are loaded from the disk cache now, not at its first calls.
+    pub fn warm_started(
+        name: &str,
+        step: impl Fn(I) -> Tensor<Oxi, 4> + Send + Sync + 'static,
+        placement: Option<Arc<SpmdPlacement>>,
+        layouts: Vec<Layout>,
+        warm: WarmStart,
+    ) -> Self {
+        Self::build(name, step, placement, layouts, Some(warm))
+    }
+
+    fn build(
+        name: &str,
+        step: impl Fn(I) -> Tensor<Oxi, 4> + Send + Sync + 'static,
+        placement: Option<Arc<SpmdPlacement>>,
+        layouts: Vec<Layout>,
+        warm: Option<WarmStart>,
+    ) -> Self {
         // Programs for XLA's CPU plugin may call oxidiff's CPU kernels.
         crate::host_kernels::install();
         let step: StepFn<I> = Box::new(step);
@@ -144,7 +167,63 @@ impl<I: Tensors + 'static> CompiledCall<Oxi, I> {
             Some(placement) => f.with_spmd(placement, layouts),
             None => f,
         };
+        let f = match warm {
+            Some(warm) => f.warm_start(warm.tag, &warm.device),
+            None => f,
+        };
         Self { inner: Box::new(f) }
+    }
+}
+
+/// What a compiled call's warm start ([`CompiledFn::warm_start`]) is keyed by: its component
+/// and the architecture of the model it traces (every weight's shape, and the weights' stored
+/// dtype), whose programs are the same whatever the weights hold; and the device it runs on.
+pub struct WarmStart {
+    tag: String,
+    device: OxiDevice,
+}
+
+impl WarmStart {
+    /// `component` of `model`, run on `device`.
+    pub fn of<M: Module<Oxi>>(component: &str, model: &M, device: OxiDevice) -> Self {
+        let mut architecture = Architecture {
+            hash: 0xcbf2_9ce4_8422_2325,
+            params: 0,
+            dtype: None,
+        };
+        model.visit(&mut architecture);
+        let dtype = architecture
+            .dtype
+            .map_or("-".to_string(), oxidiff_models::memory::dtype_name);
+        Self {
+            tag: format!(
+                "{component} {} params {dtype} {:016x}",
+                architecture.params, architecture.hash
+            ),
+            device,
+        }
+    }
+}
+
+/// A model's weights' shapes, hashed in order (FNV-1a), without loading a lazy weight.
+struct Architecture {
+    hash: u64,
+    params: usize,
+    dtype: Option<DType>,
+}
+
+impl ModuleVisitor<Oxi> for Architecture {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Oxi, D>>) {
+        let shape = param.lazy_shape();
+        self.params += shape.num_elements();
+        for &dim in shape.dims::<D>().iter().chain([&usize::MAX]) {
+            for byte in (dim as u64).to_le_bytes() {
+                self.hash = (self.hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        if self.dtype.is_none() && param.is_initialized() {
+            self.dtype = Some(param.val().dtype());
+        }
     }
 }
 
@@ -229,15 +308,16 @@ struct PartProgram<I> {
 }
 
 impl<I: Tensors + 'static> PartProgram<I> {
-    /// `part` compiled as program `part`.
+    /// `part` compiled as program `part`, warm-started as `warm` says.
     fn install(
         slot: &mut ProgramSlot,
         part: &'static str,
+        warm: WarmStart,
         ops: impl Fn(I) -> Tensor<Oxi, 4> + Send + Sync + 'static,
     ) {
         let program = Arc::new(Self {
             part,
-            call: CompiledCall::new(part, ops, None, Vec::new()),
+            call: CompiledCall::warm_started(part, ops, None, Vec::new(), warm),
             warned: AtomicBool::new(false),
         });
         slot.install::<Oxi, I, 4>(program);
@@ -282,12 +362,18 @@ pub fn compile_vae(vae: &mut AutoencoderKL<Oxi>) {
     // The programs trace a copy whose slots are empty, so they record the ops.
     let ops = Arc::new(vae.clone());
     let encoder = Arc::clone(&ops);
-    PartProgram::<Tensor<Oxi, 4>>::install(&mut vae.encoder_program, "vae_encoder", move |image| {
-        encoder.run_encoder(image)
-    });
+    let device = vae.decoder.conv_in.weight.device();
+    let warm = |part| WarmStart::of(part, &*ops, device.clone());
+    PartProgram::<Tensor<Oxi, 4>>::install(
+        &mut vae.encoder_program,
+        "vae_encoder",
+        warm("vae_encoder"),
+        move |image| encoder.run_encoder(image),
+    );
     PartProgram::<Tensor<Oxi, 4>>::install(
         &mut vae.decoder_program,
         "vae_decoder",
+        warm("vae_decoder"),
         move |latents| ops.run_decoder(latents),
     );
 }
@@ -301,9 +387,17 @@ pub fn compile_clip(text_encoder: &mut ClipTextModel<Oxi>, component: &'static s
         return;
     }
     let ops = text_encoder.clone();
-    PartProgram::<Tensor<Oxi, 3>>::install(&mut text_encoder.layers_program, component, move |x| {
-        ops.run_layers(x)
-    });
+    let warm = WarmStart::of(
+        component,
+        &ops,
+        text_encoder.token_embedding.weight.device(),
+    );
+    PartProgram::<Tensor<Oxi, 3>>::install(
+        &mut text_encoder.layers_program,
+        component,
+        warm,
+        move |x| ops.run_layers(x),
+    );
 }
 
 /// Compiled mode for a T5 text encoder (`component`: `text_encoder_2`, ...): its blocks and
@@ -316,9 +410,11 @@ pub fn compile_t5(text_encoder: &mut T5EncoderModel<Oxi>, component: &'static st
         return;
     }
     let ops = text_encoder.clone();
+    let warm = WarmStart::of(component, &ops, text_encoder.device());
     PartProgram::<(Tensor<Oxi, 3>, Tensor<Oxi, 4>)>::install(
         &mut text_encoder.blocks_program,
         component,
+        warm,
         move |(x, bias)| ops.run_blocks(x, bias),
     );
 }

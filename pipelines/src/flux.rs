@@ -32,7 +32,7 @@ use oxidiff_schedulers::{
     calculate_shift, NoiseSource, Scheduler, SchedulerConfig, TimestepOptions, TorchCpuGenerator,
 };
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram, WarmStart};
 use crate::denoise::{
     check_request, decode_latents, initial_latents, negatives_for, per_prompt, DenoisingLoop,
     GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -641,6 +641,7 @@ impl FluxPipeline<Oxi> {
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
         crate::compiled::compile_t5(&mut self.text_encoder_2, "text_encoder_2");
         let transformer = self.transformer.clone();
+        let warm = WarmStart::of("transformer", &transformer, self.transformer.device());
         let step =
             move |(latents, t, g, prompt_embeds, pooled, (cos, sin)): FluxStepInputs<Oxi>| {
                 let text = FluxPromptEmbeds {
@@ -660,11 +661,12 @@ impl FluxPipeline<Oxi> {
         // tables (one per position, not per image) whole on every device.
         let mut inputs = vec![Layout::BatchSplit(0); 5];
         inputs.extend([Layout::Replicated, Layout::Replicated]);
-        self.compiled = Some(CompiledCall::new(
+        self.compiled = Some(CompiledCall::warm_started(
             "flux_transformer",
             step,
             placement,
             inputs,
+            warm,
         ));
         Ok(())
     }

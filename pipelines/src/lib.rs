@@ -97,7 +97,7 @@ pub mod single_file;
 
 pub use auto::{AutoPipeline, FamilyOptions, PipelineFamily};
 pub use auto_edit::{AutoPipelineForImage2Image, AutoPipelineForInpainting, EditOptions};
-pub use compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
+pub use compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram, WarmStart};
 pub use control::{Control, ControlNets, ControlRequest};
 pub use denoise::{GenerateRequest, OutputType, PipelineDefaults, PipelineOutput, StepInfo};
 pub use error::{PipelineError, Result};

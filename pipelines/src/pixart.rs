@@ -27,7 +27,7 @@ use oxidiff_models::{
 };
 use oxidiff_schedulers::{NoiseSource, Scheduler, SchedulerConfig, TorchCpuGenerator};
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram, WarmStart};
 use crate::denoise::{
     check_image_pixels, check_request, decode_to_tensor, initial_latents, negatives_for,
     with_guidance, DenoisingLoop, GenerateRequest, OutputType, PipelineDefaults, PipelineOutput,
@@ -583,6 +583,7 @@ impl PixArtPipeline<Oxi> {
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_t5(&mut self.text_encoder, "text_encoder");
         let transformer = self.transformer.clone();
+        let warm = WarmStart::of("transformer", &transformer, self.transformer.device());
         // Every input batch-major: split by batch where it divides, else whole.
         let name = "pixart_transformer";
         self.compiled = Some(if transformer.uses_micro_conditions() {
@@ -594,13 +595,17 @@ impl PixArtPipeline<Oxi> {
                 transformer.forward_checked(latents, t, caption, Some(bias), Some(&conditions))
             };
             let layouts = vec![Layout::BatchSplit(0); 6];
-            PixArtCompiled::Conditioned(CompiledCall::new(name, step, placement, layouts))
+            PixArtCompiled::Conditioned(CompiledCall::warm_started(
+                name, step, placement, layouts, warm,
+            ))
         } else {
             let step = move |(latents, t, caption, bias): PixArtInputs<Oxi>| {
                 transformer.forward_checked(latents, t, caption, Some(bias), None)
             };
             let layouts = vec![Layout::BatchSplit(0); 4];
-            PixArtCompiled::Plain(CompiledCall::new(name, step, placement, layouts))
+            PixArtCompiled::Plain(CompiledCall::warm_started(
+                name, step, placement, layouts, warm,
+            ))
         });
         Ok(())
     }

@@ -20,7 +20,7 @@ use oxidiff_schedulers::{
 };
 use std::sync::Arc;
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram, WarmStart};
 use crate::control::ControlStep;
 use crate::denoise::{
     check_request, decode_latents, negatives_for, DenoisingLoop, GenerateRequest, PipelineDefaults,
@@ -506,6 +506,7 @@ impl StableDiffusionPipeline<Oxi> {
         crate::compiled::compile_vae(&mut self.vae);
         crate::compiled::compile_clip(&mut self.text_encoder, "text_encoder");
         let unet = self.unet.clone();
+        let warm = WarmStart::of("unet", &unet, self.unet_device());
         // The traced structure depends only on the input shapes (guidance on or off is the
         // context's batch), which key the program cache, so a cached program always matches.
         let step = move |(sample, timestep, context, guidance): GuidedStepInputs<Oxi>| {
@@ -518,7 +519,9 @@ impl StableDiffusionPipeline<Oxi> {
             Layout::BatchSplit(0),
             Layout::Replicated,
         ];
-        self.compiled = Some(CompiledCall::new("unet+cfg", step, placement, layouts));
+        self.compiled = Some(CompiledCall::warm_started(
+            "unet+cfg", step, placement, layouts, warm,
+        ));
     }
 
     /// Weight bytes on each device of the mesh after

@@ -28,7 +28,7 @@ use oxidiff_schedulers::{
     TimestepOptions, TorchCpuGenerator,
 };
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram, WarmStart};
 use crate::denoise::{
     check_request, decode_latents, guide, initial_latents, negatives_for, per_prompt,
     with_guidance, DenoisingLoop, GenerateRequest, PipelineDefaults, PipelineOutput, StepInfo,
@@ -707,16 +707,18 @@ impl StableDiffusion3Pipeline<Oxi> {
             crate::compiled::compile_t5(t5, "text_encoder_3");
         }
         let transformer = self.transformer.clone();
+        let warm = WarmStart::of("transformer", &transformer, self.transformer.device());
         let step = move |(latents, t, context, pooled): Sd3StepInputs<Oxi>| {
             transformer.forward_checked(latents, t, context, pooled)
         };
         // Every input batch-major: split by batch where it divides, else whole.
         let layouts = vec![Layout::BatchSplit(0); 4];
-        self.compiled = Some(CompiledCall::new(
+        self.compiled = Some(CompiledCall::warm_started(
             "sd3_transformer",
             step,
             placement,
             layouts,
+            warm,
         ));
         Ok(())
     }

@@ -28,7 +28,7 @@ use oxidiff_schedulers::{
 };
 use serde::Deserialize;
 
-use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram};
+use crate::compiled::{CompileStats, CompiledCall, ComponentStats, SchedulerProgram, WarmStart};
 use crate::control::ControlStep;
 use crate::denoise::{
     check_request, decode_latents, initial_latents, negatives_for, per_prompt, with_guidance,
@@ -890,6 +890,7 @@ impl StableDiffusionXLPipeline<Oxi> {
             crate::compiled::compile_clip(encoder, "text_encoder");
         }
         let unet = self.unet.clone();
+        let warm = WarmStart::of("unet", &unet, self.unet.conv_in.weight.device());
         let step = move |(sample, timestep, context, text_embeds, time_ids): XlUNetInputs<Oxi>| {
             let added = AddedCondition {
                 text_embeds,
@@ -900,7 +901,13 @@ impl StableDiffusionXLPipeline<Oxi> {
         };
         // Every input batch-major: split by batch where it divides, else whole.
         let layouts = vec![Layout::BatchSplit(0); 5];
-        self.compiled = Some(CompiledCall::new("sdxl-unet", step, placement, layouts));
+        self.compiled = Some(CompiledCall::warm_started(
+            "sdxl-unet",
+            step,
+            placement,
+            layouts,
+            warm,
+        ));
         Ok(())
     }
 

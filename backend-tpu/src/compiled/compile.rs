@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use super::tensors::Tensors;
 use super::trace::Signature;
 use super::{compiles, lock, CompileError, CompiledFn};
-use crate::compile_cache::{disk_key, entry_path, load_executable, store_executable};
+use crate::compile_cache::{
+    disk_key, entry_path, load_executable, remember_warm, store_executable,
+};
 use crate::device::OxiDevice;
 use crate::pjrt::{self, CompileOptions, LoadedExecutable};
 
@@ -34,6 +36,9 @@ pub struct CompileInfo {
     /// Whether the executable came from the on-disk cache instead of a
     /// compile.
     pub from_disk: bool,
+    /// Whether it was loaded from there ahead of the call, at warm start
+    /// ([`CompiledFn::warm_start`]).
+    pub warm_start: bool,
     /// A cache entry that was found but refused (stale, truncated, corrupt,
     /// or not loadable by the plugin), and why; it was replaced.
     pub rejected_cache_entry: Option<String>,
@@ -61,7 +66,9 @@ impl std::fmt::Display for CompileInfo {
             self.scalars,
             self.random,
             self.lower,
-            if self.from_disk {
+            if self.warm_start {
+                "loaded from the disk cache at warm start"
+            } else if self.from_disk {
                 "loaded from the disk cache"
             } else {
                 "compiled"
@@ -84,6 +91,8 @@ pub(super) struct Built {
     /// Why it was built ([`CompileInfo::reason`]).
     pub(super) reason: String,
     pub(super) from_disk: bool,
+    /// Loaded at warm start.
+    pub(super) warm_start: bool,
     /// A refused disk cache entry, and why ([`CompileInfo::rejected_cache_entry`]).
     pub(super) rejected: Option<String>,
     /// Loading or compiling.
@@ -112,20 +121,24 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             .filter(|_| self.spmd.is_none())
             .map(|dir| entry_path(dir, &key));
         let mut rejected = None;
-        let loaded = disk.as_ref().and_then(|path| {
-            match load_executable(path, &key, pjrt_client, outputs) {
-                Ok(exe) => exe,
-                Err(why) => {
-                    // Detected before the plugin sees the bytes (header,
-                    // length, checksum) or refused by it: drop the entry and
-                    // compile; the fresh executable replaces it.
-                    let _ = std::fs::remove_file(path);
-                    let message = format!("{}: {why}; rebuilt", path.display());
-                    eprintln!("oxidiff: warning: `{name}`: the cached executable {message}");
-                    rejected = Some(message);
-                    None
+        let warmed = lock(&self.warmed).remove(&key);
+        let warm_start = warmed.is_some();
+        let loaded = warmed.or_else(|| {
+            disk.as_ref().and_then(|path| {
+                match load_executable(path, &key, pjrt_client, outputs) {
+                    Ok(exe) => exe,
+                    Err(why) => {
+                        // Detected before the plugin sees the bytes (header,
+                        // length, checksum) or refused by it: drop the entry and
+                        // compile; the fresh executable replaces it.
+                        let _ = std::fs::remove_file(path);
+                        let message = format!("{}: {why}; rebuilt", path.display());
+                        eprintln!("oxidiff: warning: `{name}`: the cached executable {message}");
+                        rejected = Some(message);
+                        None
+                    }
                 }
-            }
+            })
         });
         let reason = self.compile_reason(signature);
         if loaded.is_none() {
@@ -156,10 +169,19 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             ops,
             message: e.to_string(),
         })?;
+        if let (Some(dir), Some(tag)) = (self.disk_cache.as_ref(), self.warm_tag.as_ref()) {
+            if let Err(e) = remember_warm(dir, tag, &key, outputs) {
+                eprintln!(
+                    "oxidiff: warning: `{name}`: the compile cache could not list its program for warm starts in {}: {e}",
+                    dir.display()
+                );
+            }
+        }
         Ok(Built {
             executable,
             reason,
             from_disk,
+            warm_start,
             rejected,
             took: started.elapsed(),
         })

@@ -175,6 +175,10 @@ pub struct CompiledFn<I, O, F> {
     disk_cache: Option<PathBuf>,
     /// Partitioned over a device mesh, when set.
     spmd: Option<SpmdRun>,
+    /// The warm-start tag ([`warm_start`](Self::warm_start)) its programs are listed under.
+    warm_tag: Option<String>,
+    /// Executables loaded at warm start and not used yet, by disk cache key.
+    warmed: Mutex<HashMap<String, LoadedExecutable>>,
     /// Captured convolution kernels in the layout the programs take them
     /// (`Lowerer::with_kernels_last`), made on the first trace that needs
     /// them, by tensor and permutation.
@@ -214,6 +218,8 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             donations: Vec::new(),
             disk_cache: compile_cache::dir_from_env(),
             spmd: None,
+            warm_tag: None,
+            warmed: Mutex::default(),
             kernels: Mutex::default(),
             transposes: Mutex::default(),
             _io: PhantomData,
@@ -226,6 +232,48 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
     /// process skips the XLA compile of a program it traces again. The default is [`COMPILE_CACHE_ENV`], if set.
     pub fn with_disk_cache(mut self, dir: impl Into<PathBuf>) -> Self {
         self.disk_cache = Some(dir.into());
+        self
+    }
+
+    /// Warm start: loads now, from the disk cache, the programs this function built under
+    /// `tag` in earlier processes (for their last few input signatures), so that its first
+    /// calls on `device` run at once instead of loading their executables then; and lists
+    /// under `tag` each program it builds from now on. `tag` names the function and what it
+    /// traces (a model's component and architecture): programs listed under it for another
+    /// plugin, its flags or another device are skipped, and a program loaded here but never
+    /// called again only costs its load. Nothing without a disk cache, for partitioned
+    /// functions, or off PJRT devices.
+    pub fn warm_start(mut self, tag: impl Into<String>, device: &OxiDevice) -> Self {
+        let tag = tag.into();
+        let (Some(dir), None) = (&self.disk_cache, &self.spmd) else {
+            return self;
+        };
+        let Some(client) = crate::channel::pjrt_client(device) else {
+            return self;
+        };
+        let Ok((pjrt_client, pjrt_device)) = client.target() else {
+            return self;
+        };
+        let started = Instant::now();
+        let mut warmed = HashMap::new();
+        for (key, outputs) in compile_cache::warm_keys(dir, &tag, pjrt_client, pjrt_device.id()) {
+            let path = compile_cache::entry_path(dir, &key);
+            // A damaged entry is reported (and replaced) when a call needs it.
+            if let Ok(Some(exe)) = compile_cache::load_executable(&path, &key, pjrt_client, outputs)
+            {
+                warmed.insert(key, exe);
+            }
+        }
+        if log_compiles() {
+            eprintln!(
+                "oxidiff: warm start of `{}`: {} program(s) loaded from the disk cache in {:.1?}",
+                self.name,
+                warmed.len(),
+                started.elapsed()
+            );
+        }
+        self.warmed = Mutex::new(warmed);
+        self.warm_tag = Some(tag);
         self
     }
 
@@ -494,6 +542,7 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
             donated: donated.len(),
             kernel_calls: function.kernel_calls,
             from_disk: built.from_disk,
+            warm_start: built.warm_start,
             rejected_cache_entry: built.rejected,
             trace: traced.took,
             lower,
