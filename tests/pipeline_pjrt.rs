@@ -221,3 +221,74 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
         "time ids or guidance recompiled"
     );
 }
+
+/// Text to image on a device never uploads the VAE's encoder (diffusers' pipelines hold it
+/// anyway): its weights arrive at its first encode, which then matches the same encode on the
+/// CPU.
+#[test]
+fn the_vae_encoder_reaches_the_device_at_its_first_use() {
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let golden = Golden::load("tiny-sd1");
+    let device = xla(0);
+    let options = LoadOptions {
+        scheduler: Some("ddim".into()),
+        ..Default::default()
+    };
+    let mut pipe =
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &device)
+            .unwrap();
+    let encoder_loaded = |pipe: &StableDiffusionPipeline<Oxi>| {
+        let quant = pipe.vae.quant_conv.as_ref().unwrap();
+        assert_eq!(
+            pipe.vae.encoder.conv_in.weight.is_initialized(),
+            quant.weight.is_initialized()
+        );
+        pipe.vae.encoder.conv_in.weight.is_initialized()
+    };
+    assert!(pipe.vae.decoder.conv_in.weight.is_initialized());
+    assert!(!encoder_loaded(&pipe), "uploaded at load");
+    pipe.generate_with(&request(&golden, &OxiDevice::Cpu), &mut NoNoise, |_| {})
+        .unwrap();
+    assert!(!encoder_loaded(&pipe), "uploaded by text to image");
+
+    let uploaded = || {
+        oxidiff::backend::pjrt_client(&device)
+            .unwrap()
+            .stats()
+            .uploaded_bytes
+    };
+    let before = uploaded();
+    let pixels: Vec<f32> = (0..3 * 64 * 64)
+        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+        .collect();
+    let image = |on: &OxiDevice| {
+        Tensor::<Oxi, 4>::from_data(
+            burn::tensor::TensorData::new(pixels.clone(), [1, 3, 64, 64]),
+            on,
+        )
+    };
+    let on_device = to_vec(
+        pipe.vae
+            .encode(image(&device))
+            .mean
+            .to_device(&OxiDevice::Cpu),
+    );
+    assert!(encoder_loaded(&pipe));
+    let encoder_bytes: usize = {
+        use burn::module::Module;
+        (pipe.vae.encoder.num_params() + pipe.vae.quant_conv.as_ref().unwrap().num_params()) * 4
+    };
+    assert!(
+        uploaded() - before >= encoder_bytes as u64,
+        "the encoder's {encoder_bytes} bytes of weights were uploaded at its first use"
+    );
+
+    let cpu = OxiDevice::Cpu;
+    let on_cpu_pipe =
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &cpu).unwrap();
+    let on_cpu = to_vec(on_cpu_pipe.vae.encode(image(&cpu)).mean);
+    let err = relative_error(&on_device, &on_cpu);
+    assert!(err <= 1e-4, "relative error {err:e}");
+}

@@ -342,7 +342,9 @@ impl<B: Backend> AutoencoderKL<B> {
             act,
         };
 
-        let vb_enc = vb.pp("encoder");
+        // Text to image never encodes: on a device, the encoder's weights arrive at its first
+        // call instead of at load.
+        let vb_enc = vb.pp("encoder").uploaded_at_first_use();
         let mut down_blocks = Vec::new();
         let mut c_out = ch[0];
         for (i, &c) in ch.iter().enumerate() {
@@ -431,7 +433,7 @@ impl<B: Backend> AutoencoderKL<B> {
 
         let quant_conv = if cfg.use_quant_conv {
             Some(Conv2d::load(
-                &vb.pp("quant_conv"),
+                &vb.pp("quant_conv").uploaded_at_first_use(),
                 ConvSpec::same(2 * lat, 2 * lat, 1),
             )?)
         } else {

@@ -11,7 +11,7 @@ use burn::tensor::{FloatDType, Shape, Tensor, TensorData};
 use crate::cpu::common::is_flex;
 use crate::error::{ModelError, Result};
 use crate::gguf::QuantizedMatrix;
-use crate::weights::{WeightRead, Weights};
+use crate::weights::{Defer, WeightRead, Weights};
 
 /// Builds layers from weights by key path, on one device, holding float weights in one dtype
 /// (f32 unless [`with_dtype`](Self::with_dtype) says otherwise).
@@ -21,6 +21,18 @@ pub struct VarBuilder<B: Backend> {
     prefix: String,
     device: B::Device,
     dtype: FloatDType,
+    upload: Upload,
+}
+
+/// When a weight read for a device (not the CPU backend, whose weights stay in the mapped file)
+/// is uploaded to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upload {
+    /// While the model loads: its first call finds every weight in place.
+    AtLoad,
+    /// At the weight's first use: a part many pipelines never run (the VAE's encoder in text to
+    /// image) takes no device memory and no load time there.
+    AtFirstUse,
 }
 
 impl<B: Backend> VarBuilder<B> {
@@ -30,7 +42,16 @@ impl<B: Backend> VarBuilder<B> {
             prefix: String::new(),
             device: device.clone(),
             dtype: FloatDType::F32,
+            upload: Upload::AtLoad,
         }
+    }
+
+    /// The same builder uploading its weights to a device at their first use
+    /// ([`Upload::AtFirstUse`]).
+    #[must_use]
+    pub fn uploaded_at_first_use(mut self) -> Self {
+        self.upload = Upload::AtFirstUse;
+        self
     }
 
     /// The same builder holding weights in `dtype` (diffusers' `torch_dtype`): each tensor is
@@ -58,6 +79,7 @@ impl<B: Backend> VarBuilder<B> {
             prefix,
             device: self.device.clone(),
             dtype: self.dtype,
+            upload: self.upload,
         }
     }
 
@@ -185,13 +207,19 @@ impl<B: Backend> VarBuilder<B> {
         }
     }
 
-    /// `key` read now, or on the CPU backend (when it must be converted) at its first use.
+    /// `key` read now, or at its first use: on the CPU backend when it must be converted, on a
+    /// device when this builder uploads at first use.
     fn read_deferred(&self, key: &str) -> Result<WeightRead> {
-        if !is_flex::<B>() {
-            // A device's weights are uploaded (or staged for their shards) at load.
-            return Ok(WeightRead::Ready(self.weights.read(key, self.dtype)?));
+        if is_flex::<B>() {
+            return self
+                .weights
+                .read_deferred(key, self.dtype, Defer::WhenConverted);
         }
-        self.weights.read_deferred(key, self.dtype)
+        match self.upload {
+            // Uploaded (or staged for their shards) at load.
+            Upload::AtLoad => Ok(WeightRead::Ready(self.weights.read(key, self.dtype)?)),
+            Upload::AtFirstUse => self.weights.read_deferred(key, self.dtype, Defer::Always),
+        }
     }
 }
 

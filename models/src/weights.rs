@@ -675,17 +675,24 @@ impl Weights {
     /// the file stores it in that dtype (nothing copied), otherwise converted once from the
     /// stored type.
     pub fn read(&self, key: &str, dtype: FloatDType) -> Result<TensorData> {
-        Ok(match self.read_deferred(key, dtype)? {
-            WeightRead::Ready(data) => data,
-            WeightRead::Pending(pending) => pending.read(),
-        })
+        Ok(
+            match self.read_deferred(key, dtype, Defer::WhenConverted)? {
+                WeightRead::Ready(data) => data,
+                WeightRead::Pending(pending) => pending.read(),
+            },
+        )
     }
 
-    /// `key` found and checked as [`read`](Self::read) does, read now when that converts
-    /// nothing (the file holds it in `dtype`: the mapped bytes are the tensor) or when it is no
-    /// plain stored tensor (quantized blocks, a view, a header without data); otherwise its
-    /// conversion into `dtype` is left to [`PendingRead::read`].
-    pub(crate) fn read_deferred(&self, key: &str, dtype: FloatDType) -> Result<WeightRead> {
+    /// `key` found and checked as [`read`](Self::read) does, read now when it is no plain stored
+    /// tensor (quantized blocks, a view, a header without data) or, with
+    /// [`Defer::WhenConverted`], when that converts nothing (the file holds it in `dtype`: the
+    /// mapped bytes are the tensor); otherwise its reading is left to [`PendingRead::read`].
+    pub(crate) fn read_deferred(
+        &self,
+        key: &str,
+        dtype: FloatDType,
+        defer: Defer,
+    ) -> Result<WeightRead> {
         if let Some(matrix) = self.quantized_any(key)? {
             let shape = self.entries[key].info.shape.clone();
             let data = weight_data::from_f32(matrix.dequantize(), shape, dtype);
@@ -717,7 +724,8 @@ impl Weights {
             shape,
             dtype,
         };
-        Ok(if weight_data::shares(bytes, stored, dtype) {
+        let ready = defer == Defer::WhenConverted && weight_data::shares(bytes, stored, dtype);
+        Ok(if ready {
             WeightRead::Ready(pending.read())
         } else {
             WeightRead::Pending(pending)
@@ -890,6 +898,16 @@ fn release(file: &WeightFile, range: std::ops::Range<usize>) {
 }
 
 /// A tensor read by [`Weights::read_deferred`]: its data, or the conversion that makes it.
+/// Which plain stored tensors [`Weights::read_deferred`] leaves to their first use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Defer {
+    /// Those that must be converted into the held dtype (the CPU backend reads the others in
+    /// place, in the mapped file).
+    WhenConverted,
+    /// All of them (a device's weights uploaded at their first use).
+    Always,
+}
+
 pub(crate) enum WeightRead {
     Ready(TensorData),
     Pending(PendingRead),
