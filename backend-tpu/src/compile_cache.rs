@@ -84,13 +84,13 @@ pub(crate) fn warm_keys(
     client: &pjrt::Client,
     device_id: i32,
 ) -> Vec<(String, usize)> {
-    let target = target_key(client, device_id);
+    let target = format!("-{}", target_key(client, device_id));
     let Ok(text) = std::fs::read_to_string(warm_list_path(dir, tag)) else {
         return Vec::new();
     };
     parse_warm_list(&text)
         .into_iter()
-        .filter(|(key, _)| key.ends_with(&format!("-{target}")))
+        .filter(|(key, _)| key.ends_with(&target))
         .collect()
 }
 
@@ -127,14 +127,7 @@ pub(crate) fn remember_warm(
         .iter()
         .map(|(k, n)| format!("{k} {n}\n"))
         .collect();
-    let parent = path.parent().ok_or("no directory")?;
-    std::fs::create_dir_all(parent).map_err(|e| e.to_string())?;
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, text).map_err(|e| e.to_string())?;
-    std::fs::rename(&tmp, &path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        e.to_string()
-    })
+    write_whole(&path, text.as_bytes())
 }
 
 /// The first bytes of an on-disk cache entry; the number is the format's
@@ -278,6 +271,12 @@ pub(crate) fn store_executable(
     exe: &LoadedExecutable,
 ) -> Result<(), String> {
     let bytes = encode_entry(key, &exe.serialize().map_err(|e| e.to_string())?);
+    write_whole(path, &bytes)
+}
+
+/// Writes `bytes` to `path` (its folder created if missing) through a temporary file renamed
+/// over it, so a reader, in this process or another, never sees half a file.
+fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), String> {
     let dir = path.parent().ok_or("no directory")?;
     std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));

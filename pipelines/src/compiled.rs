@@ -186,41 +186,34 @@ pub struct WarmStart {
 impl WarmStart {
     /// `component` of `model`, run on `device`.
     pub fn of<M: Module<Oxi>>(component: &str, model: &M, device: OxiDevice) -> Self {
-        let mut architecture = Architecture {
-            hash: 0xcbf2_9ce4_8422_2325,
-            params: 0,
-            dtype: None,
-        };
+        let mut architecture = Architecture::default();
         model.visit(&mut architecture);
         let dtype = architecture
             .dtype
             .map_or("-".to_string(), oxidiff_models::memory::dtype_name);
+        // The disk cache hashes the tag; it may be long.
         Self {
-            tag: format!(
-                "{component} {} params {dtype} {:016x}",
-                architecture.params, architecture.hash
-            ),
+            tag: format!("{component} {dtype} {}", architecture.shapes),
             device,
         }
     }
 }
 
-/// A model's weights' shapes, hashed in order (FNV-1a), without loading a lazy weight.
+/// A model's weights' shapes in order (`4x3x3x3,4,...`) and the dtype of the first one loaded,
+/// read without loading a lazy weight.
+#[derive(Default)]
 struct Architecture {
-    hash: u64,
-    params: usize,
+    shapes: String,
     dtype: Option<DType>,
 }
 
 impl ModuleVisitor<Oxi> for Architecture {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Oxi, D>>) {
-        let shape = param.lazy_shape();
-        self.params += shape.num_elements();
-        for &dim in shape.dims::<D>().iter().chain([&usize::MAX]) {
-            for byte in (dim as u64).to_le_bytes() {
-                self.hash = (self.hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-            }
+        let dims = param.lazy_shape().dims::<D>().map(|d| d.to_string());
+        if !self.shapes.is_empty() {
+            self.shapes.push(',');
         }
+        self.shapes.push_str(&dims.join("x"));
         if self.dtype.is_none() && param.is_initialized() {
             self.dtype = Some(param.val().dtype());
         }
