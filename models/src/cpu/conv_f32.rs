@@ -95,7 +95,9 @@ pub(crate) fn conv2d_nchw_f32(
     }
     // F(2x2, 3x3)'s transform is kept with the tensor where it is small or replaces a mapped
     // weight ([`winograd::weight_f32`]).
-    let f2 = |size| winograd::weight_f32(&weight, shape.c_out, shape.c_in, size);
+    let f2 = |size| {
+        winograd::Transform::Kept(winograd::weight_f32(&weight, shape.c_out, shape.c_in, size))
+    };
     convolve(x.storage(), weight.storage(), &shape, path, f2, &mut out);
     FlexTensor::new(
         burn::tensor::Bytes::from_elems(out),
@@ -119,7 +121,8 @@ fn fill_bias(out: &mut [f32], bias: &[f32], shape: &ConvShape) {
 /// The kernel on plain slices, for buffers that are not Burn tensors (a compiled program's on
 /// XLA's CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `x` `[n, c_in, h, w]`,
 /// `weight` `[c_out, c_in, k, k]` and `bias` `[c_out]`, contiguous, into `out` `[n, c_out,
-/// h_out, w_out]`, which is overwritten. Winograd's weight transforms are made for the call.
+/// h_out, w_out]`, which is overwritten. Winograd's weight transforms are made for the call
+/// ([`winograd::transform_for_call`]).
 /// The same shapes give the same bits as [`conv2d_nchw_f32`].
 pub fn conv2d_f32_slices(
     x: &[f32],
@@ -165,7 +168,8 @@ pub fn conv2d_f32_slices(
         Some(bias) => fill_bias(out, bias, &shape),
         None => out.fill(0.0),
     }
-    let f2 = |_| std::sync::Arc::new(winograd::transform_weight::<F2>(weight, c_out, c_in));
+    let f2 =
+        |_| winograd::Transform::ForCall(winograd::transform_for_call::<F2>(weight, c_out, c_in));
     convolve(x, weight, &shape, ConvPath::from_env(), f2, out);
     Ok(())
 }
@@ -178,7 +182,7 @@ fn convolve(
     weight: &[f32],
     shape: &ConvShape,
     path: ConvPath,
-    f2: impl FnOnce(TransformSize) -> std::sync::Arc<Vec<f32>>,
+    f2: impl FnOnce(TransformSize) -> winograd::Transform,
     out: &mut [f32],
 ) {
     let ConvShape {
@@ -197,7 +201,7 @@ fn convolve(
         match tiling {
             Winograd::F2(size) => winograd::conv_f32::<F2>(x, &f2(size), out, shape),
             Winograd::F4 => {
-                let u = winograd::transform_weight::<F4>(weight, c_out, c_in);
+                let u = winograd::transform_for_call::<F4>(weight, c_out, c_in);
                 winograd::conv_f32::<F4>(x, &u, out, shape);
             }
         }
@@ -236,7 +240,7 @@ pub(crate) enum Winograd {
     /// F(2x2, 3x3) ([`super::winograd::F2`]).
     F2(TransformSize),
     /// F(4x4, 3x3) ([`super::winograd::F4`]), in f32 only; its transform is made on every call
-    /// ([`super::winograd::transform_weight`]).
+    /// ([`super::winograd::transform_for_call`]).
     F4,
 }
 

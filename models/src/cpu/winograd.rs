@@ -101,11 +101,92 @@ fn held<T>(
 /// parallel over blocks of pairs. F(4x4, 3x3) makes it on every call: 36/9 of the weight, kept
 /// it would hold the most memory for the least time (the products it serves are the largest).
 pub(crate) fn transform_weight<W: Tiling>(weight: &[f32], c_out: usize, c_in: usize) -> Vec<f32> {
+    let mut u = vec![0.0f32; W::ELEMS * c_out * c_in];
+    transform_weight_into::<W>(weight, c_out, c_in, &mut u);
+    u
+}
+
+/// [`transform_weight`] for one call, in a buffer kept for the next call's transform
+/// ([`CallBuffer`]). A transform of a large layer is tens of megabytes: allocated anew on every
+/// call, it comes back from the allocator as fresh pages (above glibc's largest per-thread heap,
+/// 64 MiB, always so), and faulting them in cost more than making the transform.
+pub(crate) fn transform_for_call<W: Tiling>(
+    weight: &[f32],
+    c_out: usize,
+    c_in: usize,
+) -> CallBuffer {
+    let mut u = CallBuffer::take(W::ELEMS * c_out * c_in);
+    transform_weight_into::<W>(weight, c_out, c_in, &mut u.values);
+    u
+}
+
+/// A weight's transform as a convolution reads it: kept while its weight lives
+/// ([`weight_f32`]), or made for this call ([`transform_for_call`]).
+pub(crate) enum Transform {
+    Kept(Arc<Vec<f32>>),
+    ForCall(CallBuffer),
+}
+
+impl std::ops::Deref for Transform {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            Self::Kept(u) => u,
+            Self::ForCall(u) => u,
+        }
+    }
+}
+
+/// A buffer of `f32`s for a transform made for one call, handed back on drop to a one-buffer
+/// spare kept for the next (the largest one seen, so its pages stay in place from one call to
+/// the next; a call made while another holds the spare allocates its own).
+pub(crate) struct CallBuffer {
+    values: Vec<f32>,
+}
+
+/// The spare [`CallBuffer`].
+static SPARE: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
+
+impl CallBuffer {
+    /// `len` values of unspecified content (the caller writes them all): what the spare held
+    /// before, zeros past that.
+    fn take(len: usize) -> Self {
+        let mut values = std::mem::take(&mut *SPARE.lock().unwrap_or_else(|e| e.into_inner()));
+        values.resize(len, 0.0);
+        Self { values }
+    }
+}
+
+impl std::ops::Deref for CallBuffer {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.values
+    }
+}
+
+impl Drop for CallBuffer {
+    fn drop(&mut self) {
+        let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+        if self.values.capacity() > spare.capacity() {
+            *spare = std::mem::take(&mut self.values);
+        }
+    }
+}
+
+/// [`transform_weight`] into `u`, which holds `W::ELEMS * c_out * c_in` values; every one is
+/// written.
+fn transform_weight_into<W: Tiling>(weight: &[f32], c_out: usize, c_in: usize, u: &mut [f32]) {
     let plane = c_out * c_in;
     assert_eq!(weight.len(), 9 * plane, "a [c_out, c_in, 3, 3] weight");
-    let mut u = vec![0.0f32; W::ELEMS * plane];
+    assert_eq!(
+        u.len(),
+        W::ELEMS * plane,
+        "a transform of the weight's size"
+    );
     if plane == 0 {
-        return u;
+        return;
     }
     // Each job's part of each of the planes `u[xi]`.
     let mut jobs: Vec<Vec<&mut [f32]>> = (0..plane.div_ceil(TRANSFORM_JOB))
@@ -119,7 +200,6 @@ pub(crate) fn transform_weight<W: Tiling>(weight: &[f32], c_out: usize, c_in: us
     jobs.into_par_iter()
         .zip(weight.par_chunks(9 * TRANSFORM_JOB))
         .for_each(|(mut parts, g)| simd::vectorize!(transform_pairs::<W>(g, &mut parts)));
-    u
 }
 
 /// `G g G^T` of the pairs `g` (9 values each) into `u[xi][pair]`, [`LANES`] pairs side by
@@ -669,6 +749,41 @@ impl Tiling for F4 {
                     out[a * 6 + b][j] = value;
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % 1000) as f32 / 500.0
+                    - 1.0
+            })
+            .collect()
+    }
+
+    /// A transform made for a call reuses the spare buffer of an earlier, larger one: every
+    /// value is written again, so it equals a transform made in a fresh buffer, for both
+    /// tilings and odd channel counts.
+    #[test]
+    fn a_transform_for_a_call_equals_a_fresh_one_after_a_larger_one() {
+        let (big_out, big_in) = (37, 29);
+        let big = transform_for_call::<F4>(&values(9 * big_out * big_in, 1), big_out, big_in);
+        let big_len = big.len();
+        drop(big);
+        for (c_out, c_in, seed) in [(5, 3, 2), (17, 11, 3), (1, 1, 4)] {
+            let weight = values(9 * c_out * c_in, seed);
+            let f2 = transform_for_call::<F2>(&weight, c_out, c_in);
+            assert_eq!(&*f2, &transform_weight::<F2>(&weight, c_out, c_in)[..]);
+            drop(f2);
+            let f4 = transform_for_call::<F4>(&weight, c_out, c_in);
+            assert_eq!(f4.len(), 36 * c_out * c_in);
+            assert!(f4.len() < big_len);
+            assert_eq!(&*f4, &transform_weight::<F4>(&weight, c_out, c_in)[..]);
         }
     }
 }
