@@ -93,12 +93,15 @@ pub(crate) fn conv2d_nchw_f32(
         let bias = bias.to_contiguous();
         fill_bias(&mut out, bias.storage(), &shape);
     }
-    // F(2x2, 3x3)'s transform is kept with the tensor where it is small or replaces a mapped
-    // weight ([`winograd::weight_f32`]).
-    let f2 = |size| {
-        winograd::Transform::Kept(winograd::weight_f32(&weight, shape.c_out, shape.c_in, size))
-    };
-    convolve(x.storage(), weight.storage(), &shape, path, f2, &mut out);
+    let source = TransformSource::Tensor(&weight);
+    convolve(
+        x.storage(),
+        weight.storage(),
+        &shape,
+        path,
+        source,
+        &mut out,
+    );
     FlexTensor::new(
         burn::tensor::Bytes::from_elems(out),
         Layout::contiguous(vec![shape.n, shape.c_out, shape.h_out, shape.w_out].into()),
@@ -121,8 +124,8 @@ fn fill_bias(out: &mut [f32], bias: &[f32], shape: &ConvShape) {
 /// The kernel on plain slices, for buffers that are not Burn tensors (a compiled program's on
 /// XLA's CPU plugin, through `oxidiff_backend_tpu::host_kernels`): `x` `[n, c_in, h, w]`,
 /// `weight` `[c_out, c_in, k, k]` and `bias` `[c_out]`, contiguous, into `out` `[n, c_out,
-/// h_out, w_out]`, which is overwritten. Winograd's weight transforms are made for the call
-/// ([`winograd::transform_for_call`]).
+/// h_out, w_out]`, which is overwritten. Winograd's weight transforms are made for the call,
+/// in a buffer kept for the next ([`winograd::transform_for_call`]).
 /// The same shapes give the same bits as [`conv2d_nchw_f32`].
 pub fn conv2d_f32_slices(
     x: &[f32],
@@ -168,21 +171,33 @@ pub fn conv2d_f32_slices(
         Some(bias) => fill_bias(out, bias, &shape),
         None => out.fill(0.0),
     }
-    let f2 =
-        |_| winograd::Transform::ForCall(winograd::transform_for_call::<F2>(weight, c_out, c_in));
-    convolve(x, weight, &shape, ConvPath::from_env(), f2, out);
+    let source = TransformSource::Slice;
+    convolve(x, weight, &shape, ConvPath::from_env(), source, out);
     Ok(())
 }
 
+/// Where [`convolve`] gets a Winograd weight transform.
+enum TransformSource<'a> {
+    /// The CPU backend's weight tensor: F(2x2, 3x3)'s transform is kept with it where it is
+    /// small or replaces a mapped weight ([`winograd::weight_f32`]); F(4x4, 3x3)'s is made for
+    /// the call.
+    Tensor(&'a FlexTensor),
+    /// A compiled program's buffer, known only by its values: both transforms are made for the
+    /// call, in the spare buffer kept from call to call ([`winograd::transform_for_call`]).
+    /// Allocated anew, the largest (over glibc's 64 MiB per-thread heap) came back as fresh
+    /// pages on every call, faulted in on rayon's thread.
+    Slice,
+}
+
 /// Adds the convolution of `x` with `weight` to `out` (zeros or the bias): Winograd where
-/// [`ConvShape::winograd`] picks it (F(2x2, 3x3)'s weight transform from `f2`), im2col and
-/// gemm otherwise.
+/// [`ConvShape::winograd`] picks it (its weight transform as `source` says), im2col and gemm
+/// otherwise.
 fn convolve(
     x: &[f32],
     weight: &[f32],
     shape: &ConvShape,
     path: ConvPath,
-    f2: impl FnOnce(TransformSize) -> winograd::Transform,
+    source: TransformSource<'_>,
     out: &mut [f32],
 ) {
     let ConvShape {
@@ -199,9 +214,26 @@ fn convolve(
     } = *shape;
     if let Some(tiling) = shape.winograd(path, 4) {
         match tiling {
-            Winograd::F2(size) => winograd::conv_f32::<F2>(x, &f2(size), out, shape),
+            Winograd::F2(size) => {
+                let u = match source {
+                    TransformSource::Tensor(w) => {
+                        winograd::Transform::Kept(winograd::weight_f32(w, c_out, c_in, size))
+                    }
+                    TransformSource::Slice => winograd::Transform::ForCall(
+                        winograd::transform_for_call::<F2>(weight, c_out, c_in),
+                    ),
+                };
+                winograd::conv_f32::<F2>(x, &u, out, shape);
+            }
             Winograd::F4 => {
-                let u = winograd::transform_for_call::<F4>(weight, c_out, c_in);
+                let u = match source {
+                    TransformSource::Tensor(_) => winograd::Transform::Made(
+                        winograd::transform_weight::<F4>(weight, c_out, c_in),
+                    ),
+                    TransformSource::Slice => winograd::Transform::ForCall(
+                        winograd::transform_for_call::<F4>(weight, c_out, c_in),
+                    ),
+                };
                 winograd::conv_f32::<F4>(x, &u, out, shape);
             }
         }
@@ -240,7 +272,7 @@ pub(crate) enum Winograd {
     /// F(2x2, 3x3) ([`super::winograd::F2`]).
     F2(TransformSize),
     /// F(4x4, 3x3) ([`super::winograd::F4`]), in f32 only; its transform is made on every call
-    /// ([`super::winograd::transform_for_call`]).
+    /// ([`super::winograd::transform_weight`]).
     F4,
 }
 

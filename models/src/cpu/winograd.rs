@@ -107,9 +107,11 @@ pub(crate) fn transform_weight<W: Tiling>(weight: &[f32], c_out: usize, c_in: us
 }
 
 /// [`transform_weight`] for one call, in a buffer kept for the next call's transform
-/// ([`CallBuffer`]). A transform of a large layer is tens of megabytes: allocated anew on every
-/// call, it comes back from the allocator as fresh pages (above glibc's largest per-thread heap,
-/// 64 MiB, always so), and faulting them in cost more than making the transform.
+/// ([`CallBuffer`]): a compiled program's host kernel makes every transform per call, and one of
+/// a large layer is tens of megabytes. Allocated anew on every call, it comes back from the
+/// allocator as fresh pages (above glibc's largest per-thread heap, 64 MiB, always so), and
+/// faulting them in cost more than making the transform. The spare stays held (the largest
+/// transform seen), so the CPU backend, which keeps its large transforms, does not use it.
 pub(crate) fn transform_for_call<W: Tiling>(
     weight: &[f32],
     c_out: usize,
@@ -121,9 +123,11 @@ pub(crate) fn transform_for_call<W: Tiling>(
 }
 
 /// A weight's transform as a convolution reads it: kept while its weight lives
-/// ([`weight_f32`]), or made for this call ([`transform_for_call`]).
+/// ([`weight_f32`]), made for this call ([`transform_weight`]), or made for this call in the
+/// spare buffer ([`transform_for_call`]).
 pub(crate) enum Transform {
     Kept(Arc<Vec<f32>>),
+    Made(Vec<f32>),
     ForCall(CallBuffer),
 }
 
@@ -133,6 +137,7 @@ impl std::ops::Deref for Transform {
     fn deref(&self) -> &[f32] {
         match self {
             Self::Kept(u) => u,
+            Self::Made(u) => u,
             Self::ForCall(u) => u,
         }
     }
