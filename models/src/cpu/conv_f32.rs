@@ -8,7 +8,7 @@ use burn::tensor::DType;
 use burn_flex::{FlexTensor, Layout};
 
 use super::common::{f32_product_into, Dst, OutPtr, Strided};
-use super::winograd::{self, F2, F4};
+use super::winograd::{self, Tiling, Transform, F2, F4};
 
 /// Target number of output positions per tile: large enough for gemm to reach its peak,
 /// small enough that the column buffer (`c_in * k * k` rows of it) stays near the caches.
@@ -189,6 +189,22 @@ enum TransformSource<'a> {
     Slice,
 }
 
+impl TransformSource<'_> {
+    /// `weight`'s transform for tiling `W`, made for this call: anew for the CPU backend
+    /// (which keeps its large F(2x2, 3x3) transforms, so nothing this size is allocated per
+    /// call), in the spare buffer for a compiled program's host kernel.
+    fn for_call<W: Tiling>(&self, weight: &[f32], c_out: usize, c_in: usize) -> Transform {
+        match self {
+            Self::Tensor(_) => {
+                Transform::Made(winograd::transform_weight::<W>(weight, c_out, c_in))
+            }
+            Self::Slice => {
+                Transform::ForCall(winograd::transform_for_call::<W>(weight, c_out, c_in))
+            }
+        }
+    }
+}
+
 /// Adds the convolution of `x` with `weight` to `out` (zeros or the bias): Winograd where
 /// [`ConvShape::winograd`] picks it (its weight transform as `source` says), im2col and gemm
 /// otherwise.
@@ -217,23 +233,14 @@ fn convolve(
             Winograd::F2(size) => {
                 let u = match source {
                     TransformSource::Tensor(w) => {
-                        winograd::Transform::Kept(winograd::weight_f32(w, c_out, c_in, size))
+                        Transform::Kept(winograd::weight_f32(w, c_out, c_in, size))
                     }
-                    TransformSource::Slice => winograd::Transform::ForCall(
-                        winograd::transform_for_call::<F2>(weight, c_out, c_in),
-                    ),
+                    TransformSource::Slice => source.for_call::<F2>(weight, c_out, c_in),
                 };
                 winograd::conv_f32::<F2>(x, &u, out, shape);
             }
             Winograd::F4 => {
-                let u = match source {
-                    TransformSource::Tensor(_) => winograd::Transform::Made(
-                        winograd::transform_weight::<F4>(weight, c_out, c_in),
-                    ),
-                    TransformSource::Slice => winograd::Transform::ForCall(
-                        winograd::transform_for_call::<F4>(weight, c_out, c_in),
-                    ),
-                };
+                let u = source.for_call::<F4>(weight, c_out, c_in);
                 winograd::conv_f32::<F4>(x, &u, out, shape);
             }
         }
@@ -272,7 +279,7 @@ pub(crate) enum Winograd {
     /// F(2x2, 3x3) ([`super::winograd::F2`]).
     F2(TransformSize),
     /// F(4x4, 3x3) ([`super::winograd::F4`]), in f32 only; its transform is made on every call
-    /// ([`super::winograd::transform_weight`]).
+    /// (`TransformSource::for_call`).
     F4,
 }
 
