@@ -149,6 +149,76 @@ fn compiled_unet_matches_and_does_not_recompile() {
     );
 }
 
+/// `Offload::TextEncoders`: after each request's prompts are encoded, every weight of the text
+/// encoder (all read from the mapped checkpoint) leaves the device, and the next request
+/// uploads it again from the file; the images are the same bit for bit, eager and compiled.
+#[test]
+fn text_encoder_offload_frees_and_restores_its_weights() {
+    use burn::module::Module;
+    use oxidiff::pipelines::Offload;
+
+    if std::env::var("OXIDIFF_SKIP_PJRT_TESTS").as_deref() == Ok("1") {
+        return;
+    }
+    let golden = Golden::load("tiny-sd1");
+    let device = xla(0);
+    let options = LoadOptions {
+        scheduler: Some("ddim".into()),
+        ..Default::default()
+    };
+    let mut pipe =
+        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &device)
+            .unwrap();
+    let client = oxidiff::backend::pjrt_client(&device).unwrap();
+    let encoder_bytes = (pipe.text_encoder.num_params() * 4) as u64;
+    let generate = |pipe: &mut StableDiffusionPipeline<Oxi>| {
+        let before = client.stats();
+        let image = pipe
+            .generate_with(&request(&golden, &OxiDevice::Cpu), &mut NoNoise, |_| {})
+            .unwrap()
+            .images
+            .unwrap()
+            .data;
+        let after = client.stats();
+        (
+            image,
+            after.released_bytes - before.released_bytes,
+            after.uploaded_bytes - before.uploaded_bytes,
+        )
+    };
+    for compiled in [false, true] {
+        if compiled {
+            pipe.compile().unwrap();
+        }
+        pipe.offload = Offload::Off;
+        let (kept, released, _) = generate(&mut pipe);
+        assert_eq!(
+            released, 0,
+            "compiled {compiled}: nothing released without offload"
+        );
+        pipe.offload = Offload::TextEncoders;
+        for request in 0..2 {
+            let (image, released, uploaded) = generate(&mut pipe);
+            let at = format!("compiled {compiled}, request {request}");
+            assert!(image == kept, "{at}: the image changed");
+            assert_eq!(released, encoder_bytes, "{at}: bytes released");
+            if request > 0 {
+                assert!(
+                    uploaded >= encoder_bytes,
+                    "{at}: the encoder was not uploaded again"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        "text-encoders".parse::<Offload>().unwrap(),
+        Offload::TextEncoders
+    );
+    assert_eq!(Offload::TextEncoders.to_string(), "text-encoders");
+    let err = "vae".parse::<Offload>().unwrap_err().to_string();
+    assert!(err.contains("`off` or `text-encoders`"), "{err}");
+}
+
 /// SDXL on XLA's CPU plugin, eager and compiled (the added condition as runtime inputs), matches
 /// the CPU; new size/crop conditioning and guidance reuse the compiled program.
 #[test]

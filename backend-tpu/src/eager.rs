@@ -59,8 +59,10 @@ struct State {
     /// Tensors kept on the host until first needed ([`PjrtClient::stage_uploads`]).
     staged: HashMap<TensorId, StagedTensor>,
     /// The stored bytes of uploaded tensors that came from a memory-mapped file (the
-    /// checkpoint's own bytes, no copy), so a tensor whose device copy was given up
-    /// ([`PjrtClient::upload_permuted`]) is uploaded again when something needs it.
+    /// checkpoint's own bytes, no copy), or are a transpose of such a tensor (the same bytes
+    /// read through the permutation), so a tensor whose device copy was given up
+    /// ([`PjrtClient::upload_permuted`], [`PjrtClient::release`]) is uploaded again when
+    /// something needs it.
     mapped: HashMap<TensorId, StagedTensor>,
     /// Those of `mapped` whose device copy was given up: an op or read that needs one uploads
     /// it again first (nothing to check while this is empty, as in eager mode).
@@ -113,8 +115,11 @@ pub struct Stats {
     /// Tensors staged on the host, not yet on the device.
     pub staged: usize,
     /// Bytes copied from the host to this device (tensors registered, staged tensors
-    /// uploaded; not the shards [`SpmdPlacement`](crate::spmd::SpmdPlacement) places).
+    /// uploaded, released ones uploaded again; not the shards
+    /// [`SpmdPlacement`](crate::spmd::SpmdPlacement) places).
     pub uploaded_bytes: u64,
+    /// Bytes of device copies given up ([`PjrtClient::release`]).
+    pub released_bytes: u64,
 }
 
 type OpResult<T> = std::result::Result<T, String>;
@@ -243,6 +248,44 @@ impl PjrtClient {
         }))
     }
 
+    /// Gives up the device copies of those of `ids` whose bytes are a memory-mapped file's (a
+    /// checkpoint's weights, or a transpose of one): their device memory is freed now, and the
+    /// next op, program or read that needs one uploads it again from the file
+    /// ([`restore`](Self::restore)). Other tensors stay. Returns the bytes given up.
+    ///
+    /// On XLA's CPU plugin the device memory is the process's heap, which the binaries keep
+    /// once freed (the `oxidiff` binaries' `tune_allocator`); there the freed memory is also
+    /// handed back to the kernel.
+    pub fn release(&self, ids: impl IntoIterator<Item = TensorId>) -> usize {
+        let mut state = self.state();
+        let host_heap = self.inner.platform == PjrtPlatform::XlaCpu;
+        if host_heap {
+            // A buffer dropped while a computation reads it is freed when that computation
+            // ends; wait for the work in flight, so that the memory is free when handed back.
+            // (A failure here is reported by the next read of the failed computation's output.)
+            for buffer in state.buffers.values() {
+                let _ = buffer.ready();
+            }
+        }
+        let mut bytes = 0;
+        for id in ids {
+            let Some(stored) = state.mapped.get(&id) else {
+                continue;
+            };
+            let size = stored.byte_size();
+            if state.buffers.remove(&id).is_some() {
+                state.released.insert(id);
+                bytes += size;
+            }
+        }
+        state.stats.released_bytes += bytes as u64;
+        drop(state);
+        if bytes > 0 && host_heap {
+            crate::host::return_free_heap();
+        }
+        bytes
+    }
+
     /// Uploads again those of `ids` whose device copy was given up
     /// ([`upload_permuted`](Self::upload_permuted)); a failed upload is recorded as a failed
     /// op's error is.
@@ -363,6 +406,9 @@ impl PjrtClient {
                     }
                 }
                 let executed = self.execute(&mut state, &op);
+                if executed.is_ok() {
+                    Self::map_view(&mut state, &op);
+                }
                 state.keep_first_error(executed);
                 // Inputs consumed by the op (no `Drop` will come for them).
                 for input in op.inputs() {
@@ -373,6 +419,31 @@ impl PjrtClient {
                     }
                 }
             }
+        }
+    }
+
+    /// Records the mapped bytes of a transpose or permutation just run on a tensor that has
+    /// them (how `Linear` holds its checkpoint's `[out, in]` weight as `[in, out]`): the same
+    /// bytes read through the permutation, so its device copy too can be given up and uploaded
+    /// again from the file.
+    fn map_view(state: &mut State, op: &OperationIr) {
+        let (out, view) = match op {
+            OperationIr::BaseFloat(BaseOperationIr::SwapDims(o)) => {
+                let Some(stored) = state.mapped.get(&o.input.id) else {
+                    return;
+                };
+                (&o.out, stored.swapped(o.dim1, o.dim2))
+            }
+            OperationIr::BaseFloat(BaseOperationIr::Permute(o)) => {
+                let Some(stored) = state.mapped.get(&o.input.id) else {
+                    return;
+                };
+                (&o.out, stored.permuted(&o.axes))
+            }
+            _ => return,
+        };
+        if let Some(view) = view {
+            state.mapped.insert(out.id, view);
         }
     }
 

@@ -73,3 +73,14 @@ pub(crate) fn scalar_bytes(scalar: ScalarIr, elem: ElementType) -> Vec<u8> {
         ElementType::Pred => vec![u8::from(b)],
     }
 }
+
+/// Hands the heap's free memory back to the kernel (glibc's `malloc_trim`; nothing elsewhere):
+/// XLA's CPU plugin keeps device buffers on the heap.
+pub(crate) fn return_free_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim has no preconditions; it only returns free memory, under the
+    // allocator's own locks.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

@@ -73,6 +73,11 @@ impl StagedTensor {
         release_pages(self.data.as_bytes());
     }
 
+    /// Bytes of the logical tensor.
+    pub(crate) fn byte_size(&self) -> usize {
+        self.data.shape.iter().product::<usize>() * self.element.byte_size()
+    }
+
     /// The logical dimensions (the stored ones, permuted).
     pub(crate) fn dims(&self) -> Vec<usize> {
         self.axes.iter().map(|&a| self.data.shape[a]).collect()

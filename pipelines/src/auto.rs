@@ -24,6 +24,7 @@ use crate::flux::{FluxPipeline, FluxRequest, FLUX_CLASSES};
 use crate::flux_controlnet::FluxControlNetPipeline;
 use crate::loading::{pipeline_class, LoadOptions};
 use crate::lora::LoraReport;
+use crate::offload::Offload;
 use crate::pixart::{PixArtPipeline, PixArtRequest, PIXART_CLASSES};
 use crate::single_file::{single_file_pipeline_class, SingleFileOptions};
 use crate::stable_diffusion::{StableDiffusionPipeline, SUPPORTED_CLASSES};
@@ -146,6 +147,21 @@ macro_rules! each {
 }
 
 impl<B: Backend> AutoPipeline<B> {
+    /// What the pipeline hands back between requests (each pipeline's `offload`).
+    pub fn set_offload(&mut self, offload: Offload) {
+        match self {
+            Self::StableDiffusion(pipe) => pipe.offload = offload,
+            Self::StableDiffusionControlNet(pipe) => pipe.pipe.offload = offload,
+            Self::StableDiffusionXL(pipe) => pipe.offload = offload,
+            Self::StableDiffusionXLControlNet(pipe) => pipe.pipe.offload = offload,
+            Self::StableDiffusion3(pipe) => pipe.offload = offload,
+            Self::StableDiffusion3ControlNet(pipe) => pipe.pipe.offload = offload,
+            Self::Flux(pipe) => pipe.offload = offload,
+            Self::FluxControlNet(pipe) => pipe.pipe.offload = offload,
+            Self::PixArt(pipe) => pipe.offload = offload,
+        }
+    }
+
     /// Loads a diffusers-format folder, or a Hub id from the local cache.
     pub fn from_pretrained(spec: &str, options: &LoadOptions, device: &B::Device) -> Result<Self> {
         let dir = crate::hub::resolve_model(spec, options.variant.as_deref())?;

@@ -41,6 +41,7 @@ use crate::error::{PipelineError, Result};
 use crate::flux_controlnet::FluxControl;
 use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::offload::Offload;
 use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
@@ -176,6 +177,9 @@ pub struct FluxPipeline<B: Backend> {
     pub compiled: Option<CompiledCall<B, FluxStepInputs<B>>>,
     /// Compiled mode's scheduler step, when the pipeline was compiled.
     pub scheduler_program: Option<SchedulerProgram<B>>,
+    /// What is handed back between requests ([`Offload::TextEncoders`]: the text encoders,
+    /// after each request's prompts are encoded).
+    pub offload: Offload,
 }
 
 impl<B: Backend> FluxPipeline<B> {
@@ -292,6 +296,7 @@ impl<B: Backend> FluxPipeline<B> {
             source: dir.to_path_buf(),
             compiled: None,
             scheduler_program: None,
+            offload: Offload::default(),
         })
     }
 
@@ -477,6 +482,8 @@ impl<B: Backend> FluxPipeline<B> {
         } else {
             None
         };
+        self.offload.after_encoding(&self.text_encoder);
+        self.offload.after_encoding(&self.text_encoder_2);
 
         let f = self.vae_scale_factor;
         let (h, w) = (2 * (height / (2 * f)), 2 * (width / (2 * f)));

@@ -64,6 +64,7 @@ pub mod mask_crop;
 pub mod memory;
 pub mod metadata;
 pub mod model_hash;
+pub mod offload;
 pub mod parallel;
 pub mod path_scale;
 pub mod pixart_bins;
@@ -111,6 +112,7 @@ pub use ip_adapter::{ClipImageProcessor, IpAdapter};
 pub use loading::{pipeline_class, LoadOptions};
 pub use lora::{LoraReport, LoraSpec};
 pub use metadata::GenerationParameters;
+pub use offload::Offload;
 pub use pixart::{
     PixArtAlphaPipeline, PixArtCompiled, PixArtPipeline, PixArtRequest, PixArtSigmaPipeline,
     PixArtVariant, PIXART_CLASSES,

@@ -37,6 +37,7 @@ use crate::error::{PipelineError, Result};
 use crate::image::{postprocess, resize_and_crop};
 use crate::loading::{check_pipeline_class, component, load_scheduler, LoadOptions};
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::offload::Offload;
 use crate::pixart_bins::{
     classify_height_width_bin, ASPECT_RATIO_1024_BIN, ASPECT_RATIO_2048_BIN, ASPECT_RATIO_256_BIN,
     ASPECT_RATIO_512_BIN,
@@ -133,6 +134,9 @@ pub struct PixArtPipeline<B: Backend> {
     pub compiled: Option<PixArtCompiled<B>>,
     /// Compiled mode's scheduler step, when the pipeline was compiled.
     pub scheduler_program: Option<SchedulerProgram<B>>,
+    /// What is handed back between requests ([`Offload::TextEncoders`]: the text encoders,
+    /// after each request's prompts are encoded).
+    pub offload: Offload,
 }
 
 /// diffusers' name for the Alpha pipeline: the same type.
@@ -229,6 +233,7 @@ impl<B: Backend> PixArtPipeline<B> {
             source: dir.to_path_buf(),
             compiled: None,
             scheduler_program: None,
+            offload: Offload::default(),
         })
     }
 
@@ -389,6 +394,7 @@ impl<B: Backend> PixArtPipeline<B> {
         } else {
             (prompt.embeds, prompt.mask)
         };
+        self.offload.after_encoding(&self.text_encoder);
         let caption = caption.to_device(&self.device);
         let caption_bias = PixArtTransformer2DModel::<B>::caption_mask_bias(&mask, &self.device);
         let model_batch = mask.len();

@@ -23,6 +23,7 @@ use serde::Deserialize;
 
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
+use crate::offload::Offload;
 use crate::stable_diffusion::StableDiffusionPipeline;
 use crate::stable_diffusion_img2img::StableDiffusionImg2ImgPipeline;
 use crate::stable_diffusion_inpaint::StableDiffusionInpaintPipeline;
@@ -428,6 +429,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             source: path.to_path_buf(),
             compiled: None,
             scheduler_program: None,
+            offload: Offload::default(),
             ip_adapter: None,
         })
     }
@@ -539,6 +541,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             source: path.to_path_buf(),
             compiled: None,
             scheduler_program: None,
+            offload: Offload::default(),
             ip_adapter: None,
         })
     }

@@ -31,6 +31,7 @@ use crate::inpaint::{check_unet_input, InpaintCondition};
 use crate::ip_adapter::{append_image_tokens, IpAdapter};
 use crate::loading::LoadOptions;
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::offload::Offload;
 use crate::truncation::warn_if_clip_cut;
 
 /// The pipeline classes this type loads (`_class_name` in `model_index.json`).
@@ -98,6 +99,9 @@ pub struct StableDiffusionPipeline<B: Backend> {
     pub scheduler_program: Option<SchedulerProgram<B>>,
     /// The attached IP-Adapter ([`load_ip_adapter`](Self::load_ip_adapter)).
     pub ip_adapter: Option<IpAdapter<B>>,
+    /// What is handed back between requests ([`Offload::TextEncoders`]: the text encoder,
+    /// after each request's prompts are encoded).
+    pub offload: Offload,
 }
 
 impl<B: Backend> StableDiffusionPipeline<B> {
@@ -173,6 +177,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             source: dir.to_path_buf(),
             compiled: None,
             scheduler_program: None,
+            offload: Offload::default(),
             ip_adapter: None,
         })
     }
@@ -264,8 +269,20 @@ impl<B: Backend> StableDiffusionPipeline<B> {
         self.defaults().request()
     }
 
-    /// Encodes prompts to CLIP hidden states `[n * images_per_prompt, 77, dim]`.
+    /// Encodes prompts to CLIP hidden states `[n * images_per_prompt, 77, dim]` (then hands
+    /// the text encoder back, as [`offload`](Self::offload) says).
     pub fn encode_prompts(
+        &self,
+        prompts: &[String],
+        images_per_prompt: usize,
+    ) -> Result<Tensor<B, 3>> {
+        let encoded = self.encode_prompts_kept(prompts, images_per_prompt);
+        self.offload.after_encoding(&self.text_encoder);
+        encoded
+    }
+
+    /// [`encode_prompts`](Self::encode_prompts) without the offload.
+    fn encode_prompts_kept(
         &self,
         prompts: &[String],
         images_per_prompt: usize,
@@ -284,21 +301,27 @@ impl<B: Backend> StableDiffusionPipeline<B> {
     /// The UNet's text context for a request: the prompts' embeddings, preceded (with
     /// guidance) by the negative prompts' (an empty string when none is given); with an
     /// IP-Adapter, each row ends with the image tokens of `req.ip_adapter_image`.
+    /// The text encoder is handed back after both, as [`offload`](Self::offload) says.
     pub fn encode_context(&self, req: &GenerateRequest<B>) -> Result<Tensor<B, 3>> {
-        let prompt_embeds = self.encode_prompts(&req.prompts, req.num_images_per_prompt)?;
-        let context = if req.does_guidance() {
-            let negatives = negatives_for(req)?;
-            let negative_embeds = self.encode_prompts(&negatives, req.num_images_per_prompt)?;
-            Tensor::cat(vec![negative_embeds, prompt_embeds], 0)
-        } else {
-            prompt_embeds
-        };
+        let encoded = self.encode_both(req);
+        self.offload.after_encoding(&self.text_encoder);
         append_image_tokens(
             self.ip_adapter.as_ref(),
             req.ip_adapter_image.as_ref(),
-            context,
+            encoded?,
             req.does_guidance(),
         )
+    }
+
+    /// The prompts' embeddings, preceded (with guidance) by the negative prompts'.
+    fn encode_both(&self, req: &GenerateRequest<B>) -> Result<Tensor<B, 3>> {
+        let prompt_embeds = self.encode_prompts_kept(&req.prompts, req.num_images_per_prompt)?;
+        if !req.does_guidance() {
+            return Ok(prompt_embeds);
+        }
+        let negatives = negatives_for(req)?;
+        let negative_embeds = self.encode_prompts_kept(&negatives, req.num_images_per_prompt)?;
+        Ok(Tensor::cat(vec![negative_embeds, prompt_embeds], 0))
     }
 
     /// Attaches an IP-Adapter weight file (h94 layout, safetensors), as diffusers'

@@ -36,6 +36,7 @@ use crate::denoise::{
 use crate::error::{PipelineError, Result};
 use crate::loading::LoadOptions;
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::offload::Offload;
 use crate::stable_diffusion_3_controlnet::Sd3Control;
 use crate::truncation::{warn_if_clip_cut, warn_if_t5_cut};
 
@@ -118,6 +119,9 @@ pub struct StableDiffusion3Pipeline<B: Backend> {
     pub compiled: Option<CompiledCall<B, Sd3StepInputs<B>>>,
     /// Compiled mode's scheduler step, when the pipeline was compiled.
     pub scheduler_program: Option<SchedulerProgram<B>>,
+    /// What is handed back between requests ([`Offload::TextEncoders`]: the text encoders,
+    /// after each request's prompts are encoded).
+    pub offload: Offload,
 }
 
 /// What `model_index.json` says about one component: a `[library, class]` pair, or
@@ -288,6 +292,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             source: dir.to_path_buf(),
             compiled: None,
             scheduler_program: None,
+            offload: Offload::default(),
         })
     }
 
@@ -554,6 +559,11 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
         } else {
             (positive.prompt_embeds, positive.pooled_prompt_embeds)
         };
+        self.offload.after_encoding(&self.text_encoder);
+        self.offload.after_encoding(&self.text_encoder_2);
+        if let Some(t5) = &self.text_encoder_3 {
+            self.offload.after_encoding(t5);
+        }
         let model_batch = context.dims()[0];
 
         let f = self.vae_scale_factor;

@@ -39,6 +39,7 @@ use crate::inpaint::{check_unet_input, InpaintCondition};
 use crate::ip_adapter::{append_image_tokens, IpAdapter};
 use crate::loading::LoadOptions;
 use crate::memory::{component_memory, ComponentMemory, PlaceName};
+use crate::offload::Offload;
 use crate::truncation::warn_if_clip_cut;
 
 /// The pipeline class this type loads (`_class_name` in `model_index.json`).
@@ -173,6 +174,9 @@ pub struct StableDiffusionXLPipeline<B: Backend> {
     pub compiled: Option<CompiledCall<B, XlUNetInputs<B>>>,
     /// Compiled mode's scheduler step, when the pipeline was compiled.
     pub scheduler_program: Option<SchedulerProgram<B>>,
+    /// What is handed back between requests ([`Offload::TextEncoders`]: the text encoders,
+    /// after each request's prompts are encoded).
+    pub offload: Offload,
     /// The attached IP-Adapter ([`load_ip_adapter`](Self::load_ip_adapter)).
     pub ip_adapter: Option<IpAdapter<B>>,
 }
@@ -373,6 +377,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             source: dir.to_path_buf(),
             compiled: None,
             scheduler_program: None,
+            offload: Offload::default(),
             ip_adapter: None,
         })
     }
@@ -711,6 +716,10 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
                 ),
             )
         };
+        if let Some(encoder) = &self.text_encoder {
+            self.offload.after_encoding(encoder);
+        }
+        self.offload.after_encoding(&self.text_encoder_2);
 
         // Rows in the order of `context`: all negatives, then all positives. (diffusers repeats
         // the [negative, positive] pair per image, which is the same whenever the two are equal

@@ -113,7 +113,11 @@ def run_one(side, dir_, size, steps, repeat, threads, args):
         if args.device != "cpu":
             cmd += ["--device", args.device]
     else:
-        cmd = [args.bench_bin, dir_, "--mode", side]
+        # `compiled-offload`: compiled mode with the text encoders handed back between requests.
+        mode = side.removesuffix("-offload")
+        cmd = [args.bench_bin, dir_, "--mode", mode]
+        if mode != side:
+            cmd += ["--offload", "text-encoders"]
         if args.device != "cpu" and side != "cpu":
             cmd += ["--device", args.device]
     if side != "candle" and not side.startswith("sdcpp-"):
@@ -191,7 +195,8 @@ def svg_chart(result, path):
     import math
 
     modes = result["modes"] + (["candle"] if "candle" in result.get("impls", []) else [])
-    colors = {"cpu": "#1f77b4", "compiled": "#ff7f0e", "eager": "#2ca02c", "candle": "#9467bd"}
+    colors = {"cpu": "#1f77b4", "compiled": "#ff7f0e", "eager": "#2ca02c", "candle": "#9467bd",
+              "compiled-offload": "#d62728", "eager-offload": "#8c564b"}
     rows = []
     for case in result["cases"]:
         base = case["sides"]["diffusers"]
@@ -246,7 +251,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="tiny,sd15-256", help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--modes", default="cpu,compiled", help="oxidiff modes: cpu, eager, compiled")
+    ap.add_argument("--modes", default="cpu,compiled", help="oxidiff modes: cpu, eager, compiled, and eager-offload or "
+                         "compiled-offload (`bench --offload text-encoders`)")
     ap.add_argument("--impls", default="diffusers,oxidiff",
                     help="of diffusers, oxidiff (its --modes), candle (tools/bench/candle: UNet "
                          "step, VAE decode and load only; f32, no --variant: bf16 fails in candle 0.11.1's CPU conv2d), "

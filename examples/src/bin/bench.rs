@@ -4,7 +4,8 @@
 //! as the diffusers script, printed as one JSON line.
 //!
 //! `bench DIR [--size 256] [--steps 4] [--repeat 3] [--e2e-repeat 1] [--mode cpu|eager|compiled]
-//! [--dtype f32|bf16|f16] [--variant fp16] [--unet-only] [--text-only] [--load-only]` (`--dtype` as
+//! [--dtype f32|bf16|f16] [--variant fp16] [--offload off|text-encoders] [--unet-only] [--text-only]
+//! [--load-only]` (`--offload` as `txt2img --offload`, for the eager and compiled modes; `--dtype` as
 //! `txt2img --dtype`: the weights and the models' compute in that dtype, latents and the
 //! scheduler in f32; `--variant` as diffusers' `variant`: which weight files are read)
 //!
@@ -38,13 +39,15 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use oxidiff::models::cpu::half_gemm::HalfKernel;
 use oxidiff::models::vae_tiling::VaeTiling;
-use oxidiff::pipelines::{guided_noise, GenerateRequest, LoadOptions, StableDiffusionPipeline};
+use oxidiff::pipelines::{
+    guided_noise, GenerateRequest, LoadOptions, Offload, StableDiffusionPipeline,
+};
 use oxidiff::schedulers::{NoiseSource, TorchCpuGenerator};
 use oxidiff::{Cpu, Oxi, OxiDevice};
 use oxidiff_examples::{peak_rss_bytes, process_cpu_seconds};
 
 const USAGE: &str = "usage: bench DIR [--size N] [--steps N] [--repeat N] [--e2e-repeat N] \
-                     [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--unet-only] [--text-only] [--load-only] \
+                     [--mode cpu|eager|compiled] [--device xla:cpu|cuda|tpu] [--dtype f32|bf16|f16] [--variant NAME] [--offload off|text-encoders] [--unet-only] [--text-only] [--load-only] \
                      [--vae-only] [--vae-tile-size N]";
 
 /// Prints `report` as the one JSON line, with the peak RSS at this point.
@@ -133,6 +136,7 @@ struct Options {
     mode: String,
     dtype: Option<FloatDType>,
     variant: Option<String>,
+    offload: Offload,
 }
 
 fn main() -> Result<()> {
@@ -172,6 +176,10 @@ fn main() -> Result<()> {
             None => None,
             Some(i) => Some(args.get(i + 1).context(USAGE)?.clone()),
         },
+        offload: match args.iter().position(|a| a == "--offload") {
+            None => Offload::Off,
+            Some(i) => args.get(i + 1).context(USAGE)?.parse()?,
+        },
     };
     if options.size == 0 || !options.size.is_multiple_of(8) {
         bail!("--size {}: use a positive multiple of 8", options.size);
@@ -185,6 +193,7 @@ fn main() -> Result<()> {
             };
             let device: OxiDevice = name.parse()?;
             bench::<Oxi>(&options, &device, started, |pipe| {
+                pipe.offload = options.offload;
                 if mode == "compiled" {
                     pipe.compile()?;
                 }
@@ -228,6 +237,7 @@ fn bench<B: Backend>(
         },
         "threads": std::env::var("RAYON_NUM_THREADS").ok().and_then(|t| t.parse::<usize>().ok()),
         "size": options.size, "steps": options.steps, "load_s": load,
+        "offload": pipe.offload.to_string(),
         "peak_rss_after_load_bytes": peak_rss_bytes(),
     });
     if options.vae_tile_size > 0 {

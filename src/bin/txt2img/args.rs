@@ -151,6 +151,11 @@ pub struct Args {
     /// kept on disk for later runs; OXIDIFF_LOG_COMPILES=1 logs each compile.
     #[arg(long)]
     pub compile: bool,
+    /// On a PJRT device, `text-encoders` frees the text encoders' device memory once each
+    /// request's prompts are encoded and uploads them again from the checkpoint for the next
+    /// (less memory while denoising, one upload per request); default `off`.
+    #[arg(long, default_value = "off", value_name = "off|text-encoders")]
+    pub offload: oxidiff::pipelines::Offload,
     /// Tensor parallelism with --compile: the denoiser's transformer blocks split over N
     /// devices from --device on (N must divide every attention's heads and feed-forward width).
     #[arg(long, default_value_t = 1, value_name = "N")]

@@ -333,6 +333,7 @@ fn generate<B: PipelineBackend>(job: Job<'_>, device: &B::Device) -> Result<()> 
         None => AutoPipeline::<B>::from_dir(&dir, &options, device),
     })
     .with_context(|| format!("loading {}", args.model))?;
+    pipe.set_offload(args.offload);
     let png_hash = if kind == OutputKind::Png {
         progress.phase("hashing the model for the PNGs' Model hash".to_string());
         png_model_hash(&dir, &options).unwrap_or_else(|e| {

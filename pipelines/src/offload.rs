@@ -1,0 +1,114 @@
+//! Offload: components a pipeline hands back between uses ([`Offload`]), and the release of a
+//! model's device copies ([`release_weights`]).
+//!
+//! Only weights read from a memory-mapped checkpoint can be handed back: each is uploaded again
+//! from the file (the page cache, after the first time) the next time an op or compiled
+//! program needs it, so nothing is held on the host meanwhile. Weights on the CPU, and weights
+//! made or changed in memory (LoRA fused in, quantized blocks), stay where they are.
+
+use std::any::Any;
+use std::fmt;
+use std::str::FromStr;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use oxidiff_backend_tpu::spmd::{tensor_id, TensorId};
+use oxidiff_backend_tpu::{pjrt_client, Oxi, OxiDevice};
+
+use crate::error::{PipelineError, Result};
+
+/// What a pipeline hands back between requests (diffusers' `enable_model_cpu_offload`, for the
+/// components a request uses once).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Offload {
+    /// Every component keeps its device copy.
+    #[default]
+    Off,
+    /// The text encoders' device copies are freed once a request's prompts are encoded, and
+    /// uploaded again from the checkpoint for the next request: the denoiser and the VAE run
+    /// with that much less device memory in use, for one upload of the text encoders per
+    /// request.
+    TextEncoders,
+}
+
+impl Offload {
+    /// Whether the text encoders are handed back after encoding.
+    pub fn text_encoders(self) -> bool {
+        self == Self::TextEncoders
+    }
+
+    /// Hands back text encoder `encoder` if this offload says so; returns the bytes freed.
+    pub(crate) fn after_encoding<B: Backend, M: Module<B>>(self, encoder: &M) -> usize {
+        if !self.text_encoders() {
+            return 0;
+        }
+        release_weights(encoder)
+    }
+}
+
+impl fmt::Display for Offload {
+    /// The name [`FromStr`] reads.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Off => "off",
+            Self::TextEncoders => "text-encoders",
+        })
+    }
+}
+
+impl FromStr for Offload {
+    type Err = PipelineError;
+
+    /// `off` or `text-encoders`.
+    fn from_str(name: &str) -> Result<Self> {
+        match name {
+            "off" | "none" => Ok(Self::Off),
+            "text-encoders" | "text_encoders" => Ok(Self::TextEncoders),
+            other => Err(PipelineError::InvalidInput(format!(
+                "unknown offload `{other}`: use `off` or `text-encoders`"
+            ))),
+        }
+    }
+}
+
+/// Frees the device copies of `module`'s weights that were read from a memory-mapped file;
+/// each is uploaded again from the file the next time an op or program needs it. Only
+/// [`Oxi`] tensors on PJRT devices are released (nothing for any other backend). Returns the
+/// bytes freed.
+pub fn release_weights<B: Backend, M: Module<B>>(module: &M) -> usize {
+    let mut ids = WeightIds::default();
+    module.visit(&mut ids);
+    ids.by_device
+        .into_iter()
+        .filter_map(|(device, ids)| Some(pjrt_client(&device)?.release(ids)))
+        .sum()
+}
+
+/// The tensor ids of a module's loaded float weights on PJRT devices, by device.
+#[derive(Default)]
+struct WeightIds {
+    by_device: Vec<(OxiDevice, Vec<TensorId>)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for WeightIds {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        // A lazy weight not made yet holds no device memory.
+        if !param.is_initialized() {
+            return;
+        }
+        let tensor = param.val();
+        let Some(tensor) = (&tensor as &dyn Any).downcast_ref::<Tensor<Oxi, D>>() else {
+            return;
+        };
+        let device = tensor.device();
+        if !device.is_pjrt() {
+            return;
+        }
+        let id = tensor_id(&tensor.clone().into_primitive().tensor());
+        match self.by_device.iter_mut().find(|(d, _)| *d == device) {
+            Some((_, ids)) => ids.push(id),
+            None => self.by_device.push((device, vec![id])),
+        }
+    }
+}
