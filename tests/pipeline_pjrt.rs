@@ -151,7 +151,8 @@ fn compiled_unet_matches_and_does_not_recompile() {
 
 /// `Offload::TextEncoders`: after each request's prompts are encoded, every weight of the text
 /// encoder (all read from the mapped checkpoint) leaves the device, and the next request
-/// uploads it again from the file; the images are the same bit for bit, eager and compiled.
+/// uploads it again from the file, except the embedding tables, looked up on the host from
+/// then on; the images are the same bit for bit, eager and compiled.
 #[test]
 fn text_encoder_offload_frees_and_restores_its_weights() {
     use burn::module::Module;
@@ -171,6 +172,11 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
             .unwrap();
     let client = oxidiff::backend::pjrt_client(&device).unwrap();
     let encoder_bytes = (pipe.text_encoder.num_params() * 4) as u64;
+    // Once handed back, the embedding tables are looked up on the host (only the rows used
+    // are uploaded), so they stay off the device.
+    let tables = ((pipe.text_encoder.token_embedding.num_params()
+        + pipe.text_encoder.position_embedding.num_params())
+        * 4) as u64;
     let generate = |pipe: &mut StableDiffusionPipeline<Oxi>| {
         let before = client.stats();
         let image = pipe
@@ -201,10 +207,16 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
             let (image, released, uploaded) = generate(&mut pipe);
             let at = format!("compiled {compiled}, request {request}");
             assert!(image == kept, "{at}: the image changed");
-            assert_eq!(released, encoder_bytes, "{at}: bytes released");
+            let first = !compiled && request == 0;
+            let expected = if first {
+                encoder_bytes
+            } else {
+                encoder_bytes - tables
+            };
+            assert_eq!(released, expected, "{at}: bytes released");
             if request > 0 {
                 assert!(
-                    uploaded >= encoder_bytes,
+                    uploaded >= expected,
                     "{at}: the encoder was not uploaded again"
                 );
             }

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn_backend::{DType, DTypeUsage, DTypeUsageSet, ExecutionError, TensorData};
-use burn_ir::{BaseOperationIr, OperationIr, TensorId, TensorIr, TensorStatus};
+use burn_ir::{BaseOperationIr, ModuleOperationIr, OperationIr, TensorId, TensorIr, TensorStatus};
 
 use crate::compile_cache::{self, disk_key, entry_path, load_executable, store_executable};
 use crate::device::{OxiDevice, PjrtPlatform};
@@ -399,13 +399,18 @@ impl PjrtClient {
                         state.keep_first_error(uploaded);
                     }
                 }
-                if !state.released.is_empty() {
-                    for input in op.inputs() {
-                        let restored = self.restore_one(&mut state, input.id);
-                        state.keep_first_error(restored);
+                let executed = match self.embed_from_file(&mut state, &op) {
+                    Some(looked_up) => looked_up,
+                    None => {
+                        if !state.released.is_empty() {
+                            for input in op.inputs() {
+                                let restored = self.restore_one(&mut state, input.id);
+                                state.keep_first_error(restored);
+                            }
+                        }
+                        self.execute(&mut state, &op)
                     }
-                }
-                let executed = self.execute(&mut state, &op);
+                };
                 if executed.is_ok() {
                     Self::map_view(&mut state, &op);
                 }
@@ -420,6 +425,52 @@ impl PjrtClient {
                 }
             }
         }
+    }
+
+    /// An embedding lookup in a table whose device copy was given up ([`release`](Self::release)),
+    /// done on the host instead: the rows the indices name are read from the mapped file and
+    /// only they are uploaded, so a text encoder handed back between requests never uploads
+    /// its whole token table again. `None` for any other op (or a table this cannot read),
+    /// which then runs as usual.
+    fn embed_from_file(&self, state: &mut State, op: &OperationIr) -> Option<OpResult<()>> {
+        // Burn's `embedding` reaches the router as a select of rows.
+        let (weights, indices, out) = match op {
+            OperationIr::Module(ModuleOperationIr::Embedding(e)) => {
+                (&e.weights, &e.indices, &e.out)
+            }
+            OperationIr::BaseFloat(BaseOperationIr::Select(s)) if s.dim == 0 => {
+                (&s.tensor, &s.indices, &s.out)
+            }
+            _ => return None,
+        };
+        if !state.released.contains(&weights.id) {
+            return None;
+        }
+        let table = state.mapped.get(&weights.id)?;
+        let ids = state.buffers.get(&indices.id)?;
+        let ids = read_buffer(ids, indices.shape.clone(), indices.dtype).ok()?;
+        let rows: Vec<usize> = ids
+            .iter::<i64>()
+            .map(|i| usize::try_from(i).ok())
+            .collect::<Option<_>>()?;
+        let bytes = table.rows(rows)?;
+        let shape = pjrt::Shape::new(table.element(), dims_i64(&out.shape));
+        let (client, device) = match self.target() {
+            Ok(target) => target,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(match client.buffer_from_host(&bytes, &shape, device) {
+            Ok(buffer) => {
+                state.stats.executed += 1;
+                state.stats.uploaded_bytes += bytes.len() as u64;
+                state.buffers.insert(out.id, buffer);
+                Ok(())
+            }
+            Err(err) => Err(format!(
+                "uploading an embedding lookup to {} failed: {err}",
+                self.device()
+            )),
+        })
     }
 
     /// Records the mapped bytes of a transpose or permutation just run on a tensor that has

@@ -78,6 +78,33 @@ impl StagedTensor {
         self.data.shape.iter().product::<usize>() * self.element.byte_size()
     }
 
+    /// Rows `rows` of a 2-d tensor as it is stored (an embedding table), read straight from
+    /// the stored bytes, row after row; `None` for a permuted or other-rank tensor or a row out
+    /// of range.
+    pub(crate) fn rows(&self, rows: impl IntoIterator<Item = usize>) -> Option<Vec<u8>> {
+        let [count, width] = self.data.shape[..] else {
+            return None;
+        };
+        if self.axes != [0, 1] {
+            return None;
+        }
+        let row = width * self.element.byte_size();
+        let bytes = self.data.as_bytes();
+        let mut out = Vec::new();
+        for r in rows {
+            if r >= count {
+                return None;
+            }
+            out.extend_from_slice(&bytes[r * row..(r + 1) * row]);
+        }
+        Some(out)
+    }
+
+    /// The stored element type.
+    pub(crate) fn element(&self) -> ElementType {
+        self.element
+    }
+
     /// The logical dimensions (the stored ones, permuted).
     pub(crate) fn dims(&self) -> Vec<usize> {
         self.axes.iter().map(|&a| self.data.shape[a]).collect()

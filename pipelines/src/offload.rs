@@ -26,9 +26,9 @@ pub enum Offload {
     #[default]
     Off,
     /// The text encoders' device copies are freed once a request's prompts are encoded, and
-    /// uploaded again from the checkpoint for the next request: the denoiser and the VAE run
-    /// with that much less device memory in use, for one upload of the text encoders per
-    /// request.
+    /// uploaded again from the checkpoint for the next request (their embedding tables are then
+    /// looked up on the host): the denoiser and the VAE run with that much less device memory
+    /// in use, for one upload of the text encoders per request.
     TextEncoders,
 }
 
