@@ -28,6 +28,15 @@ fn request(golden: &Golden, device: &OxiDevice) -> GenerateRequest<Oxi> {
     }
 }
 
+/// The tiny SD pipeline, with DDIM, loaded straight onto `device`.
+fn tiny_sd(device: &OxiDevice) -> StableDiffusionPipeline<Oxi> {
+    let options = LoadOptions {
+        scheduler: Some("ddim".into()),
+        ..Default::default()
+    };
+    StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, device).unwrap()
+}
+
 fn xla(index: usize) -> OxiDevice {
     format!("xla:cpu:{index}")
         .parse()
@@ -163,13 +172,7 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
     }
     let golden = Golden::load("tiny-sd1");
     let device = xla(0);
-    let options = LoadOptions {
-        scheduler: Some("ddim".into()),
-        ..Default::default()
-    };
-    let mut pipe =
-        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &device)
-            .unwrap();
+    let mut pipe = tiny_sd(&device);
     let client = oxidiff::backend::pjrt_client(&device).unwrap();
     let encoder_bytes = (pipe.text_encoder.num_params() * 4) as u64;
     // Once handed back, the embedding tables are looked up on the host (only the rows used
@@ -314,13 +317,7 @@ fn the_vae_encoder_reaches_the_device_at_its_first_use() {
     }
     let golden = Golden::load("tiny-sd1");
     let device = xla(0);
-    let options = LoadOptions {
-        scheduler: Some("ddim".into()),
-        ..Default::default()
-    };
-    let mut pipe =
-        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &device)
-            .unwrap();
+    let mut pipe = tiny_sd(&device);
     let encoder_loaded = |pipe: &StableDiffusionPipeline<Oxi>| {
         let quant = pipe.vae.quant_conv.as_ref().unwrap();
         assert_eq!(
@@ -368,8 +365,7 @@ fn the_vae_encoder_reaches_the_device_at_its_first_use() {
     );
 
     let cpu = OxiDevice::Cpu;
-    let on_cpu_pipe =
-        StableDiffusionPipeline::<Oxi>::from_dir(&model_dir("tiny-sd1"), &options, &cpu).unwrap();
+    let on_cpu_pipe = tiny_sd(&cpu);
     let on_cpu = to_vec(on_cpu_pipe.vae.encode(image(&cpu)).mean);
     let err = relative_error(&on_device, &on_cpu);
     assert!(err <= 1e-4, "relative error {err:e}");
