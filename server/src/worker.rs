@@ -41,6 +41,8 @@ pub struct WorkerConfig {
     /// Run every batch size once at the default size before serving, so that compiled mode
     /// never compiles while a client waits.
     pub warm_up: bool,
+    /// What the pipeline hands back between requests (`--offload`).
+    pub offload: oxidiff::pipelines::Offload,
 }
 
 /// The batch that runs now, for A1111's `/progress` and `/interrupt`.
@@ -226,6 +228,7 @@ impl<B: PipelineBackend> Worker<B> {
             }
         })
         .map_err(loading)?;
+        pipe.set_offload(config.offload);
         // The PNGs' `Model hash` (as txt2img's): the single file, or the resolved folder's
         // denoiser (resolved again after the load: a
         // Hub id is in the cache by then); a model that cannot be hashed gets none.

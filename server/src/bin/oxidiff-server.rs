@@ -30,6 +30,10 @@ struct Args {
     /// Compiled mode (a PJRT --device): each batch size is compiled and run once at start.
     #[arg(long)]
     compile: bool,
+    /// `text-encoders`: on a PJRT device, free the text encoders' device memory after each
+    /// batch's prompts are encoded and upload them again for the next (txt2img's --offload).
+    #[arg(long, default_value = "off", value_name = "off|text-encoders")]
+    offload: oxidiff::pipelines::Offload,
     /// Tensor parallelism with --compile.
     #[arg(long, default_value_t = 1, value_name = "N")]
     tp: usize,
@@ -156,6 +160,7 @@ fn config(args: &Args) -> Result<ServerConfig> {
             dtype: args.dtype,
             variant: args.variant.clone(),
             scheduler: args.scheduler.clone(),
+            offload: args.offload,
         },
         limits: Limits {
             max_batch: args.max_batch as usize,
