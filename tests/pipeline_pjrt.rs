@@ -171,7 +171,8 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
         return;
     }
     let golden = Golden::load("tiny-sd1");
-    let device = xla(0);
+    // Its own device: the SDXL test hands back weights on device 0 at the same time.
+    let device = xla(1);
     let mut pipe = tiny_sd(&device);
     let client = oxidiff::backend::pjrt_client(&device).unwrap();
     let encoder_bytes = (pipe.text_encoder.num_params() * 4) as u64;
@@ -285,11 +286,37 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
     pipe.compile().unwrap();
     let compiled = pipe
         .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
-        .unwrap();
-    let err = relative_error(&compiled.images.unwrap().data, &expected);
+        .unwrap()
+        .images
+        .unwrap()
+        .data;
+    let err = relative_error(&compiled, &expected);
     assert!(err <= 1e-4, "SDXL compiled vs cpu: relative error {err:e}");
     eprintln!("SDXL compiled vs cpu: relative error {err:e}");
     assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
+
+    // Both text encoders handed back after each request (of a pipeline moved from the CPU:
+    // its weights still read from the mapped files), then uploaded again: the same image.
+    pipe.offload = oxidiff::pipelines::Offload::TextEncoders;
+    let client = oxidiff::backend::pjrt_client(&xla(0)).unwrap();
+    for request in 0..2 {
+        let before = client.stats().released_bytes;
+        let image = pipe
+            .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
+            .unwrap()
+            .images
+            .unwrap()
+            .data;
+        assert!(
+            image == compiled,
+            "request {request}: offload changed the image"
+        );
+        assert!(
+            client.stats().released_bytes > before,
+            "request {request}: nothing was handed back"
+        );
+    }
+    pipe.offload = oxidiff::pipelines::Offload::Off;
     let other = XlOptions {
         original_size: Some((1024, 1024)),
         ..Default::default()
