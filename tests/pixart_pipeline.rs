@@ -155,6 +155,7 @@ fn pixart_on_xla_cpu_matches_cpu() {
     let err = relative_error(&compiled.images.unwrap().data, &expected);
     assert!(err <= TOL, "compiled vs cpu image: relative error {err:e}");
     assert_eq!(pipe.compile_stats().map(|s| s.programs), Some(1));
+
     let mut other = request::<Oxi>(&golden, &device);
     other.common.num_inference_steps = 1;
     other.common.prompts = vec!["another prompt".into()];
@@ -166,6 +167,32 @@ fn pixart_on_xla_cpu_matches_cpu() {
         Some(1),
         "a new prompt and seed reuse the program"
     );
+
+    // T5 handed back after each request and uploaded again (its token table then looked up
+    // on the host): the same image, bit for bit. In bf16, so that the fixture's bf16 T5 is
+    // used in the file's own bytes (a weight converted at load has no file to come back from,
+    // and stays).
+    let options = LoadOptions {
+        dtype: Some(burn::tensor::FloatDType::BF16),
+        ..Default::default()
+    };
+    let mut pipe = PixArtPipeline::<Oxi>::from_dir(&model_dir(NAME), &options, &device).unwrap();
+    let kept = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
+    let kept = kept.images.unwrap().data;
+    pipe.offload = oxidiff::pipelines::Offload::TextEncoders;
+    let client = oxidiff::backend::pjrt_client(&device).unwrap();
+    for request in 0..2 {
+        let before = client.stats().released_bytes;
+        let image = pipe.generate_with(&req, &mut NoNoise, |_| {}).unwrap();
+        assert!(
+            image.images.unwrap().data == kept,
+            "request {request}: offload changed the image"
+        );
+        assert!(
+            client.stats().released_bytes > before,
+            "request {request}: nothing was handed back"
+        );
+    }
 }
 
 // ------------------------------------------------------------------------------ bad input

@@ -4,7 +4,8 @@
 //! Only weights read from a memory-mapped checkpoint can be handed back: each is uploaded again
 //! from the file (the page cache, after the first time) the next time an op or compiled
 //! program needs it, so nothing is held on the host meanwhile. Weights on the CPU, and weights
-//! made or changed in memory (LoRA fused in, quantized blocks), stay where they are.
+//! made or changed in memory (LoRA fused in, quantized blocks, a dtype converted at load), stay
+//! where they are.
 
 use std::any::Any;
 use std::fmt;
