@@ -255,6 +255,18 @@ fn flux_dev_on_xla_cpu_eager_matches_diffusers() {
     let mut pipe = load::<Oxi>("dev", &OxiDevice::Cpu).to(&device);
     let req = request(&golden, "dev");
     assert_matches_golden(&golden, &mut pipe, &req, "dev");
+
+    // CLIP and T5 handed back after each request and uploaded again.
+    pipe.offload = oxidiff::pipelines::Offload::TextEncoders;
+    let client = oxidiff::backend::pjrt_client(&device).unwrap();
+    for request in 0..2 {
+        let before = client.stats().released_bytes;
+        assert_matches_golden(&golden, &mut pipe, &req, "dev");
+        assert!(
+            client.stats().released_bytes > before,
+            "request {request}: nothing handed back"
+        );
+    }
 }
 
 #[test]

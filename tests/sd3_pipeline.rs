@@ -365,6 +365,18 @@ fn sd3_on_xla_cpu_eager_matches_diffusers() {
     let golden = Golden::load(NAME);
     let mut pipe = load::<Oxi>(&model_dir(NAME), &OxiDevice::Cpu).to(&device);
     assert_run_matches(&golden, &mut pipe, "xla:cpu eager");
+
+    // The three text encoders handed back after each request and uploaded again.
+    pipe.offload = oxidiff::pipelines::Offload::TextEncoders;
+    let client = oxidiff::backend::pjrt_client(&device).unwrap();
+    for request in 0..2 {
+        let before = client.stats().released_bytes;
+        assert_run_matches(&golden, &mut pipe, &format!("offload, request {request}"));
+        assert!(
+            client.stats().released_bytes > before,
+            "request {request}: nothing handed back"
+        );
+    }
 }
 
 #[test]
