@@ -478,22 +478,7 @@ impl PjrtClient {
     /// bytes read through the permutation, so its device copy too can be given up and uploaded
     /// again from the file.
     fn map_view(state: &mut State, op: &OperationIr) {
-        let (out, view) = match op {
-            OperationIr::BaseFloat(BaseOperationIr::SwapDims(o)) => {
-                let Some(stored) = state.mapped.get(&o.input.id) else {
-                    return;
-                };
-                (&o.out, stored.swapped(o.dim1, o.dim2))
-            }
-            OperationIr::BaseFloat(BaseOperationIr::Permute(o)) => {
-                let Some(stored) = state.mapped.get(&o.input.id) else {
-                    return;
-                };
-                (&o.out, stored.permuted(&o.axes))
-            }
-            _ => return,
-        };
-        if let Some(view) = view {
+        if let Some((_, out, view)) = reordered(op, &state.mapped) {
             state.mapped.insert(out.id, view);
         }
     }
@@ -501,22 +486,7 @@ impl PjrtClient {
     /// Records a transpose or permutation of a staged tensor as a staged view instead of
     /// running it; `false` for any other op.
     fn view_of_staged(&self, state: &mut State, op: &OperationIr) -> bool {
-        let (input, out, view) = match op {
-            OperationIr::BaseFloat(BaseOperationIr::SwapDims(o)) => {
-                let Some(staged) = state.staged.get(&o.input.id) else {
-                    return false;
-                };
-                (&o.input, &o.out, staged.swapped(o.dim1, o.dim2))
-            }
-            OperationIr::BaseFloat(BaseOperationIr::Permute(o)) => {
-                let Some(staged) = state.staged.get(&o.input.id) else {
-                    return false;
-                };
-                (&o.input, &o.out, staged.permuted(&o.axes))
-            }
-            _ => return false,
-        };
-        let Some(view) = view else {
+        let Some((input, out, view)) = reordered(op, &state.staged) else {
             return false;
         };
         if input.status == TensorStatus::ReadWrite {
@@ -855,6 +825,25 @@ impl PjrtClient {
             })?;
         }
         Ok(())
+    }
+}
+
+/// For a transpose or permutation of one of `tensors` (host bytes: staged or mapped), its input,
+/// its output and the view of the input's bytes it makes; `None` for any other op.
+fn reordered<'a>(
+    op: &'a OperationIr,
+    tensors: &HashMap<TensorId, StagedTensor>,
+) -> Option<(&'a TensorIr, &'a TensorIr, StagedTensor)> {
+    match op {
+        OperationIr::BaseFloat(BaseOperationIr::SwapDims(o)) => {
+            let view = tensors.get(&o.input.id)?.swapped(o.dim1, o.dim2)?;
+            Some((&o.input, &o.out, view))
+        }
+        OperationIr::BaseFloat(BaseOperationIr::Permute(o)) => {
+            let view = tensors.get(&o.input.id)?.permuted(&o.axes)?;
+            Some((&o.input, &o.out, view))
+        }
+        _ => None,
     }
 }
 

@@ -64,8 +64,8 @@ impl FromStr for Offload {
     /// `off` or `text-encoders`.
     fn from_str(name: &str) -> Result<Self> {
         match name {
-            "off" | "none" => Ok(Self::Off),
-            "text-encoders" | "text_encoders" => Ok(Self::TextEncoders),
+            "off" => Ok(Self::Off),
+            "text-encoders" => Ok(Self::TextEncoders),
             other => Err(PipelineError::InvalidInput(format!(
                 "unknown offload `{other}`: use `off` or `text-encoders`"
             ))),
