@@ -111,6 +111,10 @@ fn usage_errors_exit_2_before_the_model_loads() {
         (vec!["--steps", "0"], "1 to 10000 steps"),
         (vec!["--steps", "1000000000"], "1 to 10000 steps"),
         (vec!["--offload", "vae"], "use `off` or `text-encoders`"),
+        (
+            vec!["--offload", "text-encoders"],
+            "drop --offload, or add a PJRT --device",
+        ),
     ] {
         let all = [&["--model", m, "-o", o][..], &args, &["x"]].concat();
         txt2img(&all).refused(2, needle);

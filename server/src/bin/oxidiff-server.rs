@@ -133,6 +133,12 @@ fn config(args: &Args) -> Result<ServerConfig> {
             "add --device xla:cpu, tpu or cuda, or drop --compile: --compile needs a PJRT device"
         );
     }
+    if args.offload.text_encoders() && !device.is_pjrt() {
+        bail!(
+            "drop --offload, or add a PJRT --device: on the CPU the weights are the checkpoint's \
+             mapped pages already, with nothing to hand back"
+        );
+    }
     if !(args.read_timeout.is_finite() && args.read_timeout > 0.0) {
         bail!("--read-timeout must be a positive number of seconds");
     }

@@ -74,6 +74,13 @@ fn check_usage(args: &Args, device: &OxiDevice) -> Result<(), UsageError> {
             args.device
         )));
     }
+    if args.offload.text_encoders() && !device.is_pjrt() {
+        return Err(UsageError(
+            "drop --offload, or add a PJRT --device: on the CPU the weights are the \
+             checkpoint's mapped pages already, with nothing to hand back"
+                .into(),
+        ));
+    }
     let from_png = args.from_png.as_ref().map(|p| p.display().to_string());
     let source = |flag: &str| match &from_png {
         Some(png) => format!("{flag} (or the parameters of {png})"),
