@@ -194,6 +194,7 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
             image,
             after.released_bytes - before.released_bytes,
             after.uploaded_bytes - before.uploaded_bytes,
+            after.host_heap_returns - before.host_heap_returns,
         )
     };
     for compiled in [false, true] {
@@ -201,14 +202,19 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
             pipe.compile().unwrap();
         }
         pipe.offload = Offload::Off;
-        let (kept, released, _) = generate(&mut pipe);
+        let (kept, released, _, returns) = generate(&mut pipe);
         assert_eq!(
             released, 0,
             "compiled {compiled}: nothing released without offload"
         );
+        // (The compiled pass comes after the eager one handed the encoder back: uploading it
+        // again hands the heap back first.)
+        if !compiled {
+            assert_eq!(returns, 0, "the host heap handed back without offload");
+        }
         pipe.offload = Offload::TextEncoders;
         for request in 0..2 {
-            let (image, released, uploaded) = generate(&mut pipe);
+            let (image, released, uploaded, returns) = generate(&mut pipe);
             let at = format!("compiled {compiled}, request {request}");
             assert!(image == kept, "{at}: the image changed");
             let first = !compiled && request == 0;
@@ -224,6 +230,15 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
                     "{at}: the encoder was not uploaded again"
                 );
             }
+            // The host heap's free memory goes back to the kernel at the release and before
+            // the VAE decodes; in compiled mode also before the denoiser's first program (what
+            // the text encoder's program still read at the release is freed only then), and
+            // from the second request on before the encoder is uploaded again.
+            let least = 2 + u64::from(compiled) + u64::from(request > 0);
+            assert!(
+                returns >= least,
+                "{at}: the host heap was handed back {returns} times, fewer than {least}"
+            );
         }
     }
     assert_eq!(

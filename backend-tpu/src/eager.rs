@@ -67,6 +67,14 @@ struct State {
     /// Those of `mapped` whose device copy was given up: an op or read that needs one uploads
     /// it again first (nothing to check while this is empty, as in eager mode).
     released: HashSet<TensorId>,
+    /// Set by a release on XLA's CPU plugin ([`PjrtClient::release`]): the host heap's free
+    /// memory is handed back again before the next compiled program runs, as a buffer a
+    /// computation still read when it was released is freed only once that computation ends
+    /// (eager ops come too soon after: the ops right after a text encode) ...
+    trim_at_next_call: bool,
+    /// ... and before the first released tensor is uploaded again, so that the upload does not
+    /// come on top of what computations freed meanwhile.
+    trim_before_restore: bool,
     /// Open [`StagingGuard`]s: while any is, new tensors are staged instead of uploaded.
     staging: usize,
     /// Rank-0 buffers of scalar arguments, by element type and bytes.
@@ -120,6 +128,9 @@ pub struct Stats {
     pub uploaded_bytes: u64,
     /// Bytes of device copies given up ([`PjrtClient::release`]).
     pub released_bytes: u64,
+    /// Times the host heap's free memory was handed back to the kernel (XLA's CPU plugin: at
+    /// a release, after it, and [`PjrtClient::return_free_host_memory`]).
+    pub host_heap_returns: u64,
 }
 
 type OpResult<T> = std::result::Result<T, String>;
@@ -255,17 +266,13 @@ impl PjrtClient {
     ///
     /// On XLA's CPU plugin the device memory is the process's heap, which the binaries keep
     /// once freed (the `oxidiff` binaries' `tune_allocator`); there the freed memory is also
-    /// handed back to the kernel.
+    /// handed back to the kernel: now, before the next compiled program (a buffer a computation
+    /// still reads is freed when it ends), and before the first of them is uploaded again.
     pub fn release(&self, ids: impl IntoIterator<Item = TensorId>) -> usize {
         let mut state = self.state();
         let host_heap = self.inner.platform == PjrtPlatform::XlaCpu;
         if host_heap {
-            // A buffer dropped while a computation reads it is freed when that computation
-            // ends; wait for the work in flight, so that the memory is free when handed back.
-            // (A failure here is reported by the next read of the failed computation's output.)
-            for buffer in state.buffers.values() {
-                let _ = buffer.ready();
-            }
+            Self::wait_for_work_in_flight(&state);
         }
         let mut bytes = 0;
         for id in ids {
@@ -279,11 +286,49 @@ impl PjrtClient {
             }
         }
         state.stats.released_bytes += bytes as u64;
-        drop(state);
         if bytes > 0 && host_heap {
+            state.trim_at_next_call = true;
+            state.trim_before_restore = true;
+            state.stats.host_heap_returns += 1;
+            drop(state);
             crate::host::return_free_heap();
         }
         bytes
+    }
+
+    /// On XLA's CPU plugin, hands the free memory of the process's heap (the device memory
+    /// computations freed, which the binaries keep: `tune_allocator`) back to the kernel once
+    /// the work in flight is done; nothing elsewhere. A pipeline handing components back
+    /// between requests calls it between components, so that the next one's memory does not
+    /// come on top of what the last one freed.
+    pub fn return_free_host_memory(&self) {
+        if self.inner.platform != PjrtPlatform::XlaCpu {
+            return;
+        }
+        let mut state = self.state();
+        Self::wait_for_work_in_flight(&state);
+        state.stats.host_heap_returns += 1;
+        drop(state);
+        crate::host::return_free_heap();
+    }
+
+    /// Waits until every buffer is computed: a buffer dropped while a computation reads it is
+    /// freed when that computation ends, so then the memory it held is free. (A failure here
+    /// is reported by the next read of the failed computation's output.)
+    fn wait_for_work_in_flight(state: &State) {
+        for buffer in state.buffers.values() {
+            let _ = buffer.ready();
+        }
+    }
+
+    /// Hands the host heap's free memory back if `pending` (one of the state's `trim_*` flags)
+    /// says so, clearing it.
+    fn trim_if(pending: impl FnOnce(&mut State) -> &mut bool, state: &mut State) {
+        if std::mem::take(pending(state)) {
+            Self::wait_for_work_in_flight(state);
+            state.stats.host_heap_returns += 1;
+            crate::host::return_free_heap();
+        }
     }
 
     /// Uploads again those of `ids` whose device copy was given up
@@ -294,6 +339,7 @@ impl PjrtClient {
         if state.released.is_empty() {
             return;
         }
+        Self::trim_if(|s| &mut s.trim_at_next_call, &mut state);
         for id in ids {
             let restored = self.restore_one(&mut state, id);
             state.keep_first_error(restored);
@@ -302,9 +348,10 @@ impl PjrtClient {
 
     /// [`restore`](Self::restore) for one tensor, under the state's lock.
     fn restore_one(&self, state: &mut State, id: TensorId) -> Result<(), String> {
-        if !state.released.contains(&id) {
+        if !state.released.contains(&id) || !state.mapped.contains_key(&id) {
             return Ok(());
         }
+        Self::trim_if(|s| &mut s.trim_before_restore, state);
         let Some(stored) = state.mapped.get(&id) else {
             return Ok(());
         };

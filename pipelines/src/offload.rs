@@ -29,7 +29,10 @@ pub enum Offload {
     /// The text encoders' device copies are freed once a request's prompts are encoded, and
     /// uploaded again from the checkpoint for the next request (their embedding tables are then
     /// looked up on the host): the denoiser and the VAE run with that much less device memory
-    /// in use, for one upload of the text encoders per request.
+    /// in use, for one upload of the text encoders per request. On XLA's CPU plugin, whose
+    /// device memory is the process's heap, the memory the last component's programs freed is
+    /// also handed back to the kernel before the text encoders are uploaded again and before
+    /// the VAE decodes, so that neither comes on top of it.
     TextEncoders,
 }
 
@@ -45,6 +48,19 @@ impl Offload {
             return 0;
         }
         release_weights(encoder)
+    }
+
+    /// Before the VAE (`vae`) decodes: hands the host memory the denoising loop freed back, if
+    /// this offload says so ([`Offload::TextEncoders`]; XLA's CPU plugin only).
+    pub(crate) fn before_decoding<B: Backend, M: Module<B>>(self, vae: &M) {
+        if !self.text_encoders() {
+            return;
+        }
+        for (device, _) in WeightIds::of(vae).by_device {
+            if let Some(client) = pjrt_client(&device) {
+                client.return_free_host_memory();
+            }
+        }
     }
 }
 
@@ -78,9 +94,8 @@ impl FromStr for Offload {
 /// [`Oxi`] tensors on PJRT devices are released (nothing for any other backend). Returns the
 /// bytes freed.
 pub fn release_weights<B: Backend, M: Module<B>>(module: &M) -> usize {
-    let mut ids = WeightIds::default();
-    module.visit(&mut ids);
-    ids.by_device
+    WeightIds::of(module)
+        .by_device
         .into_iter()
         .filter_map(|(device, ids)| Some(pjrt_client(&device)?.release(ids)))
         .sum()
@@ -90,6 +105,15 @@ pub fn release_weights<B: Backend, M: Module<B>>(module: &M) -> usize {
 #[derive(Default)]
 struct WeightIds {
     by_device: Vec<(OxiDevice, Vec<TensorId>)>,
+}
+
+impl WeightIds {
+    /// `module`'s.
+    fn of<B: Backend, M: Module<B>>(module: &M) -> Self {
+        let mut ids = Self::default();
+        module.visit(&mut ids);
+        ids
+    }
 }
 
 impl<B: Backend> ModuleVisitor<B> for WeightIds {
