@@ -68,10 +68,12 @@ struct State {
     /// it again first (nothing to check while this is empty, as in eager mode).
     released: HashSet<TensorId>,
     /// Set by a release on XLA's CPU plugin ([`PjrtClient::release`]): the host heap's free
-    /// memory is handed back again before the next compiled program runs, as a buffer a
-    /// computation still read when it was released is freed only once that computation ends
-    /// (eager ops come too soon after: the ops right after a text encode) ...
-    trim_at_next_call: bool,
+    /// memory is handed back again before each of the next this many compiled programs runs,
+    /// once the work in flight is done. A buffer a computation still read when it was released
+    /// is freed only once that computation's run ends, which can come after its outputs are
+    /// ready and the next program starts; by the second program, the first has been waited for.
+    /// (Eager ops come too soon after: the ops right after a text encode.) ...
+    trims_before_programs: u8,
     /// ... and before the first released tensor is uploaded again, so that the upload does not
     /// come on top of what computations freed meanwhile.
     trim_before_restore: bool,
@@ -266,8 +268,9 @@ impl PjrtClient {
     ///
     /// On XLA's CPU plugin the device memory is the process's heap, which the binaries keep
     /// once freed (the `oxidiff` binaries' `tune_allocator`); there the freed memory is also
-    /// handed back to the kernel: now, before the next compiled program (a buffer a computation
-    /// still reads is freed when it ends), and before the first of them is uploaded again.
+    /// handed back to the kernel: now, before each of the next two compiled programs (a buffer
+    /// a computation still reads is freed when its run ends), and before the first of them is
+    /// uploaded again.
     pub fn release(&self, ids: impl IntoIterator<Item = TensorId>) -> usize {
         let mut state = self.state();
         let host_heap = self.inner.platform == PjrtPlatform::XlaCpu;
@@ -287,7 +290,7 @@ impl PjrtClient {
         }
         state.stats.released_bytes += bytes as u64;
         if bytes > 0 && host_heap {
-            state.trim_at_next_call = true;
+            state.trims_before_programs = 2;
             state.trim_before_restore = true;
             state.stats.host_heap_returns += 1;
             drop(state);
@@ -305,11 +308,7 @@ impl PjrtClient {
         if self.inner.platform != PjrtPlatform::XlaCpu {
             return;
         }
-        let mut state = self.state();
-        Self::wait_for_work_in_flight(&state);
-        state.stats.host_heap_returns += 1;
-        drop(state);
-        crate::host::return_free_heap();
+        Self::return_free_heap_when_idle(&mut self.state());
     }
 
     /// Waits until every buffer is computed: a buffer dropped while a computation reads it is
@@ -321,14 +320,11 @@ impl PjrtClient {
         }
     }
 
-    /// Hands the host heap's free memory back if `pending` (one of the state's `trim_*` flags)
-    /// says so, clearing it.
-    fn trim_if(pending: impl FnOnce(&mut State) -> &mut bool, state: &mut State) {
-        if std::mem::take(pending(state)) {
-            Self::wait_for_work_in_flight(state);
-            state.stats.host_heap_returns += 1;
-            crate::host::return_free_heap();
-        }
+    /// Hands the host heap's free memory back once the work in flight is done.
+    fn return_free_heap_when_idle(state: &mut State) {
+        Self::wait_for_work_in_flight(state);
+        state.stats.host_heap_returns += 1;
+        crate::host::return_free_heap();
     }
 
     /// Uploads again those of `ids` whose device copy was given up
@@ -339,7 +335,10 @@ impl PjrtClient {
         if state.released.is_empty() {
             return;
         }
-        Self::trim_if(|s| &mut s.trim_at_next_call, &mut state);
+        if state.trims_before_programs > 0 {
+            state.trims_before_programs -= 1;
+            Self::return_free_heap_when_idle(&mut state);
+        }
         for id in ids {
             let restored = self.restore_one(&mut state, id);
             state.keep_first_error(restored);
@@ -351,7 +350,9 @@ impl PjrtClient {
         if !state.released.contains(&id) || !state.mapped.contains_key(&id) {
             return Ok(());
         }
-        Self::trim_if(|s| &mut s.trim_before_restore, state);
+        if std::mem::take(&mut state.trim_before_restore) {
+            Self::return_free_heap_when_idle(state);
+        }
         let Some(stored) = state.mapped.get(&id) else {
             return Ok(());
         };

@@ -51,8 +51,9 @@ impl Offload {
     }
 
     /// Before the VAE (`vae`) decodes: hands the host memory the denoising loop freed back, if
-    /// this offload says so ([`Offload::TextEncoders`]; XLA's CPU plugin only).
-    pub(crate) fn before_decoding<B: Backend, M: Module<B>>(self, vae: &M) {
+    /// this offload says so ([`Offload::TextEncoders`]; XLA's CPU plugin only). The pipelines
+    /// call it; so does code that drives the components itself.
+    pub fn before_decoding<B: Backend, M: Module<B>>(self, vae: &M) {
         if !self.text_encoders() {
             return;
         }
