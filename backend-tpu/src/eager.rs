@@ -67,9 +67,9 @@ struct State {
     /// Those of `mapped` whose device copy was given up: an op or read that needs one uploads
     /// it again first (nothing to check while this is empty, as in eager mode).
     released: HashSet<TensorId>,
-    /// Set by a release on XLA's CPU plugin ([`PjrtClient::release`]): the host heap's free
-    /// memory is handed back again before each of the next this many compiled programs runs,
-    /// once the work in flight is done. A buffer a computation still read when it was released
+    /// Set by a release on XLA's CPU plugin ([`PjrtClient::release`]): for how many of the
+    /// compiled programs run next the host heap's free memory is handed back first, once the
+    /// work in flight is done (two). A buffer a computation still read when it was released
     /// is freed only once that computation's run ends, which can come after its outputs are
     /// ready and the next program starts; by the second program, the first has been waited for.
     /// (Eager ops come too soon after: the ops right after a text encode.) ...
