@@ -280,12 +280,14 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
         common: request(&golden, device),
         xl: xl.clone(),
     };
-    let expected = pipe
-        .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
-        .unwrap()
-        .images
-        .unwrap()
-        .data;
+    let image = |pipe: &mut StableDiffusionXLPipeline<Oxi>| {
+        pipe.generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
+            .unwrap()
+            .images
+            .unwrap()
+            .data
+    };
+    let expected = image(&mut pipe);
 
     let mut pipe = pipe.to(&xla(0));
     let eager = pipe
@@ -299,12 +301,7 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
     eprintln!("SDXL xla:cpu eager vs cpu: relative error {err:e}");
 
     pipe.compile().unwrap();
-    let compiled = pipe
-        .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
-        .unwrap()
-        .images
-        .unwrap()
-        .data;
+    let compiled = image(&mut pipe);
     let err = relative_error(&compiled, &expected);
     assert!(err <= 1e-4, "SDXL compiled vs cpu: relative error {err:e}");
     eprintln!("SDXL compiled vs cpu: relative error {err:e}");
@@ -316,14 +313,8 @@ fn sdxl_on_xla_cpu_eager_and_compiled_matches_cpu() {
     let client = oxidiff::backend::pjrt_client(&xla(0)).unwrap();
     for request in 0..2 {
         let before = client.stats().released_bytes;
-        let image = pipe
-            .generate_with(&xl_request(&cpu), &mut NoNoise, |_| {})
-            .unwrap()
-            .images
-            .unwrap()
-            .data;
         assert!(
-            image == compiled,
+            image(&mut pipe) == compiled,
             "request {request}: offload changed the image"
         );
         assert!(
