@@ -160,8 +160,9 @@ fn compiled_unet_matches_and_does_not_recompile() {
 
 /// `Offload::TextEncoders`: after each request's prompts are encoded, every weight of the text
 /// encoder (all read from the mapped checkpoint) leaves the device, and the next request
-/// uploads it again from the file, except the embedding tables, looked up on the host from
-/// then on; the images are the same bit for bit, eager and compiled.
+/// uploads it again from the file, except the embedding tables, looked up on the host with or
+/// without offload (they left the device at their first lookup); the images are the same bit
+/// for bit, eager and compiled.
 #[test]
 fn text_encoder_offload_frees_and_restores_its_weights() {
     use burn::module::Module;
@@ -176,8 +177,8 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
     let mut pipe = tiny_sd(&device);
     let client = oxidiff::backend::pjrt_client(&device).unwrap();
     let encoder_bytes = (pipe.text_encoder.num_params() * 4) as u64;
-    // Once handed back, the embedding tables are looked up on the host (only the rows used
-    // are uploaded), so they stay off the device.
+    // The embedding tables are looked up on the host (only the rows used are uploaded), so
+    // from the first request on they are off the device.
     let tables = ((pipe.text_encoder.token_embedding.num_params()
         + pipe.text_encoder.position_embedding.num_params())
         * 4) as u64;
@@ -190,6 +191,10 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
             .unwrap()
             .data;
         let after = client.stats();
+        assert!(
+            after.host_lookups >= before.host_lookups + 2,
+            "the token and position tables were not looked up on the host"
+        );
         (
             image,
             after.released_bytes - before.released_bytes,
@@ -207,22 +212,18 @@ fn text_encoder_offload_frees_and_restores_its_weights() {
             released, 0,
             "compiled {compiled}: nothing released without offload"
         );
-        // (The compiled pass comes after the eager one handed the encoder back: uploading it
-        // again hands the heap back first.)
-        if !compiled {
-            assert_eq!(returns, 0, "the host heap handed back without offload");
-        }
+        // Without offload the host heap goes back before the VAE decodes (and, in the first
+        // request, when the tables leave the device).
+        assert!(
+            returns >= 1,
+            "compiled {compiled}: the host heap was not handed back"
+        );
         pipe.offload = Offload::TextEncoders;
         for request in 0..2 {
             let (image, released, uploaded, returns) = generate(&mut pipe);
             let at = format!("compiled {compiled}, request {request}");
             assert!(image == kept, "{at}: the image changed");
-            let first = !compiled && request == 0;
-            let expected = if first {
-                encoder_bytes
-            } else {
-                encoder_bytes - tables
-            };
+            let expected = encoder_bytes - tables;
             assert_eq!(released, expected, "{at}: bytes released");
             if request > 0 {
                 assert!(

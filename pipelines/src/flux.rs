@@ -595,7 +595,7 @@ impl<B: Backend> FluxPipeline<B> {
             &mut callback,
         )?;
 
-        self.offload.before_decoding(&self.vae);
+        crate::offload::before_decoding(&self.vae);
         let images = decode_latents(&self.vae, &latents, common.output)?;
         Ok(PipelineOutput { latents, images })
     }

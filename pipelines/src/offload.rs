@@ -1,5 +1,6 @@
-//! Offload: components a pipeline hands back between uses ([`Offload`]), and the release of a
-//! model's device copies ([`release_weights`]).
+//! Offload: components a pipeline hands back between uses ([`Offload`]), the release of a
+//! model's device copies ([`release_weights`]), and, on XLA's CPU plugin, the host memory handed
+//! back before a decode ([`before_decoding`]).
 //!
 //! Only weights read from a memory-mapped checkpoint can be handed back: each is uploaded again
 //! from the file (the page cache, after the first time) the next time an op or compiled
@@ -27,12 +28,13 @@ pub enum Offload {
     #[default]
     Off,
     /// The text encoders' device copies are freed once a request's prompts are encoded, and
-    /// uploaded again from the checkpoint for the next request (their embedding tables are then
-    /// looked up on the host): the denoiser and the VAE run with that much less device memory
+    /// uploaded again from the checkpoint for the next request (their embedding tables stay on
+    /// the host in any case): the denoiser and the VAE run with that much less device memory
     /// in use, for one upload of the text encoders per request. On XLA's CPU plugin, whose
     /// device memory is the process's heap, the memory the last component's programs freed is
-    /// also handed back to the kernel before the text encoders are uploaded again and before
-    /// the VAE decodes, so that neither comes on top of it.
+    /// also handed back to the kernel before the text encoders are uploaded again, so that
+    /// they do not come on top of it (before the VAE decodes it is, offload or not:
+    /// [`before_decoding`]).
     TextEncoders,
 }
 
@@ -49,16 +51,21 @@ impl Offload {
         }
         release_weights(encoder)
     }
+}
 
-    /// Before the VAE (`vae`) decodes: hands the host memory the denoising loop freed back, if
-    /// this offload says so ([`Offload::TextEncoders`]; XLA's CPU plugin only). The pipelines
-    /// call it; so does code that drives the components itself.
-    pub fn before_decoding<B: Backend, M: Module<B>>(self, vae: &M) {
-        if !self.text_encoders() {
-            return;
-        }
-        for (device, _) in WeightIds::of(vae).by_device {
-            if let Some(client) = pjrt_client(&device) {
+/// Before the VAE (`vae`) decodes, on XLA's CPU plugin (nothing elsewhere), whatever the
+/// offload: frees the host kernels' spare transform buffer, sized by the denoiser's largest
+/// layer ([`release_call_buffer`](oxidiff_models::cpu::conv::release_call_buffer)), and hands
+/// the free memory of the process's heap, what the denoising loop's programs freed, back to
+/// the kernel once the work in flight is done. The binaries' allocator keeps freed memory
+/// (`tune_allocator`), so without this the decode's working memory (its activations at full
+/// resolution) came on top of the denoiser's. The pipelines call it; so does code that drives
+/// the components itself.
+pub fn before_decoding<B: Backend, M: Module<B>>(vae: &M) {
+    for (device, _) in WeightIds::of(vae).by_device {
+        if let Some(client) = pjrt_client(&device) {
+            if client.device_memory_is_host_heap() {
+                oxidiff_models::cpu::conv::release_call_buffer();
                 client.return_free_host_memory();
             }
         }

@@ -468,7 +468,7 @@ impl<B: Backend> StableDiffusionPipeline<B> {
             },
             callback,
         )?;
-        self.offload.before_decoding(&self.vae);
+        crate::offload::before_decoding(&self.vae);
         let images = decode_latents(&self.vae, &latents, req.output)?;
         Ok(PipelineOutput { latents, images })
     }

@@ -669,7 +669,7 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             &mut callback,
         )?;
 
-        self.offload.before_decoding(&self.vae);
+        crate::offload::before_decoding(&self.vae);
         let images = decode_latents(&self.vae, &latents, common.output)?;
         Ok(PipelineOutput { latents, images })
     }

@@ -838,7 +838,7 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             },
             callback,
         )?;
-        self.offload.before_decoding(&self.vae);
+        crate::offload::before_decoding(&self.vae);
         let images = decode_latents(&self.vae, &latents, req.output)?;
         Ok(PipelineOutput { latents, images })
     }

@@ -323,7 +323,7 @@ fn bench<B: Backend>(
             NoiseSource::<B>::randn(&mut gen, [1, 4, lat, lat], &pipe.vae_device())?;
         let vae = Timed::run(options.repeat, || {
             // As `generate` does before its decode.
-            pipe.offload.before_decoding(&pipe.vae);
+            oxidiff::pipelines::offload::before_decoding(&pipe.vae);
             let _ = pipe
                 .vae
                 .decode(latents.clone().div_scalar(0.18215))

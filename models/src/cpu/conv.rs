@@ -9,6 +9,7 @@ use super::common::{from_flex, into_flex, is_flex, is_half};
 use super::conv_f32::conv2d_nchw_f32;
 pub use super::conv_f32::{conv2d_f32_slices, ConvGeometry, ConvPath};
 use super::conv_half::conv2d_half;
+pub use super::winograd::release_call_buffer;
 
 /// The inputs handed back when [`conv2d`] does not apply.
 pub type Unhandled<B> = (Tensor<B, 4>, Tensor<B, 4>, Option<Tensor<B, 1>>);

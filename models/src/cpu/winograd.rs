@@ -153,6 +153,13 @@ pub(crate) struct CallBuffer {
 /// The spare [`CallBuffer`].
 static SPARE: std::sync::Mutex<Vec<f32>> = std::sync::Mutex::new(Vec::new());
 
+/// Frees the spare [`CallBuffer`]: the largest transform a call made so far (105 MB for SD
+/// 1.5's 1280-channel upsampler at F(2x2, 3x3)) is not held while layers with smaller ones run
+/// (a VAE's decode after a UNet's steps); the next call allocates it again.
+pub fn release_call_buffer() {
+    *SPARE.lock().unwrap_or_else(|e| e.into_inner()) = Vec::new();
+}
+
 impl CallBuffer {
     /// `len` values of unspecified content (the caller writes them all): what the spare held
     /// before, zeros past that.
