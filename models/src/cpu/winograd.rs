@@ -778,11 +778,31 @@ mod tests {
             .collect()
     }
 
+    /// The tests that use the one spare buffer, one at a time.
+    static SPARE_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// `release_call_buffer` frees the spare a call left; the next call allocates its own and
+    /// leaves it as the spare again.
+    #[test]
+    fn the_spare_buffer_is_freed_and_made_again() {
+        let _one = SPARE_TESTS.lock().unwrap_or_else(|e| e.into_inner());
+        let weight = values(9 * 19 * 23, 5);
+        drop(transform_for_call::<F2>(&weight, 19, 23));
+        assert!(SPARE.lock().unwrap().capacity() >= 16 * 19 * 23);
+        release_call_buffer();
+        assert_eq!(SPARE.lock().unwrap().capacity(), 0);
+        let again = transform_for_call::<F2>(&weight, 19, 23);
+        assert_eq!(&*again, &transform_weight::<F2>(&weight, 19, 23)[..]);
+        drop(again);
+        assert!(SPARE.lock().unwrap().capacity() >= 16 * 19 * 23);
+    }
+
     /// A transform made for a call reuses the spare buffer of an earlier, larger one: every
     /// value is written again, so it equals a transform made in a fresh buffer, for both
     /// tilings and odd channel counts.
     #[test]
     fn a_transform_for_a_call_equals_a_fresh_one_after_a_larger_one() {
+        let _one = SPARE_TESTS.lock().unwrap_or_else(|e| e.into_inner());
         let (big_out, big_in) = (37, 29);
         let big = transform_for_call::<F4>(&values(9 * big_out * big_in, 1), big_out, big_in);
         let big_len = big.len();
