@@ -278,7 +278,7 @@ impl PjrtClient {
     /// uploaded again.
     pub fn release(&self, ids: impl IntoIterator<Item = TensorId>) -> usize {
         let mut state = self.state();
-        let host_heap = self.inner.platform == PjrtPlatform::XlaCpu;
+        let host_heap = self.device_memory_is_host_heap();
         if host_heap {
             Self::wait_for_work_in_flight(&state);
         }
@@ -315,7 +315,7 @@ impl PjrtClient {
     /// between requests calls it between components, so that the next one's memory does not
     /// come on top of what the last one freed.
     pub fn return_free_host_memory(&self) {
-        if self.inner.platform != PjrtPlatform::XlaCpu {
+        if !self.device_memory_is_host_heap() {
             return;
         }
         Self::return_free_heap_when_idle(&mut self.state());
@@ -492,7 +492,8 @@ impl PjrtClient {
     /// rows a prompt, so at its first lookup its device copy is given up (on XLA's CPU plugin
     /// the heap's free memory is then handed back, as at a [`release`](Self::release)), and
     /// the table stays in the file from then on. A table something else uploads again
-    /// afterwards stays on the device and is looked up there. `None` for any other op (or a table this cannot read), which then runs as usual.
+    /// afterwards stays on the device and is looked up there. `None` for any other op (or a
+    /// table this cannot read), which then runs as usual.
     fn embed_from_file(&self, state: &mut State, op: &OperationIr) -> Option<OpResult<()>> {
         // Burn's `embedding` reaches the router as a select of rows.
         let (weights, indices, out) = match op {
@@ -530,7 +531,7 @@ impl PjrtClient {
                 if state.tables_on_host.insert(weights.id) && on_device {
                     state.buffers.remove(&weights.id);
                     state.released.insert(weights.id);
-                    if self.inner.platform == PjrtPlatform::XlaCpu {
+                    if self.device_memory_is_host_heap() {
                         Self::return_free_heap_when_idle(state);
                     }
                 }

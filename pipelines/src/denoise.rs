@@ -415,11 +415,13 @@ impl<B: Backend> DenoisingLoop<'_, B> {
 }
 
 /// Undoes the VAE scaling and decodes on the VAE's device, with the NaN guard: `[n, 3, h, w]`
-/// in `[-1, 1]`.
+/// in `[-1, 1]`. On XLA's CPU plugin the host memory is handed back first
+/// ([`before_decoding`](crate::offload::before_decoding)).
 pub fn decode_to_tensor<B: Backend>(
     vae: &AutoencoderKL<B>,
     latents: &Tensor<B, 4>,
 ) -> Result<Tensor<B, 4>> {
+    crate::offload::before_decoding(vae);
     let device = vae.decoder.conv_in.weight.device();
     let decoded = vae.decode_scaled(latents.clone().to_device(&device));
     guard::ensure_finite(&decoded, Stage::VaeDecode)?;

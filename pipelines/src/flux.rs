@@ -595,7 +595,6 @@ impl<B: Backend> FluxPipeline<B> {
             &mut callback,
         )?;
 
-        crate::offload::before_decoding(&self.vae);
         let images = decode_latents(&self.vae, &latents, common.output)?;
         Ok(PipelineOutput { latents, images })
     }

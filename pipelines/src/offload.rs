@@ -17,6 +17,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
 use oxidiff_backend_tpu::spmd::{tensor_id, TensorId};
 use oxidiff_backend_tpu::{pjrt_client, Oxi, OxiDevice};
+use oxidiff_models::AutoencoderKL;
 
 use crate::error::{PipelineError, Result};
 
@@ -59,16 +60,20 @@ impl Offload {
 /// the free memory of the process's heap, what the denoising loop's programs freed, back to
 /// the kernel once the work in flight is done. The binaries' allocator keeps freed memory
 /// (`tune_allocator`), so without this the decode's working memory (its activations at full
-/// resolution) came on top of the denoiser's. The pipelines call it; so does code that drives
-/// the components itself.
-pub fn before_decoding<B: Backend, M: Module<B>>(vae: &M) {
-    for (device, _) in WeightIds::of(vae).by_device {
-        if let Some(client) = pjrt_client(&device) {
-            if client.device_memory_is_host_heap() {
-                oxidiff_models::cpu::conv::release_call_buffer();
-                client.return_free_host_memory();
-            }
-        }
+/// resolution) came on top of the denoiser's. The pipelines' decode
+/// ([`decode_to_tensor`](crate::denoise::decode_to_tensor)) calls it; so does code that calls
+/// the VAE itself.
+pub fn before_decoding<B: Backend>(vae: &AutoencoderKL<B>) {
+    let device = vae.decoder.conv_in.weight.device();
+    let Some(client) = (&device as &dyn Any)
+        .downcast_ref::<OxiDevice>()
+        .and_then(pjrt_client)
+    else {
+        return;
+    };
+    if client.device_memory_is_host_heap() {
+        oxidiff_models::cpu::conv::release_call_buffer();
+        client.return_free_host_memory();
     }
 }
 

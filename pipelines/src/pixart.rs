@@ -483,7 +483,6 @@ impl<B: Backend> PixArtPipeline<B> {
         let images = match common.output {
             OutputType::Latents => None,
             OutputType::Images => {
-                crate::offload::before_decoding(&self.vae);
                 let decoded = decode_to_tensor(&self.vae, &latents)?;
                 let decoded = if req.resolution_binning {
                     resize_and_crop(decoded, requested.0, requested.1)?

@@ -669,7 +669,6 @@ impl<B: Backend> StableDiffusion3Pipeline<B> {
             &mut callback,
         )?;
 
-        crate::offload::before_decoding(&self.vae);
         let images = decode_latents(&self.vae, &latents, common.output)?;
         Ok(PipelineOutput { latents, images })
     }

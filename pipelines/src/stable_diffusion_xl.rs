@@ -838,7 +838,6 @@ impl<B: Backend> StableDiffusionXLPipeline<B> {
             },
             callback,
         )?;
-        crate::offload::before_decoding(&self.vae);
         let images = decode_latents(&self.vae, &latents, req.output)?;
         Ok(PipelineOutput { latents, images })
     }
