@@ -70,11 +70,16 @@ pub mod files;
 pub mod latents;
 
 /// Keeps freed tensor memory in the process instead of handing it back to the kernel after
-/// every op (glibc's `mallopt`: no `mmap`ed blocks, a 32 MiB mmap threshold and a 2 GiB trim
-/// threshold). By default glibc serves each large op output or im2col buffer with a fresh
-/// `mmap` and unmaps it on `free`, so every op faults and zeroes its pages again; the effect is
-/// measured in `docs/benchmarks.md`. Returns whether the allocator took the settings (false off
-/// glibc). The binaries call it first thing; library users may too.
+/// every op (glibc's `mallopt`: no `mmap`ed blocks, a 32 MiB mmap threshold, a 2 GiB trim
+/// threshold, and one arena for every thread). By default glibc serves each large op output or
+/// im2col buffer with a fresh `mmap` and unmaps it on `free`, so every op faults and zeroes its
+/// pages again. The single arena matters for threads other than the main one (XLA's CPU
+/// plugin runs programs on its own threads): each would get an arena of its own, whose heaps
+/// are at most 64 MiB, so glibc `mmap`s larger blocks there whatever the settings above, and
+/// deletes a heap once it is empty; a compiled program's working memory was then faulted in
+/// again at every run. The effects are measured in `docs/benchmarks.md`. Returns whether the
+/// allocator took the settings (false off glibc). The binaries call it first thing, before
+/// any thread allocates; library users may too.
 pub fn tune_allocator() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
@@ -84,6 +89,7 @@ pub fn tune_allocator() -> bool {
             libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20) == 1
                 && libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX) == 1
                 && libc::mallopt(libc::M_MMAP_MAX, 0) == 1
+                && libc::mallopt(libc::M_ARENA_MAX, 1) == 1
         }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
