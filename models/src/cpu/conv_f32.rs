@@ -184,8 +184,8 @@ enum TransformSource<'a> {
     Tensor(&'a FlexTensor),
     /// A compiled program's buffer, known only by its values: both transforms are made for the
     /// call, in the spare buffer kept from call to call ([`winograd::transform_for_call`]).
-    /// Allocated anew, the largest (over glibc's 64 MiB per-thread heap) came back as fresh
-    /// pages on every call, faulted in on rayon's thread.
+    /// Allocated anew, the largest (over a glibc per-thread arena's 64 MiB heap) came back as
+    /// fresh pages on every call, faulted in on the calling thread.
     Slice,
 }
 

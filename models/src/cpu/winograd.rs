@@ -108,10 +108,11 @@ pub(crate) fn transform_weight<W: Tiling>(weight: &[f32], c_out: usize, c_in: us
 
 /// [`transform_weight`] for one call, in a buffer kept for the next call's transform
 /// ([`CallBuffer`]): a compiled program's host kernel makes every transform per call, and one of
-/// a large layer is tens of megabytes. Allocated anew on every call, it comes back from the
-/// allocator as fresh pages (above glibc's largest per-thread heap, 64 MiB, always so), and
-/// faulting them in cost more than making the transform. The spare stays held (the largest
-/// transform seen), so the CPU backend, which keeps its large transforms, does not use it.
+/// a large layer is tens of megabytes. Allocated anew on every call, it can come back from the
+/// allocator as fresh pages (from a glibc per-thread arena always so above 64 MiB, its largest
+/// heap, unless the process keeps one arena as `oxidiff::tune_allocator` does), and faulting
+/// them in cost more than making the transform. The spare stays held (the largest transform
+/// seen), so the CPU backend, which keeps its large transforms, does not use it.
 pub(crate) fn transform_for_call<W: Tiling>(
     weight: &[f32],
     c_out: usize,
