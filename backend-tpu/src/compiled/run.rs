@@ -73,6 +73,9 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
                 };
                 args.push(buffer);
             }
+            if client.device_memory_is_host_heap() {
+                wait_for_inputs(&program.sources, &args);
+            }
             program
                 .executable
                 .execute(&args)
@@ -80,6 +83,21 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
         });
         let results = results.map_err(run_error)?;
         bind_results(client, outputs, results).map_err(run_error)
+    }
+}
+
+/// Waits until the program's inputs (`args` of [`Source::Input`]) are computed, on XLA's CPU
+/// plugin, before it runs. The plugin allocates a run's working memory (one block the size of
+/// its buffer assignment's peak) when the run is dispatched, not when its inputs are ready: a
+/// denoising loop dispatched each step's program while the last step's still ran, so two
+/// blocks of the UNet's program were live at once, moving among three places in the heap. A
+/// run whose inputs are ready starts at once, so nothing is lost but dispatching ahead. A
+/// failed input is left to the run to report.
+fn wait_for_inputs(sources: &[Source], args: &[&Buffer]) {
+    for (source, buffer) in sources.iter().zip(args) {
+        if matches!(source, Source::Input(_)) {
+            let _ = buffer.ready();
+        }
     }
 }
 
