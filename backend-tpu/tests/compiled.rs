@@ -24,6 +24,17 @@ fn random<const D: usize>(
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
+/// Held by the tests on `xla:cpu:0` for reading (any number at once) and by the one that makes
+/// ops fail there on purpose for writing: a device reports its first error at the next read,
+/// whichever test makes it.
+static DEVICE0: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn reads_on_device0() -> std::sync::RwLockReadGuard<'static, ()> {
+    DEVICE0
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn values<const D: usize>(tensor: Tensor<Oxi, D>) -> (Vec<usize>, Vec<f32>) {
     let dims = tensor.dims().to_vec();
     let data = tensor
@@ -71,6 +82,7 @@ const MLP_TOL: f32 = 1e-5;
 
 #[test]
 fn mlp_compiled_once_matches_eager_and_recompiles_only_for_new_shapes() {
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -117,6 +129,7 @@ fn mlp_compiled_once_matches_eager_and_recompiles_only_for_new_shapes() {
 
 #[test]
 fn constants_made_inside_the_closure_survive_cached_calls() {
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -134,6 +147,7 @@ fn constants_made_inside_the_closure_survive_cached_calls() {
 
 #[test]
 fn several_outputs_and_random_draws_per_call() {
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -160,6 +174,7 @@ fn several_outputs_and_random_draws_per_call() {
 
 #[test]
 fn reading_a_value_while_tracing_fails() {
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -207,6 +222,7 @@ const UNET_TOL: f32 = 1e-4;
 
 #[test]
 fn tiny_unet_compiled_as_one_program_matches_cpu_and_reuses_it_for_new_timesteps() {
+    let _reads = reads_on_device0();
     let Some(xla) = common::xla_cpu(0) else {
         return;
     };
@@ -315,6 +331,7 @@ fn donated_latents_are_replaced_in_place_and_shared_inputs_are_copied() {
 
 #[test]
 fn a_second_compiled_function_and_a_warm_start_load_the_executable_from_the_disk_cache() {
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -437,6 +454,7 @@ fn the_plugin_consumes_a_donated_argument() {
 
 #[test]
 fn a_compiled_function_called_inside_another_is_inlined() {
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -471,6 +489,7 @@ fn a_compiled_function_called_inside_another_is_inlined() {
 fn captured_convolution_kernels_are_permuted_once_and_match_eager() {
     use burn::tensor::module::{conv1d, conv2d};
     use burn::tensor::ops::ConvOptions;
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -551,6 +570,7 @@ fn multistep_update(
 #[test]
 fn fused_calls_take_scalars_as_arguments_keep_their_state_and_share_the_disk_cache() {
     use oxidiff_backend_tpu::compiled::{Fused, FusedStats};
+    let _reads = reads_on_device0();
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
@@ -615,6 +635,9 @@ fn fused_calls_take_scalars_as_arguments_keep_their_state_and_share_the_disk_cac
 fn a_fused_call_that_cannot_be_lowered_runs_op_by_op() {
     use burn::tensor::Int;
     use oxidiff_backend_tpu::compiled::Fused;
+    let _alone = DEVICE0
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let Some(device) = common::xla_cpu(0) else {
         return;
     };
