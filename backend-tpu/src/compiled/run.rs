@@ -91,8 +91,10 @@ impl<I: Tensors, O: Tensors, F: Fn(I) -> O> CompiledFn<I, O, F> {
 /// its buffer assignment's peak) when the run is dispatched, not when its inputs are ready: a
 /// denoising loop dispatched each step's program while the last step's still ran, so two
 /// blocks of the UNet's program were live at once, moving among three places in the heap. A
-/// run whose inputs are ready starts at once, so nothing is lost but dispatching ahead. A
-/// failed input is left to the run to report.
+/// run whose inputs are ready starts at once, so nothing is lost but dispatching ahead. It
+/// waits under the eager client's lock, as the hand-backs' waits for work in flight do (the
+/// inputs' computations are already dispatched and need no lock to finish). A failed input is
+/// left to the run to report.
 fn wait_for_inputs(sources: &[Source], args: &[&Buffer]) {
     for (source, buffer) in sources.iter().zip(args) {
         if matches!(source, Source::Input(_)) {
